@@ -1,0 +1,1 @@
+"""ZeroMQ trajectory stream: record type, wire format, channels."""

