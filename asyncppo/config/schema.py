@@ -27,6 +27,8 @@ class KLControlConfig:
 
 @dataclass
 class AlgorithmConfig:
+    """Advantage estimation, reward shaping and the PPO losses (verl: ``algorithm`` + ``actor``)."""
+
     # --- advantage estimation -------------------------------------------------------------
     adv_estimator: str = "gae"  # gae | grpo | rloo | reinforce | reinforce_plus_plus | reinforce_plus_plus_baseline
     gamma: float = 1.0
@@ -34,6 +36,9 @@ class AlgorithmConfig:
     norm_adv_by_std_in_grpo: bool = True
     whiten_advantages: bool = True
     advantage_clip: Optional[float] = None
+    # None: resolved to ``adv_estimator == "gae"`` (only GAE reads values); True with another estimator trains
+    # a critic nobody uses (allowed, warned); False with gae is an error.
+    use_critic: Optional[bool] = None
     # --- reward shaping -------------------------------------------------------------------
     reward_clip: Optional[float] = None
     reward_norm: Optional[str] = None  # batch | group | running | null
@@ -71,6 +76,8 @@ class AlgorithmConfig:
 
 @dataclass
 class SamplingConfig:
+    """Per-request sampling parameters of the rollout engine (vLLM ``SamplingParams`` names)."""
+
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -82,6 +89,8 @@ class SamplingConfig:
 
 @dataclass
 class RolloutConfig:
+    """Generation, batch shape and the asynchrony bounds (staleness, weight-sync cadence)."""
+
     engine: str = "vllm"  # vllm | hf
     rollout_batch_size: int = 32  # prompts per learner step
     num_return_sequences_in_group: int = 8
@@ -102,6 +111,8 @@ class RolloutConfig:
 
 @dataclass
 class ModelConfig:
+    """Which weights the policy, critic and reference start from."""
+
     path: str = "builtin:tiny-addition"  # a local HF directory, or builtin:<name> (built locally and cached)
     critic_path: Optional[str] = None  # None: initialise the critic from the policy
     ref_path: Optional[str] = None  # None: the initial policy
@@ -112,6 +123,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
+    """Prompt source: JSONL/Parquet files, or a built-in synthetic task when ``train_files`` is empty."""
+
     train_files: list[str] = field(default_factory=list)  # empty: the built-in synthetic task
     eval_files: list[str] = field(default_factory=list)
     prompt_key: str = "prompt"
@@ -125,6 +138,8 @@ class DataConfig:
 
 @dataclass
 class LoggerConfig:
+    """Metric sinks; wandb defaults to offline so that runs never need the network."""
+
     console: bool = True
     jsonl: bool = True
     wandb: bool = True
@@ -136,6 +151,8 @@ class LoggerConfig:
 
 @dataclass
 class TrainerConfig:
+    """Optimiser, schedule, run length and the output directory."""
+
     lr: float = 1e-4
     critic_lr: float = 1e-3
     weight_decay: float = 0.0
@@ -153,6 +170,8 @@ class TrainerConfig:
 
 @dataclass
 class ClusterConfig:
+    """Placement (GPU/CPU counts), Ray cluster address and the ZeroMQ / torch.distributed ports."""
+
     rollout_gpus: int = 0
     train_gpus: int = 0
     rollout_workers: int = 1  # CPU rollout actors when rollout_gpus == 0
@@ -171,6 +190,9 @@ class ClusterConfig:
 
 @dataclass
 class AsyncPPOConfig:
+    """The whole run. Build it with :func:`asyncppo.config.load_config`, which also validates it and fills
+    the derived defaults (``clip_ratio_low/high``, ``loss_agg_norm_length``, ``prompts_per_call``, ...)."""
+
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -1,0 +1,230 @@
+"""Advantage and return estimators over token-level rewards ``[B, T]``.
+
+All estimators share one call shape so the learner can pick one by name
+(``algorithm.adv_estimator``)::
+
+    advantages, returns = compute_advantages(name, token_rewards, response_mask, values=..., group_index=...)
+
+``token_rewards`` holds the outcome reward on each sample's last valid token (see
+:func:`asyncppo.algo.normalize.scores_to_token_rewards`) plus, with KL-in-reward, per-token
+penalties. ``response_mask`` marks valid response tokens. Masked positions never influence a result:
+the backward recursions *skip* them (a masked token neither bootstraps nor discounts), so a response
+with a masked hole (e.g. a tool output inside a multi-turn answer) behaves as if the hole were cut
+out. Outputs are 0 at masked positions.
+
+``returns`` is the value-function target: for GAE ``advantages + values``; for every other
+estimator the discounted Monte-Carlo return-to-go of ``token_rewards``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .normalize import group_mean_std, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "get_adv_estimator",
+    "compute_advantages",
+    "gae_advantages",
+    "grpo_advantages",
+    "rloo_advantages",
+    "reinforce_advantages",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "discounted_returns",
+    "clip_advantages",
+]
+
+
+def _check(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    if token_rewards.dim() != 2:
+        raise ValueError(f"token_rewards must be [B, T], got shape {tuple(token_rewards.shape)}")
+    if response_mask.shape != token_rewards.shape:
+        raise ValueError(
+            f"response_mask shape {tuple(response_mask.shape)} != token_rewards shape {tuple(token_rewards.shape)}"
+        )
+    return response_mask.bool()
+
+
+def _zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+@torch.no_grad()
+def discounted_returns(token_rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """``G_t = r_t + gamma * G_{next valid}``, skipping masked tokens; 0 at masked positions."""
+    m = _check(token_rewards, response_mask)
+    rewards = torch.where(m, token_rewards, _zero(token_rewards))
+    out = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        candidate = rewards[:, t] + gamma * running
+        running = torch.where(m[:, t], candidate, running)
+        out[:, t] = torch.where(m[:, t], candidate, _zero(candidate))
+    return out
+
+
+def _broadcast(per_sample: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, per_sample.unsqueeze(-1).expand(mask.shape), _zero(per_sample))
+
+
+def _scores(token_rewards: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m, token_rewards, _zero(token_rewards)).sum(dim=-1)
+
+
+@torch.no_grad()
+def gae_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """Generalised advantage estimation with bootstrap value 0 after the last valid token."""
+    m = _check(token_rewards, response_mask)
+    if values is None:
+        raise ValueError("adv_estimator 'gae' needs values [B, T] from the critic")
+    if values.shape != token_rewards.shape:
+        raise ValueError(f"values shape {tuple(values.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
+    rewards = torch.where(m, token_rewards, _zero(token_rewards)).float()
+    vals = torch.where(m, values, _zero(values)).float()
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros_like(rewards[:, 0])
+    last_gae = torch.zeros_like(rewards[:, 0])
+    for t in range(rewards.shape[1] - 1, -1, -1):
+        delta = rewards[:, t] + gamma * next_value - vals[:, t]
+        gae = delta + gamma * lambd * last_gae
+        valid = m[:, t]
+        next_value = torch.where(valid, vals[:, t], next_value)
+        last_gae = torch.where(valid, gae, last_gae)
+        adv[:, t] = torch.where(valid, gae, torch.zeros_like(gae))
+    returns = torch.where(m, adv + vals, torch.zeros_like(adv))
+    return adv, returns
+
+
+@torch.no_grad()
+def grpo_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """``(score - group mean) / (group std + eps)`` (or without the std when ``norm_by_std`` is off).
+
+    ``score`` is the sum of the sample's token rewards; the std is Bessel-corrected. A singleton
+    group has no baseline: its advantage is its raw score.
+    """
+    m = _check(token_rewards, response_mask)
+    scores = _scores(token_rewards, m).float()
+    mean, std, _ = group_mean_std(scores, group_index)
+    adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
+    return _broadcast(adv, m), discounted_returns(token_rewards.float(), response_mask, gamma)
+
+
+@torch.no_grad()
+def rloo_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """Leave-one-out baseline: ``score - mean(scores of the other samples in the group)``."""
+    m = _check(token_rewards, response_mask)
+    scores = _scores(token_rewards, m).float()
+    mean, _, count = group_mean_std(scores, group_index)
+    n = count
+    # mean is 0 for singleton groups (no baseline), which leaves the raw score.
+    others = torch.where(n > 1, (mean * n - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
+    return _broadcast(scores - others, m), discounted_returns(token_rewards.float(), response_mask, gamma)
+
+
+@torch.no_grad()
+def reinforce_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """Plain REINFORCE: the advantage is the discounted return-to-go."""
+    returns = discounted_returns(token_rewards.float(), response_mask, gamma)
+    return returns.clone(), returns
+
+
+@torch.no_grad()
+def reinforce_plus_plus_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """REINFORCE++: discounted returns-to-go whitened over the batch's valid tokens."""
+    returns = discounted_returns(token_rewards.float(), response_mask, gamma)
+    return masked_whiten(returns, response_mask, eps=eps), returns
+
+
+@torch.no_grad()
+def reinforce_plus_plus_baseline_advantages(
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+):
+    """REINFORCE++-baseline: score minus its group mean, broadcast over tokens, whitened over the batch."""
+    m = _check(token_rewards, response_mask)
+    scores = _scores(token_rewards, m).float()
+    mean, _, _ = group_mean_std(scores, group_index)
+    adv = _broadcast(scores - mean, m)
+    return masked_whiten(adv, response_mask, eps=eps), discounted_returns(token_rewards.float(), response_mask, gamma)
+
+
+ADV_ESTIMATORS: dict[str, Callable] = {
+    "gae": gae_advantages,
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+    "reinforce": reinforce_advantages,
+    "reinforce_plus_plus": reinforce_plus_plus_advantages,
+    "reinforce_plus_plus_baseline": reinforce_plus_plus_baseline_advantages,
+}
+
+# Estimators that compare samples of one prompt and so cannot run without group_index.
+GROUP_ESTIMATORS = frozenset({"grpo", "rloo", "reinforce_plus_plus_baseline"})
+
+
+def get_adv_estimator(name: str) -> Callable:
+    try:
+        return ADV_ESTIMATORS[name]
+    except KeyError:
+        raise ValueError(f"unknown adv_estimator {name!r}; allowed: {', '.join(ADV_ESTIMATORS)}") from None
+
+
+def clip_advantages(advantages: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
+    """Clamp advantages to ``[-clip, clip]`` (``algorithm.advantage_clip``); ``None`` is a no-op."""
+    if clip is None:
+        return advantages
+    if clip <= 0:
+        raise ValueError(f"advantage_clip must be > 0 or None, got {clip}")
+    return advantages.clamp(-clip, clip)
+
+
+def compute_advantages(
+    name: str,
+    token_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    values: Optional[torch.Tensor] = None,
+    group_index: Optional[torch.Tensor] = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+    *,
+    whiten: bool = False,
+    clip: Optional[float] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run estimator ``name``; returns ``(advantages, returns)``, both float32 ``[B, T]``, 0 where masked.
+
+    ``whiten`` additionally whitens the advantages over the batch's valid tokens (the usual choice
+    for GAE, ``algorithm.whiten_advantages``); ``clip`` then clamps them (``advantage_clip``).
+    Neither touches ``returns``. Advantages are computed without autograd.
+    """
+    fn = get_adv_estimator(name)
+    if name in GROUP_ESTIMATORS and group_index is None:
+        raise ValueError(f"adv_estimator {name!r} needs group_index (a LongTensor [B] of prompt-group ids)")
+    if not 0.0 <= gamma <= 1.0 or not 0.0 <= lambd <= 1.0:
+        raise ValueError(f"gamma and lambd must lie in [0, 1]; got gamma={gamma}, lambd={lambd}")
+    adv, returns = fn(
+        token_rewards,
+        response_mask,
+        values=values,
+        group_index=group_index,
+        gamma=gamma,
+        lambd=lambd,
+        norm_by_std=norm_by_std,
+        eps=eps,
+    )
+    if whiten:
+        adv = masked_whiten(adv, response_mask, eps=eps)
+    return clip_advantages(adv, clip), returns

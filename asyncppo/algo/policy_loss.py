@@ -1,0 +1,183 @@
+"""The PPO clipped surrogate with dual clip and off-policy (stale sample) corrections.
+
+With ``r = exp(logp - old_logp)`` and advantage ``A`` the per-token loss is
+
+    L = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high))          (asymmetric clip, "clip-higher")
+    L = min(L, -A c)   for A < 0 when dual_clip (c > 1)          (Ye et al., 2020)
+
+The dual clip bounds the loss of a negative-advantage token whose ratio has exploded; without it a
+single very stale token can dominate the update.
+
+Off-policy corrections for asynchronous training, where the sampling (behaviour) policy lags the
+learner:
+
+* ``none``: ``old_logprobs`` *are* the behaviour log-probs; standard PPO.
+* ``decoupled`` (Hilton et al. 2021; AReaL): ``old_logprobs`` are those of a *proximal* policy,
+  recomputed by the learner before the update. The trust region is taken around the proximal
+  policy (clip ``pi / pi_prox``) and each token's loss is weighted by the stop-gradient behaviour
+  correction ``min(pi_prox / pi_behav, cap)``.
+* ``tis`` (truncated importance sampling, Yao et al. 2025): ``old_logprobs`` are the learner's
+  recomputation of the sampling policy, ``behavior_logprobs`` the engine's own log-probs; the loss
+  is weighted by ``min(exp(old - behav), cap)`` to correct the engine/learner numerical mismatch.
+
+The two off-policy modes share the same weight formula -- they differ in what the caller passes as
+``old_logprobs`` -- and both treat the weight as a constant (no gradient). ``off_policy_truncation``
+chooses between truncating weights at the cap (``clip``, the default) and dropping tokens whose
+weight exceeds it (``mask``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .aggregation import aggregate
+from .kl import kl_penalty
+from .normalize import masked_mean
+
+__all__ = ["policy_loss", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_TRUNCATIONS", "combine_actor_loss"]
+
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+OFF_POLICY_TRUNCATIONS = ("clip", "mask")
+_LOG_RATIO_CLAMP = 20.0
+
+
+def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Tensor:
+    if not bool(m.any()):
+        return torch.ones((), dtype=x.dtype, device=x.device)
+    fill = torch.full((), float("-inf") if largest else float("inf"), dtype=x.dtype, device=x.device)
+    v = torch.where(m, x, fill)
+    return v.max() if largest else v.min()
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: Optional[float] = None,
+    dual_clip: bool = False,
+    clip_ratio_c: float = 3.0,
+    behavior_logprobs: Optional[torch.Tensor] = None,
+    off_policy_correction: str = "none",
+    off_policy_cap: float = 2.0,
+    off_policy_truncation: str = "clip",
+    loss_agg_mode: str = "token-mean",
+    global_tokens: Optional[float] = None,
+    global_seqs: Optional[float] = None,
+    norm_length: Optional[float] = None,
+) -> tuple[torch.Tensor, dict]:
+    """Clipped PPO policy loss; returns ``(loss, metrics)`` with metrics as detached 0-d tensors.
+
+    ``clip_ratio_high=None`` uses ``clip_ratio_low``. Gradients flow only through ``logprobs``.
+    Metrics are local masked means over this batch: ``approx_kl`` (k3 estimate of KL(old || new)),
+    ``clipfrac`` (= ``clipfrac_low`` + ``clipfrac_high``: tokens whose gradient the clip zeroed),
+    ``clipfrac_dual``, ``ratio_mean/max/min``, ``pg_loss``; and with an off-policy correction
+    ``is_weight_mean``, ``is_weight_max``, ``is_truncated_frac`` and ``mismatch_kl`` (k3 estimate of
+    KL(behaviour || old) -- how far the samples lag the proximal policy).
+    """
+    if clip_ratio_high is None:
+        clip_ratio_high = clip_ratio_low
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(f"clip ratios must be >= 0; got low={clip_ratio_low}, high={clip_ratio_high}")
+    if dual_clip and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"unknown off_policy_correction {off_policy_correction!r}; allowed: {', '.join(OFF_POLICY_CORRECTIONS)}"
+        )
+    if off_policy_truncation not in OFF_POLICY_TRUNCATIONS:
+        raise ValueError(
+            f"unknown off_policy_truncation {off_policy_truncation!r}; allowed: {', '.join(OFF_POLICY_TRUNCATIONS)}"
+        )
+    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("response_mask", response_mask)):
+        if t.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if off_policy_correction != "none":
+        if behavior_logprobs is None:
+            raise ValueError(f"off_policy_correction {off_policy_correction!r} needs behavior_logprobs")
+        if behavior_logprobs.shape != logprobs.shape:
+            raise ValueError(
+                f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+            )
+        if off_policy_cap <= 0:
+            raise ValueError(f"off_policy_cap must be > 0, got {off_policy_cap}")
+
+    m = response_mask.bool()
+    logp = logprobs.float()
+    old = old_logprobs.detach().float()
+    adv = advantages.detach().float()
+
+    log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    ratio = torch.exp(log_ratio)
+    unclipped = -adv * ratio
+    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    per_token = torch.maximum(unclipped, clipped)
+    if dual_clip:
+        bound = -adv * clip_ratio_c
+        dual_active = (adv < 0) & (per_token > bound)
+        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
+    else:
+        dual_active = torch.zeros_like(m)
+
+    metrics: dict = {}
+    if off_policy_correction != "none":
+        behav = behavior_logprobs.detach().float()
+        raw_w = torch.exp((old - behav).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+        over = raw_w > off_policy_cap
+        if off_policy_truncation == "clip":
+            weight = raw_w.clamp(max=off_policy_cap)
+        else:
+            weight = torch.where(over, torch.zeros_like(raw_w), raw_w)
+        per_token = per_token * weight
+        metrics["is_weight_mean"] = masked_mean(weight, m)
+        metrics["is_weight_max"] = _masked_extreme(weight, m, largest=True)
+        metrics["is_truncated_frac"] = masked_mean(over.float(), m)
+        metrics["mismatch_kl"] = masked_mean(kl_penalty(behav, old, "k3"), m)
+
+    loss = aggregate(
+        per_token, m, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length
+    )
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low = (adv < 0) & (r < 1.0 - clip_ratio_low)
+        high = (adv > 0) & (r > 1.0 + clip_ratio_high)
+        metrics.update(
+            {
+                "pg_loss": loss.detach(),
+                "approx_kl": masked_mean(kl_penalty(old, logp.detach(), "k3"), m),
+                "clipfrac": masked_mean((low | high).float(), m),
+                "clipfrac_low": masked_mean(low.float(), m),
+                "clipfrac_high": masked_mean(high.float(), m),
+                "clipfrac_dual": masked_mean(dual_active.float(), m),
+                "ratio_mean": masked_mean(r, m),
+                "ratio_max": _masked_extreme(r, m, largest=True),
+                "ratio_min": _masked_extreme(r, m, largest=False),
+            }
+        )
+    return loss, metrics
+
+
+def combine_actor_loss(
+    pg_loss: torch.Tensor,
+    entropy: Optional[torch.Tensor] = None,
+    entropy_coef: float = 0.0,
+    kl_loss: Optional[torch.Tensor] = None,
+    kl_loss_coef: float = 0.0,
+) -> torch.Tensor:
+    """``pg_loss - entropy_coef * entropy + kl_loss_coef * kl_loss``.
+
+    ``entropy`` and ``kl_loss`` must already be aggregated with the same mode and global counts as
+    ``pg_loss`` so that the sum stays invariant to micro-batch splitting. A zero coefficient skips
+    the term entirely (no graph through the entropy when it is unused).
+    """
+    total = pg_loss
+    if entropy is not None and entropy_coef != 0.0:
+        total = total - entropy_coef * entropy
+    if kl_loss is not None and kl_loss_coef != 0.0:
+        total = total + kl_loss_coef * kl_loss
+    return total

@@ -1,0 +1,40 @@
+"""The allowed values of every enumerated option, in one place.
+
+Validation (:mod:`asyncppo.config.validate`) checks against these tuples, the docs list them, and the code that
+implements each choice (the ``algo/`` registries, the engine factory) can assert at import time that it covers
+exactly these names, so that a value accepted here never fails later inside a worker.
+"""
+
+from __future__ import annotations
+
+ADV_ESTIMATORS = (
+    "gae",
+    "grpo",
+    "rloo",
+    "reinforce",
+    "reinforce_plus_plus",
+    "reinforce_plus_plus_baseline",
+)
+# Estimators whose baseline comes from the other samples of the same prompt: a group of one sample has no
+# baseline (GRPO/REINFORCE++-baseline give a zero advantage, RLOO divides by n - 1 = 0).
+GROUP_ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# KL estimators; each may carry a '+' suffix (value of the named estimator, gradient of k2: a straight-through
+# trick that keeps the estimate unbiased while giving the low-variance k2 gradient).
+KL_PENALTIES_BASE = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full")
+KL_PENALTIES = KL_PENALTIES_BASE + tuple(name + "+" for name in KL_PENALTIES_BASE)
+
+KL_CTRL_TYPES = ("fixed", "adaptive")
+REWARD_NORMS = (None, "batch", "group", "running")
+OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+
+ENGINES = ("vllm", "hf")
+ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
+# float16 training needs loss scaling, which the learner does not implement.
+LEARNER_DTYPES = ("float32", "bfloat16")
+OVERLONG_PROMPT = ("truncate", "skip")
+BUILTIN_REWARD_FNS = ("auto", "exact_match", "math")
+WANDB_MODES = ("offline", "online", "disabled")
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")

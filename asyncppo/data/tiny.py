@@ -1,0 +1,186 @@
+"""The built-in model: a char-level tokenizer and a tiny Qwen2, built from configs (no model hub needed).
+
+Why Qwen2: it is an architecture both transformers and vLLM implement natively, so the same directory serves
+the learner (transformers) and the rollout engine (vLLM) with identical parameter names — weight broadcast can
+then ship HF names unchanged. Why these sizes: head_dim 64 is a head size vLLM's CPU attention supports; untied
+embeddings because vLLM (0.32, CPU, float32) does not update a tied output layer when weights are reloaded.
+
+:func:`ensure_builtin_model` builds the model once per build-parameter set, warm-starts it with a short
+supervised pass (so the policy starts with some accuracy PPO can improve) and caches it under
+``$ASYNCPPO_CACHE`` (default ``~/.cache/asyncppo``). The cache is written atomically (built in a temporary
+directory, then renamed), so concurrent processes or a crash never leave a half-written model behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+BUILD_FORMAT = 1  # bump when the build changes in a way the parameters do not capture
+
+PAD, EOS, UNK, BOS = "<pad>", "<eos>", "<unk>", "<bos>"
+SPECIAL_TOKENS = [PAD, EOS, UNK, BOS]  # ids 0..3: pad is 0 so that zero-filled buffers read as padding
+DEFAULT_ALPHABET = "0123456789+="
+
+
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+    """A char-level ``PreTrainedTokenizerFast``: one token per character of ``alphabet`` plus the specials.
+
+    Each character is its own pre-token (regex split), looked up in a word-level vocabulary; the ``Fuse``
+    decoder concatenates tokens without spaces, so ``decode(encode(s)) == s`` and vLLM's incremental
+    detokenizer produces the same text.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(dict.fromkeys(alphabet))
+    if any(len(c) != 1 or c.isspace() for c in chars):
+        raise ValueError(f"alphabet must be distinct non-space characters, got {alphabet!r}")
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\S"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(SPECIAL_TOKENS)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token=PAD,
+        eos_token=EOS,
+        unk_token=UNK,
+        bos_token=BOS,
+        padding_side="left",  # generation pads prompts on the left
+        model_max_length=1024,
+    )
+    return fast
+
+
+def build_tiny_model(
+    out_dir: str,
+    *,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    intermediate: int = 512,
+    tie_word_embeddings: bool = False,
+    seed: int = 0,
+    alphabet: str = DEFAULT_ALPHABET,
+    max_position_embeddings: int = 1024,
+) -> str:
+    """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    if hidden % heads:
+        raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
+    tokenizer = build_tokenizer(alphabet)
+    vocab_size = len(tokenizer)
+    config = Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        use_sliding_window=False,
+        rope_theta=10000.0,
+    )
+    config.torch_dtype = "float32"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    # No sampling defaults in the generation config: vLLM and transformers would otherwise silently apply them.
+    model.generation_config = GenerationConfig(
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    return str(out_dir)
+
+
+# name -> (task name, build kwargs)
+BUILTIN_MODELS: dict[str, dict] = {
+    "tiny-addition": {"task": "addition", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512},
+}
+
+
+def cache_root(cache_dir: str | None = None) -> Path:
+    return Path(cache_dir or os.environ.get("ASYNCPPO_CACHE") or Path.home() / ".cache" / "asyncppo")
+
+
+def _cache_key(name: str, params: dict) -> str:
+    blob = json.dumps({"format": BUILD_FORMAT, "name": name, **params}, sort_keys=True)
+    return f"{name}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}"
+
+
+def ensure_builtin_model(
+    name: str = "tiny-addition",
+    cache_dir: str | None = None,
+    sft_steps: int = 300,
+    seed: int = 0,
+    verbose: bool = True,
+) -> str:
+    """Return the directory of built-in model ``name``, building and warm-starting it on first use.
+
+    The cache key covers every build parameter (architecture, SFT steps, seed, build format), so changing
+    any of them builds a new entry instead of reusing a stale one.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown builtin model {name!r}; available: {sorted(BUILTIN_MODELS)}")
+    if sft_steps < 0:
+        raise ValueError(f"sft_steps={sft_steps!r} must be >= 0")
+    spec = dict(BUILTIN_MODELS[name])
+    task_name = spec.pop("task")
+    params = {"task": task_name, **spec, "sft_steps": int(sft_steps), "seed": int(seed)}
+    root = cache_root(cache_dir)
+    final = root / _cache_key(name, params)
+    if (final / "build.json").is_file():
+        return str(final)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
+    try:
+        t0 = time.time()
+        if verbose:
+            print(f"[asyncppo] building builtin model {name!r} into {final}", flush=True)
+        from .tasks import get_task
+
+        task = get_task(task_name, seed=seed)
+        build_tiny_model(str(tmp), seed=seed, alphabet=task.alphabet(), **spec)
+        report: dict = {}
+        if sft_steps > 0:
+            from .warmstart import supervised_warmstart
+
+            report = supervised_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose)
+        (tmp / "build.json").write_text(
+            json.dumps({"name": name, "params": params, "sft": report, "build_s": time.time() - t0}, indent=2)
+        )
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "build.json").is_file():  # not a concurrent winner: a real error
+                raise
+            # another process finished the same build first: use theirs
+        if verbose:
+            print(f"[asyncppo] builtin model ready in {time.time() - t0:.1f}s: {final}", flush=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(final)
+
+
+def resolve_model_path(path: str, *, sft_steps: int = 300, seed: int = 0, cache_dir: str | None = None) -> str:
+    """``builtin:<name>`` -> the cached built-in directory; anything else is returned unchanged."""
+    if path.startswith("builtin:"):
+        return ensure_builtin_model(path.split(":", 1)[1], cache_dir=cache_dir, sft_steps=sft_steps, seed=seed)
+    return path

@@ -1,0 +1,51 @@
+"""Ray actor wrappers around the learner service and the rollout worker.
+
+They only rebuild the typed config from a plain dict (Ray ships plain data) and forward calls, so the learner and the
+worker stay ordinary classes that tests can also run without Ray.
+"""
+
+from __future__ import annotations
+
+import ray
+
+from asyncppo.config.schema import AsyncPPOConfig
+
+
+def _config(cfg_dict: dict) -> AsyncPPOConfig:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), cfg_dict))
+
+
+@ray.remote(max_restarts=0)
+class LearnerActor:
+    def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str):
+        import logging
+
+        import torch
+
+        from asyncppo.learner.service import LearnerService
+
+        logging.basicConfig(level=logging.WARNING)
+        torch.set_num_threads(1)
+        self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir)
+
+    def setup(self):
+        return self.service.setup()
+
+    def run(self) -> dict:
+        return self.service.run()
+
+
+@ray.remote(max_restarts=0)
+class RolloutActor:
+    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str):
+        import torch
+
+        from asyncppo.rollout.worker import RolloutWorker
+
+        torch.set_num_threads(1)
+        self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path)
+
+    def run(self) -> dict:
+        return self.worker.run()

@@ -1,0 +1,164 @@
+"""Launch a run with Ray: place the learner and the rollout workers, wire their addresses, watch them, clean up.
+
+Order of start-up: the driver resolves the model (building the built-in one once, so the actors do not race to build
+it), starts Ray, checks the requested GPUs against what Ray sees, reserves a placement group with one bundle per role,
+starts the learner actor (which binds the stream, control and admission sockets and returns their addresses), then
+starts the rollout workers with those addresses. The driver then waits: the learner finishing ends the run; any actor
+dying ends it too, with the actor's error. Ctrl-C, an error or a normal end all go through ``ray.shutdown()`` (which
+also stops a local Ray cluster's processes), so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any
+
+from asyncppo.config.schema import AsyncPPOConfig
+
+
+class LaunchError(RuntimeError):
+    """A launch problem the user can fix (resources, paths); printed without a traceback."""
+
+
+def _actor_env() -> dict[str, str]:
+    # One OpenMP/MKL thread per actor: several processes share the cores, and oversubscription is slower than none.
+    env = {
+        "OMP_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
+        "MKL_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CONFIGURE_LOGGING": "0",
+        "WANDB_SILENT": "true",
+        "PYTHONWARNINGS": "ignore",
+    }
+    for key in ("ASYNCPPO_CACHE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    return env
+
+
+def _resolve_model(cfg: AsyncPPOConfig) -> str:
+    from asyncppo.data.tiny import resolve_model_path
+
+    path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    if not os.path.isdir(path):
+        raise LaunchError(f"model.path={cfg.model.path!r}: no such model directory")
+    return path
+
+
+def _check_data(cfg: AsyncPPOConfig) -> None:
+    for path in list(cfg.data.train_files) + list(cfg.data.eval_files):
+        if not os.path.isfile(path) or not os.access(path, os.R_OK):
+            raise LaunchError(f"data file {path!r} does not exist or is not readable (data.train_files/eval_files)")
+
+
+def _check_resources(cfg: AsyncPPOConfig, resources: dict[str, float]) -> None:
+    want_gpus = cfg.cluster.rollout_gpus + cfg.cluster.train_gpus
+    have_gpus = int(resources.get("GPU", 0))
+    if want_gpus > have_gpus:
+        raise LaunchError(
+            f"asked for {cfg.cluster.rollout_gpus} rollout + {cfg.cluster.train_gpus} train GPUs = {want_gpus}, "
+            f"but the Ray cluster has {have_gpus} GPU(s). Lower --rollout-gpus/--train-gpus "
+            "(0 and 0 run everything on CPU) or join a bigger cluster with cluster.address=HOST:PORT."
+        )
+
+
+def run(cfg: AsyncPPOConfig) -> int:
+    """Run a training job; returns the process exit code."""
+    import ray
+
+    from asyncppo.config import config_to_yaml
+    from asyncppo.launch.actors import LearnerActor, RolloutActor
+
+    output_dir = os.path.abspath(cfg.trainer.output_dir)
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        f.write(config_to_yaml(cfg))
+    print(f"[asyncppo] run directory: {output_dir}", flush=True)
+    try:
+        _check_data(cfg)
+        model_path = _resolve_model(cfg)
+    except LaunchError as exc:
+        print(f"[asyncppo] error: {exc}", file=sys.stderr)
+        return 2
+
+    cl = cfg.cluster
+    num_workers = cl.rollout_gpus if cl.rollout_gpus > 0 else cl.rollout_workers
+    init_kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    if cl.address:
+        init_kwargs["address"] = cl.address
+    else:
+        init_kwargs["num_cpus"] = max(os.cpu_count() or 1, num_workers + 1)
+    init_kwargs["runtime_env"] = {"env_vars": _actor_env()}
+    t0 = time.time()
+    ray.init(**init_kwargs)
+    actors: list = []
+    code = 1
+    try:
+        _check_resources(cfg, ray.cluster_resources())
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        learner_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.train_gpus > 0 else {"CPU": 1.0}
+        worker_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.rollout_gpus > 0 else {"CPU": 1.0}
+        bundles = [learner_bundle] + [worker_bundle] * num_workers
+        pg = placement_group(bundles, strategy="PACK")
+        if not pg.wait(timeout_seconds=60):
+            raise LaunchError(f"Ray could not reserve {bundles} within 60 s: not enough free resources")
+        cfg_dict = dataclasses.asdict(cfg)
+
+        def placed(cls, index: int, bundle: dict):
+            return cls.options(
+                num_cpus=0.001 if not cl.address else bundle["CPU"],
+                num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=index
+                ),
+            )
+
+        learner = placed(LearnerActor, 0, learner_bundle).remote(cfg_dict, model_path, num_workers, output_dir)
+        actors.append(learner)
+        endpoints = ray.get(learner.setup.remote(), timeout=cl.timeout_s)
+        workers = [
+            placed(RolloutActor, 1 + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, model_path)
+            for i in range(num_workers)
+        ]
+        actors += workers
+        learner_ref = learner.run.remote()
+        worker_refs = {w.run.remote(): i for i, w in enumerate(workers)}
+        pending = [learner_ref, *worker_refs]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            for ref in done:
+                result = ray.get(ref)  # raises the actor's error
+                if ref == learner_ref:
+                    print(f"[asyncppo] learner finished in {time.time() - t0:.0f}s", flush=True)
+                    # The learner published stop: give workers a moment to exit on their own.
+                    if pending:
+                        ray.wait(pending, num_returns=len(pending), timeout=60.0)
+                    pending = []
+                    code = 0
+                else:
+                    if learner_ref in pending:
+                        raise LaunchError(f"rollout worker {worker_refs[ref]} exited early: {result}")
+        return code
+    except KeyboardInterrupt:
+        print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)
+        return 130
+    except LaunchError as exc:
+        print(f"[asyncppo] error: {exc}", file=sys.stderr)
+        return 2
+    except ray.exceptions.RayError as exc:
+        print(f"[asyncppo] error: an actor failed:\n{exc}", file=sys.stderr)
+        return 1
+    finally:
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except Exception:
+                pass
+        ray.shutdown()

@@ -1,0 +1,87 @@
+"""Actor, critic and reference models for the learner.
+
+The critic is a separate value model: the policy's transformer body (or one loaded from ``model.critic_path``) with a
+scalar head, so the actor's and critic's optimisers and learning rates stay independent, as in verl and OpenRLHF.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def load_actor(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device)
+
+
+def load_reference(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
+    model = load_actor(path, dtype, device, trust_remote_code)
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+class ValueModel(nn.Module):
+    """Transformer body + linear head giving one value per position."""
+
+    def __init__(self, body: nn.Module, hidden_size: int) -> None:
+        super().__init__()
+        self.body = body
+        self.value_head = nn.Linear(hidden_size, 1)
+        # A zero head starts the critic at V = 0: explained variance starts at 0, not at a random negative number.
+        nn.init.zeros_(self.value_head.weight)
+        nn.init.zeros_(self.value_head.bias)
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None) -> torch.Tensor:
+        hidden = self.body(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+
+
+def load_critic(
+    path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+) -> ValueModel:
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    critic = ValueModel(body, config.hidden_size).to(device=device)
+    critic.value_head.to(torch.float32)
+    return critic
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """A plain (unsharded) state dict: FSDP2 parameters are DTensors whose full tensor is gathered (collective)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if hasattr(tensor, "full_tensor"):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach()
+    return out
+
+
+def maybe_shard(model: nn.Module, world_size: int, device: torch.device) -> nn.Module:
+    """FSDP2 on GPUs with more than one learner rank; a no-op on one rank or on CPU."""
+    if world_size <= 1 or device.type != "cuda":
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    layers: Optional[nn.ModuleList] = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            layers = module
+            break
+    if layers is not None:
+        for layer in layers:
+            fully_shard(layer)
+    fully_shard(model)
+    return model

@@ -1,0 +1,304 @@
+"""The PPO update, top to bottom: one call of :meth:`PPOUpdate.step` consumes one batch and advances the policy.
+
+1. Recompute the proximal policy's log-probs (the learner's weights before this update), the critic's values and the
+   reference log-probs (when a KL term is on).
+2. Shape the outcome rewards (clip, normalise), place them on the last response token, optionally subtract the KL
+   penalty per token (KL in reward).
+3. Advantages and returns with the configured estimator; whitening and clipping.
+4. ``ppo_epochs`` passes over shuffled mini-batches of whole prompt groups; each mini-batch accumulates gradients over
+   micro-batches whose losses are normalised by the *mini-batch's* token / sequence counts, so the split does not
+   change the gradient; grad clipping; AdamW with linear warm-up.
+The math lives in :mod:`asyncppo.algo`; this module only wires it to models and optimisers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Optional
+
+import torch
+from torch import nn
+
+from asyncppo import algo
+from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
+from asyncppo.learner.forward import chunked, policy_forward, response_logits, value_forward
+
+CRITIC_ESTIMATORS = {"gae"}
+
+
+def needs_critic(cfg: AsyncPPOConfig) -> bool:
+    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
+
+
+def needs_reference(cfg: AsyncPPOConfig) -> bool:
+    return cfg.algorithm.use_kl_loss or cfg.algorithm.add_token_level_kl
+
+
+def _warmup_lambda(warmup_steps: int):
+    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
+
+
+class _MetricMean:
+    """Token-weighted mean of per-micro-batch metrics."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, float] = defaultdict(float)
+        self.weights: dict[str, float] = defaultdict(float)
+        self.maxes: dict[str, float] = {}
+
+    def add(self, metrics: dict, weight: float) -> None:
+        for key, value in metrics.items():
+            value = float(value.item() if hasattr(value, "item") else value)
+            if key.endswith("_max") or key.endswith("/max"):
+                self.maxes[key] = max(self.maxes.get(key, value), value)
+            elif key.endswith("_min") or key.endswith("/min"):
+                self.maxes[key] = min(self.maxes.get(key, value), value)
+            else:
+                self.sums[key] += value * weight
+                self.weights[key] += weight
+
+    def result(self) -> dict[str, float]:
+        out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
+        out.update(self.maxes)
+        return out
+
+
+class PPOUpdate:
+    def __init__(
+        self,
+        cfg: AsyncPPOConfig,
+        actor: nn.Module,
+        critic: Optional[nn.Module],
+        reference: Optional[nn.Module],
+        device: torch.device,
+        world_size: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.alg = cfg.algorithm
+        self.actor, self.critic, self.reference = actor, critic, reference
+        self.device = device
+        self.world_size = world_size
+        t = cfg.trainer
+        self.actor_opt = torch.optim.AdamW(
+            actor.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+        )
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup_lambda(t.warmup_steps))
+        self.critic_opt = self.critic_sched = None
+        if critic is not None:
+            self.critic_opt = torch.optim.AdamW(
+                critic.parameters(), lr=t.critic_lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            )
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup_lambda(t.warmup_steps))
+        kc = self.alg.kl_ctrl
+        self.kl_ctrl = algo.get_kl_controller(
+            kc.type, init_kl_coef=kc.init_kl_coef, target_kl=kc.target_kl, horizon=kc.kl_horizon
+        )
+        self.reward_stats = algo.RunningMeanStd() if self.alg.reward_norm == "running" else None
+        self.generator = torch.Generator().manual_seed(t.seed)
+        self.kl_base = self.alg.kl_penalty.rstrip("+")
+
+    # ------------------------------------------------------------------------------------------------------------
+    def step(self, batch: TrainBatch) -> dict[str, float]:
+        alg = self.alg
+        batch = batch.to(self.device)
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+
+        # 1. proximal log-probs, values, reference log-probs (no grad)
+        rows = max(self.cfg.algorithm.micro_batch_size, 64) if self.cfg.algorithm.micro_batch_size else 256
+        self.actor.eval()
+        if alg.off_policy_correction == "none":
+            batch.old_logprobs = batch.behavior_logprobs
+        else:
+            batch.old_logprobs = chunked(
+                lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows
+            )
+        if self.reference is not None:
+            batch.ref_logprobs = chunked(
+                lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
+            )
+        if self.critic is not None:
+            self.critic.eval()
+            batch.old_values = chunked(lambda b: value_forward(self.critic, b), batch, rows)
+        mask = batch.response_mask
+        proximal = (
+            batch.old_logprobs
+            if alg.off_policy_correction != "none"
+            else chunked(lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows)
+        )
+        metrics["actor/mismatch_kl"] = float(algo.masked_mean(algo.kl_penalty(proximal, batch.behavior_logprobs, "k3"), mask))
+
+        # 2. rewards: shape the outcome score, put it on the last valid token, optional KL-in-reward
+        scores = batch.scores.clone()
+        metrics["reward/mean"] = float(scores.mean())
+        metrics["reward/max"] = float(scores.max())
+        metrics["reward/min"] = float(scores.min())
+        if alg.reward_clip is not None:
+            scores = scores.clamp(-alg.reward_clip, alg.reward_clip)
+        if alg.reward_norm is not None:
+            scores = algo.normalize_rewards(
+                scores,
+                mode=alg.reward_norm,
+                group_index=batch.group_index,
+                running=self.reward_stats,
+                shift_only=alg.reward_shift,
+                scale_only=alg.reward_scale,
+            )
+        lengths = mask.sum(dim=1).long()
+        token_rewards = torch.zeros_like(mask)
+        last = (lengths - 1).clamp(min=0)
+        token_rewards[torch.arange(batch.size, device=mask.device), last] = scores * (lengths > 0).float()
+        if alg.add_token_level_kl:
+            kl_tok = self._reference_kl(batch, rows)
+            beta = self.kl_ctrl.value
+            token_rewards = algo.apply_kl_to_rewards(token_rewards, kl_tok, beta, mask)
+            current_kl = float(algo.masked_mean(kl_tok, mask))
+            metrics["actor/reward_kl"] = current_kl
+            metrics["actor/kl_coef"] = beta
+            self.kl_ctrl.update(current_kl, batch.size)
+
+        # 3. advantages and returns
+        advantages, returns = algo.compute_advantages(
+            alg.adv_estimator,
+            token_rewards,
+            mask,
+            values=batch.old_values,
+            group_index=batch.group_index,
+            gamma=alg.gamma,
+            lambd=alg.lambd,
+            norm_by_std=alg.norm_adv_by_std_in_grpo,
+        )
+        if alg.whiten_advantages and alg.adv_estimator in ("gae", "reinforce"):
+            advantages = algo.masked_whiten(advantages, mask)
+        if alg.advantage_clip is not None:
+            advantages = advantages.clamp(-alg.advantage_clip, alg.advantage_clip)
+        batch.advantages, batch.returns = advantages, returns
+        if batch.old_values is not None:
+            metrics["critic/explained_variance"] = float(algo.explained_variance(batch.old_values, returns, mask))
+            metrics["critic/values_mean"] = float(algo.masked_mean(batch.old_values, mask))
+        metrics["actor/advantages_mean"] = float(algo.masked_mean(advantages, mask))
+        metrics["response_length/mean"] = float(lengths.float().mean())
+
+        # 4. PPO epochs over mini-batches, gradient accumulation over micro-batches
+        means = _MetricMean()
+        self.actor.train()
+        if self.critic is not None:
+            self.critic.train()
+        optimizer_steps = 0
+        for _ in range(alg.ppo_epochs):
+            for mini in mini_batches(batch, alg.ppo_mini_batch_size, self.generator):
+                self._update_mini_batch(mini, means)
+                optimizer_steps += 1
+        self.actor_sched.step()
+        if self.critic_sched is not None:
+            self.critic_sched.step()
+        metrics.update(means.result())
+        metrics["actor/lr"] = self.actor_opt.param_groups[0]["lr"]
+        metrics["actor/optimizer_steps"] = optimizer_steps
+        metrics["time/update_s"] = time.perf_counter() - t0
+        return metrics
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _reference_kl(self, batch: TrainBatch, rows: int) -> torch.Tensor:
+        """Per-token KL(current || reference) used in the reward; ``full`` needs both models' logits."""
+        if self.kl_base != "full":
+            return algo.kl_penalty(batch.old_logprobs, batch.ref_logprobs, self.kl_base)
+
+        def full(b: TrainBatch) -> torch.Tensor:
+            logits = response_logits(self.actor, b, self.alg.temperature)
+            ref_logits = response_logits(self.reference, b, self.alg.temperature)
+            return algo.kl_penalty(None, None, "full", logits=logits, ref_logits=ref_logits)
+
+        return chunked(full, batch, rows)
+
+    def _global_counts(self, mini: TrainBatch) -> tuple[float, float]:
+        counts = torch.tensor([mini.response_mask.sum().item(), float(mini.size)], dtype=torch.float64)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            counts = counts.to(self.device)
+            dist.all_reduce(counts)
+        return float(counts[0]), float(counts[1])
+
+    def _update_mini_batch(self, mini: TrainBatch, means: _MetricMean) -> None:
+        alg = self.alg
+        global_tokens, global_seqs = self._global_counts(mini)
+        agg = dict(
+            loss_agg_mode=alg.loss_agg_mode,
+            global_tokens=global_tokens,
+            global_seqs=global_seqs,
+            norm_length=alg.loss_agg_norm_length,
+        )
+        # FSDP averages gradients over ranks; the losses are already normalised by global counts, so undo the mean.
+        scale = float(self.world_size)
+        self.actor_opt.zero_grad(set_to_none=True)
+        if self.critic_opt is not None:
+            self.critic_opt.zero_grad(set_to_none=True)
+        for micro in micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch):
+            weight = float(micro.response_mask.sum())
+            logprobs, entropy, logits = policy_forward(self.actor, micro, alg.temperature, with_entropy=True)
+            pg_loss, pg_metrics = algo.policy_loss(
+                logprobs,
+                micro.old_logprobs,
+                micro.advantages,
+                micro.response_mask,
+                clip_ratio_low=alg.clip_ratio_low,
+                clip_ratio_high=alg.clip_ratio_high,
+                dual_clip=alg.dual_clip_loss,
+                clip_ratio_c=alg.clip_ratio_c,
+                behavior_logprobs=micro.behavior_logprobs,
+                off_policy_correction=alg.off_policy_correction,
+                off_policy_cap=alg.off_policy_cap,
+                **agg,
+            )
+            entropy_term = algo.aggregate(entropy, micro.response_mask, **_agg_kwargs(agg))
+            loss = pg_loss - alg.entropy_coef * entropy_term
+            step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+            step_metrics["actor/entropy"] = float(algo.masked_mean(entropy.detach(), micro.response_mask))
+            step_metrics["actor/pg_loss"] = float(pg_loss.detach())
+            if alg.use_kl_loss:
+                ref_logits = None
+                if self.kl_base == "full":
+                    with torch.no_grad():
+                        ref_logits = response_logits(self.reference, micro, alg.temperature)
+                kl_mat = algo.kl_penalty(
+                    logprobs, micro.ref_logprobs, alg.kl_penalty, logits=logits, ref_logits=ref_logits
+                )
+                kl_loss = algo.aggregate(kl_mat, micro.response_mask, **_agg_kwargs(agg))
+                loss = loss + alg.kl_loss_coef * kl_loss
+                step_metrics["actor/kl_loss"] = float(kl_loss.detach())
+            (loss * scale).backward()
+            if self.critic is not None:
+                values = value_forward(self.critic, micro)
+                vf_loss, vf_metrics = algo.value_loss(
+                    values,
+                    micro.old_values,
+                    micro.returns,
+                    micro.response_mask,
+                    value_clip=alg.value_clip,
+                    huber_delta=alg.huber_delta,
+                    **agg,
+                )
+                (alg.vf_coef * vf_loss * scale).backward()
+                step_metrics["critic/vf_loss"] = float(vf_loss.detach())
+                step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items()})
+            means.add(step_metrics, weight)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.trainer.grad_clip)
+        self.actor_opt.step()
+        extra = {"actor/grad_norm": float(grad_norm)}
+        if self.critic_opt is not None:
+            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.trainer.grad_clip)
+            self.critic_opt.step()
+            extra["critic/grad_norm"] = float(critic_norm)
+        means.add(extra, 1.0)
+
+
+def _agg_kwargs(agg: dict) -> dict:
+    return {
+        "mode": agg["loss_agg_mode"],
+        "global_tokens": agg["global_tokens"],
+        "global_seqs": agg["global_seqs"],
+        "norm_length": agg["norm_length"],
+    }

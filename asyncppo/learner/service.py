@@ -1,0 +1,234 @@
+"""The learner process: owns the stream sink, the admission controller, the models and the weight broadcast.
+
+Loop, once per policy version ``v``:
+  take ``rollout_batch_size`` whole groups from the staleness buffer (stale ones are dropped and their tickets reused)
+  -> PPO update -> ``v + 1`` -> every ``sync_every`` versions: announce and broadcast the weights (in the background)
+  -> tell the admission controller the new version (which releases more tickets) -> log one metrics record.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from typing import Optional
+
+import torch
+
+from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.metrics import BusyMeter, MetricsLogger, RateMeter, lag_stats
+from asyncppo.rollout.worker import Endpoints
+
+log = logging.getLogger("asyncppo.learner")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _endpoint(host: str, port: int) -> str:
+    return f"tcp://{host}:{port}"
+
+
+class LearnerService:
+    def __init__(self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str):
+        self.cfg = cfg
+        self.model_path = model_path
+        self.num_workers = num_workers
+        self.output_dir = output_dir
+        self.version = 0
+        self._closables: list = []
+
+    # ------------------------------------------------------------------------------------------------------------
+    def setup(self) -> Endpoints:
+        """Bind every socket the workers need and return their addresses (called before any worker starts)."""
+        from asyncppo.staleness import AdmissionController, AdmissionServer
+        from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
+
+        cl, ro = self.cfg.cluster, self.cfg.rollout
+        host = cl.bind_address
+        public = cl.advertise_address or host
+        self.receiver = TrajectoryReceiver(
+            _endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20
+        )
+        self.control = ControlPublisher(_endpoint(host, cl.control_port))
+        self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness)
+        self.admission_server = AdmissionServer(self.admission, _endpoint(host, cl.admission_port))
+        self._closables += [self.receiver, self.control, self.admission_server]
+        self.sync_port = cl.sync_port or _free_port(host)
+
+        def public_addr(addr: str) -> str:
+            return addr.replace(host, public, 1) if public != host else addr
+
+        return Endpoints(
+            trajectory=public_addr(self.receiver.address),
+            control=public_addr(self.control.address),
+            admission=public_addr(self.admission_server.address),
+            sync_host=public,
+            sync_port=self.sync_port,
+            sync_world_size=1 + self.num_workers,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        from asyncppo.learner.batch import collate_groups
+        from asyncppo.learner.models import load_actor, load_critic, load_reference, torch_dtype, full_state_dict
+        from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+        from asyncppo.staleness import StalenessBuffer, start_feeder
+        from asyncppo.sync import WeightSender, make_sync_group
+        from transformers import AutoTokenizer
+
+        cfg, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
+        torch.manual_seed(tr.seed)
+        device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.train_gpus > 0 else "cpu")
+        dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        actor = load_actor(self.model_path, dtype, device, cfg.model.trust_remote_code)
+        critic = (
+            load_critic(cfg.model.critic_path or self.model_path, dtype, device, cfg.model.trust_remote_code)
+            if needs_critic(cfg)
+            else None
+        )
+        reference = (
+            load_reference(cfg.model.ref_path or self.model_path, dtype, device, cfg.model.trust_remote_code)
+            if needs_reference(cfg)
+            else None
+        )
+        updater = PPOUpdate(cfg, actor, critic, reference, device)
+        logger = MetricsLogger(
+            self.output_dir,
+            console=tr.logger.console,
+            jsonl=tr.logger.jsonl,
+            wandb=tr.logger.wandb,
+            wandb_mode=tr.logger.wandb_mode,
+            wandb_project=tr.logger.wandb_project,
+            wandb_run_name=tr.logger.wandb_run_name,
+            total_steps=tr.total_steps,
+        )
+        self._closables.append(logger)
+        evaluator = _make_evaluator(cfg, tokenizer)
+        summary: dict = {"output_dir": self.output_dir}
+        if evaluator is not None:
+            summary["eval_before"] = evaluator(actor)
+            logger.log(0, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
+
+        logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
+        group = make_sync_group(
+            self.cfg.cluster.bind_address, self.sync_port, rank=0, world_size=1 + self.num_workers,
+            backend="nccl" if device.type == "cuda" and ro.engine == "vllm" and cfg.cluster.rollout_gpus > 0 else "gloo",
+            timeout_s=cfg.cluster.timeout_s,
+        )
+        sender = WeightSender(group, bucket_bytes=ro.weight_bucket_mb << 20)
+        buffer = StalenessBuffer(ro.max_staleness, capacity_groups=max(4 * ro.rollout_batch_size, 64))
+        feeder = start_feeder(self.receiver, buffer, on_drop=lambda g: self.admission.release_ticket(g.ticket))
+        self._closables.insert(0, feeder)
+        self.control.publish(version=0, weights_version=0)
+        logger.message("training started")
+
+        gen_tokens, train_tokens, rollout_busy, train_busy = RateMeter(), RateMeter(), BusyMeter(), BusyMeter()
+        samples_trained = 0
+        B = ro.rollout_batch_size
+        pushed_version = 0
+        try:
+            for step in range(1, tr.total_steps + 1):
+                t_step = time.perf_counter()
+                groups = self._take_batch(buffer, B)
+                t_work = time.perf_counter()
+                batch = collate_groups(groups, tokenizer.pad_token_id)
+                metrics = updater.step(batch)
+                metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
+                self.version += 1
+                if self.version % ro.sync_every == 0:
+                    sender.wait()
+                    self.control.publish(version=self.version, weights_version=self.version)
+                    sender.push_async(full_state_dict(actor), self.version)
+                    pushed_version = self.version
+                self.admission.set_version(self.version)
+                self.control.publish(version=self.version, weights_version=pushed_version)
+                train_busy.add(time.perf_counter() - t_work)
+                n_tokens = int(batch.response_mask.sum())
+                gen_tokens.add(n_tokens)
+                train_tokens.add(n_tokens)
+                rollout_busy.add(sum(g.timings.get("busy_s", 0.0) for g in groups))
+                samples_trained += batch.size
+                stats = buffer.stats()
+                metrics.update(
+                    {
+                        "policy_version": self.version,
+                        "throughput/gen_tokens_per_s": gen_tokens.rate(),
+                        "throughput/train_tokens_per_s": train_tokens.rate(),
+                        "util/rollout_busy": rollout_busy.fraction(self.num_workers),
+                        "util/train_busy": train_busy.fraction(),
+                        "time/step_s": time.perf_counter() - t_step,
+                        "time/wait_s": t_work - t_step,
+                        "buffer/size": stats.get("size", 0),
+                        "buffer/dropped_stale": stats.get("dropped_stale", 0),
+                        "stream/rejected": sum(self.receiver.rejected.values()),
+                        "samples_trained": samples_trained,
+                        "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
+                    }
+                )
+                for meter in (gen_tokens, train_tokens, rollout_busy, train_busy):
+                    meter.reset()
+                if tr.eval_every and evaluator is not None and step % tr.eval_every == 0 and step < tr.total_steps:
+                    metrics.update({f"eval/{k}": v for k, v in evaluator(actor).items()})
+                logger.log(step, metrics)
+            sender.wait()
+            if evaluator is not None:
+                summary["eval_after"] = evaluator(actor)
+                logger.log(tr.total_steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()})
+            final_dir = os.path.join(self.output_dir, "final")
+            actor.save_pretrained(final_dir)
+            tokenizer.save_pretrained(final_dir)
+            summary.update(steps=tr.total_steps, version=self.version, samples_trained=samples_trained,
+                           buffer=buffer.stats(), rejected=dict(self.receiver.rejected))
+            logger.message(f"done: {summary}")
+            return summary
+        finally:
+            self.control.publish(version=self.version, weights_version=pushed_version, stop=True)
+            self.admission_server.stop()
+            for closable in self._closables:
+                try:
+                    closable.close()
+                except Exception:
+                    pass
+
+    def _take_batch(self, buffer, n: int):
+        """Block until ``n`` fresh groups are available; fail loudly if the workers stop producing."""
+        deadline = time.monotonic() + self.cfg.cluster.timeout_s
+        groups = []
+        while len(groups) < n:
+            groups += buffer.take(n - len(groups), self.version, timeout_s=1.0)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"no trajectories for {self.cfg.cluster.timeout_s:.0f}s at policy version {self.version} "
+                    f"({len(groups)}/{n} groups): are the rollout workers alive? (cluster.timeout_s)"
+                )
+            if groups:
+                deadline = time.monotonic() + self.cfg.cluster.timeout_s
+        return groups
+
+
+def _make_evaluator(cfg: AsyncPPOConfig, tokenizer):
+    """Held-out accuracy of the built-in task (sampled at the rollout temperature, and greedy)."""
+    if cfg.data.train_files:
+        return None
+    from asyncppo.data.tasks import get_task
+    from asyncppo.data.warmstart import answer_accuracy
+
+    rows = get_task(cfg.data.task, seed=cfg.data.seed).splits().eval[: cfg.data.num_eval_prompts]
+    temperature = cfg.rollout.sampling.temperature
+
+    def evaluate(model) -> dict:
+        was_training = model.training
+        out = {
+            "accuracy_sampled": answer_accuracy(model, tokenizer, rows, temperature=temperature, seed=cfg.trainer.seed),
+            "accuracy_greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0),
+        }
+        model.train(was_training)
+        return out
+
+    return evaluate

@@ -1,0 +1,119 @@
+"""One ``log(step, metrics)`` call fans out to the console, ``metrics.jsonl`` and wandb.
+
+The JSONL file is the source of truth for tests and scripts: one JSON object per learner step, flushed immediately so a
+crashed run still leaves every step it finished. wandb runs offline by default (no network is assumed) and a wandb
+failure never kills a run: it is reported once and the sink is dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Optional
+
+# What the console line shows, in order, with a short label and a format.
+_CONSOLE_FIELDS = [
+    ("reward/mean", "reward", "{:.3f}"),
+    ("staleness/mean", "lag", "{:.2f}"),
+    ("staleness/max", "lagmax", "{:.0f}"),
+    ("actor/approx_kl", "kl", "{:.4f}"),
+    ("actor/clipfrac", "clip", "{:.3f}"),
+    ("actor/entropy", "ent", "{:.3f}"),
+    ("critic/explained_variance", "ev", "{:.2f}"),
+    ("throughput/gen_tokens_per_s", "gen tok/s", "{:.0f}"),
+    ("util/rollout_busy", "gen busy", "{:.2f}"),
+    ("util/train_busy", "train busy", "{:.2f}"),
+    ("time/step_s", "step s", "{:.2f}"),
+]
+
+
+def _clean(value: Any) -> Any:
+    """JSON-safe scalars: tensors and numpy numbers become floats, NaN/inf become None."""
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsLogger:
+    def __init__(
+        self,
+        output_dir: str,
+        *,
+        console: bool = True,
+        jsonl: bool = True,
+        wandb: bool = False,
+        wandb_mode: str = "offline",
+        wandb_project: str = "asyncppo",
+        wandb_run_name: Optional[str] = None,
+        config: Optional[dict] = None,
+        total_steps: Optional[int] = None,
+        stream=None,
+    ) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.output_dir = output_dir
+        self.console = console
+        self.total_steps = total_steps
+        self._stream = stream or sys.stdout
+        self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if jsonl else None
+        self._wandb = None
+        self._t0 = time.time()
+        if wandb and wandb_mode != "disabled":
+            try:
+                import wandb as _wandb
+
+                self._wandb = _wandb.init(
+                    project=wandb_project,
+                    name=wandb_run_name,
+                    mode=wandb_mode,
+                    dir=output_dir,
+                    config=config or {},
+                    reinit="finish_previous",
+                )
+            except Exception as exc:  # a logging backend must never take a run down
+                print(f"[asyncppo] wandb disabled: {exc}", file=sys.stderr)
+                self._wandb = None
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        if self._jsonl is not None:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+        if self._wandb is not None:
+            try:
+                self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=step)
+            except Exception as exc:
+                print(f"[asyncppo] wandb logging failed, sink dropped: {exc}", file=sys.stderr)
+                self._wandb = None
+        if self.console:
+            self._stream.write(self.format_line(step, record) + "\n")
+            self._stream.flush()
+
+    def format_line(self, step: int, record: dict[str, Any]) -> str:
+        total = f"/{self.total_steps}" if self.total_steps else ""
+        parts = [f"step {step}{total}", f"{time.time() - self._t0:6.0f}s"]
+        for key, label, fmt in _CONSOLE_FIELDS:
+            value = record.get(key)
+            if isinstance(value, (int, float)):
+                parts.append(f"{label} " + fmt.format(value))
+        return " | ".join(parts)
+
+    def message(self, text: str) -> None:
+        if self.console:
+            self._stream.write(f"[asyncppo] {text}\n")
+            self._stream.flush()
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._wandb is not None:
+            try:
+                self._wandb.finish()
+            except Exception:
+                pass
+            self._wandb = None
