@@ -49,6 +49,11 @@ def _check(token_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Te
     return response_mask.bool()
 
 
+def _f(x: torch.Tensor) -> torch.Tensor:
+    """At least float32; float64 inputs stay float64."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _zero(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=x.dtype, device=x.device)
 
@@ -85,8 +90,8 @@ def gae_advantages(
         raise ValueError("adv_estimator 'gae' needs values [B, T] from the critic")
     if values.shape != token_rewards.shape:
         raise ValueError(f"values shape {tuple(values.shape)} != token_rewards shape {tuple(token_rewards.shape)}")
-    rewards = torch.where(m, token_rewards, _zero(token_rewards)).float()
-    vals = torch.where(m, values, _zero(values)).float()
+    rewards = _f(torch.where(m, token_rewards, _zero(token_rewards)))
+    vals = _f(torch.where(m, values, _zero(values)))
     adv = torch.zeros_like(rewards)
     next_value = torch.zeros_like(rewards[:, 0])
     last_gae = torch.zeros_like(rewards[:, 0])
@@ -111,10 +116,10 @@ def grpo_advantages(
     group has no baseline: its advantage is its raw score.
     """
     m = _check(token_rewards, response_mask)
-    scores = _scores(token_rewards, m).float()
+    scores = _f(_scores(token_rewards, m))
     mean, std, _ = group_mean_std(scores, group_index)
     adv = (scores - mean) / (std + eps) if norm_by_std else scores - mean
-    return _broadcast(adv, m), discounted_returns(token_rewards.float(), response_mask, gamma)
+    return _broadcast(adv, m), discounted_returns(_f(token_rewards), response_mask, gamma)
 
 
 @torch.no_grad()
@@ -123,12 +128,12 @@ def rloo_advantages(
 ):
     """Leave-one-out baseline: ``score - mean(scores of the other samples in the group)``."""
     m = _check(token_rewards, response_mask)
-    scores = _scores(token_rewards, m).float()
+    scores = _f(_scores(token_rewards, m))
     mean, _, count = group_mean_std(scores, group_index)
     n = count
     # mean is 0 for singleton groups (no baseline), which leaves the raw score.
     others = torch.where(n > 1, (mean * n - scores) / (n - 1).clamp(min=1), torch.zeros_like(scores))
-    return _broadcast(scores - others, m), discounted_returns(token_rewards.float(), response_mask, gamma)
+    return _broadcast(scores - others, m), discounted_returns(_f(token_rewards), response_mask, gamma)
 
 
 @torch.no_grad()
@@ -136,7 +141,7 @@ def reinforce_advantages(
     token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
 ):
     """Plain REINFORCE: the advantage is the discounted return-to-go."""
-    returns = discounted_returns(token_rewards.float(), response_mask, gamma)
+    returns = discounted_returns(_f(token_rewards), response_mask, gamma)
     return returns.clone(), returns
 
 
@@ -145,7 +150,7 @@ def reinforce_plus_plus_advantages(
     token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
 ):
     """REINFORCE++: discounted returns-to-go whitened over the batch's valid tokens."""
-    returns = discounted_returns(token_rewards.float(), response_mask, gamma)
+    returns = discounted_returns(_f(token_rewards), response_mask, gamma)
     return masked_whiten(returns, response_mask, eps=eps), returns
 
 
@@ -155,10 +160,10 @@ def reinforce_plus_plus_baseline_advantages(
 ):
     """REINFORCE++-baseline: score minus its group mean, broadcast over tokens, whitened over the batch."""
     m = _check(token_rewards, response_mask)
-    scores = _scores(token_rewards, m).float()
+    scores = _f(_scores(token_rewards, m))
     mean, _, _ = group_mean_std(scores, group_index)
     adv = _broadcast(scores - mean, m)
-    return masked_whiten(adv, response_mask, eps=eps), discounted_returns(token_rewards.float(), response_mask, gamma)
+    return masked_whiten(adv, response_mask, eps=eps), discounted_returns(_f(token_rewards), response_mask, gamma)
 
 
 ADV_ESTIMATORS: dict[str, Callable] = {
@@ -204,7 +209,7 @@ def compute_advantages(
     whiten: bool = False,
     clip: Optional[float] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run estimator ``name``; returns ``(advantages, returns)``, both float32 ``[B, T]``, 0 where masked.
+    """Run estimator ``name``; returns ``(advantages, returns)``, both float32 (float64 if given) ``[B, T]``, 0 where masked.
 
     ``whiten`` additionally whitens the advantages over the batch's valid tokens (the usual choice
     for GAE, ``algorithm.whiten_advantages``); ``clip`` then clamps them (``advantage_clip``).

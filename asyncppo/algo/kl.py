@@ -118,8 +118,8 @@ def apply_kl_to_rewards(
     kl = torch.where(mask.bool(), kl, torch.zeros_like(kl)).detach()
     shaped = token_rewards - coef * kl * m.to(token_rewards.dtype)
     seq_kl = (kl * m).sum(-1) / m.sum(-1).clamp(min=1)
-    has = m.sum(-1) > 0
-    current = seq_kl[has].mean() if bool(has.any()) else torch.zeros((), dtype=kl.dtype, device=kl.device)
+    has = (m.sum(-1) > 0).to(kl.dtype)
+    current = (seq_kl * has).sum() / has.sum().clamp(min=1)
     return shaped, {"kl": current, "kl_coef": float(coef)}
 
 

@@ -44,11 +44,11 @@ _LOG_RATIO_CLAMP = 20.0
 
 
 def _masked_extreme(x: torch.Tensor, m: torch.Tensor, largest: bool) -> torch.Tensor:
-    if not bool(m.any()):
-        return torch.ones((), dtype=x.dtype, device=x.device)
+    """Max/min over valid entries (1.0 when there are none); no host sync."""
     fill = torch.full((), float("-inf") if largest else float("inf"), dtype=x.dtype, device=x.device)
     v = torch.where(m, x, fill)
-    return v.max() if largest else v.min()
+    v = v.max() if largest else v.min()
+    return torch.where(m.any(), v, torch.ones_like(v))
 
 
 def policy_loss(
@@ -107,9 +107,11 @@ def policy_loss(
             raise ValueError(f"off_policy_cap must be > 0, got {off_policy_cap}")
 
     m = response_mask.bool()
-    logp = logprobs.float()
-    old = old_logprobs.detach().float()
-    adv = advantages.detach().float()
+    # At least float32 (bf16 ratios are too coarse to clip at 0.2), float64 kept when given.
+    dt = torch.promote_types(logprobs.dtype, torch.float32)
+    logp = logprobs.to(dt)
+    old = old_logprobs.detach().to(dt)
+    adv = advantages.detach().to(dt)
 
     log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
     ratio = torch.exp(log_ratio)
@@ -125,7 +127,7 @@ def policy_loss(
 
     metrics: dict = {}
     if off_policy_correction != "none":
-        behav = behavior_logprobs.detach().float()
+        behav = behavior_logprobs.detach().to(dt)
         raw_w = torch.exp((old - behav).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
         over = raw_w > off_policy_cap
         if off_policy_truncation == "clip":

@@ -52,11 +52,12 @@ def value_loss(
     if huber_delta is not None and huber_delta <= 0:
         raise ValueError(f"huber_delta must be > 0 or None, got {huber_delta}")
     m = response_mask.bool()
-    v = values.float()
-    target = returns.detach().float()
+    dt = torch.promote_types(values.dtype, torch.float32)
+    v = values.to(dt)
+    target = returns.detach().to(dt)
     err = _error(v, target, huber_delta)
     if value_clip is not None:
-        old = old_values.detach().float()
+        old = old_values.detach().to(dt)
         v_clipped = old + (v - old).clamp(-value_clip, value_clip)
         err_clipped = _error(v_clipped, target, huber_delta)
         per_token = torch.maximum(err, err_clipped)
@@ -83,9 +84,9 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     When the returns have no variance there is nothing to explain; 0 is returned rather than NaN
     so metric sinks need no special case.
     """
-    values = values.float()
-    returns = returns.float()
+    dt = torch.promote_types(values.dtype, torch.float32)
+    values = values.to(dt)
+    returns = returns.to(dt)
     var_r = masked_var(returns, mask)
-    if float(var_r) <= 0:
-        return torch.zeros((), device=values.device)
-    return 1.0 - masked_var(returns - values, mask) / var_r
+    ev = 1.0 - masked_var(returns - values, mask) / var_r.clamp(min=torch.finfo(dt).tiny)
+    return torch.where(var_r > 0, ev, torch.zeros_like(ev))

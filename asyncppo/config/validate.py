@@ -210,7 +210,12 @@ def _check_rollout(cfg: AsyncPPOConfig, c: _Checks) -> None:
 
 def _check_model_data(cfg: AsyncPPOConfig, c: _Checks) -> None:
     m, d = cfg.model, cfg.data
-    c.non_empty("model.path", m.path)
+    if not m.path or not m.path.strip():
+        c.error("model.path", m.path, "required: a local Hugging Face model directory or builtin:<name> "
+                "(e.g. model.path=/models/Qwen2.5-0.5B-Instruct)")
+    elif m.path.startswith("builtin:") and d.train_files:
+        c.warn(f"model.path={m.path} is a built-in synthetic-task model but data.train_files is set: its tokenizer "
+               "only knows the synthetic task's alphabet")
     if m.path and m.path.startswith("builtin:") and not m.path[len("builtin:"):].strip():
         c.error("model.path", m.path, "builtin models are named 'builtin:<name>', e.g. builtin:tiny-addition")
     c.choice("model.dtype", m.dtype, C.LEARNER_DTYPES)

@@ -117,8 +117,7 @@ def supervised_warmstart(
             ids, attn, mask = encode_rows(tokenizer, rng.sample(train, batch_size))
             out = sft_loss(model, ids, attn, mask)
             opt.zero_grad(set_to_none=True)
-            out.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            out.backward()  # unclipped: clipping at 1.0 roughly halved the accuracy reached in 300 steps
             opt.step()
             loss = out.item()
             if verbose and (step % 50 == 0 or step == steps):

@@ -147,17 +147,13 @@ class PPOUpdate:
                 scale_only=alg.reward_scale,
             )
         lengths = mask.sum(dim=1).long()
-        token_rewards = torch.zeros_like(mask)
-        last = (lengths - 1).clamp(min=0)
-        token_rewards[torch.arange(batch.size, device=mask.device), last] = scores * (lengths > 0).float()
+        token_rewards = algo.scores_to_token_rewards(scores, mask)
         if alg.add_token_level_kl:
             kl_tok = self._reference_kl(batch, rows)
-            beta = self.kl_ctrl.value
-            token_rewards = algo.apply_kl_to_rewards(token_rewards, kl_tok, beta, mask)
-            current_kl = float(algo.masked_mean(kl_tok, mask))
-            metrics["actor/reward_kl"] = current_kl
-            metrics["actor/kl_coef"] = beta
-            self.kl_ctrl.update(current_kl, batch.size)
+            token_rewards, kl_info = algo.apply_kl_to_rewards(token_rewards, kl_tok, self.kl_ctrl.value, mask)
+            metrics["actor/reward_kl"] = float(kl_info["kl"])
+            metrics["actor/kl_coef"] = float(kl_info["kl_coef"])
+            self.kl_ctrl.update(float(kl_info["kl"]), batch.size)
 
         # 3. advantages and returns
         advantages, returns = algo.compute_advantages(
@@ -169,11 +165,9 @@ class PPOUpdate:
             gamma=alg.gamma,
             lambd=alg.lambd,
             norm_by_std=alg.norm_adv_by_std_in_grpo,
+            whiten=alg.whiten_advantages and alg.adv_estimator in ("gae", "reinforce"),
+            clip=alg.advantage_clip,
         )
-        if alg.whiten_advantages and alg.adv_estimator in ("gae", "reinforce"):
-            advantages = algo.masked_whiten(advantages, mask)
-        if alg.advantage_clip is not None:
-            advantages = advantages.clamp(-alg.advantage_clip, alg.advantage_clip)
         batch.advantages, batch.returns = advantages, returns
         if batch.old_values is not None:
             metrics["critic/explained_variance"] = float(algo.explained_variance(batch.old_values, returns, mask))

@@ -109,45 +109,73 @@ def _dtype_str(arr: np.ndarray) -> str:
 # --------------------------------------------------------------------------------------------- encode
 
 
-def _check_array(name: str, arr: Any, where: str) -> np.ndarray:
+_DTYPE_OBJS: dict[str, frozenset] = {k: frozenset(np.dtype(d) for d in v) for k, v in ALLOWED_DTYPES.items()}
+_ZEROS = b"\0" * _ALIGN
+
+
+def _bad_array(name: str, arr: Any, where: str) -> WireError:
+    """The precise complaint about an array that failed the fast check in :func:`encode_group`."""
     if not isinstance(arr, np.ndarray):
-        raise WireError("schema", f"{where}{name} must be a numpy array, got {type(arr).__name__}")
+        return WireError("schema", f"{where}{name} must be a numpy array, got {type(arr).__name__}")
     if arr.ndim != 1:
-        raise WireError("schema", f"{where}{name} must be 1-D, got shape {arr.shape}")
-    if arr.dtype.str not in ALLOWED_DTYPES[name]:
-        raise WireError("schema", f"{where}{name} has dtype {arr.dtype.str}; allowed: {ALLOWED_DTYPES[name]}")
-    return arr
+        return WireError("schema", f"{where}{name} must be 1-D, got shape {arr.shape}")
+    return WireError("schema", f"{where}{name} has dtype {arr.dtype.str}; allowed: {ALLOWED_DTYPES[name]}")
+
+
+def _contig(arr: np.ndarray) -> memoryview:
+    return arr.data if arr.flags.c_contiguous else np.ascontiguousarray(arr).data
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
     """Serialise ``group`` into one frame (see module docstring). Raises :class:`WireError` ("schema") when the
-    group cannot be represented exactly (wrong dtypes, mixed dtypes across samples, bad finish_reason...)."""
+    group cannot be represented exactly (wrong or mixed dtypes, length mismatch, bad finish_reason, ...).
+
+    Written as one flat loop because at realistic sizes the Python bookkeeping, not the byte copy, is the cost."""
     samples = group.samples
     n = len(samples)
     if n == 0:
         raise WireError("schema", "a group needs at least one sample")
-    prompt = _check_array("prompt_ids", group.prompt_ids, "")
-    ids = [_check_array("response_ids", s.response_ids, f"samples[{j}].") for j, s in enumerate(samples)]
-    lps = [_check_array("behavior_logprobs", s.behavior_logprobs, f"samples[{j}].") for j, s in enumerate(samples)]
-    ids_dt, lp_dt = ids[0].dtype.str, lps[0].dtype.str
-    lengths = []
-    for j in range(n):
-        if ids[j].dtype.str != ids_dt or lps[j].dtype.str != lp_dt:
+    prompt = group.prompt_ids
+    if type(prompt) is not np.ndarray or prompt.ndim != 1 or prompt.dtype not in _DTYPE_OBJS["prompt_ids"]:
+        raise _bad_array("prompt_ids", prompt, "")
+    ids_dt = lp_dt = None
+    id_views: list[memoryview] = []
+    lp_views: list[memoryview] = []
+    lengths: list[int] = []
+    rewards: list[float] = []
+    finish: list[str] = []
+    vmin: list[int] = []
+    vmax: list[int] = []
+    failed: list[bool] = []
+    for j, s in enumerate(samples):
+        a, b = s.response_ids, s.behavior_logprobs
+        if type(a) is not np.ndarray or a.ndim != 1 or a.dtype not in _DTYPE_OBJS["response_ids"]:
+            raise _bad_array("response_ids", a, f"samples[{j}].")
+        if type(b) is not np.ndarray or b.ndim != 1 or b.dtype not in _DTYPE_OBJS["behavior_logprobs"]:
+            raise _bad_array("behavior_logprobs", b, f"samples[{j}].")
+        if ids_dt is None:
+            ids_dt, lp_dt = a.dtype, b.dtype
+        elif a.dtype != ids_dt or b.dtype != lp_dt:
             raise WireError("schema", f"samples[{j}]: all samples of a group must share dtypes ({ids_dt}, {lp_dt})")
-        if ids[j].shape[0] != lps[j].shape[0]:
-            raise WireError(
-                "schema",
-                f"samples[{j}]: len(response_ids)={ids[j].shape[0]} != len(behavior_logprobs)={lps[j].shape[0]}",
-            )
-        if samples[j].finish_reason not in FINISH_REASONS:
-            raise WireError("schema", f"samples[{j}].finish_reason={samples[j].finish_reason!r}; allowed: {FINISH_REASONS}")
-        lengths.append(int(ids[j].shape[0]))
+        t = a.shape[0]
+        if t != b.shape[0]:
+            raise WireError("schema", f"samples[{j}]: len(response_ids)={t} != len(behavior_logprobs)={b.shape[0]}")
+        if s.finish_reason not in FINISH_REASONS:
+            raise WireError("schema", f"samples[{j}].finish_reason={s.finish_reason!r}; allowed: {FINISH_REASONS}")
+        lengths.append(t)
+        id_views.append(_contig(a))
+        lp_views.append(_contig(b))
+        rewards.append(float(s.reward))
+        finish.append(s.finish_reason)
+        vmin.append(int(s.version_min))
+        vmax.append(int(s.version_max))
+        failed.append(bool(s.reward_failed))
     total = sum(lengths)
 
     # Regions: prompt | all response ids | all logprobs, each starting 8-aligned relative to the data start.
     p_bytes = prompt.nbytes
     r_off = p_bytes + _pad(p_bytes)
-    r_bytes = total * ids[0].itemsize
+    r_bytes = total * ids_dt.itemsize
     l_off = r_off + r_bytes + _pad(r_bytes)
     header = {
         "schema": SCHEMA_VERSION,
@@ -160,26 +188,23 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         "timings": {str(k): float(v) for k, v in group.timings.items()},
         "n": n,
         "lengths": lengths,
-        "reward": [float(s.reward) for s in samples],
-        "finish_reason": [s.finish_reason for s in samples],
-        "version_min": [int(s.version_min) for s in samples],
-        "version_max": [int(s.version_max) for s in samples],
-        "reward_failed": [bool(s.reward_failed) for s in samples],
+        "reward": rewards,
+        "finish_reason": finish,
+        "version_min": vmin,
+        "version_max": vmax,
+        "reward_failed": failed,
         "arrays": {
-            "prompt_ids": [prompt.dtype.str, [int(prompt.shape[0])], 0],
-            "response_ids": [ids_dt, [total], r_off],
-            "behavior_logprobs": [lp_dt, [total], l_off],
+            "prompt_ids": [prompt.dtype.str, [prompt.shape[0]], 0],
+            "response_ids": [ids_dt.str, [total], r_off],
+            "behavior_logprobs": [lp_dt.str, [total], l_off],
         },
     }
     hdr = msgpack.packb(header, use_bin_type=True)
     head_len = _PREFIX.size + len(hdr)
-    zeros = b"\0" * _ALIGN
-    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, zeros[: _pad(head_len)]]
-    parts.append(np.ascontiguousarray(prompt).data)
-    parts.append(zeros[: _pad(p_bytes)])
-    parts.extend(np.ascontiguousarray(a).data for a in ids)
-    parts.append(zeros[: _pad(r_bytes)])
-    parts.extend(np.ascontiguousarray(a).data for a in lps)
+    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, _ZEROS[: _pad(head_len)], _contig(prompt), _ZEROS[: _pad(p_bytes)]]
+    parts += id_views
+    parts.append(_ZEROS[: _pad(r_bytes)])
+    parts += lp_views
     return b"".join(parts)
 
 

@@ -1,0 +1,186 @@
+"""Compose, type-check, validate: the one entry point that turns overrides into an :class:`AsyncPPOConfig`.
+
+The YAML presets live inside the package (``asyncppo/configs``) so that a wheel install finds them next to the
+code, exactly like an editable install; the repository's top-level ``configs`` is a link to that folder so the
+files are also where users look for them. Hydra's compose API is used (not ``@hydra.main``) because the CLI
+owns argument parsing and must not let Hydra change the working directory or create output folders.
+
+Every failure - unknown key, bad type, unknown preset, a value validation rejects - surfaces as one
+:class:`ConfigError` whose lines name the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+import warnings
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
+
+from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.config.store import register_schema
+from asyncppo.config.validate import ConfigError, validate_config
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_GROUPS = ("algorithm", "data")
+# Sub-trees that accept keys the schema does not declare.
+_OPEN_NODES = ("extra", "hydra")
+
+
+class ConfigWarning(UserWarning):
+    """A legal but probably unintended combination of options."""
+
+
+def _schema_children(tp: Any) -> Optional[dict[str, Any]]:
+    """Field name -> type for a dataclass type, else None."""
+    if dataclasses.is_dataclass(tp):
+        hints = typing.get_type_hints(tp)
+        return {f.name: hints[f.name] for f in dataclasses.fields(tp)}
+    return None
+
+
+def _is_container(tp: Any) -> bool:
+    origin = typing.get_origin(tp)
+    return origin in (list, dict) or tp in (list, dict)
+
+
+def _check_override_key(key: str, add: bool) -> Optional[str]:
+    """Return a problem line if ``key`` (dotted) is not a schema field, else None."""
+    parts = key.split(".")
+    if parts[0] in _OPEN_NODES or (len(parts) == 1 and key in CONFIG_GROUPS):
+        return None
+    if "@" in parts[0] or parts[0].startswith("/"):  # package-qualified group override: let Hydra judge it
+        return None
+    node: Any = AsyncPPOConfig
+    path: list[str] = []
+    for part in parts:
+        children = _schema_children(node)
+        if children is None:
+            if _is_container(node):  # list index / dict key inside a declared container
+                return None
+            return f"{key}: '{'.'.join(path)}' is a value, it has no sub-key '{part}'"
+        if part not in children:
+            where = ".".join(path) or "the top level"
+            close = difflib.get_close_matches(part, list(children), n=3, cutoff=0.6)
+            hint = f"; did you mean {', '.join(repr('.'.join(path + [c])) for c in close)}?" if close else ""
+            how = " ('+' cannot add keys: the schema is closed; free-form keys go under extra.*)" if add else ""
+            return f"{key}: unknown key{how}; keys under {where}: {', '.join(children)}{hint}"
+        node = children[part]
+        args = [a for a in typing.get_args(node) if a is not type(None)]
+        if typing.get_origin(node) is typing.Union and len(args) == 1:
+            node = args[0]
+        path.append(part)
+    return None
+
+
+def check_override_keys(overrides: Sequence[str]) -> list[str]:
+    """Parse overrides with Hydra's grammar and check every key against the schema, collecting all problems."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    problems = []
+    parser = OverridesParser.create()
+    for text in overrides:
+        try:
+            (ov,) = parser.parse_overrides([text])
+        except OverrideParseException as exc:
+            problems.append(f"{text!r}: cannot parse override ({str(exc).splitlines()[0]}); expected key=value")
+            continue
+        if ov.is_delete():
+            problems.append(f"{text!r}: deleting keys ('~') is not supported: every option has a default")
+            continue
+        problem = _check_override_key(ov.key_or_group, add=ov.is_add() or ov.is_force_add())
+        if problem:
+            problems.append(problem)
+    return problems
+
+
+def _explain(exc: BaseException) -> str:
+    """One readable line from a Hydra/OmegaConf exception chain, led by the key when one is known."""
+    for err in (exc, exc.__cause__):
+        key = getattr(err, "full_key", None)
+        if key and isinstance(err, OmegaConfBaseException):
+            first = str(getattr(err, "msg", None) or err).splitlines()[0].strip()
+            return f"{key}: {first}"
+    msg = " ".join(str(exc).split("Config search path")[0].split())
+    cause = exc.__cause__
+    if cause is not None and str(cause) and str(cause) not in msg:
+        msg += " | " + " ".join(str(cause).split())
+    return msg or type(exc).__name__
+
+
+def compose(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = None,
+            config_name: str = "config") -> DictConfig:
+    """Compose ``config_name`` from ``config_dir`` (default: the packaged configs) with ``overrides``.
+
+    Returns the typed DictConfig before validation; raises :class:`ConfigError` on any composition problem.
+    """
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+    from hydra.errors import HydraException
+
+    overrides = list(overrides)
+    problems = check_override_keys(overrides)
+    if problems:
+        raise ConfigError(problems)
+    register_schema()
+    cdir = Path(config_dir or CONFIG_DIR).resolve()
+    if not (cdir / f"{config_name}.yaml").is_file():
+        raise ConfigError([f"config_dir={str(cdir)!r}: no {config_name}.yaml there"])
+    if GlobalHydra.instance().is_initialized():  # e.g. called from inside a Hydra app; restored on exit
+        GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=str(cdir), version_base="1.3", job_name="asyncppo"):
+            return hydra_compose(config_name=config_name, overrides=overrides)
+    except (HydraException, OmegaConfBaseException) as exc:
+        raise ConfigError([_explain(exc)]) from None
+
+
+def to_dataclass(node: DictConfig | dict) -> AsyncPPOConfig:
+    """Merge ``node`` onto the schema and convert to the dataclass (resolving interpolations)."""
+    register_schema()
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), node)
+        return OmegaConf.to_object(merged)  # type: ignore[return-value]
+    except MissingMandatoryValue as exc:
+        key = getattr(exc, "full_key", None) or "?"
+        raise ConfigError([f"{key}=???: required, no default; set it, e.g. {key}=..."]) from None
+    except OmegaConfBaseException as exc:
+        raise ConfigError([_explain(exc)]) from None
+
+
+def _finish(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
+    for msg in validate_config(cfg):
+        warnings.warn(msg, ConfigWarning, stacklevel=3)
+    return cfg
+
+
+def load_config(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = None,
+                config_name: str = "config") -> AsyncPPOConfig:
+    """Compose presets + overrides, convert to the typed dataclass, validate and fill derived defaults.
+
+    ``overrides`` use Hydra syntax: ``algorithm=grpo``, ``algorithm.pg_clip=0.28``, ``+extra.note=x``.
+    Raises :class:`ConfigError`; emits :class:`ConfigWarning` for suspicious but legal combinations.
+    """
+    return _finish(to_dataclass(compose(overrides, config_dir, config_name)))
+
+
+def config_to_yaml(cfg: AsyncPPOConfig) -> str:
+    """The config as YAML; :func:`config_from_yaml` turns it back into an equal dataclass."""
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def config_from_yaml(text: str) -> AsyncPPOConfig:
+    """Parse YAML (as written by :func:`config_to_yaml`, or any subset of keys) into a validated config."""
+    try:
+        node = OmegaConf.create(text)
+    except OmegaConfBaseException as exc:
+        raise ConfigError([f"cannot parse YAML: {_explain(exc)}"]) from None
+    if not isinstance(node, DictConfig):
+        raise ConfigError([f"YAML config must be a mapping at the top level, got {type(node).__name__}"])
+    return _finish(to_dataclass(node))

@@ -1,0 +1,108 @@
+"""The placement plan: which role runs where, decided from the config alone (no Ray, no devices touched).
+
+Kept pure so that ``asyncppo launch --dry-run`` can show it in milliseconds, tests can assert it exactly, and the
+Ray runner can turn it into placement-group bundles. Whether the cluster actually has these resources is the
+runner's check, not this module's.
+
+Rules:
+
+* ``cluster.rollout_gpus = N > 0``: N rollout engines, one GPU each; ``N = 0``: ``cluster.rollout_workers`` CPU
+  rollout actors.
+* ``cluster.train_gpus = M > 0``: M learner ranks, one GPU each; ``M = 0``: one CPU learner.
+* Every role asks for ``cluster.cpus_per_worker`` CPUs.
+* Learner rank 0 also hosts the trajectory sink, the admission controller, the control publisher and rank 0 of
+  the weight-sync group, whose world is learner rank 0 plus every rollout engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from asyncppo.config.schema import AsyncPPOConfig
+
+_PORT_NAMES = ("trajectory_port", "control_port", "admission_port", "sync_port")
+
+
+@dataclass(frozen=True)
+class RolePlacement:
+    """One process to start."""
+
+    name: str  # "learner-0", "rollout-3"
+    kind: str  # "learner" | "rollout"
+    rank: int  # index among roles of the same kind
+    device: str  # "gpu" | "cpu"
+    gpus: int  # GPUs this role reserves (0 or 1)
+    cpus: float  # CPUs this role reserves
+
+
+@dataclass
+class PlacementPlan:
+    roles: list[RolePlacement]
+    engine: str  # rollout.engine
+    bind_address: str
+    advertise_address: str
+    ports: dict[str, int] = field(default_factory=dict)  # cluster.*_port; 0 = a free port picked at launch
+    ray_address: str | None = None  # None: start a local Ray instance
+
+    @property
+    def learners(self) -> list[RolePlacement]:
+        return [r for r in self.roles if r.kind == "learner"]
+
+    @property
+    def rollouts(self) -> list[RolePlacement]:
+        return [r for r in self.roles if r.kind == "rollout"]
+
+    @property
+    def total_gpus(self) -> int:
+        return sum(r.gpus for r in self.roles)
+
+    @property
+    def total_cpus(self) -> float:
+        return sum(r.cpus for r in self.roles)
+
+    @property
+    def weight_sync_world_size(self) -> int:
+        """Learner rank 0 plus one rank per rollout engine."""
+        return 1 + len(self.rollouts)
+
+
+def make_placement_plan(cfg: AsyncPPOConfig) -> PlacementPlan:
+    cl = cfg.cluster
+    cpus = float(cl.cpus_per_worker)
+    roles: list[RolePlacement] = []
+    if cl.train_gpus > 0:
+        roles += [RolePlacement(f"learner-{i}", "learner", i, "gpu", 1, cpus) for i in range(cl.train_gpus)]
+    else:
+        roles.append(RolePlacement("learner-0", "learner", 0, "cpu", 0, cpus))
+    if cl.rollout_gpus > 0:
+        roles += [RolePlacement(f"rollout-{i}", "rollout", i, "gpu", 1, cpus) for i in range(cl.rollout_gpus)]
+    else:
+        roles += [RolePlacement(f"rollout-{i}", "rollout", i, "cpu", 0, cpus) for i in range(cl.rollout_workers)]
+    return PlacementPlan(
+        roles=roles,
+        engine=cfg.rollout.engine,
+        bind_address=cl.bind_address,
+        advertise_address=cl.advertise_address or cl.bind_address,
+        ports={name: int(getattr(cl, name)) for name in _PORT_NAMES},
+        ray_address=cl.address,
+    )
+
+
+def format_plan(plan: PlacementPlan) -> str:
+    """A human-readable table of the plan (what ``--dry-run`` prints)."""
+    lines = [
+        f"placement plan: {len(plan.learners)} learner rank(s), {len(plan.rollouts)} rollout worker(s) "
+        f"[engine={plan.engine}], {plan.total_gpus} GPU(s), {plan.total_cpus:g} CPU(s) in total",
+        f"  {'role':<12} {'kind':<8} {'device':<7} {'gpus':>4} {'cpus':>5}  notes",
+    ]
+    for r in plan.roles:
+        if r.kind == "learner":
+            notes = "trajectory sink, admission, control, weight-sync rank 0" if r.rank == 0 else "data-parallel rank"
+        else:
+            notes = f"{plan.engine} engine, weight-sync rank {1 + r.rank}"
+        lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
+    ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
+    lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")
+    lines.append(f"  weight-sync group: world size {plan.weight_sync_world_size}")
+    lines.append(f"  ray: {plan.ray_address or 'local instance started by the launcher'}")
+    return "\n".join(lines)

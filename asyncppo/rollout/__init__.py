@@ -1,0 +1,5 @@
+"""Rollout: the engine interface, its vLLM and transformers backends, and the rollout worker loop."""
+
+from .engine import Completion, RolloutEngine, make_engine
+
+__all__ = ["Completion", "RolloutEngine", "make_engine"]

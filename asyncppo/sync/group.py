@@ -1,0 +1,146 @@
+"""A dedicated process group for weight broadcast, built without touching the default group.
+
+Why not ``torch.distributed.init_process_group``: in the same processes vLLM (rollout) and FSDP (learner) each
+own the *default* group, and a process can hold only one. So the learner's rank 0 hosts its own ``TCPStore`` and
+every rank constructs the backend's ``ProcessGroup`` directly on that store (under a private key prefix). The
+result is used only through :class:`SyncGroup`, which knows its device (CPU for gloo, the current CUDA device for
+NCCL) so that callers never have to think about where a broadcast buffer must live.
+
+Failures to meet (nobody listening, a wrong host, a worker that never joins) become :class:`SyncGroupError`
+naming the address, the rank and the timeout, instead of torch's generic store errors.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+BACKENDS = ("gloo", "nccl")
+_STORE_PREFIX = "asyncppo/weight-sync"
+
+
+class SyncGroupError(RuntimeError):
+    """The weight-sync group could not be formed (timeout, unreachable or invalid address, bad arguments)."""
+
+
+@dataclass
+class SyncGroup:
+    """A formed weight-sync group: the backend process group plus what callers need to use it."""
+
+    pg: Any  # torch.distributed ProcessGroupGloo / ProcessGroupNCCL
+    rank: int
+    world_size: int
+    backend: str
+    device: torch.device
+    address: str  # "host:port" of the store, for error messages
+    timeout_s: float
+    store: Any = field(repr=False, default=None)  # kept alive: rank 0's store serves the others
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """Broadcast ``tensor`` (contiguous, on :attr:`device`) from ``src`` in place, and wait for it."""
+        try:
+            self.pg.broadcast([tensor], _bcast_opts(src)).wait()
+        except RuntimeError as e:
+            raise SyncGroupError(
+                f"weight-sync broadcast failed (rank {self.rank}/{self.world_size}, store {self.address}, "
+                f"backend {self.backend}, timeout {self.timeout_s}s): {e}"
+            ) from e
+
+    def close(self) -> None:
+        """Release the backend's connections; the group is unusable afterwards."""
+        shutdown = getattr(self.pg, "shutdown", None)
+        if shutdown is not None:
+            try:
+                shutdown()
+            except Exception:  # closing must not mask whatever made the caller close
+                pass
+        self.pg = None
+        self.store = None
+
+
+def _bcast_opts(src: int):
+    opts = dist.BroadcastOptions()
+    opts.rootRank = src
+    opts.rootTensor = 0
+    return opts
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port on ``host`` that was free a moment ago (bind to port 0 and read what the OS chose).
+
+    There is an unavoidable race between closing this probe socket and the store binding the port; it is only
+    a convenience for tests and single-machine launches.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def make_sync_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    backend: str = "gloo",
+    timeout_s: float = 300.0,
+) -> SyncGroup:
+    """Join (rank 0: host) the weight-sync group at ``host:port``; blocks until all ``world_size`` ranks joined.
+
+    Rank 0 is the learner: it binds the ``TCPStore`` on ``host:port`` (``host`` is then the address to bind, e.g.
+    ``0.0.0.0`` or ``127.0.0.1``). Other ranks connect to it. ``timeout_s`` bounds both the meeting and every later
+    broadcast (a rank that never joins a broadcast makes the others fail after ``timeout_s``).
+    """
+    if backend not in BACKENDS:
+        raise SyncGroupError(f"backend={backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise SyncGroupError(f"world_size={world_size!r} must be an int >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise SyncGroupError(f"rank={rank!r} must be an int in [0, {world_size})")
+    if not isinstance(port, int) or not 0 < port < 65536:
+        raise SyncGroupError(f"port={port!r} must be an int in [1, 65535]")
+    if timeout_s <= 0:
+        raise SyncGroupError(f"timeout_s={timeout_s!r} must be > 0")
+    address = f"{host}:{port}"
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise SyncGroupError(f"backend='nccl' needs CUDA, which this process does not have (store {address})")
+
+    who = f"rank {rank}/{world_size}"
+    try:
+        store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
+    except Exception as e:  # DistNetworkError, DistStoreError, socket.gaierror, TimeoutError ...
+        if rank == 0:
+            msg = f"could not bind the weight-sync store on {address} ({who}): {e}"
+        else:
+            msg = (f"could not reach the weight-sync store at {address} within {timeout_s}s ({who}); "
+                   f"is the learner (rank 0) running and the address right? ({type(e).__name__}: {e})")
+        raise SyncGroupError(msg) from e
+    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+
+    try:
+        if backend == "gloo":
+            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            device = torch.device("cpu")
+        else:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            device = torch.device("cuda", torch.cuda.current_device())
+    except Exception as e:
+        raise SyncGroupError(
+            f"the weight-sync group at {address} did not form within {timeout_s}s ({who}, backend {backend}): "
+            f"not every one of the {world_size} ranks joined ({type(e).__name__}: {e})"
+        ) from e
+    group = SyncGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, device=device,
+                      address=address, timeout_s=float(timeout_s), store=store)
+    if backend == "nccl":
+        # NCCL connects lazily; a first tiny broadcast makes a missing rank fail here, with the address, not
+        # in the middle of the first weight push.
+        group.broadcast(torch.zeros(1, device=device))
+    return group

@@ -1,0 +1,57 @@
+"""Shared fixtures: the tiny model is built once per test session; the vLLM engine is started once per session.
+
+* ``tiny_model_dir``: the built-in ``tiny-addition`` model built through the production path
+  (:func:`asyncppo.data.tiny.ensure_builtin_model`) into a session tmp dir with a short warm start
+  (``TINY_SFT_STEPS`` steps, a few seconds), so it emits digit strings ending in eos rather than noise —
+  realistic outputs with clear greedy margins, so backend comparisons are not decided by float ties.
+* ``random_model_dir``: the same architecture, untrained (0.2 s to build).
+* ``vllm_engine``: one in-process vLLM engine over ``tiny_model_dir`` (start-up is seconds; vLLM also keeps
+  process-wide state, so one engine per test process is the safe pattern). Tests that change its weights must
+  restore them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+TINY_SFT_STEPS = 40
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    from asyncppo.data.tiny import ensure_builtin_model
+
+    cache = tmp_path_factory.mktemp("asyncppo-cache")
+    return ensure_builtin_model("tiny-addition", cache_dir=str(cache), sft_steps=TINY_SFT_STEPS, seed=0, verbose=False)
+
+
+@pytest.fixture(scope="session")
+def random_model_dir(tmp_path_factory) -> str:
+    from asyncppo.data.tiny import build_tiny_model
+
+    return build_tiny_model(str(tmp_path_factory.mktemp("tiny-random")), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_engine(tiny_model_dir):
+    pytest.importorskip("vllm")
+    from asyncppo.rollout.engine import make_engine
+
+    engine = make_engine("vllm", tiny_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
+    yield engine
+    engine.close()
