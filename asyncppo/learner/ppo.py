@@ -29,6 +29,8 @@ CRITIC_ESTIMATORS = {"gae"}
 
 
 def needs_critic(cfg: AsyncPPOConfig) -> bool:
+    if cfg.algorithm.use_critic is not None:
+        return bool(cfg.algorithm.use_critic)
     return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
 
 

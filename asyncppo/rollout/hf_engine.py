@@ -102,8 +102,8 @@ class HFEngine:
         cfg = GenerationConfig(
             do_sample=not greedy,
             temperature=1.0 if greedy else float(temperature),
-            top_p=float(top_p),
-            top_k=int(top_k) if top_k > 0 else 0,
+            top_p=1.0 if greedy else float(top_p),
+            top_k=None if greedy else (int(top_k) if top_k > 0 else 0),
             num_return_sequences=n,
             max_new_tokens=max_tokens,
             min_new_tokens=0,

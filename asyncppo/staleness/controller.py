@@ -15,8 +15,8 @@ the controller counts *live* tickets ``L = granted - released`` rather than raw 
 
 * a ticket is granted only while ``L < (k + v + 1) * B`` (identical to the rule above when nothing was
   released, since then ``L`` equals the next fresh index);
-* a new grant occupies slot ``p = L`` and gets ``min_version = max(0, p // B - k)``; a released index is handed
-  out again first (indices stay unique among live tickets, so a debugging trace stays readable), and its
+* a new grant occupies slot ``p = L`` and gets ``min_version = max(0, p // B - k, i // B - k)`` for index ``i``
+  (both terms equal ``i // B - k`` when nothing was released); a released index is handed out again first (indices stay unique among live tickets, so a debugging trace stays readable), and its
   min_version is recomputed from the slot it now occupies, never from its old index: re-granting a dropped
   ticket with its old, low min_version would only produce another group that is dropped again.
 
@@ -98,7 +98,8 @@ class AdmissionController:
             self._outstanding.add(index)
             self._live += 1
             self.granted += 1
-            return Ticket(index=index, min_version=max(0, live // self.B - self.k))
+            # slot rule, and never older than the index's own rule (attainable: index < (k + v + 1) * B)
+            return Ticket(index=index, min_version=max(0, live // self.B - self.k, index // self.B - self.k))
 
     def _take_fresh(self) -> int:
         i = self._next_index

@@ -1,0 +1,1 @@
+"""Ray launch: placement plan, actors, runner."""
