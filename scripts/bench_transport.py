@@ -15,6 +15,7 @@ Runs are interleaved and repeated; the median is printed, with the ratio record/
 from __future__ import annotations
 
 import argparse
+import logging
 import multiprocessing as mp
 import os
 import statistics
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--prompt-len", type=int, default=128)
     args = ap.parse_args()
+    logging.disable(logging.WARNING)  # the END marker is (correctly) rejected as malformed
 
     print(f"groups of {args.samples} samples, prompt {args.prompt_len} tokens, int32 ids + float32 logprobs; "
           f"{args.messages} messages x {args.repeats} repeats (median), PUSH/PULL over tcp loopback, "

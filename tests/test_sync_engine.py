@@ -46,38 +46,61 @@ def build_model(out_dir: str, tie: bool) -> str:
 
 
 def hf_greedy(model, tokenizer) -> list[list[int]]:
-    """Greedy continuation by plain argmax over full forwards: no generation-config defaults can interfere."""
+    """Greedy continuation by plain argmax over full forwards, ending after EOS as an engine does."""
     outs = []
     with torch.no_grad():
         for p in PROMPTS:
             ids = tokenizer(p, add_special_tokens=False).input_ids
             new = []
-            for _ in range(NEW_TOKENS):
+            while len(new) < NEW_TOKENS and (not new or new[-1] != tokenizer.eos_token_id):
                 logits = model(torch.tensor([ids + new])).logits[0, -1]
                 new.append(int(logits.argmax()))
             outs.append(new)
     return outs
 
 
-class _VLLMEngine:
-    """The smallest engine with the project's ``update_weights`` contract, over a real ``vllm.LLM``."""
+class _Engine:
+    """The project's vLLM engine when it exists (else a bare ``vllm.LLM``), recording each weight-load call."""
 
     def __init__(self, model_dir: str):
-        from vllm import LLM, SamplingParams
+        from transformers import AutoTokenizer
 
-        self.llm = LLM(model=model_dir, dtype="float32", max_model_len=64, enforce_eager=True, seed=0)
-        self.sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-        self.tokenizer = self.llm.get_tokenizer()
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.calls: list[list[str]] = []
+        try:
+            from asyncppo.rollout.vllm_engine import VLLMEngine
+        except ImportError:
+            VLLMEngine = None
+        if VLLMEngine is not None:
+            # allow_tied_fp32: this path pushes lm_head.weight explicitly, which is what makes tied fp32 correct
+            self.engine = VLLMEngine(model_dir, dtype="float32", max_model_len=64, seed=0, allow_tied_fp32=True)
+            self.llm = self.engine.llm
+        else:
+            from vllm import LLM
+
+            self.engine, self.llm = None, LLM(model=model_dir, dtype="float32", max_model_len=64,
+                                              enforce_eager=True, seed=0)
 
     def greedy(self) -> list[list[int]]:
-        prompts = [{"prompt_token_ids": self.tokenizer(p, add_special_tokens=False).input_ids} for p in PROMPTS]
-        return [list(o.outputs[0].token_ids) for o in self.llm.generate(prompts, self.sp, use_tqdm=False)]
+        prompts = [self.tokenizer(p, add_special_tokens=False).input_ids for p in PROMPTS]
+        if self.engine is not None:
+            outs = self.engine.generate(prompts, n=1, max_tokens=NEW_TOKENS, temperature=0.0)
+            return [[int(t) for t in o[0].token_ids] for o in outs]
+        from vllm import SamplingParams
+
+        sp = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
 
     def update_weights(self, named):
         from asyncppo.sync import vllm_reload_weights
 
+        named = list(named)
         self.calls.append(sorted({n.split(".")[2] if n.startswith("model.layers.") else n for n, _ in named}))
-        vllm_reload_weights(self.llm, named, quiet_partial=True)
+        if self.engine is not None:
+            self.engine.update_weights(named)
+        else:
+            vllm_reload_weights(self.llm, named, quiet_partial=True)
 
 
 def _engine_process(model_dir: str, port: int, q) -> None:
@@ -85,8 +108,7 @@ def _engine_process(model_dir: str, port: int, q) -> None:
         os.environ.update(VLLM_ENV)
         from asyncppo.sync import LayerGroupLoader, WeightReceiver
 
-        engine = _VLLMEngine(model_dir)
-        engine.calls = []
+        engine = _Engine(model_dir)
         before = engine.greedy()
         group = make_sync_group("127.0.0.1", port, 1, 2, timeout_s=120)
         rx = WeightReceiver(group)

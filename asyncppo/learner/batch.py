@@ -72,13 +72,13 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
     group_index = torch.zeros(B, dtype=torch.long)
     version_min = torch.zeros(B, dtype=torch.long)
     for i, (g_idx, group, sample) in enumerate(rows):
-        prompt = torch.as_tensor(group.prompt_ids, dtype=torch.long)
+        prompt = torch.tensor(group.prompt_ids, dtype=torch.long)
         n_prompt, n_resp = prompt.shape[0], sample.num_tokens
         input_ids[i, P - n_prompt : P] = prompt
         attention_mask[i, P - n_prompt : P + n_resp] = 1
         if n_resp:
-            input_ids[i, P : P + n_resp] = torch.as_tensor(sample.response_ids, dtype=torch.long)
-            behavior[i, :n_resp] = torch.as_tensor(sample.behavior_logprobs, dtype=torch.float32)
+            input_ids[i, P : P + n_resp] = torch.tensor(sample.response_ids, dtype=torch.long)
+            behavior[i, :n_resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
             response_mask[i, :n_resp] = 1.0
         scores[i] = float(sample.reward)
         group_index[i] = g_idx

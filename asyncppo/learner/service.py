@@ -29,10 +29,6 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _endpoint(host: str, port: int) -> str:
-    return f"tcp://{host}:{port}"
-
-
 class LearnerService:
     def __init__(self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str):
         self.cfg = cfg
@@ -41,32 +37,30 @@ class LearnerService:
         self.output_dir = output_dir
         self.version = 0
         self._closables: list = []
+        self._feeder = None
 
     # ------------------------------------------------------------------------------------------------------------
     def setup(self) -> Endpoints:
         """Bind every socket the workers need and return their addresses (called before any worker starts)."""
         from asyncppo.staleness import AdmissionController, AdmissionServer
         from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
+        from asyncppo.stream.endpoints import bind_endpoint, connect_endpoint
 
         cl, ro = self.cfg.cluster, self.cfg.rollout
         host = cl.bind_address
         public = cl.advertise_address or host
         self.receiver = TrajectoryReceiver(
-            _endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20
+            bind_endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20
         )
-        self.control = ControlPublisher(_endpoint(host, cl.control_port))
+        self.control = ControlPublisher(bind_endpoint(host, cl.control_port))
         self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness)
-        self.admission_server = AdmissionServer(self.admission, _endpoint(host, cl.admission_port))
+        self.admission_server = AdmissionServer(self.admission, bind_endpoint(host, cl.admission_port))
         self._closables += [self.receiver, self.control, self.admission_server]
         self.sync_port = cl.sync_port or _free_port(host)
-
-        def public_addr(addr: str) -> str:
-            return addr.replace(host, public, 1) if public != host else addr
-
         return Endpoints(
-            trajectory=public_addr(self.receiver.address),
-            control=public_addr(self.control.address),
-            admission=public_addr(self.admission_server.address),
+            trajectory=connect_endpoint(self.receiver.address, public),
+            control=connect_endpoint(self.control.address, public),
+            admission=connect_endpoint(self.admission_server.address, public),
             sync_host=public,
             sync_port=self.sync_port,
             sync_world_size=1 + self.num_workers,
@@ -77,7 +71,7 @@ class LearnerService:
         from asyncppo.learner.batch import collate_groups
         from asyncppo.learner.models import load_actor, load_critic, load_reference, torch_dtype, full_state_dict
         from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
-        from asyncppo.staleness import StalenessBuffer, start_feeder
+        from asyncppo.staleness import Feeder, StalenessBuffer
         from asyncppo.sync import WeightSender, make_sync_group
         from transformers import AutoTokenizer
 
@@ -122,9 +116,15 @@ class LearnerService:
             timeout_s=cfg.cluster.timeout_s,
         )
         sender = WeightSender(group, bucket_bytes=ro.weight_bucket_mb << 20)
-        buffer = StalenessBuffer(ro.max_staleness, capacity_groups=max(4 * ro.rollout_batch_size, 64))
-        feeder = start_feeder(self.receiver, buffer, on_drop=lambda g: self.admission.release_ticket(g.ticket))
+        buffer = StalenessBuffer(
+            ro.max_staleness,
+            capacity_groups=max(4 * ro.rollout_batch_size, 64),
+            on_drop=lambda g: self.admission.release(g.ticket),
+            on_take=lambda g: self.admission.consumed(g.ticket),
+        )
+        feeder = Feeder(self.receiver, buffer)
         self._closables.insert(0, feeder)
+        self._feeder = feeder
         self.control.publish(version=0, weights_version=0)
         logger.message("training started")
 
@@ -202,6 +202,8 @@ class LearnerService:
         groups = []
         while len(groups) < n:
             groups += buffer.take(n - len(groups), self.version, timeout_s=1.0)
+            if self._feeder is not None and not self._feeder.alive:
+                raise RuntimeError(f"the trajectory feeder stopped: {self._feeder.error!r}")
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no trajectories for {self.cfg.cluster.timeout_s:.0f}s at policy version {self.version} "

@@ -35,14 +35,20 @@ class HFEngine:
         seed: int = 0,
         device: str = "cpu",
         batch_size: int = 0,
+        num_threads: Optional[int] = None,
         **unused,
     ):
+        """``num_threads``: torch intra-op threads for this process (applied here). On a few shared cores use 1:
+        a tiny model gains nothing from a second thread, and under contention it is several times slower.
+        ``unused`` absorbs vLLM-only options so that one config can build either backend."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"hf engine: dtype={dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"hf engine: no config.json in model_path={model_path!r}")
+        if num_threads:
+            torch.set_num_threads(int(num_threads))
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()

@@ -97,7 +97,7 @@ class RolloutWorker:
                     continue
                 tickets = [ticket]
                 while len(tickets) < per_call:
-                    more = admission.acquire(timeout_s=0)
+                    more = admission.acquire(timeout_s=0.05)
                     if more is None:
                         break
                     tickets.append(more)

@@ -16,9 +16,10 @@ the controller counts *live* tickets ``L = granted - released`` rather than raw 
 * a ticket is granted only while ``L < (k + v + 1) * B`` (identical to the rule above when nothing was
   released, since then ``L`` equals the next fresh index);
 * a new grant occupies slot ``p = L`` and gets ``min_version = max(0, p // B - k, i // B - k)`` for index ``i``
-  (both terms equal ``i // B - k`` when nothing was released); a released index is handed out again first (indices stay unique among live tickets, so a debugging trace stays readable), and its
-  min_version is recomputed from the slot it now occupies, never from its old index: re-granting a dropped
-  ticket with its old, low min_version would only produce another group that is dropped again.
+  (both terms equal ``i // B - k`` when nothing was released). A released index is handed out again first
+  (indices stay unique among live tickets, so a trace stays readable), and its min_version is recomputed from
+  the slot it now occupies: re-granting a dropped ticket with its old, low min_version would only produce
+  another group that is dropped again.
 
 Invariant (checked by the tests): at every moment the number of live tickets is ``<= (k + v + 1) * B``, every
 grant's ``min_version >= v - k`` for the learner version ``v`` at grant time (because ``L >= v*B``: all consumed

@@ -57,6 +57,7 @@ ALLOWED_DTYPES: dict[str, tuple[str, ...]] = {
     "behavior_logprobs": ("<f4", "<f8", "<f2"),
 }
 _ARRAYS = tuple(ALLOWED_DTYPES)
+_DTYPE_BY_STR = {d: np.dtype(d) for v in ALLOWED_DTYPES.values() for d in v}
 
 # Header fields and the exact Python types msgpack decodes them to (bool is not accepted where int is wanted).
 _GROUP_FIELDS: dict[str, type] = {
@@ -77,13 +78,13 @@ _GROUP_FIELDS: dict[str, type] = {
     "reward_failed": list,
     "arrays": dict,
 }
-_COLUMN_TYPES: dict[str, tuple[type, ...]] = {
-    "lengths": (int,),
-    "reward": (float,),
-    "finish_reason": (str,),
-    "version_min": (int,),
-    "version_max": (int,),
-    "reward_failed": (bool,),
+_COLUMN_TYPES: dict[str, frozenset] = {
+    "lengths": frozenset({int}),
+    "reward": frozenset({float}),
+    "finish_reason": frozenset({str}),
+    "version_min": frozenset({int}),
+    "version_max": frozenset({int}),
+    "reward_failed": frozenset({bool}),
 }
 
 
@@ -265,7 +266,7 @@ def _region(mv: memoryview, data_start: int, arrays: dict, name: str) -> np.ndar
         raise WireError("schema", f"arrays[{name!r}] shape {shape!r} must be [length >= 0]")
     if type(off) is not int or off < 0 or off % _ALIGN:
         raise WireError("schema", f"arrays[{name!r}] offset {off!r} must be a non-negative multiple of {_ALIGN}")
-    dtype = np.dtype(dt)
+    dtype = _DTYPE_BY_STR[dt]
     start = data_start + off
     stop = start + shape[0] * dtype.itemsize
     if stop > mv.nbytes:
@@ -290,13 +291,13 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     n = header["n"]
     if n < 1:
         raise WireError("schema", f"n={n}: a group needs at least one sample")
-    for col, types in _COLUMN_TYPES.items():
+    for col, typ in _COLUMN_TYPES.items():
         values = header[col]
         if len(values) != n:
             raise WireError("schema", f"column {col!r} has {len(values)} entries, expected n={n}")
-        for v in values:
-            if type(v) not in types:
-                raise WireError("schema", f"column {col!r} entry {v!r} must be {types[0].__name__}")
+        if not set(map(type, values)) <= typ:  # exact types: bool is not accepted as int
+            bad = next(v for v in values if type(v) not in typ)
+            raise WireError("schema", f"column {col!r} entry {bad!r} must be {next(iter(typ)).__name__}")
     for fr in header["finish_reason"]:
         if fr not in FINISH_REASONS:
             raise WireError("schema", f"finish_reason {fr!r} not allowed; allowed: {FINISH_REASONS}")
