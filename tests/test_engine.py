@@ -57,12 +57,17 @@ def ref_greedy(model, prompt, max_tokens, eos):
 
 
 @torch.no_grad()
-def ref_logprobs(model, prompt, response, temperature, top_k=-1):
+def ref_logprobs(model, prompt, response, temperature, top_k=-1, top_p=1.0):
     ids = torch.tensor([list(prompt) + list(response)])
     logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
     if top_k > 0:
         kth = logits.topk(top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:  # keep the most probable tokens until their mass reaches top_p
+        probs, order = torch.softmax(logits, -1).sort(dim=-1, descending=True)
+        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
     lp = torch.log_softmax(logits, dim=-1)
     return lp.gather(1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(1).numpy()
 
@@ -87,14 +92,16 @@ def test_greedy_matches_transformers(engine, ref_model, prompts, tiny_tokenizer)
         (c,) = comps
         ref = ref_greedy(ref_model, p, 6, eos)
         assert c.token_ids.tolist() == ref
+        # greedy log-probs are those of the unscaled (T=1) distribution
+        assert np.abs(ref_logprobs(ref_model, p, ref, 1.0) - c.logprobs).max() < LOGPROB_TOL
         assert c.finish_reason == ("stop" if ref[-1] == eos else "length")
         texts.add(tiny_tokenizer.decode(ref))
     assert len(texts) > 3  # the comparison is over varied continuations, not one repeated string
 
 
-@pytest.mark.parametrize("temperature,top_k", [(1.0, -1), (0.7, -1), (0.7, 5)])
-def test_behaviour_logprobs_match_forward_pass(engine, ref_model, prompts, temperature, top_k):
-    out = engine.generate(prompts[:8], n=4, max_tokens=8, temperature=temperature, top_k=top_k, seed=123)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, -1, 1.0), (0.7, -1, 1.0), (0.7, 5, 1.0), (1.0, -1, 0.8)])
+def test_behaviour_logprobs_match_forward_pass(engine, ref_model, prompts, temperature, top_k, top_p):
+    out = engine.generate(prompts[:8], n=4, max_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p, seed=123)
     worst, count = 0.0, 0
     for p, comps in zip(prompts[:8], out):
         assert len(comps) == 4
@@ -102,13 +109,13 @@ def test_behaviour_logprobs_match_forward_pass(engine, ref_model, prompts, tempe
             assert isinstance(c, Completion)
             assert c.token_ids.dtype == np.int32 and c.logprobs.dtype == np.float32
             assert c.token_ids.shape == c.logprobs.shape and 1 <= c.num_tokens <= 8
-            ref = ref_logprobs(ref_model, p, c.token_ids.tolist(), temperature, top_k)
+            ref = ref_logprobs(ref_model, p, c.token_ids.tolist(), temperature, top_k, top_p)
             worst = max(worst, float(np.abs(ref - c.logprobs).max()))
             count += c.num_tokens
-    print(f"\n[{type(engine).__name__}] T={temperature} top_k={top_k}: max |logprob diff| = {worst:.2e} over {count} tokens")
+    print(f"\n[{type(engine).__name__}] T={temperature} top_k={top_k} top_p={top_p}: max |logprob diff| = {worst:.2e} over {count} tokens")
     assert worst < LOGPROB_TOL
     # The tolerance is meaningful: the unscaled (T=1) log-probs differ far more when T != 1.
-    if temperature != 1.0 and top_k == -1:
+    if temperature != 1.0 and top_k == -1 and top_p == 1.0:
         c = out[0][0]
         assert np.abs(ref_logprobs(ref_model, prompts[0], c.token_ids.tolist(), 1.0) - c.logprobs).max() > 1e-2
 

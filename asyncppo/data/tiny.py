@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-BUILD_FORMAT = 1  # bump when the build changes in a way the parameters do not capture
+BUILD_FORMAT = 2  # bump when the build changes in a way the parameters do not capture
 
 PAD, EOS, UNK, BOS = "<pad>", "<eos>", "<unk>", "<bos>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, BOS]  # ids 0..3: pad is 0 so that zero-filled buffers read as padding

@@ -22,6 +22,8 @@ from typing import Optional
 
 import numpy as np
 
+from asyncppo.sync.engine_load import receive_into_engine
+
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.stream.records import Sample, TrajectoryGroup
 
@@ -132,8 +134,11 @@ class RolloutWorker:
     # ------------------------------------------------------------------------------------------------------------
     def _load_weights(self, receiver, engine) -> None:
         t0 = time.perf_counter()
-        version, named = receiver.receive()
-        engine.update_weights(named)
+        ro = self.cfg.rollout
+        # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
+        version = receive_into_engine(
+            receiver, engine, flush_bytes=ro.weight_bucket_mb << 20, model_config=self.model_path, dtype=ro.dtype
+        )
         self.version = version
         self.stats["weight_loads"] += 1
         log.info("worker %d loaded weights v%d in %.3fs", self.worker_id, version, time.perf_counter() - t0)
