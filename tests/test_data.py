@@ -212,6 +212,8 @@ def test_resolve_reward_fn(tmp_path, monkeypatch):
     assert resolve_reward_fn("math") is math_reward
     assert resolve_reward_fn("auto", builtin_task=True) is exact_match
     assert resolve_reward_fn("auto", builtin_task=False) is math_reward
+    assert resolve_reward_fn("auto", task="addition") is exact_match
+    assert resolve_reward_fn("auto", task=None) is math_reward
     assert resolve_reward_fn("myrewards.scoring:quarter")("x", "y") == 0.25
     assert resolve_reward_fn("myrewards.scoring.quarter")("x", "y") == 0.25
     assert resolve_reward_fn("os.path:join") is os.path.join
@@ -239,3 +241,27 @@ def test_read_rows_default_keys(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_text(json.dumps({"prompt": "p", "answer": "a"}) + "\n")
     assert read_rows([str(f)]) == [{"prompt": "p", "answer": "a"}]
+
+
+def test_build_prompt_dataset_from_config(tmp_path, random_model_dir):
+    from asyncppo.config.schema import AsyncPPOConfig
+    from asyncppo.data.datasets import build_prompt_dataset
+
+    cfg = AsyncPPOConfig()
+    cfg.data.num_eval_prompts = 64
+    train = build_prompt_dataset(cfg, random_model_dir, split="train")
+    ev = build_prompt_dataset(cfg, random_model_dir, split="eval")
+    assert len(ev) == 64 and len(train) == 10000 - 64
+    assert {it.prompt for it in ev}.isdisjoint(it.prompt for it in train)
+    assert all(len(it.prompt_ids) == 6 for it in ev)
+    f = tmp_path / "gsm.jsonl"
+    f.write_text(json.dumps({"question": "12+30=" * 20, "answer": "... #### 42"}) + "\n")
+    cfg.data.train_files, cfg.data.prompt_key = [str(f)], "question"
+    cfg.rollout.prompt_length, cfg.rollout.overlong_prompt = 10, "skip"
+    skipped = build_prompt_dataset(cfg, random_model_dir)
+    assert len(skipped) == 0 and skipped.stats.skipped_overlong == 1
+    cfg.rollout.overlong_prompt = "truncate"
+    (item,) = build_prompt_dataset(cfg, random_model_dir)
+    assert len(item.prompt_ids) == 10 and item.answer == "42"
+    with pytest.raises(ValueError, match="eval_files"):
+        build_prompt_dataset(cfg, random_model_dir, split="eval")

@@ -7,6 +7,7 @@ argmax, and log-probs of given tokens as ``log_softmax(logits / T)`` — what th
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -177,23 +178,91 @@ def test_update_weights_then_greedy_matches_transformers(engine, tiny_model_dir,
     assert restored == before
 
 
-def test_hf_update_weights_rejects_bad_names_without_partial_writes(hf_engine):
-    key = hf_engine.state_dict_keys()[0]
-    before = hf_engine.model.state_dict()[key].clone()
-    good = (key, torch.zeros_like(before))
+def test_update_weights_rejects_bad_input_and_engine_keeps_working(engine, tiny_model_dir, prompts):
+    """Unknown names and wrong shapes are refused before anything is loaded (vLLM's reload would otherwise fail
+    halfway and leave the engine unusable): the engine still generates exactly as before."""
+    from safetensors.torch import load_file
+
+    (shard,) = Path(tiny_model_dir).glob("*.safetensors")
+    weights = load_file(str(shard))
+    before = [c[0].token_ids.tolist() for c in engine.generate(prompts, n=1, max_tokens=6, temperature=0.0)]
+    zeroed = {k: torch.zeros_like(v) for k, v in weights.items()}
     with pytest.raises(KeyError, match="no.such.weight"):
-        hf_engine.update_weights([good, ("no.such.weight", torch.zeros(1))])
+        engine.update_weights(list(zeroed.items()) + [("no.such.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="shape"):
-        hf_engine.update_weights([good, (key, torch.zeros(3, 3, 3))])
-    assert torch.equal(hf_engine.model.state_dict()[key], before)
+        engine.update_weights(list(zeroed.items()) + [("lm_head.weight", torch.zeros(3, 3))])
+    after = [c[0].token_ids.tolist() for c in engine.generate(prompts, n=1, max_tokens=6, temperature=0.0)]
+    assert after == before
+    assert engine.generate([], n=1, max_tokens=4, temperature=1.0) == []
 
 
-def test_vllm_refuses_tied_fp32(tmp_path):
-    from asyncppo.data.tiny import build_tiny_model
+TIED_CHILD = r"""
+import sys, torch
+from transformers import AutoModelForCausalLM
+from asyncppo.data.tiny import build_tiny_model
+from asyncppo.rollout.engine import make_engine
 
-    d = build_tiny_model(str(tmp_path / "tied"), tie_word_embeddings=True)
-    with pytest.raises(ValueError, match="tie_word_embeddings"):
-        make_engine("vllm", d, dtype="float32")
+d = build_tiny_model(sys.argv[1], tie_word_embeddings=True)
+model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+eng = make_engine("vllm", d, dtype="float32", max_model_len=64, seed=0, num_threads=1)
+prompts = [[4 + i, 11, 14, 4 + 2 * i % 10, 9, 15] for i in range(6)]
+def ref(p):
+    ids, new = list(p), []
+    while len(new) < 6 and (not new or new[-1] != model.config.eos_token_id):
+        with torch.no_grad():
+            new.append(int(model(torch.tensor([ids + new])).logits[0, -1].argmax()))
+    return new
+g = torch.Generator().manual_seed(1)
+with torch.no_grad():
+    for p in model.parameters():
+        p.add_(torch.randn(p.shape, generator=g) * 0.3)
+named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+assert "lm_head.weight" not in dict(named)
+eng.update_weights(named)
+got = [c[0].token_ids.tolist() for c in eng.generate(prompts, n=1, max_tokens=6, temperature=0.0)]
+want = [ref(p) for p in prompts]
+print("RESULT", got == want, got, want)
+"""
+
+
+def test_vllm_tied_fp32_update_refreshes_output_layer(tmp_path):
+    """vLLM CPU fp32 keeps its own copy of a tied output layer; pushing a tied model's named_parameters()
+    (which omit lm_head.weight) must still update it: greedy output then equals transformers'.
+    Runs in a child process: vLLM's parallel state is per process, shared with the session engine."""
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", TIED_CHILD, str(tmp_path / "tied")], capture_output=True, text=True,
+                         timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
+    assert res.returncode == 0 and lines, res.stderr[-3000:]
+    assert lines[0].startswith("RESULT True"), lines[0]
+
+
+def test_vllm_partial_update_by_whole_layer_groups(vllm_engine, tiny_model_dir, prompts):
+    """Whole layer groups may be pushed alone (the sync loader streams layer by layer); part of one may not."""
+    from safetensors.torch import load_file
+
+    (shard,) = Path(tiny_model_dir).glob("*.safetensors")
+    weights = load_file(str(shard))
+    before = [c[0].token_ids.tolist() for c in vllm_engine.generate(prompts, n=1, max_tokens=6, temperature=0.0)]
+    with pytest.raises(ValueError, match="part of layer group 'model.layers.0'"):
+        vllm_engine.update_weights([("model.layers.0.self_attn.q_proj.weight", weights["model.layers.0.self_attn.q_proj.weight"])])
+    try:
+        vllm_engine.update_weights([("lm_head.weight", torch.zeros_like(weights["lm_head.weight"]))])
+        zeroed = vllm_engine.generate(prompts[:2], n=2, max_tokens=4, temperature=1.0, seed=0)
+        # all-zero logits: every token has probability 1/vocab
+        assert np.allclose(np.concatenate([c.logprobs for comps in zeroed for c in comps]), -np.log(16), atol=1e-5)
+        layer1 = [(k, v) for k, v in weights.items() if k.startswith("model.layers.1.")]
+        vllm_engine.update_weights(layer1)  # unchanged values: output must stay as it is
+    finally:
+        vllm_engine.update_weights([("lm_head.weight", weights["lm_head.weight"])])
+    assert [c[0].token_ids.tolist() for c in vllm_engine.generate(prompts, n=1, max_tokens=6, temperature=0.0)] == before
+
+
+def test_decode_drops_special_tokens(engine, tiny_tokenizer):
+    ids = tiny_tokenizer.encode("52") + [tiny_tokenizer.eos_token_id]
+    assert engine.decode(np.asarray(ids, dtype=np.int32)) == "52"
 
 
 @pytest.mark.parametrize(

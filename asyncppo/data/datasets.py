@@ -229,3 +229,31 @@ class PromptDataset:
             for i in order:
                 yield self.items[i]
             epoch += 1
+
+
+def build_prompt_dataset(cfg, model_path: str, split: str = "train", tokenizer=None) -> PromptDataset:
+    """The dataset a run trains (``split="train"``) or evaluates (``"eval"``) on, from an ``AsyncPPOConfig``.
+
+    ``data.train_files`` / ``data.eval_files`` when given, else the built-in ``data.task`` (its held-out split
+    has ``data.num_eval_prompts`` rows, disjoint from training). Prompts are tokenised with the tokenizer in
+    ``model_path`` and limited to ``rollout.prompt_length`` tokens per ``rollout.overlong_prompt``.
+    """
+    if split not in ("train", "eval"):
+        raise ValueError(f"split={split!r} not allowed; allowed: 'train', 'eval'")
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    d, ro = cfg.data, cfg.rollout
+    common = dict(
+        prompt_length=ro.prompt_length, overlong=ro.overlong_prompt, apply_chat_template=d.apply_chat_template
+    )
+    if d.train_files:
+        files = list(d.train_files if split == "train" else d.eval_files)
+        if not files:
+            raise ValueError("data.eval_files is empty: evaluation on file datasets needs eval files")
+        return PromptDataset.from_files(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key, **common)
+    from .tasks import get_task
+
+    task = get_task(d.task, seed=d.seed, num_eval=d.num_eval_prompts)
+    return PromptDataset.from_task(task, tokenizer, split=split, **common)

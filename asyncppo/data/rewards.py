@@ -43,15 +43,20 @@ def register_reward(name: str, fn: RewardFn) -> None:
     _REWARDS[name] = fn
 
 
-def resolve_reward_fn(spec: str, *, builtin_task: bool = False) -> RewardFn:
+def resolve_reward_fn(spec: str, *, task: Optional[str] = None, builtin_task: bool = False) -> RewardFn:
     """A built-in name (``exact_match``, ``math``), ``auto``, or a dotted path ``pkg.mod:fn`` / ``pkg.mod.fn``.
 
-    ``auto`` is exact match for the built-in synthetic task (answers are plain integers) and math-verify for
-    anything else (free-form reasoning where ``0.5`` and ``\\frac{1}{2}`` must both count).
+    ``auto``: when training on a built-in synthetic task (``task`` names it, or ``builtin_task=True``) the task's
+    own reward (exact match for addition: answers are plain integers); otherwise math-verify (free-form
+    reasoning where ``0.5`` and ``\\frac{1}{2}`` must both count).
     """
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"reward_fn={spec!r} must be a non-empty string")
     if spec == "auto":
+        if task is not None:
+            from .tasks import get_task
+
+            return resolve_reward_fn(getattr(get_task(task), "default_reward", "exact_match"))
         return exact_match if builtin_task else math_reward
     if spec in _REWARDS:
         return _REWARDS[spec]

@@ -94,7 +94,6 @@ def build_tiny_model(
         use_sliding_window=False,
         rope_theta=10000.0,
     )
-    config.torch_dtype = "float32"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config).to(torch.float32)

@@ -221,7 +221,7 @@ def _make_evaluator(cfg: AsyncPPOConfig, tokenizer):
     from asyncppo.data.tasks import get_task
     from asyncppo.data.warmstart import answer_accuracy
 
-    rows = get_task(cfg.data.task, seed=cfg.data.seed).splits().eval[: cfg.data.num_eval_prompts]
+    rows = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts).splits().eval
     temperature = cfg.rollout.sampling.temperature
 
     def evaluate(model) -> dict:

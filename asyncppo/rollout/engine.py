@@ -46,6 +46,8 @@ class RolloutEngine(Protocol):
         stop_token_ids: Optional[Sequence[int]] = None,
     ) -> list[list[Completion]]: ...
 
+    def decode(self, token_ids) -> str: ...  # text without special tokens, for reward functions
+
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None: ...
 
     def state_dict_keys(self) -> list[str]: ...
@@ -86,7 +88,10 @@ def make_engine(
     """Build a rollout engine. ``kind``: ``"vllm"`` (vLLM, CPU build on CPU) or ``"hf"`` (transformers).
 
     Extra ``opts`` go to the backend (vLLM: ``kv_cache_gib``, ``enforce_eager``, ``gpu_memory_utilization``,
-    ``num_threads``, ``allow_tied_fp32``; hf: ``batch_size``).
+    ``num_threads``; hf: ``batch_size``, ``num_threads``). Options meant for the other backend are ignored by hf.
+
+    Threads: on a few shared cores pass ``num_threads=1``. Measured on 2 busy cores (tiny model, 32x4x64):
+    vLLM 3.3k tok/s with 1 thread vs 0.46k with 2; transformers 1.9k vs 1.3k.
     """
     if kind == "vllm":
         from .vllm_engine import VLLMEngine

@@ -52,7 +52,7 @@ class HFEngine:
         self.device = torch.device(device)
         self.dtype = _DTYPES[dtype]
         self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=self.dtype).to(self.device).eval()
-        tok = AutoTokenizer.from_pretrained(model_path)
+        tok = self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.eos_token_id = tok.eos_token_id if tok.eos_token_id is not None else self.model.config.eos_token_id
         pad = tok.pad_token_id if tok.pad_token_id is not None else self.eos_token_id
         self.pad_token_id = pad
@@ -74,6 +74,8 @@ class HFEngine:
         stop_token_ids: Optional[Sequence[int]] = None,
     ) -> list[list[Completion]]:
         check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k)
+        if not prompts:
+            return []
         for i, p in enumerate(prompts):
             if len(p) + max_tokens > self.max_model_len:
                 raise ValueError(
@@ -155,6 +157,10 @@ class HFEngine:
                 )
             result.append(comps)
         return result
+
+    def decode(self, token_ids) -> str:
+        """Response text for reward functions: special tokens (eos, pad) dropped."""
+        return self.tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
 
     # ------------------------------------------------------------------ weights
     @torch.no_grad()

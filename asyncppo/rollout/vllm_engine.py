@@ -14,8 +14,10 @@ Settings and why:
 * ``logprobs_mode="processed_logprobs"`` with ``logprobs=0``: vLLM then returns, for each sampled token only,
   its log-prob under the temperature-scaled, top-k/top-p-filtered distribution — the behaviour policy the
   learner must correct for. The default (``raw_logprobs``) would report the unscaled model distribution.
-* float32 with tied embeddings is refused unless ``allow_tied_fp32=True``: vLLM 0.32 (CPU, fp32) reloads the
-  embedding but leaves the output layer at its old values, so weight updates would be silently wrong.
+* float32 with tied embeddings: vLLM 0.32 (CPU, fp32) keeps a separate copy of the output layer, which a reload
+  updates only if ``lm_head.weight`` is pushed too (a tied HF model's ``named_parameters()`` omits it), so
+  :meth:`VLLMEngine.update_weights` adds it from the embedding. Measured: without it greedy output after a
+  push differs from transformers; with it, it matches (tested).
 """
 
 from __future__ import annotations
@@ -41,6 +43,18 @@ def _configure_env(device: str, kv_cache_gib: float) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def layer_group(name: str) -> str:
+    """Tensors vLLM must receive together: the name up to its first numeric part, else the parent module."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        if part.isdigit():
+            return ".".join(parts[: i + 1])
+    return ".".join(parts[:-1]) or name
+
+
 def tied_fp32(model_path: str, dtype: str) -> bool:
     cfg = json.loads((Path(model_path) / "config.json").read_text())
     tied = cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", False))
@@ -59,18 +73,11 @@ class VLLMEngine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
         num_threads: Optional[int] = None,
-        allow_tied_fp32: bool = False,
+        allow_tied_fp32: bool = True,  # accepted for compatibility; tied fp32 is handled in update_weights
         **llm_kwargs,
     ):
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"vllm engine: no config.json in model_path={model_path!r}")
-        if tied_fp32(model_path, dtype) and not allow_tied_fp32:
-            raise ValueError(
-                f"vllm engine: {model_path!r} ties input and output embeddings and dtype={dtype!r}; vLLM (CPU, "
-                "float32) does not update the tied output layer on weight reload, so pushed weights would be "
-                "silently wrong. Use a model with tie_word_embeddings=false, dtype bfloat16, or pass "
-                "allow_tied_fp32=True if weights are never updated."
-            )
         _configure_env(device, kv_cache_gib)
         import torch
 
@@ -98,7 +105,12 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self.seed = seed
         self._calls = 0
-        self._keys: Optional[list[str]] = None
+        self._shapes: Optional[dict[str, tuple[int, ...]]] = None
+        self._tokenizer = None
+        # tied: the config says so, or the checkpoint has no separate output layer
+        self._tied_fp32 = device == "cpu" and dtype in ("float32", "fp32") and (
+            tied_fp32(model_path, dtype) or LM_HEAD not in self._checkpoint_shapes()
+        )
 
     # ------------------------------------------------------------------ generation
     def generate(
@@ -115,6 +127,8 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k)
+        if not prompts:
+            return []
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_tokens > self.max_model_len]
         if too_long:
             i = too_long[0]
@@ -154,26 +168,72 @@ class VLLMEngine:
             result.append(comps)
         return result
 
+    def decode(self, token_ids) -> str:
+        """Response text for reward functions: special tokens (eos, pad) dropped."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        return self._tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
+
     # ------------------------------------------------------------------ weights
     def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
-        """Load ``(hf_name, tensor)`` pairs in place and drop cached prefixes computed with the old weights."""
-        weights = list(named_tensors)
-        if not weights:
+        """Load ``(hf_name, tensor)`` pairs in place, then drop prefixes cached under the old weights.
+
+        vLLM's in-place reload fuses checkpoint tensors per layer (q/k/v -> qkv_proj, gate/up -> gate_up_proj);
+        a layer that receives only some of its tensors in one call is rebuilt from uninitialised memory, and an
+        unknown name or wrong shape fails *inside* the reload, leaving the engine unusable. So before vLLM sees
+        anything we check names and shapes against the checkpoint, and that every *layer group* touched
+        (``model.layers.N``, else the parent module such as ``lm_head``) is complete. A partial update made of
+        whole groups is fine (the sync loader streams layer by layer).
+
+        Tied embeddings in float32: when the embedding is pushed without ``lm_head.weight`` we add it (the same
+        tensor), because vLLM's CPU fp32 path keeps a separate output-layer copy that is otherwise left stale.
+        """
+        shapes = self._checkpoint_shapes()
+        given: dict[str, object] = {}
+        for name, t in named_tensors:
+            expected = shapes.get(name)
+            if expected is None and not (self._tied_fp32 and name == LM_HEAD and EMBED in shapes):
+                raise KeyError(f"vllm engine: unknown parameter {name!r}; e.g. {sorted(shapes)[:3]}")
+            expected = expected or shapes[EMBED]
+            if tuple(t.shape) != expected:
+                raise ValueError(f"vllm engine: parameter {name!r} has shape {tuple(t.shape)}, model expects {expected}")
+            given[name] = t
+        if not given:
             return
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        groups: dict[str, list[str]] = {}
+        for name in shapes:
+            groups.setdefault(layer_group(name), []).append(name)
+        for g in sorted({layer_group(n) for n in given if n in shapes}):
+            missing = [n for n in groups[g] if n not in given]
+            if missing:
+                raise ValueError(
+                    f"vllm engine: weight update has part of layer group {g!r}; missing {missing[:3]} "
+                    f"({len(missing)} in all). Send every tensor of a group in the same call."
+                )
+        if self._tied_fp32 and EMBED in given and LM_HEAD not in given:
+            given[LM_HEAD] = given[EMBED]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(given.items())})
         self.llm.reset_prefix_cache()
 
-    def state_dict_keys(self) -> list[str]:
-        """HF parameter names in the checkpoint (what :meth:`update_weights` accepts)."""
-        if self._keys is None:
+    def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        if self._shapes is None:
             from safetensors import safe_open
 
-            keys: list[str] = []
+            shapes: dict[str, tuple[int, ...]] = {}
             for f in sorted(Path(self.model_path).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as fh:
-                    keys.extend(fh.keys())
-            self._keys = sorted(keys)
-        return list(self._keys)
+                    for k in fh.keys():
+                        shapes[k] = tuple(fh.get_slice(k).get_shape())
+            if not shapes:
+                raise FileNotFoundError(f"vllm engine: no *.safetensors weights in {self.model_path!r}")
+            self._shapes = shapes
+        return self._shapes
+
+    def state_dict_keys(self) -> list[str]:
+        """HF parameter names in the checkpoint: exactly the set :meth:`update_weights` requires."""
+        return sorted(self._checkpoint_shapes())
 
     def close(self) -> None:
         llm = getattr(self, "llm", None)

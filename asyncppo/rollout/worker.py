@@ -71,6 +71,7 @@ class RolloutWorker:
             max_model_len=ro.prompt_length + ro.response_length,
             seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
             kv_cache_gib=ro.kv_cache_gib,
+            num_threads=max(1, int(cfg.cluster.cpus_per_worker)),
         )
         dataset = build_prompt_dataset(cfg, self.model_path, split="train").shard(self.worker_id, self.num_workers)
         prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id))
