@@ -91,37 +91,82 @@ def test_encode_refuses_unrepresentable_groups(mutate, msg):
     assert e.value.reason == "schema"
 
 
-def _rebuild(g, edit):
-    """Encode, then rewrite the msgpack header with ``edit(header)`` keeping the array bytes."""
-    buf = encode_group(g)
+F = {name: i for i, (name, _) in enumerate(wire.HEADER_FIELDS)}
+
+
+def _split(buf):
+    """(header list, sample table bytes, array bytes) of an encoded group."""
     magic, hlen = struct.unpack_from("<4sI", buf)
     header = msgpack.unpackb(buf[8:8 + hlen])
     start = 8 + hlen + (-(8 + hlen)) % 8
-    data = buf[start:]
-    edit(header)
+    n = header[F["n"]]
+    table_len = 29 * n
+    return header, buf[start:start + table_len], buf[start + table_len + (-table_len) % 8:]
+
+
+def _join(header, table, data):
     hdr = msgpack.packb(header)
-    head = struct.pack("<4sI", magic, len(hdr)) + hdr
-    return head + b"\0" * ((-len(head)) % 8) + data
+    head = struct.pack("<4sI", b"APPO", len(hdr)) + hdr
+    return head + b"\0" * ((-len(head)) % 8) + table + b"\0" * ((-len(table)) % 8) + data
+
+
+def _rebuild(g, edit):
+    """Encode, then rewrite the msgpack header with ``edit(header)`` keeping the table and array bytes."""
+    header, table, data = _split(encode_group(g))
+    edit(header)
+    return _join(header, table, data)
+
+
+def _retable(g, edit):
+    """Encode, then rewrite the binary sample table with ``edit(lengths, rewards, vmin, vmax, flags)``."""
+    header, table, data = _split(encode_group(g))
+    n = header[F["n"]]
+    vals = list(struct.unpack(f"<{n}I{n}d{n}q{n}q{n}B", table))
+    cols = [vals[i * n:(i + 1) * n] for i in range(5)]
+    edit(*cols)
+    return _join(header, struct.pack(f"<{n}I{n}d{n}q{n}q{n}B", *sum(cols, [])), data)
+
+
+def test_layout_is_as_documented():
+    g = make_group(n=2, T=5)
+    header, table, data = _split(encode_group(g))
+    assert header == [wire.SCHEMA_VERSION, "group", "3-0", 3, 0, 100, "42", g.timings, 2, "<i4", 37, "<i4", "<f4"]
+    v = struct.unpack("<2I2d2q2q2B", table)
+    lengths, rewards, vmin, vmax, flags = v[0:2], v[2:4], v[4:6], v[6:8], v[8:10]
+    assert lengths == (5, 2) and vmin == (5, 6) and vmax == (6, 6)
+    assert rewards == (g.samples[0].reward, g.samples[1].reward)
+    assert flags == (1, 0)  # sample 0 stopped on length, sample 1 on a stop token; neither reward failed
+    prompt = g.prompt_ids.tobytes()
+    ids = b"".join(s.response_ids.tobytes() for s in g.samples)
+    lps = b"".join(s.behavior_logprobs.tobytes() for s in g.samples)
+    assert data == prompt + b"\0" * 4 + ids + b"\0" * 4 + lps  # 37*4 and 7*4 bytes each pad to 8
+
+
+def _set(name, value):
+    return lambda h: h.__setitem__(F[name], value)
 
 
 @pytest.mark.parametrize(
     "edit,reason",
     [
-        (lambda h: h.update(schema=2), "version"),
-        (lambda h: h.update(schema="1"), "schema"),
-        (lambda h: h.update(worker_id="3"), "schema"),
-        (lambda h: h.update(worker_id=True), "schema"),
-        (lambda h: h.pop("ticket"), "schema"),
-        (lambda h: h.update(extra=1), "schema"),
-        (lambda h: h["reward"].__setitem__(0, 1), "schema"),  # int where float is required
-        (lambda h: h["finish_reason"].__setitem__(0, "abort"), "schema"),
-        (lambda h: h["version_min"].pop(), "schema"),
-        (lambda h: h["arrays"]["response_ids"].__setitem__(0, "|O"), "schema"),
-        (lambda h: h["arrays"]["behavior_logprobs"].__setitem__(0, ">f4"), "schema"),
-        (lambda h: h["lengths"].__setitem__(0, h["lengths"][0] + 1), "schema"),  # lengths vs array sizes
-        (lambda h: h["arrays"]["behavior_logprobs"][1].__setitem__(0, 10**7), "malformed"),  # past the end
-        (lambda h: h["timings"].update(gen_s="x"), "schema"),
-        (lambda h: h.update(kind="control"), "schema"),
+        (_set("schema", 7), "version"),
+        (_set("schema", "2"), "schema"),
+        (_set("worker_id", "3"), "schema"),
+        (_set("worker_id", True), "schema"),  # bool is not accepted where int is wanted
+        (lambda h: h.pop(F["ticket"]), "schema"),
+        (lambda h: h.append(1), "schema"),
+        (_set("kind", "control"), "schema"),
+        (_set("n", 0), "schema"),
+        (_set("n", 10**6), "schema"),
+        (_set("response_dtype", "|O"), "schema"),
+        (_set("logprob_dtype", ">f4"), "schema"),  # big-endian: never byte-swapped silently
+        (_set("prompt_dtype", "<f4"), "schema"),
+        (_set("prompt_len", -1), "schema"),
+        (_set("prompt_len", 10**7), "malformed"),  # runs past the end
+        (_set("prompt_len", 36), "malformed"),  # regions no longer end where the frame does
+        (_set("n", 7), "malformed"),
+        (lambda h: h[F["timings"]].update(gen_s="x"), "schema"),
+        (lambda h: h[F["timings"]].update({1: 1.0}), "malformed"),  # msgpack refuses non-str map keys
     ],
 )
 def test_decode_rejects_bad_headers(edit, reason):
@@ -129,6 +174,55 @@ def test_decode_rejects_bad_headers(edit, reason):
     with pytest.raises(WireError) as e:
         decode_group(bad)
     assert e.value.reason == reason, e.value
+
+
+def test_decode_rejects_a_version_1_map_header_as_version():
+    hdr = msgpack.packb({"schema": 1, "kind": "group"})
+    with pytest.raises(WireError) as e:
+        decode_group(struct.pack("<4sI", b"APPO", len(hdr)) + hdr)
+    assert e.value.reason == "version" and "schema version 1" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "edit,reason",
+    [
+        (lambda L, r, v0, v1, f: f.__setitem__(0, 4), "schema"),  # unknown flag bit
+        (lambda L, r, v0, v1, f: L.__setitem__(0, L[0] + 1), "malformed"),  # lengths no longer add up
+        (lambda L, r, v0, v1, f: L.__setitem__(0, 2**32 - 1), "malformed"),  # absurd length: no allocation
+    ],
+)
+def test_decode_rejects_bad_sample_tables(edit, reason):
+    with pytest.raises(WireError) as e:
+        decode_group(_retable(make_group(), edit))
+    assert e.value.reason == reason, e.value
+
+
+def test_decoded_group_is_columnar_until_samples_are_touched():
+    g = make_group(4, n=3, T=10)
+    out = decode_group(encode_group(g))
+    assert out.columns is not None and out.columns.offsets == [0, 10, 17, 21]
+    assert (out.num_samples, out.num_response_tokens, out.version_min, out.version_max) == (3, 21, 5, 6)
+    assert decode_group(encode_group(out)).columns.offsets == [0, 10, 17, 21]  # re-encoding columns works
+    assert_same(g, decode_group(encode_group(out)))
+    out.samples[1].version_min = 0  # after materialising, the samples are the truth
+    assert out.columns is None and out.version_min == 0 and out.samples[1].version_min == 0
+    assert decode_group(encode_group(out)).version_min == 0
+
+
+@pytest.mark.parametrize(
+    "mutate,msg",
+    [
+        (lambda g: setattr(g.samples[2], "version_min", 1.5), r"samples\[2\]\.version_min=1\.5"),
+        (lambda g: setattr(g.samples[0], "reward", "x"), r"samples\[0\]\.reward='x'"),
+        (lambda g: setattr(g.samples[0], "version_max", 2**63), "version_max"),
+    ],
+)
+def test_encode_names_unrepresentable_scalars(mutate, msg):
+    g = make_group()
+    mutate(g)
+    with pytest.raises(WireError, match=msg) as e:
+        encode_group(g)
+    assert e.value.reason == "schema"
 
 
 def test_decode_rejects_garbage_truncation_and_size():

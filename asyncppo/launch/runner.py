@@ -23,18 +23,19 @@ class LaunchError(RuntimeError):
     """A launch problem the user can fix (resources, paths); printed without a traceback."""
 
 
-def _actor_env() -> dict[str, str]:
+def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
     # One OpenMP/MKL thread per actor: several processes share the cores, and oversubscription is slower than none.
     env = {
         "OMP_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
         "MKL_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
         "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_TARGET_DEVICE": os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CONFIGURE_LOGGING": "0",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "WANDB_SILENT": "true",
         "PYTHONWARNINGS": "ignore",
     }
+    if cfg.cluster.rollout_gpus == 0:
+        env["VLLM_TARGET_DEVICE"] = "cpu"
     for key in ("ASYNCPPO_CACHE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
         if key in os.environ:
             env[key] = os.environ[key]
@@ -93,7 +94,7 @@ def run(cfg: AsyncPPOConfig) -> int:
         init_kwargs["address"] = cl.address
     else:
         init_kwargs["num_cpus"] = max(os.cpu_count() or 1, num_workers + 1)
-    init_kwargs["runtime_env"] = {"env_vars": _actor_env()}
+    init_kwargs["runtime_env"] = {"env_vars": _actor_env(cfg)}
     t0 = time.time()
     ray.init(**init_kwargs)
     actors: list = []

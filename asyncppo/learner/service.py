@@ -18,7 +18,7 @@ import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.metrics import BusyMeter, MetricsLogger, RateMeter, lag_stats
-from asyncppo.rollout.worker import Endpoints
+from asyncppo.rollout.worker import Endpoints, sync_backend
 
 log = logging.getLogger("asyncppo.learner")
 
@@ -112,7 +112,7 @@ class LearnerService:
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
         group = make_sync_group(
             self.cfg.cluster.bind_address, self.sync_port, rank=0, world_size=1 + self.num_workers,
-            backend="nccl" if device.type == "cuda" and ro.engine == "vllm" and cfg.cluster.rollout_gpus > 0 else "gloo",
+            backend=sync_backend(cfg),
             timeout_s=cfg.cluster.timeout_s,
         )
         sender = WeightSender(group, bucket_bytes=ro.weight_bucket_mb << 20)

@@ -27,6 +27,8 @@ _CONSOLE_FIELDS = [
     ("util/rollout_busy", "gen busy", "{:.2f}"),
     ("util/train_busy", "train busy", "{:.2f}"),
     ("time/step_s", "step s", "{:.2f}"),
+    ("eval/accuracy_sampled", "eval acc (T)", "{:.3f}"),
+    ("eval/accuracy_greedy", "eval acc (greedy)", "{:.3f}"),
 ]
 
 

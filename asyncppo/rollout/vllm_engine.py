@@ -214,8 +214,11 @@ class VLLMEngine:
                 )
         if self._tied_fp32 and EMBED in given and LM_HEAD not in given:
             given[LM_HEAD] = given[EMBED]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(given.items())})
-        self.llm.reset_prefix_cache()
+        from asyncppo.sync.engine_load import vllm_reload_weights
+
+        # Layers without weights (rotary embeddings) or outside a partial update make vLLM log a
+        # "Failed to load weights" line per reload; validated above, so those lines are noise.
+        vllm_reload_weights(self.llm, given.items(), quiet_partial=True)
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:

@@ -30,6 +30,11 @@ from asyncppo.stream.records import Sample, TrajectoryGroup
 log = logging.getLogger("asyncppo.rollout")
 
 
+def sync_backend(cfg: AsyncPPOConfig) -> str:
+    """NCCL when both the learner and the engines hold GPUs, gloo otherwise (both sides must agree)."""
+    return "nccl" if cfg.cluster.train_gpus > 0 and cfg.cluster.rollout_gpus > 0 else "gloo"
+
+
 @dataclass
 class Endpoints:
     """Where the learner listens; handed to every worker by the launcher."""
@@ -70,15 +75,21 @@ class RolloutWorker:
             dtype=ro.dtype,
             max_model_len=ro.prompt_length + ro.response_length,
             seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
+            device="cuda" if cfg.cluster.rollout_gpus > 0 else "cpu",
             kv_cache_gib=ro.kv_cache_gib,
+            enforce_eager=ro.enforce_eager,
+            gpu_memory_utilization=ro.gpu_memory_utilization,
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)),
         )
         dataset = build_prompt_dataset(cfg, self.model_path, split="train").shard(self.worker_id, self.num_workers)
         prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id))
+        self.stats["dataset"] = dataset.stats.as_dict()
+        print(f"[asyncppo] rollout worker {self.worker_id}: {len(dataset)} prompts, dataset {self.stats['dataset']}",
+              flush=True)
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
         ep = self.endpoints
         group = make_sync_group(ep.sync_host, ep.sync_port, rank=1 + self.worker_id, world_size=ep.sync_world_size,
-                                backend="gloo", timeout_s=cfg.cluster.timeout_s)
+                                backend=sync_backend(cfg), timeout_s=cfg.cluster.timeout_s)
         receiver = WeightReceiver(group)
         sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm)
         control = ControlSubscriber(ep.control)

@@ -113,7 +113,9 @@ class TrajectoryReceiver:
         deadline = None if timeout_ms is None else time.monotonic() + timeout_ms / 1000
         while True:
             try:
-                frame = self._sock.recv(zmq.NOBLOCK, copy=True)
+                # Zero-copy receive: the decoded arrays are views into this zmq message, and ``frame.more``
+                # answers the multipart question without a getsockopt call per message.
+                frame = self._sock.recv(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 left = None if deadline is None else max(0, int((deadline - time.monotonic()) * 1000))
                 if left == 0 and deadline is not None:
@@ -121,13 +123,13 @@ class TrajectoryReceiver:
                 if not self._poller.poll(left):
                     return None
                 continue
-            if self._sock.getsockopt(zmq.RCVMORE):
+            if frame.more:
                 while self._sock.getsockopt(zmq.RCVMORE):  # drain the rest of this multipart message
                     self._sock.recv()
                 self._reject(WireError("malformed", "multipart message; a group is one frame"))
                 continue
             try:
-                group = decode_group(frame, self.max_message_bytes)
+                group = decode_group(frame.buffer, self.max_message_bytes)
             except WireError as e:
                 self._reject(e)
                 continue

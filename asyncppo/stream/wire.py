@@ -4,23 +4,31 @@ Why this layout
 ---------------
 A trajectory group is a few scalars per sample plus a few large token arrays. Shipping the arrays through a
 generic serialiser (pickle, msgpack ``bin`` fields) copies them several times and, for pickle, lets a peer run
-code in the learner. Measured on this machine, multipart ZeroMQ messages (one frame per array) cost more per
-message than the bytes they save. So a group travels as **one frame**::
+code in the learner. Multipart ZeroMQ messages (one frame per array) cost more per message than the bytes they
+save. So a group travels as **one frame**::
 
-    b"APPO" | uint32 LE header length | msgpack header | zero padding to 8 | array regions (each 8-aligned)
+    b"APPO" | uint32 LE header length | msgpack header (an array) | pad to 8
+    | sample table | pad to 8 | prompt ids | pad to 8 | response ids (all samples) | pad to 8 | log-probs (all)
 
-The msgpack header carries the schema version, the per-group and per-sample scalars (as short columns, so
-validation is a handful of list checks rather than one dict per sample), and for each array region its dtype
-string, shape and byte offset. The sender concatenates all response ids into one region and all behaviour
-log-probs into another (it has to copy them into the frame anyway); the receiver takes zero-copy
-``np.frombuffer`` views of the frame and slices them per sample. Decoded arrays are therefore **read-only views**
-that keep the received frame alive; copy them (``np.array(x)``) before writing into them.
+* header: ``[schema, "group", group_id, worker_id, prompt_index, ticket, answer, timings, n,
+  prompt dtype, prompt length, response-id dtype, log-prob dtype]`` (see :data:`HEADER_FIELDS`);
+* sample table: ``n`` x uint32 response length, ``n`` x float64 reward, ``n`` x int64 version_min, ``n`` x int64
+  version_max, ``n`` x uint8 flags (bit 0: finish_reason is "length", bit 1: reward_failed), all little-endian.
 
-Nothing here trusts the peer: :func:`decode_group` checks the type of every field, the dtype whitelist, that
-every region lies inside the frame and matches its shape, that per-sample lengths add up, and the schema
-version, and raises :class:`WireError` with a short reason code:
+Every offset follows from the header and the table, so the receiver computes the exact frame length and refuses
+any other. The design goal is *few Python operations per message*, because on a small machine the stream's
+throughput is bounded by per-message interpreter time, not by bytes: the table is one ``struct`` call each way
+(which also fixes every scalar's type, so nothing needs a per-value type check), the header is a short msgpack
+array checked with one tuple comparison, the sender concatenates all response ids and all log-probs into one
+region each (it copies them into the frame anyway), and the receiver takes zero-copy ``np.frombuffer`` views.
+Decoded groups are columnar (:meth:`TrajectoryGroup.from_columns`): arrays are **read-only views** that keep the
+received frame alive (copy them, ``np.array(x)``, before writing), and ``Sample`` objects are built on first use.
 
-* ``malformed`` - not parseable: bad magic, bad msgpack, regions outside the frame or of the wrong byte length;
+Nothing here trusts the peer: :func:`decode_group` checks the type of every header field, the dtype whitelist,
+the flag values, that the frame is exactly as long as the header and table say, and the schema version, and
+raises :class:`WireError` with a short reason code:
+
+* ``malformed`` - not parseable: bad magic, bad msgpack, a frame of the wrong length for what it declares;
 * ``oversized`` - longer than the receiver's limit (checked before anything is parsed);
 * ``version``   - a schema version other than :data:`SCHEMA_VERSION`;
 * ``schema``    - parseable, but a field is missing, of the wrong type or has a disallowed value.
@@ -31,23 +39,29 @@ schema-version field, validated against a caller-supplied field specification.
 
 from __future__ import annotations
 
+import itertools
 import struct
 from typing import Any, Mapping
 
 import msgpack
 import numpy as np
 
-from asyncppo.stream.records import Sample, TrajectoryGroup
+from asyncppo.stream.records import SampleColumns, TrajectoryGroup
 
-SCHEMA_VERSION = 1
+#: Version 2: columnar sample table (version 1 carried the per-sample scalars as msgpack lists in a map header).
+SCHEMA_VERSION = 2
 MAGIC = b"APPO"
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 8
+#: Most samples one group may declare (bounds the table a hostile header can make us parse).
+MAX_SAMPLES = 4096
 
 #: Reason codes carried by :class:`WireError`.
 REASONS = ("malformed", "oversized", "version", "schema")
 
 FINISH_REASONS = ("stop", "length")
+_FINISH_CODE = {"stop": 0, "length": 1}
+_FAILED_BIT = 2
 
 #: dtype strings allowed per array region. Little-endian only: the format is defined as little-endian and
 #: we never byte-swap silently (a swap would break the bit-exact round trip promise).
@@ -56,36 +70,39 @@ ALLOWED_DTYPES: dict[str, tuple[str, ...]] = {
     "response_ids": ("<i4", "<i8"),
     "behavior_logprobs": ("<f4", "<f8", "<f2"),
 }
-_ARRAYS = tuple(ALLOWED_DTYPES)
 _DTYPE_BY_STR = {d: np.dtype(d) for v in ALLOWED_DTYPES.values() for d in v}
+_DTYPE_OBJS: dict[str, frozenset] = {k: frozenset(np.dtype(d) for d in v) for k, v in ALLOWED_DTYPES.items()}
 
-# Header fields and the exact Python types msgpack decodes them to (bool is not accepted where int is wanted).
-_GROUP_FIELDS: dict[str, type] = {
-    "schema": int,
-    "kind": str,
-    "group_id": str,
-    "worker_id": int,
-    "prompt_index": int,
-    "ticket": int,
-    "answer": str,
-    "timings": dict,
-    "n": int,
-    "lengths": list,
-    "reward": list,
-    "finish_reason": list,
-    "version_min": list,
-    "version_max": list,
-    "reward_failed": list,
-    "arrays": dict,
-}
-_COLUMN_TYPES: dict[str, frozenset] = {
-    "lengths": frozenset({int}),
-    "reward": frozenset({float}),
-    "finish_reason": frozenset({str}),
-    "version_min": frozenset({int}),
-    "version_max": frozenset({int}),
-    "reward_failed": frozenset({bool}),
-}
+#: The header array, in order, with the exact Python type msgpack decodes each field to (bool is not int).
+HEADER_FIELDS: tuple[tuple[str, type], ...] = (
+    ("schema", int),
+    ("kind", str),
+    ("group_id", str),
+    ("worker_id", int),
+    ("prompt_index", int),
+    ("ticket", int),
+    ("answer", str),
+    ("timings", dict),
+    ("n", int),
+    ("prompt_dtype", str),
+    ("prompt_len", int),
+    ("response_dtype", str),
+    ("logprob_dtype", str),
+)
+_HEADER_TYPES = tuple(t for _, t in HEADER_FIELDS)
+_STR, _FLOAT = frozenset({str}), frozenset({float})
+_TABLE_BYTES_PER_SAMPLE = 4 + 8 + 8 + 8 + 1
+_TABLES: dict[int, struct.Struct] = {}
+
+
+def _table(n: int) -> struct.Struct:
+    """The sample-table codec for ``n`` samples (cached: groups almost always have the same size)."""
+    st = _TABLES.get(n)
+    if st is None:
+        st = struct.Struct(f"<{n}I{n}d{n}q{n}q{n}B")
+        if len(_TABLES) < 64:
+            _TABLES[n] = st
+    return st
 
 
 class WireError(ValueError):
@@ -103,19 +120,20 @@ def _pad(n: int) -> int:
     return (-n) % _ALIGN
 
 
-def _dtype_str(arr: np.ndarray) -> str:
-    return arr.dtype.str  # e.g. "<i4"; "|i1" for single bytes (not whitelisted)
+def _up(n: int) -> int:
+    return n + (-n) % _ALIGN
 
 
 # --------------------------------------------------------------------------------------------- encode
 
 
-_DTYPE_OBJS: dict[str, frozenset] = {k: frozenset(np.dtype(d) for d in v) for k, v in ALLOWED_DTYPES.items()}
 _ZEROS = b"\0" * _ALIGN
+_ND = frozenset({np.ndarray})
+_ONE = frozenset({1})
 
 
 def _bad_array(name: str, arr: Any, where: str) -> WireError:
-    """The precise complaint about an array that failed the fast check in :func:`encode_group`."""
+    """The precise complaint about an array that failed a fast check."""
     if not isinstance(arr, np.ndarray):
         return WireError("schema", f"{where}{name} must be a numpy array, got {type(arr).__name__}")
     if arr.ndim != 1:
@@ -123,90 +141,122 @@ def _bad_array(name: str, arr: Any, where: str) -> WireError:
     return WireError("schema", f"{where}{name} has dtype {arr.dtype.str}; allowed: {ALLOWED_DTYPES[name]}")
 
 
-def _contig(arr: np.ndarray) -> memoryview:
-    return arr.data if arr.flags.c_contiguous else np.ascontiguousarray(arr).data
+def _explain_samples(samples: list) -> WireError:
+    """Walk the samples one by one to name the first thing :func:`encode_group`'s bulk checks refused. Only runs
+    on the error path, so it can afford to be a plain loop."""
+    ids_dt = lp_dt = None
+    for j, s in enumerate(samples):
+        a, b = s.response_ids, s.behavior_logprobs
+        if type(a) is not np.ndarray or a.ndim != 1 or a.dtype not in _DTYPE_OBJS["response_ids"]:
+            return _bad_array("response_ids", a, f"samples[{j}].")
+        if type(b) is not np.ndarray or b.ndim != 1 or b.dtype not in _DTYPE_OBJS["behavior_logprobs"]:
+            return _bad_array("behavior_logprobs", b, f"samples[{j}].")
+        if ids_dt is None:
+            ids_dt, lp_dt = a.dtype, b.dtype
+        elif a.dtype != ids_dt or b.dtype != lp_dt:
+            return WireError("schema", f"samples[{j}]: all samples of a group must share dtypes ({ids_dt}, {lp_dt})")
+        if a.shape[0] != b.shape[0]:
+            return WireError(
+                "schema", f"samples[{j}]: len(response_ids)={a.shape[0]} != len(behavior_logprobs)={b.shape[0]}"
+            )
+        if not isinstance(s.finish_reason, str) or s.finish_reason not in _FINISH_CODE:
+            return WireError("schema", f"samples[{j}].finish_reason={s.finish_reason!r}; allowed: {FINISH_REASONS}")
+    return WireError("schema", "samples could not be encoded")
+
+
+def _pack_table(n: int, lengths: list, rewards: list, vmin: list, vmax: list, flags: list) -> bytes:
+    try:
+        return _table(n).pack(*lengths, *rewards, *vmin, *vmax, *flags)
+    except struct.error:
+        pass
+    for name, code, col in (("reward", "d", rewards), ("version_min", "q", vmin), ("version_max", "q", vmax)):
+        for j, v in enumerate(col):
+            try:
+                struct.pack("<" + code, v)
+            except struct.error as e:
+                raise WireError("schema", f"samples[{j}].{name}={v!r} is not representable ({e})") from None
+    raise WireError("schema", f"a response is longer than {2**32 - 1} tokens")
+
+
+def _column_parts(group: TrajectoryGroup) -> tuple:
+    """(ids parts, logprob parts, ids dtype, logprob dtype, lengths, rewards, vmin, vmax, flags).
+
+    Checks run over whole columns (set comprehensions in C) rather than field by field; only when one fails does
+    :func:`_explain_samples` walk the samples to say which and why. Scalar types are enforced by ``struct``."""
+    cols = group.columns
+    if cols is not None:  # a group that came off the wire and was never unpacked into Sample objects
+        ids, lps, off = cols.response_ids, cols.behavior_logprobs, cols.offsets
+        if type(ids) is not np.ndarray or ids.ndim != 1 or ids.dtype not in _DTYPE_OBJS["response_ids"]:
+            raise _bad_array("response_ids", ids, "columns.")
+        if type(lps) is not np.ndarray or lps.ndim != 1 or lps.dtype not in _DTYPE_OBJS["behavior_logprobs"]:
+            raise _bad_array("behavior_logprobs", lps, "columns.")
+        lengths = [b - a for a, b in zip(off, off[1:])]
+        if off[0] != 0 or off[-1] != ids.shape[0] or ids.shape[0] != lps.shape[0] or min(lengths, default=0) < 0:
+            raise WireError("schema", f"columns: offsets {off} do not cover arrays of {ids.shape[0]}/{lps.shape[0]}")
+        try:
+            flags = [_FINISH_CODE[f] | (_FAILED_BIT if bad else 0)
+                     for f, bad in zip(cols.finish_reason, cols.reward_failed)]
+        except (KeyError, TypeError):
+            raise WireError("schema", f"finish_reason {list(cols.finish_reason)}; allowed: {FINISH_REASONS}") from None
+        return [ids], [lps], ids.dtype, lps.dtype, lengths, list(cols.reward), list(cols.version_min), \
+            list(cols.version_max), flags
+    samples = group.samples
+    ids = [s.response_ids for s in samples]
+    lps = [s.behavior_logprobs for s in samples]
+    if set(map(type, ids)) != _ND or set(map(type, lps)) != _ND:
+        raise _explain_samples(samples)
+    ids_dts = {a.dtype for a in ids}
+    lp_dts = {b.dtype for b in lps}
+    if (
+        len(ids_dts) != 1 or len(lp_dts) != 1
+        or not ids_dts <= _DTYPE_OBJS["response_ids"] or not lp_dts <= _DTYPE_OBJS["behavior_logprobs"]
+        or {a.ndim for a in ids} != _ONE or {b.ndim for b in lps} != _ONE
+    ):
+        raise _explain_samples(samples)
+    lengths = [a.shape[0] for a in ids]
+    if [b.shape[0] for b in lps] != lengths:
+        raise _explain_samples(samples)
+    try:
+        flags = [_FINISH_CODE[s.finish_reason] | (_FAILED_BIT if s.reward_failed else 0) for s in samples]
+    except (KeyError, TypeError):
+        raise _explain_samples(samples) from None
+    return (ids, lps, ids_dts.pop(), lp_dts.pop(), lengths, [s.reward for s in samples],
+            [s.version_min for s in samples], [s.version_max for s in samples], flags)
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
     """Serialise ``group`` into one frame (see module docstring). Raises :class:`WireError` ("schema") when the
     group cannot be represented exactly (wrong or mixed dtypes, length mismatch, bad finish_reason, ...).
 
-    Written as one flat loop because at realistic sizes the Python bookkeeping, not the byte copy, is the cost."""
-    samples = group.samples
-    n = len(samples)
+    The work is a fixed number of bulk operations per group plus one ``b"".join`` copy of the arrays."""
+    n = group.num_samples
     if n == 0:
         raise WireError("schema", "a group needs at least one sample")
+    if n > MAX_SAMPLES:
+        raise WireError("schema", f"{n} samples > MAX_SAMPLES={MAX_SAMPLES}")
     prompt = group.prompt_ids
     if type(prompt) is not np.ndarray or prompt.ndim != 1 or prompt.dtype not in _DTYPE_OBJS["prompt_ids"]:
         raise _bad_array("prompt_ids", prompt, "")
-    ids_dt = lp_dt = None
-    id_views: list[memoryview] = []
-    lp_views: list[memoryview] = []
-    lengths: list[int] = []
-    rewards: list[float] = []
-    finish: list[str] = []
-    vmin: list[int] = []
-    vmax: list[int] = []
-    failed: list[bool] = []
-    for j, s in enumerate(samples):
-        a, b = s.response_ids, s.behavior_logprobs
-        if type(a) is not np.ndarray or a.ndim != 1 or a.dtype not in _DTYPE_OBJS["response_ids"]:
-            raise _bad_array("response_ids", a, f"samples[{j}].")
-        if type(b) is not np.ndarray or b.ndim != 1 or b.dtype not in _DTYPE_OBJS["behavior_logprobs"]:
-            raise _bad_array("behavior_logprobs", b, f"samples[{j}].")
-        if ids_dt is None:
-            ids_dt, lp_dt = a.dtype, b.dtype
-        elif a.dtype != ids_dt or b.dtype != lp_dt:
-            raise WireError("schema", f"samples[{j}]: all samples of a group must share dtypes ({ids_dt}, {lp_dt})")
-        t = a.shape[0]
-        if t != b.shape[0]:
-            raise WireError("schema", f"samples[{j}]: len(response_ids)={t} != len(behavior_logprobs)={b.shape[0]}")
-        if s.finish_reason not in FINISH_REASONS:
-            raise WireError("schema", f"samples[{j}].finish_reason={s.finish_reason!r}; allowed: {FINISH_REASONS}")
-        lengths.append(t)
-        id_views.append(_contig(a))
-        lp_views.append(_contig(b))
-        rewards.append(float(s.reward))
-        finish.append(s.finish_reason)
-        vmin.append(int(s.version_min))
-        vmax.append(int(s.version_max))
-        failed.append(bool(s.reward_failed))
-    total = sum(lengths)
-
-    # Regions: prompt | all response ids | all logprobs, each starting 8-aligned relative to the data start.
-    p_bytes = prompt.nbytes
-    r_off = p_bytes + _pad(p_bytes)
-    r_bytes = total * ids_dt.itemsize
-    l_off = r_off + r_bytes + _pad(r_bytes)
-    header = {
-        "schema": SCHEMA_VERSION,
-        "kind": "group",
-        "group_id": str(group.group_id),
-        "worker_id": int(group.worker_id),
-        "prompt_index": int(group.prompt_index),
-        "ticket": int(group.ticket),
-        "answer": str(group.answer),
-        "timings": {str(k): float(v) for k, v in group.timings.items()},
-        "n": n,
-        "lengths": lengths,
-        "reward": rewards,
-        "finish_reason": finish,
-        "version_min": vmin,
-        "version_max": vmax,
-        "reward_failed": failed,
-        "arrays": {
-            "prompt_ids": [prompt.dtype.str, [prompt.shape[0]], 0],
-            "response_ids": [ids_dt.str, [total], r_off],
-            "behavior_logprobs": [lp_dt.str, [total], l_off],
-        },
-    }
-    hdr = msgpack.packb(header, use_bin_type=True)
-    head_len = _PREFIX.size + len(hdr)
-    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, _ZEROS[: _pad(head_len)], _contig(prompt), _ZEROS[: _pad(p_bytes)]]
-    parts += id_views
+    id_parts, lp_parts, ids_dt, lp_dt, lengths, rewards, vmin, vmax, flags = _column_parts(group)
+    table = _pack_table(n, lengths, rewards, vmin, vmax, flags)
+    try:
+        timings = {str(k): float(v) for k, v in group.timings.items()}
+        header = [SCHEMA_VERSION, "group", str(group.group_id), int(group.worker_id), int(group.prompt_index),
+                  int(group.ticket), str(group.answer), timings, n, prompt.dtype.str, prompt.shape[0],
+                  ids_dt.str, lp_dt.str]
+        hdr = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise WireError("schema", f"group scalars are not representable: {e}") from None
+    r_bytes = sum(lengths) * ids_dt.itemsize
+    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, _ZEROS[: _pad(_PREFIX.size + len(hdr))],
+                        table, _ZEROS[: _pad(len(table))], prompt, _ZEROS[: _pad(prompt.nbytes)]]
+    parts += id_parts
     parts.append(_ZEROS[: _pad(r_bytes)])
-    parts += lp_views
-    return b"".join(parts)
+    parts += lp_parts
+    try:
+        return b"".join(parts)  # numpy arrays are bytes-like when C-contiguous
+    except TypeError:  # some array is a strided view: copy those into contiguous memory first
+        return b"".join(np.ascontiguousarray(p) if isinstance(p, np.ndarray) else p for p in parts)
 
 
 # --------------------------------------------------------------------------------------------- decode
@@ -222,7 +272,7 @@ def _as_view(buf: Any) -> memoryview:
     return mv
 
 
-def _unpack_header(mv: memoryview, max_bytes: int | None) -> tuple[dict, int]:
+def _unpack_header(mv: memoryview, max_bytes: int | None, container: type) -> tuple[Any, int]:
     size = mv.nbytes
     if max_bytes is not None and size > max_bytes:
         raise WireError("oversized", f"{size} bytes > limit {max_bytes}")
@@ -238,8 +288,11 @@ def _unpack_header(mv: memoryview, max_bytes: int | None) -> tuple[dict, int]:
         header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False, strict_map_key=True, use_list=True)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
         raise WireError("malformed", f"header is not valid msgpack ({type(e).__name__})") from e
-    if not isinstance(header, dict):
-        raise WireError("schema", f"header must be a map, got {type(header).__name__}")
+    if type(header) is not container:
+        # A map with a "schema" field is how other versions of this format begin: say so precisely.
+        if type(header) is dict and type(header.get("schema")) is int and header["schema"] != SCHEMA_VERSION:
+            raise WireError("version", f"schema version {header['schema']}, this reader speaks {SCHEMA_VERSION}")
+        raise WireError("schema", f"header must be a msgpack {container.__name__}, got {type(header).__name__}")
     return header, end + _pad(end)
 
 
@@ -255,108 +308,82 @@ def _check_fields(obj: Mapping, spec: Mapping[str, type], what: str) -> None:
         raise WireError("schema", f"{what}: unexpected fields {extra}")
 
 
-def _region(mv: memoryview, data_start: int, arrays: dict, name: str) -> np.ndarray:
-    desc = arrays.get(name)
-    if type(desc) is not list or len(desc) != 3:
-        raise WireError("schema", f"arrays[{name!r}] must be [dtype, shape, offset]")
-    dt, shape, off = desc
-    if type(dt) is not str or dt not in ALLOWED_DTYPES[name]:
-        raise WireError("schema", f"arrays[{name!r}] dtype {dt!r} not allowed; allowed: {ALLOWED_DTYPES[name]}")
-    if type(shape) is not list or len(shape) != 1 or type(shape[0]) is not int or shape[0] < 0:
-        raise WireError("schema", f"arrays[{name!r}] shape {shape!r} must be [length >= 0]")
-    if type(off) is not int or off < 0 or off % _ALIGN:
-        raise WireError("schema", f"arrays[{name!r}] offset {off!r} must be a non-negative multiple of {_ALIGN}")
-    dtype = _DTYPE_BY_STR[dt]
-    start = data_start + off
-    stop = start + shape[0] * dtype.itemsize
-    if stop > mv.nbytes:
-        raise WireError("malformed", f"arrays[{name!r}] needs bytes [{start}, {stop}) of a {mv.nbytes}-byte message")
-    return np.frombuffer(mv, dtype=dtype, count=shape[0], offset=start)
+def _explain_header(header: list) -> WireError:
+    """Name the first header field that the one-comparison type check in :func:`decode_group` refused."""
+    if len(header) != len(HEADER_FIELDS):
+        return WireError("schema", f"header has {len(header)} fields, expected {[k for k, _ in HEADER_FIELDS]}")
+    for (key, typ), val in zip(HEADER_FIELDS, header):
+        if type(val) is not typ:
+            return WireError("schema", f"group: field {key!r} must be {typ.__name__}, got {type(val).__name__}")
+    return WireError("schema", "group: header fields do not match the schema")
+
+
+def _dtype(name: str, dt: str) -> np.dtype:
+    if dt not in ALLOWED_DTYPES[name]:
+        raise WireError("schema", f"{name} dtype {dt!r} not allowed; allowed: {ALLOWED_DTYPES[name]}")
+    return _DTYPE_BY_STR[dt]
+
+
+_FINISH_BY_FLAGS = ("stop", "length", "stop", "length")
+_FAILED_BY_FLAGS = (False, False, True, True)
 
 
 def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     """Parse and validate one frame produced by :func:`encode_group`; raise :class:`WireError` on anything else.
 
-    The returned arrays are read-only views into ``buf`` (zero copy)."""
+    Returns a columnar group (:meth:`TrajectoryGroup.from_columns`): its arrays are read-only views into ``buf``
+    (zero copy) and its ``Sample`` objects are built on first access to ``group.samples``. Every check runs
+    here, before the group is returned."""
     mv = _as_view(buf)
-    header, data_start = _unpack_header(mv, max_bytes)
-    schema = header.get("schema")
-    if type(schema) is not int:
-        raise WireError("schema", f"field 'schema' must be int, got {type(schema).__name__}")
-    if schema != SCHEMA_VERSION:
-        raise WireError("version", f"schema version {schema}, this reader speaks {SCHEMA_VERSION}")
-    _check_fields(header, _GROUP_FIELDS, "group")
-    if header["kind"] != "group":
-        raise WireError("schema", f"kind {header['kind']!r}, expected 'group'")
-    n = header["n"]
-    if n < 1:
-        raise WireError("schema", f"n={n}: a group needs at least one sample")
-    for col, typ in _COLUMN_TYPES.items():
-        values = header[col]
-        if len(values) != n:
-            raise WireError("schema", f"column {col!r} has {len(values)} entries, expected n={n}")
-        if not set(map(type, values)) <= typ:  # exact types: bool is not accepted as int
-            bad = next(v for v in values if type(v) not in typ)
-            raise WireError("schema", f"column {col!r} entry {bad!r} must be {next(iter(typ)).__name__}")
-    for fr in header["finish_reason"]:
-        if fr not in FINISH_REASONS:
-            raise WireError("schema", f"finish_reason {fr!r} not allowed; allowed: {FINISH_REASONS}")
-    lengths = header["lengths"]
-    if min(lengths) < 0:
-        raise WireError("schema", f"negative response length in {lengths}")
-    timings = header["timings"]
-    for k, v in timings.items():
-        if type(k) is not str or type(v) is not float:
-            raise WireError("schema", f"timings entry {k!r}: {v!r} must be str -> float")
-    arrays = header["arrays"]
-    if len(arrays) != len(_ARRAYS):
-        raise WireError("schema", f"arrays must be exactly {_ARRAYS}, got {sorted(map(str, arrays))}")
-    prompt = _region(mv, data_start, arrays, "prompt_ids")
-    ids = _region(mv, data_start, arrays, "response_ids")
-    lps = _region(mv, data_start, arrays, "behavior_logprobs")
-    total = sum(lengths)
-    if ids.shape[0] != total or lps.shape[0] != total:
-        raise WireError(
-            "schema",
-            f"sum(lengths)={total} but response_ids has {ids.shape[0]} and behavior_logprobs {lps.shape[0]} entries",
-        )
-    # The message must end exactly where the last region does: trailing bytes mean a confused encoder.
-    expected_end = data_start + arrays["behavior_logprobs"][2] + lps.nbytes
-    if mv.nbytes != expected_end:
-        raise WireError("malformed", f"message is {mv.nbytes} bytes, regions end at {expected_end}")
+    size = mv.nbytes
+    header, data_start = _unpack_header(mv, max_bytes, list)
+    if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
+        raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
+    if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
+        raise _explain_header(header)
+    (_, kind, group_id, worker_id, prompt_index, ticket, answer, timings, n,
+     p_dt, p_n, i_dt, l_dt) = header
+    if kind != "group":
+        raise WireError("schema", f"kind {kind!r}, expected 'group'")
+    if n < 1 or n > MAX_SAMPLES:
+        raise WireError("schema", f"n={n}: a group has 1..{MAX_SAMPLES} samples")
+    if p_n < 0:
+        raise WireError("schema", f"prompt_len={p_n} must be >= 0")
+    if timings and (set(map(type, timings)) != _STR or set(map(type, timings.values())) != _FLOAT):
+        bad = next((k, v) for k, v in timings.items() if type(k) is not str or type(v) is not float)
+        raise WireError("schema", f"timings entry {bad[0]!r}: {bad[1]!r} must be str -> float")
+    p_dt, i_dt, l_dt = _dtype("prompt_ids", p_dt), _dtype("response_ids", i_dt), _dtype("behavior_logprobs", l_dt)
 
-    rewards, finish, vmin, vmax, failed = (
-        header["reward"],
-        header["finish_reason"],
-        header["version_min"],
-        header["version_max"],
-        header["reward_failed"],
+    # Layout: every offset follows from the header and the table; the frame must end exactly where it says.
+    table = _table(n)
+    p_start = data_start + _up(table.size)
+    i_start = p_start + _up(p_n * p_dt.itemsize)
+    if i_start > size:
+        raise WireError("malformed", f"sample table and prompt need {i_start} bytes, the message has {size}")
+    values = table.unpack_from(mv, data_start)
+    lengths = values[:n]
+    offsets = list(itertools.accumulate(lengths, initial=0))
+    total = offsets[-1]
+    l_start = i_start + _up(total * i_dt.itemsize)
+    end = l_start + total * l_dt.itemsize
+    if end != size:
+        raise WireError("malformed", f"message is {size} bytes, but its header and sample table describe {end}")
+    flags = values[4 * n :]
+    if max(flags) > 3:
+        raise WireError("schema", f"sample flags {list(flags)}: only bits 0 (length) and 1 (reward_failed) exist")
+    columns = SampleColumns(
+        np.frombuffer(mv, dtype=i_dt, count=total, offset=i_start),
+        np.frombuffer(mv, dtype=l_dt, count=total, offset=l_start),
+        offsets,
+        values[n : 2 * n],
+        list(map(_FINISH_BY_FLAGS.__getitem__, flags)),
+        values[2 * n : 3 * n],
+        values[3 * n : 4 * n],
+        list(map(_FAILED_BY_FLAGS.__getitem__, flags)),
     )
-    samples = []
-    pos = 0
-    for j in range(n):
-        end = pos + lengths[j]
-        samples.append(
-            Sample(
-                response_ids=ids[pos:end],
-                behavior_logprobs=lps[pos:end],
-                reward=rewards[j],
-                finish_reason=finish[j],
-                version_min=vmin[j],
-                version_max=vmax[j],
-                reward_failed=failed[j],
-            )
-        )
-        pos = end
-    return TrajectoryGroup(
-        group_id=header["group_id"],
-        worker_id=header["worker_id"],
-        prompt_ids=prompt,
-        samples=samples,
-        prompt_index=header["prompt_index"],
-        ticket=header["ticket"],
-        answer=header["answer"],
-        timings=timings,
+    return TrajectoryGroup.from_columns(
+        group_id, worker_id, np.frombuffer(mv, dtype=p_dt, count=p_n, offset=p_start), columns,
+        prompt_index, ticket, answer, timings,
     )
 
 
