@@ -129,14 +129,14 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             actor, critic, ref = _models(cfg, model_dir, shard=True)
             updater = D.ShardedPPOUpdate(cfg, actor, critic, ref, torch.device("cpu"), rank=rank, world_size=WORLD)
             prep_rows: list[int] = []
-            if name.endswith("sharded_prep"):
-                import asyncppo.learner.ppo as ppo_module
+            if name.endswith("sharded_prep"):  # record how many rows each no-grad forward sees on this rank
+                split = updater._no_grad_rows
 
-                def hooked(fn, batch, rows, _u=updater):
+                def hooked(fn, batch, rows, _split=split):
                     prep_rows.append(batch.size)
-                    return _u._no_grad_rows(lambda b: (prep_rows.append(-b.size), fn(b))[1], batch, rows)
+                    return _split(lambda b: (prep_rows.append(-b.size), fn(b))[1], batch, rows)
 
-                ppo_module.chunked = hooked
+                updater._no_grad_rows = hooked
             if rank == 0:
                 metrics = updater.step(D.broadcast_batch(_batch()))
                 D.broadcast_gather(0)

@@ -155,9 +155,17 @@ def _check_algorithm(cfg: AsyncPPOConfig, c: _Checks) -> None:
         c.error("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
                 f"must be 0 (off) or >= prompt_length + response_length = {seq_len} so that one sample fits")
     tg = cfg.cluster.train_gpus
-    if tg > 1 and mini_samples > 0 and mini_samples % tg:
-        c.error("cluster.train_gpus", tg, f"must divide the mini-batch of {mini_samples} samples so every learner "
-                "rank gets the same share")
+    mini_prompts = _mini_batch_prompts(cfg)
+    if tg > 1 and mini_prompts > 0 and mini_prompts % tg:
+        c.error("cluster.train_gpus", tg, f"must divide the mini-batch of {mini_prompts} prompt groups so every "
+                "learner rank gets the same whole groups")
+    elif tg > 1 and a.micro_batch_size > 0 and (mini_samples // tg) % a.micro_batch_size:
+        c.error("algorithm.micro_batch_size", a.micro_batch_size, f"must divide each learner rank's share of "
+                f"{mini_samples // tg} samples, so every rank runs the same number of micro-batches")
+    if tg > 1 and a.max_tokens_per_micro_batch > 0:
+        c.error("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch, "must be 0 with several "
+                "learner ranks (cluster.train_gpus > 1): a token budget can give ranks different micro-batch counts, "
+                "and every micro-batch is a collective; use algorithm.micro_batch_size")
     # off-policy correction and log-prob temperature
     c.choice("algorithm.off_policy_correction", a.off_policy_correction, C.OFF_POLICY_CORRECTIONS)
     if a.off_policy_cap < 1:

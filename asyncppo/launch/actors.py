@@ -19,7 +19,7 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
 
 @ray.remote(max_restarts=0)
 class LearnerActor:
-    def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str):
+    def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
         import logging
 
         import torch
@@ -27,14 +27,18 @@ class LearnerActor:
         from asyncppo.learner.service import LearnerService
 
         logging.basicConfig(level=logging.WARNING)
-        torch.set_num_threads(1)
-        self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir)
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)
+        self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
 
     def setup(self):
         return self.service.setup()
 
-    def run(self) -> dict:
-        return self.service.run()
+    def group_address(self):
+        return self.service.group_address()
+
+    def run(self, master_addr=None, master_port=None) -> dict:
+        return self.service.run(master_addr, master_port)
 
 
 @ray.remote(max_restarts=0)

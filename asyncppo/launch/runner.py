@@ -104,9 +104,10 @@ def run(cfg: AsyncPPOConfig) -> int:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        num_learners = max(1, cl.train_gpus)
         learner_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.train_gpus > 0 else {"CPU": 1.0}
         worker_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.rollout_gpus > 0 else {"CPU": 1.0}
-        bundles = [learner_bundle] + [worker_bundle] * num_workers
+        bundles = [learner_bundle] * num_learners + [worker_bundle] * num_workers
         pg = placement_group(bundles, strategy="PACK")
         if not pg.wait(timeout_seconds=60):
             raise LaunchError(f"Ray could not reserve {bundles} within 60 s: not enough free resources")
@@ -121,31 +122,36 @@ def run(cfg: AsyncPPOConfig) -> int:
                 ),
             )
 
-        learner = placed(LearnerActor, 0, learner_bundle).remote(cfg_dict, model_path, num_workers, output_dir)
-        actors.append(learner)
+        learners = [
+            placed(LearnerActor, r, learner_bundle).remote(cfg_dict, model_path, num_workers, output_dir, r, num_learners)
+            for r in range(num_learners)
+        ]
+        actors += learners
+        learner = learners[0]
         endpoints = ray.get(learner.setup.remote(), timeout=cl.timeout_s)
+        master = ray.get(learner.group_address.remote()) if num_learners > 1 else (None, None)
         workers = [
-            placed(RolloutActor, 1 + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, model_path)
+            placed(RolloutActor, num_learners + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, model_path)
             for i in range(num_workers)
         ]
         actors += workers
-        learner_ref = learner.run.remote()
+        learner_ref = learner.run.remote(*master)
+        follower_refs = [f.run.remote(*master) for f in learners[1:]]
         worker_refs = {w.run.remote(): i for i, w in enumerate(workers)}
-        pending = [learner_ref, *worker_refs]
+        pending = [learner_ref, *follower_refs, *worker_refs]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             for ref in done:
                 result = ray.get(ref)  # raises the actor's error
                 if ref == learner_ref:
                     print(f"[asyncppo] learner finished in {time.time() - t0:.0f}s", flush=True)
-                    # The learner published stop: give workers a moment to exit on their own.
+                    # The learner published stop: give the others a moment to exit on their own.
                     if pending:
                         ray.wait(pending, num_returns=len(pending), timeout=60.0)
                     pending = []
                     code = 0
-                else:
-                    if learner_ref in pending:
-                        raise LaunchError(f"rollout worker {worker_refs[ref]} exited early: {result}")
+                elif ref in worker_refs and learner_ref in pending:
+                    raise LaunchError(f"rollout worker {worker_refs[ref]} exited early: {result}")
         return code
     except KeyboardInterrupt:
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)

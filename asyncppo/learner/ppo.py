@@ -114,21 +114,21 @@ class PPOUpdate:
         if alg.off_policy_correction == "none":
             batch.old_logprobs = batch.behavior_logprobs
         else:
-            batch.old_logprobs = chunked(
+            batch.old_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows
             )
         if self.reference is not None:
-            batch.ref_logprobs = chunked(
+            batch.ref_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
             )
         if self.critic is not None:
             self.critic.eval()
-            batch.old_values = chunked(lambda b: value_forward(self.critic, b), batch, rows)
+            batch.old_values = self._no_grad_rows(lambda b: value_forward(self.critic, b), batch, rows)
         mask = batch.response_mask
         proximal = (
             batch.old_logprobs
             if alg.off_policy_correction != "none"
-            else chunked(lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows)
+            else self._no_grad_rows(lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows)
         )
         metrics["actor/mismatch_kl"] = float(algo.masked_mean(algo.kl_penalty(proximal, batch.behavior_logprobs, "k3"), mask))
 
@@ -207,7 +207,11 @@ class PPOUpdate:
             ref_logits = response_logits(self.reference, b, self.alg.temperature)
             return algo.kl_penalty(None, None, "full", logits=logits, ref_logits=ref_logits)
 
-        return chunked(full, batch, rows)
+        return self._no_grad_rows(full, batch, rows)
+
+    def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
+        """No-grad forward over every row in chunks; the multi-rank learner splits this work over its ranks."""
+        return chunked(fn, batch, rows)
 
     def _global_counts(self, mini: TrainBatch) -> tuple[float, float]:
         counts = torch.tensor([mini.response_mask.sum().item(), float(mini.size)], dtype=torch.float64)

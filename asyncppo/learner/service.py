@@ -30,8 +30,12 @@ def _free_port(host: str) -> int:
 
 
 class LearnerService:
-    def __init__(self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str):
+    def __init__(
+        self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1
+    ):
         self.cfg = cfg
+        self.rank = rank
+        self.world_size = world_size
         self.model_path = model_path
         self.num_workers = num_workers
         self.output_dir = output_dir
@@ -67,31 +71,66 @@ class LearnerService:
         )
 
     # ------------------------------------------------------------------------------------------------------------
-    def run(self) -> dict:
+    def group_address(self) -> tuple[str, int]:
+        """Where the learner ranks rendezvous (rank 0's node, a free port)."""
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        return host, _free_port("0.0.0.0")
+
+    def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
+        from asyncppo.learner import distributed as D
         from asyncppo.learner.batch import collate_groups
-        from asyncppo.learner.models import load_actor, load_critic, load_reference, torch_dtype, full_state_dict
+        from asyncppo.learner.models import (
+            full_state_dict, load_actor, load_critic, load_reference, maybe_shard, torch_dtype,
+        )
         from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
         from asyncppo.staleness import Feeder, StalenessBuffer
         from asyncppo.sync import WeightSender, make_sync_group
         from transformers import AutoTokenizer
 
         cfg, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
+        multi = self.world_size > 1
         torch.manual_seed(tr.seed)
-        device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.train_gpus > 0 else "cpu")
+        if multi:
+            device = D.init_learner_group(
+                self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.cluster.timeout_s
+            )
+        else:
+            device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.train_gpus > 0 else "cpu")
         dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        actor = load_actor(self.model_path, dtype, device, cfg.model.trust_remote_code)
+        remote = cfg.model.trust_remote_code
+        actor = maybe_shard(load_actor(self.model_path, dtype, device, remote), self.world_size, device)
         critic = (
-            load_critic(cfg.model.critic_path or self.model_path, dtype, device, cfg.model.trust_remote_code)
+            maybe_shard(load_critic(cfg.model.critic_path or self.model_path, dtype, device, remote),
+                        self.world_size, device)
             if needs_critic(cfg)
             else None
         )
         reference = (
-            load_reference(cfg.model.ref_path or self.model_path, dtype, device, cfg.model.trust_remote_code)
-            if needs_reference(cfg)
-            else None
+            load_reference(cfg.model.ref_path or self.model_path, dtype, device, remote) if needs_reference(cfg) else None
         )
-        updater = PPOUpdate(cfg, actor, critic, reference, device)
+        if multi:
+            updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=self.rank,
+                                         world_size=self.world_size)
+            if self.rank > 0:  # followers do what rank 0 broadcasts, until it says stop
+                steps = D.run_follower(updater)
+                D.destroy()
+                return {"rank": self.rank, "steps": steps}
+        else:
+            updater = PPOUpdate(cfg, actor, critic, reference, device)
+
+        # Rank 0 evaluates and saves an unsharded copy when the actor is sharded over several ranks.
+        plain_actor = load_actor(self.model_path, dtype, device, remote) if multi else actor
+
+        def actor_state() -> dict:
+            if not multi:
+                return full_state_dict(actor)
+            D.broadcast_gather(0)
+            state = D.gather_full_state_dict(actor, 0)
+            plain_actor.load_state_dict(state)
+            return state
         logger = MetricsLogger(
             self.output_dir,
             console=tr.logger.console,
@@ -106,7 +145,7 @@ class LearnerService:
         evaluator = _make_evaluator(cfg, tokenizer)
         summary: dict = {"output_dir": self.output_dir}
         if evaluator is not None:
-            summary["eval_before"] = evaluator(actor)
+            summary["eval_before"] = evaluator(plain_actor)
             logger.log(0, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
 
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
@@ -138,13 +177,13 @@ class LearnerService:
                 groups = self._take_batch(buffer, B)
                 t_work = time.perf_counter()
                 batch = collate_groups(groups, tokenizer.pad_token_id)
-                metrics = updater.step(batch)
+                metrics = updater.step(D.broadcast_batch(batch) if multi else batch)
                 metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
                 self.version += 1
                 if self.version % ro.sync_every == 0:
                     sender.wait()
                     self.control.publish(version=self.version, weights_version=self.version)
-                    sender.push_async(full_state_dict(actor), self.version)
+                    sender.push_async(actor_state(), self.version)
                     pushed_version = self.version
                 self.admission.set_version(self.version)
                 self.control.publish(version=self.version, weights_version=pushed_version)
@@ -174,20 +213,27 @@ class LearnerService:
                 for meter in (gen_tokens, train_tokens, rollout_busy, train_busy):
                     meter.reset()
                 if tr.eval_every and evaluator is not None and step % tr.eval_every == 0 and step < tr.total_steps:
-                    metrics.update({f"eval/{k}": v for k, v in evaluator(actor).items()})
+                    if multi and self.version % ro.sync_every:
+                        actor_state()
+                    metrics.update({f"eval/{k}": v for k, v in evaluator(plain_actor).items()})
                 logger.log(step, metrics)
             sender.wait()
+            if multi:
+                actor_state()
             if evaluator is not None:
-                summary["eval_after"] = evaluator(actor)
+                summary["eval_after"] = evaluator(plain_actor)
                 logger.log(tr.total_steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()})
             final_dir = os.path.join(self.output_dir, "final")
-            actor.save_pretrained(final_dir)
+            plain_actor.save_pretrained(final_dir)
             tokenizer.save_pretrained(final_dir)
             summary.update(steps=tr.total_steps, version=self.version, samples_trained=samples_trained,
                            buffer=buffer.stats(), rejected=dict(self.receiver.rejected))
             logger.message(f"done: {summary}")
             return summary
         finally:
+            if multi:
+                D.broadcast_stop()
+                D.destroy()
             self.control.publish(version=self.version, weights_version=pushed_version, stop=True)
             self.admission_server.stop()
             for closable in self._closables:
