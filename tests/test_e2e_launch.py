@@ -56,10 +56,11 @@ def _assert_no_leftovers() -> None:
 
 def test_async_run_learns_within_staleness_bound(tmp_path):
     k = 2
-    proc, records = _launch(tmp_path, "trainer.total_steps=60", f"rollout.max_staleness={k}")
+    steps = 300
+    proc, records = _launch(tmp_path, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)
-    assert len(train) == 60
+    assert len(train) == steps
     for key in ("policy_version", "staleness/min", "staleness/mean", "staleness/max", "actor/approx_kl",
                 "actor/clipfrac", "actor/entropy", "actor/mismatch_kl", "critic/explained_variance",
                 "throughput/gen_tokens_per_s", "throughput/train_tokens_per_s", "util/rollout_busy",
@@ -68,12 +69,16 @@ def test_async_run_learns_within_staleness_bound(tmp_path):
     assert max(r["staleness/max"] for r in train) <= k
     # The bound is not trivially met by running synchronously: the workers do run ahead.
     assert max(r["staleness/max"] for r in train) >= 1
-    first = sum(r["reward/mean"] for r in train[:10]) / 10
-    last = sum(r["reward/mean"] for r in train[-10:]) / 10
-    # Each step scores 256 samples, so a 10-step window's mean has a standard error near 0.01: 0.1 is > 5 sigma.
-    assert last - first > 0.10, (first, last)
+    # Training reward: 50 steps x 128 samples per window; its standard error is about 0.01, so 0.04 is > 3 sigma of
+    # the difference even counting the correlation within prompt groups.
+    first = sum(r["reward/mean"] for r in train[:50]) / 50
+    last = sum(r["reward/mean"] for r in train[-50:]) / 50
+    assert last - first > 0.04, (first, last)
+    # Held-out prompts never trained on: 1024 sampled answers before and after (paired by prompt), and greedy.
     evals = [r for r in records if "eval/accuracy_sampled" in r]
-    assert evals[-1]["eval/accuracy_sampled"] > evals[0]["eval/accuracy_sampled"] + 0.05, evals
+    before, after = evals[0], evals[-1]
+    assert after["eval/accuracy_sampled"] - before["eval/accuracy_sampled"] > 0.04, evals
+    assert after["eval/accuracy_greedy"] > before["eval/accuracy_greedy"], evals
     _assert_no_leftovers()
 
 
@@ -107,3 +112,28 @@ def test_bad_override_fails_clearly(tmp_path):
     proc, _ = _launch(tmp_path, "algorithm.clip_ratio_c=0.5", timeout=120)
     assert proc.returncode == 2
     assert "clip_ratio_c" in proc.stderr and "0.5" in proc.stderr
+
+
+def test_jsonl_dataset_with_bad_rows_trains(tmp_path):
+    """A real dataset file: unreadable rows and over-long prompts are counted and skipped, the run still trains."""
+    from asyncppo.data.tasks import get_task
+
+    rows = get_task("addition", seed=0).splits().train[:200]
+    lines = [json.dumps({"question": r["prompt"], "answer": f"so the sum is\n#### {r['answer']}"}) for r in rows]
+    lines.insert(3, "{not json")
+    lines.insert(7, json.dumps({"question": 12, "answer": "#### 1"}))
+    lines.insert(9, json.dumps({"question": "9" * 80 + "+1=", "answer": "#### 1"}))
+    data = tmp_path / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    proc, records = _launch(
+        tmp_path, f"data.train_files=[{data}]", "data.prompt_key=question", "data.answer_key=answer",
+        "rollout.prompt_length=16", "rollout.overlong_prompt=skip", "trainer.total_steps=4",
+        "rollout.rollout_batch_size=8",
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert len(_train_records(records)) == 4
+    out = proc.stdout + proc.stderr
+    assert "'bad_rows': 2" in out and "'skipped_overlong': 1" in out, out[-3000:]
+    # math-verify scores the GSM8K-style answers: the warm-started policy gets some of them right
+    assert max(r["reward/mean"] for r in _train_records(records)) > 0
+    _assert_no_leftovers()

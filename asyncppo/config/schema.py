@@ -92,7 +92,7 @@ class RolloutConfig:
     """Generation, batch shape and the asynchrony bounds (staleness, weight-sync cadence)."""
 
     engine: str = "vllm"  # vllm | hf
-    rollout_batch_size: int = 32  # prompts per learner step
+    rollout_batch_size: int = 16  # prompts per learner step
     num_return_sequences_in_group: int = 8
     prompt_length: int = 64
     response_length: int = 16
@@ -159,10 +159,10 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     grad_clip: float = 1.0
-    total_steps: int = 100
+    total_steps: int = 400
     output_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
-    eval_every: int = 0  # learner steps between held-out evaluations; 0: start and end only
+    eval_every: int = 100  # learner steps between held-out evaluations; 0: start and end only
     save_every: int = 0  # learner steps between checkpoints; 0: final only
     sft_warmup_steps: int = 300  # supervised warm start of builtin models (cached)
     logger: LoggerConfig = field(default_factory=LoggerConfig)

@@ -28,7 +28,9 @@ class LearnerActor:
 
         logging.basicConfig(level=logging.WARNING)
         if not torch.cuda.is_available():
-            torch.set_num_threads(1)
+            import os
+
+            torch.set_num_threads(int(os.environ.get("ASYNCPPO_LEARNER_THREADS", "1")))
         self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
 
     def setup(self):
