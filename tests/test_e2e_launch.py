@@ -56,7 +56,7 @@ def _assert_no_leftovers() -> None:
 
 def test_async_run_learns_within_staleness_bound(tmp_path):
     k = 2
-    steps = 300
+    steps = 500
     proc, records = _launch(tmp_path, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)

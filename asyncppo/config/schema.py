@@ -159,7 +159,7 @@ class TrainerConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
     grad_clip: float = 1.0
-    total_steps: int = 400
+    total_steps: int = 500
     output_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
     eval_every: int = 100  # learner steps between held-out evaluations; 0: start and end only
