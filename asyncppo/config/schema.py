@@ -163,7 +163,9 @@ class TrainerConfig:
     output_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
     eval_every: int = 100  # learner steps between held-out evaluations; 0: start and end only
-    save_every: int = 0  # learner steps between checkpoints; 0: final only
+    save_every: int = 0  # learner steps between checkpoints (and one at the end); 0: none, only final/ (weights)
+    keep_checkpoints: int = 2  # newest checkpoints kept under <output_dir>/checkpoints/
+    resume_from: Optional[str] = None  # a checkpoint dir or a run dir (its checkpoints/latest); None: start fresh
     sft_warmup_steps: int = 300  # supervised warm start of builtin models (cached)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 

@@ -255,6 +255,14 @@ def _check_trainer(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.non_negative("trainer.seed", t.seed)
     c.non_negative("trainer.eval_every", t.eval_every)
     c.non_negative("trainer.save_every", t.save_every)
+    c.positive("trainer.keep_checkpoints", t.keep_checkpoints)
+    if t.resume_from is not None:
+        c.non_empty("trainer.resume_from", t.resume_from)
+    if cfg.cluster.train_gpus > 1 and (t.save_every > 0 or t.resume_from):
+        c.error("trainer.save_every" if t.save_every > 0 else "trainer.resume_from",
+                t.save_every if t.save_every > 0 else t.resume_from,
+                "checkpoints need one learner rank (cluster.train_gpus <= 1): sharded optimiser states are not "
+                "saved yet; use trainer.save_every=0 (final/ still holds the weights)")
     c.non_negative("trainer.sft_warmup_steps", t.sft_warmup_steps)
     c.choice("trainer.logger.wandb_mode", lg.wandb_mode, C.WANDB_MODES)
     c.positive("trainer.logger.log_every", lg.log_every)

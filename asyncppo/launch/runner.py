@@ -68,6 +68,28 @@ def _check_resources(cfg: AsyncPPOConfig, resources: dict[str, float]) -> None:
         )
 
 
+def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> str:
+    """The weights the rollout engines start from: the checkpoint's actor when resuming (checked against the
+    configured model first, so a mismatch fails before any actor starts), else ``model_path``."""
+    if not cfg.trainer.resume_from:
+        return model_path
+    from asyncppo.learner.checkpoint import CheckpointError, check_compatible, resolve_checkpoint
+    from asyncppo.learner.ppo import needs_critic
+
+    try:
+        ckpt = resolve_checkpoint(cfg.trainer.resume_from)
+        check_compatible(ckpt, model_path, needs_critic=needs_critic(cfg))
+    except CheckpointError as exc:
+        raise LaunchError(str(exc)) from None
+    if ckpt.version >= cfg.trainer.total_steps:
+        raise LaunchError(
+            f"trainer.resume_from: the checkpoint {ckpt.path!r} is at step {ckpt.version}, but trainer.total_steps="
+            f"{cfg.trainer.total_steps} is the total number of steps, so there is nothing left to train"
+        )
+    print(f"[asyncppo] resuming from {ckpt.path} (step {ckpt.version})", flush=True)
+    return ckpt.actor_dir
+
+
 def run(cfg: AsyncPPOConfig) -> int:
     """Run a training job; returns the process exit code."""
     import ray
@@ -83,6 +105,7 @@ def run(cfg: AsyncPPOConfig) -> int:
     try:
         _check_data(cfg)
         model_path = _resolve_model(cfg)
+        worker_model_path = _resolve_resume(cfg, model_path)
     except LaunchError as exc:
         print(f"[asyncppo] error: {exc}", file=sys.stderr)
         return 2
@@ -131,7 +154,7 @@ def run(cfg: AsyncPPOConfig) -> int:
         endpoints = ray.get(learner.setup.remote(), timeout=cl.timeout_s)
         master = ray.get(learner.group_address.remote()) if num_learners > 1 else (None, None)
         workers = [
-            placed(RolloutActor, num_learners + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, model_path)
+            placed(RolloutActor, num_learners + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, worker_model_path)
             for i in range(num_workers)
         ]
         actors += workers

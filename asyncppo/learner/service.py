@@ -3,7 +3,13 @@
 Loop, once per policy version ``v``:
   take ``rollout_batch_size`` whole groups from the staleness buffer (stale ones are dropped and their tickets reused)
   -> PPO update -> ``v + 1`` -> every ``sync_every`` versions: announce and broadcast the weights (in the background)
-  -> tell the admission controller the new version (which releases more tickets) -> log one metrics record.
+  -> tell the admission controller the new version (which releases more tickets) -> log one metrics record
+  -> every ``trainer.save_every`` versions (and at the end): a checkpoint (:mod:`asyncppo.learner.checkpoint`).
+
+Resuming (``trainer.resume_from``) continues at the checkpoint's version ``V``: step numbers and policy versions go on
+from ``V + 1``, the admission controller counts its tickets from slot ``V * B`` (so the workers are not flooded with
+``V * B`` extra tickets), and the weights are announced and pushed once before training, so every worker holds version
+``V`` (they start at version 0 whatever weights their engine loaded) before a ticket that needs it is served.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ class LearnerService:
         self.version = 0
         self._closables: list = []
         self._feeder = None
+        self.resume = None  # the Checkpoint being resumed from, resolved in setup()
 
     # ------------------------------------------------------------------------------------------------------------
     def setup(self) -> Endpoints:
@@ -51,13 +58,24 @@ class LearnerService:
         from asyncppo.stream.endpoints import bind_endpoint, connect_endpoint
 
         cl, ro = self.cfg.cluster, self.cfg.rollout
+        if self.cfg.trainer.resume_from:
+            from asyncppo.learner.checkpoint import resolve_checkpoint
+
+            self.resume = resolve_checkpoint(self.cfg.trainer.resume_from)
+            self.version = self.resume.version
+            if self.version >= self.cfg.trainer.total_steps:
+                raise ValueError(
+                    f"trainer.resume_from: the checkpoint {self.resume.path!r} is at step {self.version}, but "
+                    f"trainer.total_steps={self.cfg.trainer.total_steps} (the total, not the steps to add): nothing "
+                    "to train"
+                )
         host = cl.bind_address
         public = cl.advertise_address or host
         self.receiver = TrajectoryReceiver(
             bind_endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20
         )
         self.control = ControlPublisher(bind_endpoint(host, cl.control_port))
-        self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness)
+        self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=self.version)
         self.admission_server = AdmissionServer(self.admission, bind_endpoint(host, cl.admission_port))
         self._closables += [self.receiver, self.control, self.admission_server]
         self.sync_port = cl.sync_port or _free_port(host)
@@ -81,6 +99,7 @@ class LearnerService:
     def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
         from asyncppo.learner import distributed as D
         from asyncppo.learner.batch import collate_groups
+        from asyncppo.learner.checkpoint import check_compatible, restore, save_checkpoint
         from asyncppo.learner.models import (
             full_state_dict, load_actor, load_critic, load_reference, maybe_shard, torch_dtype,
         )
@@ -101,7 +120,11 @@ class LearnerService:
         dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         remote = cfg.model.trust_remote_code
-        actor = maybe_shard(load_actor(self.model_path, dtype, device, remote), self.world_size, device)
+        if self.resume is not None:
+            check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg))
+        # The reference (and a fresh critic body) always come from the configured model; only the actor resumes.
+        actor_path = self.resume.actor_dir if self.resume is not None else self.model_path
+        actor = maybe_shard(load_actor(actor_path, dtype, device, remote), self.world_size, device)
         critic = (
             maybe_shard(load_critic(cfg.model.critic_path or self.model_path, dtype, device, remote),
                         self.world_size, device)
@@ -122,7 +145,11 @@ class LearnerService:
             updater = PPOUpdate(cfg, actor, critic, reference, device)
 
         # Rank 0 evaluates and saves an unsharded copy when the actor is sharded over several ranks.
-        plain_actor = load_actor(self.model_path, dtype, device, remote) if multi else actor
+        plain_actor = load_actor(actor_path, dtype, device, remote) if multi else actor
+        samples_trained = 0
+        if self.resume is not None:
+            state = restore(self.resume, updater, critic)
+            samples_trained = int(state["extra"].get("samples_trained", 0))
 
         def actor_state() -> dict:
             if not multi:
@@ -146,7 +173,7 @@ class LearnerService:
         summary: dict = {"output_dir": self.output_dir}
         if evaluator is not None:
             summary["eval_before"] = evaluator(plain_actor)
-            logger.log(0, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
+            logger.log(self.version, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
 
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
         group = make_sync_group(
@@ -164,15 +191,32 @@ class LearnerService:
         feeder = Feeder(self.receiver, buffer)
         self._closables.insert(0, feeder)
         self._feeder = feeder
-        self.control.publish(version=0, weights_version=0)
-        logger.message("training started")
+        start = self.version
+        pushed_version = 0
+        if start > 0:
+            # Workers begin at version 0: announce and push the checkpoint's weights, as the loop does after a step.
+            self.control.publish(version=start, weights_version=start)
+            sender.push_async(actor_state(), start)
+            pushed_version = start
+        else:
+            self.control.publish(version=0, weights_version=0)
+        logger.message(f"training started at step {start + 1}" + (f" (resumed from {self.resume.path})"
+                                                                 if self.resume is not None else ""))
+
+        def checkpoint() -> None:
+            if multi:
+                actor_state()  # the collective gather into plain_actor
+            t0 = time.perf_counter()
+            ckpt = save_checkpoint(self.output_dir, self.version, actor=plain_actor, tokenizer=tokenizer,
+                                   updater=updater, critic=critic, keep=tr.keep_checkpoints,
+                                   extra={"samples_trained": samples_trained})
+            logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
         gen_tokens, train_tokens, rollout_busy, train_busy = RateMeter(), RateMeter(), BusyMeter(), BusyMeter()
-        samples_trained = 0
         B = ro.rollout_batch_size
-        pushed_version = 0
+        saved_version = start
         try:
-            for step in range(1, tr.total_steps + 1):
+            for step in range(start + 1, tr.total_steps + 1):
                 t_step = time.perf_counter()
                 groups = self._take_batch(buffer, B)
                 t_work = time.perf_counter()
@@ -217,7 +261,12 @@ class LearnerService:
                         actor_state()
                     metrics.update({f"eval/{k}": v for k, v in evaluator(plain_actor).items()})
                 logger.log(step, metrics)
+                if tr.save_every and step % tr.save_every == 0:
+                    checkpoint()
+                    saved_version = self.version
             sender.wait()
+            if tr.save_every and saved_version != self.version:
+                checkpoint()
             if multi:
                 actor_state()
             if evaluator is not None:

@@ -99,6 +99,13 @@ class RolloutWorker:
         try:
             while True:
                 state = control.latest(timeout_ms=0) or state
+                if state is None and control.rejected.get("version", 0):
+                    # Every control message is refused: the learner runs another asyncppo wire version. Waiting
+                    # would hang the run until its timeout; fail now with the reason.
+                    raise RuntimeError(
+                        f"rollout worker {self.worker_id}: the learner's control messages use another wire schema "
+                        "version; run the same asyncppo version on every node"
+                    )
                 if state is not None and state.stop:
                     break
                 if state is not None and state.weights_version > self.version:

@@ -27,6 +27,11 @@ groups came from live tickets), and a group trained no later than its slot's ver
 that arrive later than that are what the buffer's lag guard is for; lag ``<= k`` of every trained sample is
 guaranteed by the guard, the controller keeps such drops rare. ``min_version`` is clamped at 0, which is
 equivalent to the raw (possibly negative) formula because versions start at 0.
+
+Resuming. A run resumed at version ``V`` has already consumed slots ``0 .. V*B - 1`` (in the run that wrote the
+checkpoint). ``start_version=V`` starts the controller as if those slots were granted and consumed: fresh indices
+start at ``V*B`` and the live count at ``V*B``, so at most ``(k + 1) * B`` tickets are in flight at once, exactly as
+in a run that never stopped. Starting at ``version=V`` without the offset would grant ``(k + V + 1) * B`` at once.
 """
 
 from __future__ import annotations
@@ -47,19 +52,23 @@ class Ticket:
 class AdmissionController:
     """Thread-safe ticket accounting. Pure logic: no sockets (see :mod:`asyncppo.staleness.server`)."""
 
-    def __init__(self, batch_groups: int, max_staleness: int, version: int = 0):
+    def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, start_version: int = 0):
         if type(batch_groups) is not int or batch_groups < 1:
             raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
         if type(max_staleness) is not int or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        if type(start_version) is not int or start_version < 0:
+            raise ValueError(f"start_version must be an int >= 0, got {start_version!r}")
         self.B = batch_groups
         self.k = max_staleness
-        self._v = version
+        self.start_version = start_version
+        self._v = max(version, start_version)
         self._lock = threading.Lock()
-        self._next_index = 0
+        # slots 0 .. start_version*B - 1 were consumed before a resume: they count as live and are never re-granted
+        self._next_index = start_version * batch_groups
         self._free: list[int] = []  # released indices, re-granted smallest first
         self._outstanding: set[int] = set()  # granted, neither consumed nor released
-        self._live = 0  # granted - released: the slots in use, consumed ones included
+        self._live = start_version * batch_groups  # granted - released: the slots in use, consumed ones included
         self.granted = 0  # grants, including re-grants of released indices
         self.released = 0
         self.consumed_count = 0

@@ -1,0 +1,293 @@
+"""Learner checkpoints: write them atomically, find the newest good one, and load it back for a resume.
+
+Layout of ``<output_dir>/checkpoints/``::
+
+    step_300/
+      actor/                  HF format (save_pretrained + tokenizer): usable as ``model.path`` or by vLLM as is
+      critic.safetensors      the value model's state dict (only when the run trains a critic)
+      trainer_state.pt        version, optimiser/scheduler states, KL controller, reward stats, RNG states
+      meta.json               version, architecture summary; written last
+    latest                    the name of the newest complete checkpoint dir ("step_300")
+
+Why this shape. A run can die at any moment, including in the middle of a save. Everything is written into a hidden
+``.tmp-step_N`` directory first and renamed to ``step_N`` only when complete (a rename within one directory is atomic
+on POSIX), and ``latest`` is replaced (write + ``os.replace``) only after that rename, so ``latest`` never names a
+half-written checkpoint. The trainer state goes through ``torch.save`` and is read back with ``weights_only=True``:
+a checkpoint file never executes code when loaded (it holds only tensors, numbers, strings, lists and dicts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+CHECKPOINTS_DIR = "checkpoints"
+LATEST_FILE = "latest"
+ACTOR_DIR = "actor"
+CRITIC_FILE = "critic.safetensors"
+STATE_FILE = "trainer_state.pt"
+META_FILE = "meta.json"
+FORMAT = 1
+_STEP_RE = re.compile(r"^step_(\d+)$")
+# The config.json keys that must agree between a checkpoint's actor and the model a run is configured with.
+ARCH_KEYS = (
+    "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+    "intermediate_size", "vocab_size", "tie_word_embeddings", "head_dim",
+)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint at a path, or one that does not fit the configured run."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A complete checkpoint directory and the policy version it holds."""
+
+    path: str
+    version: int
+
+    @property
+    def actor_dir(self) -> str:
+        return os.path.join(self.path, ACTOR_DIR)
+
+    @property
+    def critic_file(self) -> str:
+        return os.path.join(self.path, CRITIC_FILE)
+
+    @property
+    def state_file(self) -> str:
+        return os.path.join(self.path, STATE_FILE)
+
+    @property
+    def has_critic(self) -> bool:
+        return os.path.isfile(self.critic_file)
+
+
+def checkpoints_root(output_dir: str) -> str:
+    return os.path.join(output_dir, CHECKPOINTS_DIR)
+
+
+# ---------------------------------------------------------------------------------------------------------- saving
+def trainer_state(updater, version: int, extra: Optional[dict] = None) -> dict[str, Any]:
+    """Everything of a :class:`~asyncppo.learner.ppo.PPOUpdate` that is not a model weight, plus the RNG states."""
+    state: dict[str, Any] = {
+        "format": FORMAT,
+        "version": int(version),
+        "actor_opt": updater.actor_opt.state_dict(),
+        "actor_sched": updater.actor_sched.state_dict(),
+        "critic_opt": updater.critic_opt.state_dict() if updater.critic_opt is not None else None,
+        "critic_sched": updater.critic_sched.state_dict() if updater.critic_sched is not None else None,
+        "kl_ctrl": updater.kl_ctrl.state_dict(),
+        "reward_stats": updater.reward_stats.state_dict() if updater.reward_stats is not None else None,
+        "generator": updater.generator.get_state(),
+        "torch_rng": torch.get_rng_state(),
+        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "extra": dict(extra or {}),
+    }
+    return state
+
+
+def _write_state(state: dict, path: str) -> None:
+    torch.save(state, path)
+
+
+def _arch_summary(config_path: str) -> dict:
+    with open(config_path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    return {k: cfg.get(k) for k in ARCH_KEYS}
+
+
+def save_checkpoint(
+    output_dir: str,
+    version: int,
+    *,
+    actor: nn.Module,
+    tokenizer,
+    updater,
+    critic: Optional[nn.Module] = None,
+    keep: int = 2,
+    extra: Optional[dict] = None,
+) -> Checkpoint:
+    """Write ``<output_dir>/checkpoints/step_<version>`` atomically, point ``latest`` at it, prune old ones.
+
+    ``actor`` must be an unsharded model (rank 0's plain copy on a multi-rank learner). ``keep`` >= 1 checkpoints
+    are kept, newest first; an unfinished ``.tmp-*`` directory left by a crash is removed by the next save.
+    """
+    from safetensors.torch import save_model
+
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    root = checkpoints_root(output_dir)
+    os.makedirs(root, exist_ok=True)
+    name = f"step_{int(version)}"
+    tmp = os.path.join(root, f".tmp-{name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    actor_dir = os.path.join(tmp, ACTOR_DIR)
+    actor.save_pretrained(actor_dir)
+    tokenizer.save_pretrained(actor_dir)
+    if critic is not None:
+        save_model(critic, os.path.join(tmp, CRITIC_FILE))
+    _write_state(trainer_state(updater, version, extra), os.path.join(tmp, STATE_FILE))
+    meta = {
+        "format": FORMAT,
+        "version": int(version),
+        "has_critic": critic is not None,
+        "arch": _arch_summary(os.path.join(actor_dir, "config.json")),
+        "saved_at": time.time(),
+    }
+    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=1)
+    final = os.path.join(root, name)
+    if os.path.exists(final):  # e.g. a resumed run writing into the run dir it resumed from
+        trash = os.path.join(root, f".old-{name}-{os.getpid()}")
+        os.rename(final, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    os.rename(tmp, final)
+    _write_latest(root, name)
+    _prune(root, keep)
+    return Checkpoint(final, int(version))
+
+
+def _write_latest(root: str, name: str) -> None:
+    tmp = os.path.join(root, f".{LATEST_FILE}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(name + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(root, LATEST_FILE))
+
+
+def _complete_steps(root: str) -> list[tuple[int, str]]:
+    out = []
+    for entry in os.listdir(root) if os.path.isdir(root) else []:
+        m = _STEP_RE.match(entry)
+        if m and os.path.isfile(os.path.join(root, entry, META_FILE)):
+            out.append((int(m.group(1)), entry))
+    return sorted(out)
+
+
+def _prune(root: str, keep: int) -> None:
+    """Keep the newest ``keep`` checkpoints (and whatever ``latest`` names); drop leftovers of crashed saves."""
+    latest = _read_latest(root)
+    steps = _complete_steps(root)
+    for _, entry in steps[:-keep]:
+        if entry != latest:
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    for entry in os.listdir(root):
+        if entry.startswith((".tmp-", ".old-")):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+
+
+def _read_latest(root: str) -> Optional[str]:
+    try:
+        with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except FileNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------------- finding
+def resolve_checkpoint(path: str) -> Checkpoint:
+    """``path`` is a checkpoint dir (``.../step_N``), a run's ``checkpoints/`` dir, or a run dir (its ``latest``).
+
+    Raises :class:`CheckpointError` naming what was looked for when there is no complete checkpoint there.
+    """
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise CheckpointError(f"trainer.resume_from={path!r}: no such directory")
+    if os.path.isfile(os.path.join(path, META_FILE)):
+        return _open(path)
+    for root in (checkpoints_root(path), path):
+        if not os.path.isdir(root):
+            continue
+        name = _read_latest(root)
+        if name is not None:
+            target = os.path.join(root, name)
+            if not os.path.isfile(os.path.join(target, META_FILE)):
+                raise CheckpointError(
+                    f"trainer.resume_from={path!r}: {os.path.join(root, LATEST_FILE)} names {name!r}, which is not "
+                    "a complete checkpoint"
+                )
+            return _open(target)
+        steps = _complete_steps(root)
+        if steps:  # 'latest' lost (e.g. a crash between the rename and its update): the newest complete one
+            return _open(os.path.join(root, steps[-1][1]))
+    raise CheckpointError(
+        f"trainer.resume_from={path!r}: no checkpoint found (looked for {META_FILE} there, and for "
+        f"{CHECKPOINTS_DIR}/{LATEST_FILE} or {CHECKPOINTS_DIR}/step_N/); runs write checkpoints when "
+        "trainer.save_every > 0"
+    )
+
+
+def _open(path: str) -> Checkpoint:
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path!r} has format {meta.get('format')!r}; this asyncppo reads {FORMAT}")
+    for needed in (os.path.join(path, ACTOR_DIR, "config.json"), os.path.join(path, STATE_FILE)):
+        if not os.path.isfile(needed):
+            raise CheckpointError(f"checkpoint {path!r} is incomplete: {needed!r} is missing")
+    return Checkpoint(path, int(meta["version"]))
+
+
+def check_compatible(ckpt: Checkpoint, model_path: str, *, needs_critic: bool) -> None:
+    """The checkpoint's actor must have the architecture of ``model_path`` (the run's configured model), and hold a
+    critic when the run trains one. Raises :class:`CheckpointError` listing every difference."""
+    have = _arch_summary(os.path.join(ckpt.actor_dir, "config.json"))
+    want_file = os.path.join(model_path, "config.json")
+    if os.path.isfile(want_file):
+        want = _arch_summary(want_file)
+        diffs = [f"{k}: checkpoint {have[k]!r} vs model {want[k]!r}" for k in ARCH_KEYS if have[k] != want[k]]
+        if diffs:
+            raise CheckpointError(
+                f"checkpoint {ckpt.path!r} does not fit model.path={model_path!r} (different architecture: "
+                + "; ".join(diffs) + ")"
+            )
+    if needs_critic and not ckpt.has_critic:
+        raise CheckpointError(
+            f"checkpoint {ckpt.path!r} has no critic, but this run trains one (algorithm.adv_estimator / use_critic); "
+            "resume with the configuration that wrote it"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------- loading
+def load_trainer_state(path: str) -> dict[str, Any]:
+    """Read ``trainer_state.pt`` with ``weights_only=True`` (no code runs while loading)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def restore(ckpt: Checkpoint, updater, critic: Optional[nn.Module] = None) -> dict[str, Any]:
+    """Load the critic weights and every optimiser/scheduler/controller/RNG state into a freshly built updater (whose
+    actor was loaded from ``ckpt.actor_dir``). Returns the trainer state (its ``version`` and ``extra``)."""
+    state = load_trainer_state(ckpt.state_file)
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{ckpt.state_file!r} has format {state.get('format')!r}; this asyncppo reads {FORMAT}")
+    if critic is not None:
+        from safetensors.torch import load_model
+
+        load_model(critic, ckpt.critic_file, strict=True, device=str(next(critic.parameters()).device))
+    updater.actor_opt.load_state_dict(state["actor_opt"])
+    updater.actor_sched.load_state_dict(state["actor_sched"])
+    if updater.critic_opt is not None:
+        if state["critic_opt"] is None:
+            raise CheckpointError(f"checkpoint {ckpt.path!r} has no critic optimiser state, but this run trains a critic")
+        updater.critic_opt.load_state_dict(state["critic_opt"])
+        updater.critic_sched.load_state_dict(state["critic_sched"])
+    updater.kl_ctrl.load_state_dict(state["kl_ctrl"])
+    if updater.reward_stats is not None and state["reward_stats"] is not None:
+        updater.reward_stats.load_state_dict(state["reward_stats"])
+    updater.generator.set_state(state["generator"])
+    torch.set_rng_state(state["torch_rng"])
+    if state["cuda_rng"] and torch.cuda.is_available() and len(state["cuda_rng"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda_rng"])
+    return state
