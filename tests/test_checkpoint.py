@@ -232,3 +232,15 @@ def test_resumed_admission_matches_an_uninterrupted_run(B, k, V):
         pending = pending[B:]
     # without the offset the same version would flood the workers
     assert len(_drain(AdmissionController(B, k, version=V))) == (k + V + 1) * B > (k + 1) * B
+
+
+# ------------------------------------------------------------------------------------------------ options
+def test_checkpoint_options_are_validated():
+    from asyncppo.config import ConfigError, load_config
+
+    cfg = load_config(["trainer.save_every=3", "trainer.resume_from=/runs/a"])
+    assert (cfg.trainer.save_every, cfg.trainer.keep_checkpoints, cfg.trainer.resume_from) == (3, 2, "/runs/a")
+    with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints=0: must be > 0"):
+        load_config(["trainer.keep_checkpoints=0"])
+    with pytest.raises(ConfigError, match=r"trainer.save_every=3: checkpoints need one learner rank"):
+        load_config(["trainer.save_every=3", "cluster.train_gpus=2"])

@@ -71,6 +71,7 @@ def test_resume_continues_steps_versions_and_weights(tmp_path, tiny_model_dir):
     # far below the gap to the initial model that generating with it would show.
     gap = _policy_gap(tiny_model_dir, str(ckpts / "step_6" / "actor"))
     first_mismatch = train[0]["actor/mismatch_kl"]
+    print(f"first resumed mismatch_kl {first_mismatch:.3g}; initial-vs-checkpoint KL {gap:.3g}")
     assert first_mismatch < 1e-4 and first_mismatch < gap / 20, (first_mismatch, gap)
     run2 = second_dir / "run"
     assert (run2 / "checkpoints" / "latest").read_text().strip() == "step_9"

@@ -193,13 +193,6 @@ class LearnerService:
         self._feeder = feeder
         start = self.version
         pushed_version = 0
-        if start > 0:
-            # Workers begin at version 0: announce and push the checkpoint's weights, as the loop does after a step.
-            self.control.publish(version=start, weights_version=start)
-            sender.push_async(actor_state(), start)
-            pushed_version = start
-        else:
-            self.control.publish(version=0, weights_version=0)
         logger.message(f"training started at step {start + 1}" + (f" (resumed from {self.resume.path})"
                                                                  if self.resume is not None else ""))
 
@@ -216,6 +209,16 @@ class LearnerService:
         B = ro.rollout_batch_size
         saved_version = start
         try:
+            if start > 0:
+                # Workers begin at version 0: announce and push the checkpoint's weights, as the loop does after a
+                # step. Tickets need version >= start - k, so workers wait for this push; when k >= start they may
+                # generate before it, with their engine's weights (the checkpoint's actor, from the launcher)
+                # stamped version 0: an older stamp than the truth, which only errs towards the lag guard.
+                self.control.publish(version=start, weights_version=start)
+                sender.push_async(actor_state(), start)
+                pushed_version = start
+            else:
+                self.control.publish(version=0, weights_version=0)
             for step in range(start + 1, tr.total_steps + 1):
                 t_step = time.perf_counter()
                 groups = self._take_batch(buffer, B)

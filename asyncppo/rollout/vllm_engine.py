@@ -30,6 +30,8 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from asyncppo.sync.engine_load import layer_group
+
 from .engine import Completion, check_sampling_args
 
 
@@ -44,15 +46,6 @@ def _configure_env(device: str, kv_cache_gib: float) -> None:
 
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
-
-def layer_group(name: str) -> str:
-    """Tensors vLLM must receive together: the name up to its first numeric part, else the parent module."""
-    parts = name.split(".")
-    for i, part in enumerate(parts[:-1]):
-        if part.isdigit():
-            return ".".join(parts[: i + 1])
-    return ".".join(parts[:-1]) or name
 
 
 def tied_fp32(model_path: str, dtype: str) -> bool:
