@@ -32,6 +32,8 @@ def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
         "WANDB_SILENT": "true",
+        "TRANSFORMERS_VERBOSITY": os.environ.get("TRANSFORMERS_VERBOSITY", "error"),
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "PYTHONWARNINGS": "ignore",
     }
     if cfg.cluster.rollout_gpus == 0:
