@@ -137,3 +137,45 @@ def test_jsonl_dataset_with_bad_rows_trains(tmp_path):
     # math-verify scores the GSM8K-style answers: the warm-started policy gets some of them right
     assert max(r["reward/mean"] for r in _train_records(records)) > 0
     _assert_no_leftovers()
+
+
+def test_raising_reward_function_is_counted_not_fatal(tmp_path):
+    proc, records = _launch(tmp_path, "rollout.reward_fn=tests.failure_helpers:raise_sometimes",
+                            "trainer.total_steps=4", timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = _train_records(records)
+    assert len(train) == 4
+    # one call in three raises: about a third of the samples are scored as failed
+    failed = sum(r["reward/failed_frac"] for r in train) / len(train)
+    assert 0.25 < failed < 0.42, failed
+    _assert_no_leftovers()
+
+
+def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
+    proc, records = _launch(tmp_path, "rollout.reward_fn=tests.failure_helpers:die_after_some",
+                            "trainer.total_steps=200", timeout=600)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "actor" in proc.stderr.lower() and ("died" in proc.stderr.lower() or "exit" in proc.stderr.lower()), \
+        proc.stderr[-3000:]
+    # what was trained before the failure is on disk, one record per finished step
+    assert 0 < len(_train_records(records)) < 200
+    _assert_no_leftovers()
+
+
+def test_ctrl_c_stops_everything(tmp_path):
+    out_dir = tmp_path / "run"
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(
+        [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", "trainer.total_steps=5000"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    metrics = out_dir / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 5):
+        time.sleep(1)
+    assert metrics.exists(), "training never started"
+    proc.send_signal(__import__("signal").SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "interrupted" in err
+    _assert_no_leftovers()
