@@ -45,11 +45,10 @@ def test_defaults_compose_to_typed_ppo_config():
 
 def test_command_line_overrides_take_effect():
     cfg = load_config(["algorithm.pg_clip=0.28", "rollout.max_staleness=4", "trainer.betas=[0.8,0.95]",
-                       "rollout.sampling.stop=[END]", "+extra.note=hello"])
+                       "+extra.note=hello"])
     assert cfg.algorithm.pg_clip == 0.28
     assert cfg.rollout.max_staleness == 4
     assert cfg.trainer.betas == [0.8, 0.95]
-    assert cfg.rollout.sampling.stop == ["END"]
     assert cfg.extra == {"note": "hello"}
 
 
@@ -142,6 +141,9 @@ def test_sub_key_of_a_value():
 # --- validation: every rule names key and value ----------------------------------------------------------------
 
 INVALID = [
+    (["rollout.sampling.min_p=0.1"], "rollout.sampling.min_p=0.1"),
+    (["rollout.sampling.repetition_penalty=1.2"], "rollout.sampling.repetition_penalty=1.2"),
+    (["rollout.sampling.stop=[END]"], "rollout.sampling.stop=['END']"),
     (["algorithm.adv_estimator=ppo"], "algorithm.adv_estimator='ppo'"),
     (["algorithm.loss_agg_mode=mean"], "algorithm.loss_agg_mode='mean'"),
     (["algorithm.kl_penalty=k4"], "algorithm.kl_penalty='k4'"),

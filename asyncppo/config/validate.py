@@ -214,6 +214,19 @@ def _check_rollout(cfg: AsyncPPOConfig, c: _Checks) -> None:
     for i, stop in enumerate(s.stop):
         if not stop:
             c.error(f"rollout.sampling.stop[{i}]", stop, "stop strings must be non-empty")
+    # Options the engines do not apply yet are refused rather than silently ignored.
+    if s.min_p != 0.0:
+        c.error("rollout.sampling.min_p", s.min_p, "must be 0.0: min-p sampling is not supported by the rollout engines yet")
+    if s.repetition_penalty != 1.0:
+        c.error("rollout.sampling.repetition_penalty", s.repetition_penalty,
+                "must be 1.0: repetition penalties are not supported by the rollout engines yet")
+    if s.stop:
+        c.error("rollout.sampling.stop", list(s.stop),
+                "must be empty: stop strings are not supported yet (generation stops at the tokenizer's eos)")
+    if s.top_p < 1.0 or s.top_k != -1:
+        c.warn(f"rollout.sampling.top_p={s.top_p} / top_k={s.top_k}: behaviour log-probs come from the truncated, "
+               "renormalised distribution while the learner recomputes the full one, so importance ratios are biased "
+               "(weights <= 1); prefer top_p=1.0 and top_k=-1 for RL")
 
 
 def _check_model_data(cfg: AsyncPPOConfig, c: _Checks) -> None:

@@ -11,6 +11,7 @@ also stops a local Ray cluster's processes), so nothing is left behind.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 import time
@@ -118,20 +119,22 @@ def run(cfg: AsyncPPOConfig) -> int:
     if cl.address:
         init_kwargs["address"] = cl.address
     else:
-        init_kwargs["num_cpus"] = max(os.cpu_count() or 1, num_workers + 1)
+        needed = max(1, cl.train_gpus) + cl.cpus_per_worker * num_workers  # the placement group's CPU bundles
+        init_kwargs["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(needed)))
     init_kwargs["runtime_env"] = {"env_vars": _actor_env(cfg)}
     t0 = time.time()
-    ray.init(**init_kwargs)
     actors: list = []
     code = 1
     try:
+        ray.init(**init_kwargs)
         _check_resources(cfg, ray.cluster_resources())
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         num_learners = max(1, cl.train_gpus)
         learner_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.train_gpus > 0 else {"CPU": 1.0}
-        worker_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.rollout_gpus > 0 else {"CPU": 1.0}
+        worker_cpus = float(cl.cpus_per_worker)
+        worker_bundle = {"CPU": worker_cpus, "GPU": 1.0} if cl.rollout_gpus > 0 else {"CPU": worker_cpus}
         bundles = [learner_bundle] * num_learners + [worker_bundle] * num_workers
         pg = placement_group(bundles, strategy="PACK")
         if not pg.wait(timeout_seconds=60):
@@ -167,16 +170,15 @@ def run(cfg: AsyncPPOConfig) -> int:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             for ref in done:
-                result = ray.get(ref)  # raises the actor's error
+                ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
                 if ref == learner_ref:
                     print(f"[asyncppo] learner finished in {time.time() - t0:.0f}s", flush=True)
                     # The learner published stop: give the others a moment to exit on their own.
                     if pending:
-                        ray.wait(pending, num_returns=len(pending), timeout=60.0)
+                        ray.wait(pending, num_returns=len(pending), timeout=15.0)
                     pending = []
                     code = 0
-                elif ref in worker_refs and learner_ref in pending:
-                    raise LaunchError(f"rollout worker {worker_refs[ref]} exited early: {result}")
+                # A worker returns normally only when the learner told it to stop: keep waiting for the learner.
         return code
     except KeyboardInterrupt:
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)

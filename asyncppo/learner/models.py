@@ -19,9 +19,22 @@ def torch_dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 
 
-def load_actor(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """PPO ratios compare forward passes of the same weights: dropout would make the first-pass ratio differ from 1."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    return model
+
+
+def load_actor(
+    path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+    gradient_checkpointing: bool = False,
+) -> nn.Module:
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    return model.to(device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return disable_dropout(model).to(device)
 
 
 def load_reference(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
@@ -54,7 +67,7 @@ def load_critic(
 ) -> ValueModel:
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-    critic = ValueModel(body, config.hidden_size).to(device=device)
+    critic = ValueModel(disable_dropout(body), config.hidden_size).to(device=device)
     critic.value_head.to(torch.float32)
     return critic
 
@@ -83,5 +96,8 @@ def maybe_shard(model: nn.Module, world_size: int, device: torch.device) -> nn.M
     if layers is not None:
         for layer in layers:
             fully_shard(layer)
+    head = getattr(model, "value_head", None)
+    if head is not None:  # the critic's float32 head: FSDP needs one dtype per parameter group
+        fully_shard(head)
     fully_shard(model)
     return model

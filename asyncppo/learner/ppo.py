@@ -130,7 +130,10 @@ class PPOUpdate:
             if alg.off_policy_correction != "none"
             else self._no_grad_rows(lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows)
         )
-        metrics["actor/mismatch_kl"] = float(algo.masked_mean(algo.kl_penalty(proximal, batch.behavior_logprobs, "k3"), mask))
+        # KL(behaviour || proximal), estimated on the behaviour policy's own samples (the same as algo.policy_loss reports)
+        metrics["actor/mismatch_kl"] = float(
+            algo.masked_mean(algo.kl_penalty(batch.behavior_logprobs, proximal, "k3"), mask)
+        )
 
         # 2. rewards: shape the outcome score, put it on the last valid token, optional KL-in-reward
         scores = batch.scores.clone()
@@ -236,9 +239,17 @@ class PPOUpdate:
         self.actor_opt.zero_grad(set_to_none=True)
         if self.critic_opt is not None:
             self.critic_opt.zero_grad(set_to_none=True)
+        # Each micro-batch loss is its share of the mini-batch loss (global normalisation): losses are summed here,
+        # ratio-type metrics are token-weighted means.
+        loss_sums: dict[str, float] = defaultdict(float)
         for micro in micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch):
             weight = float(micro.response_mask.sum())
-            logprobs, entropy, logits = policy_forward(self.actor, micro, alg.temperature, with_entropy=True)
+            logprobs, entropy, logits = policy_forward(
+                self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
+            )
+            if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
+                with torch.no_grad():
+                    entropy = algo.entropy_from_logits(logits.detach())
             pg_loss, pg_metrics = algo.policy_loss(
                 logprobs,
                 micro.old_logprobs,
@@ -255,9 +266,9 @@ class PPOUpdate:
             )
             entropy_term = algo.aggregate(entropy, micro.response_mask, **_agg_kwargs(agg))
             loss = pg_loss - alg.entropy_coef * entropy_term
-            step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items()}
+            step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items() if k != "pg_loss"}
             step_metrics["actor/entropy"] = float(algo.masked_mean(entropy.detach(), micro.response_mask))
-            step_metrics["actor/pg_loss"] = float(pg_loss.detach())
+            loss_sums["actor/pg_loss"] += float(pg_loss.detach())
             if alg.use_kl_loss:
                 ref_logits = None
                 if self.kl_base == "full":
@@ -268,7 +279,7 @@ class PPOUpdate:
                 )
                 kl_loss = algo.aggregate(kl_mat, micro.response_mask, **_agg_kwargs(agg))
                 loss = loss + alg.kl_loss_coef * kl_loss
-                step_metrics["actor/kl_loss"] = float(kl_loss.detach())
+                loss_sums["actor/kl_loss"] += float(kl_loss.detach())
             (loss * scale).backward()
             if self.critic is not None:
                 values = value_forward(self.critic, micro)
@@ -282,12 +293,12 @@ class PPOUpdate:
                     **agg,
                 )
                 (alg.vf_coef * vf_loss * scale).backward()
-                step_metrics["critic/vf_loss"] = float(vf_loss.detach())
-                step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items()})
+                loss_sums["critic/vf_loss"] += float(vf_loss.detach())
+                step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items() if k != "vf_loss"})
             means.add(step_metrics, weight)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.trainer.grad_clip)
         self.actor_opt.step()
-        extra = {"actor/grad_norm": float(grad_norm)}
+        extra = {"actor/grad_norm": float(grad_norm), **loss_sums}
         if self.critic_opt is not None:
             critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.trainer.grad_clip)
             self.critic_opt.step()

@@ -14,6 +14,7 @@ from ``V + 1``, the admission controller counts its tickets from slot ``V * B`` 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -48,6 +49,7 @@ class LearnerService:
         self.version = 0
         self._closables: list = []
         self._feeder = None
+        self._state: dict = {}  # what _shutdown must release: multi, sender, group, pushed_version
         self.resume = None  # the Checkpoint being resumed from, resolved in setup()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -97,6 +99,43 @@ class LearnerService:
         return host, _free_port("0.0.0.0")
 
     def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
+        """Train; whatever happens, tell the workers to stop and release every socket, group and thread."""
+        try:
+            return self._run(master_addr, master_port)
+        finally:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Each step on its own: one failing cleanup must not skip the others or mask the run's own error."""
+
+        def attempt(what: str, fn) -> None:
+            try:
+                fn()
+            except Exception as exc:
+                log.warning("learner shutdown: %s failed: %r", what, exc)
+
+        state = self._state
+        if self.rank == 0 and hasattr(self, "control"):
+            attempt("publish stop", lambda: self.control.publish(
+                version=self.version, weights_version=state.get("pushed_version", 0), stop=True))
+            attempt("stop admission", self.admission_server.stop)
+        if "sender" in state:
+            attempt("finish weight push", state["sender"].wait)
+        if state.get("multi"):
+            from asyncppo.learner import distributed as D
+
+            if self.rank == 0:
+                attempt("release learner followers", D.broadcast_stop)
+            attempt("leave learner group", D.destroy)
+        if self.rank == 0 and hasattr(self, "control"):
+            # Keep the stop visible a moment (the publisher re-sends it) for workers busy in an engine call.
+            time.sleep(1.0)
+        if "group" in state:
+            attempt("close weight-sync group", state["group"].close)
+        for closable in self._closables:
+            attempt(f"close {type(closable).__name__}", closable.close)
+
+    def _run(self, master_addr: Optional[str], master_port: Optional[int]) -> dict:
         from asyncppo.learner import distributed as D
         from asyncppo.learner.batch import collate_groups
         from asyncppo.learner.checkpoint import check_compatible, restore, save_checkpoint
@@ -112,6 +151,7 @@ class LearnerService:
         multi = self.world_size > 1
         torch.manual_seed(tr.seed)
         if multi:
+            self._state["multi"] = True
             device = D.init_learner_group(
                 self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.cluster.timeout_s
             )
@@ -124,7 +164,9 @@ class LearnerService:
             check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg))
         # The reference (and a fresh critic body) always come from the configured model; only the actor resumes.
         actor_path = self.resume.actor_dir if self.resume is not None else self.model_path
-        actor = maybe_shard(load_actor(actor_path, dtype, device, remote), self.world_size, device)
+        actor = maybe_shard(
+            load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing), self.world_size, device
+        )
         critic = (
             maybe_shard(load_critic(cfg.model.critic_path or self.model_path, dtype, device, remote),
                         self.world_size, device)
@@ -139,7 +181,6 @@ class LearnerService:
                                          world_size=self.world_size)
             if self.rank > 0:  # followers do what rank 0 broadcasts, until it says stop
                 steps = D.run_follower(updater)
-                D.destroy()
                 return {"rank": self.rank, "steps": steps}
         else:
             updater = PPOUpdate(cfg, actor, critic, reference, device)
@@ -167,6 +208,8 @@ class LearnerService:
             wandb_project=tr.logger.wandb_project,
             wandb_run_name=tr.logger.wandb_run_name,
             total_steps=tr.total_steps,
+            config=dataclasses.asdict(cfg),
+            log_every=tr.logger.log_every,
         )
         self._closables.append(logger)
         evaluator = _make_evaluator(cfg, tokenizer)
@@ -181,10 +224,13 @@ class LearnerService:
             backend=sync_backend(cfg),
             timeout_s=cfg.cluster.timeout_s,
         )
+        self._state["group"] = group
         sender = WeightSender(group, bucket_bytes=ro.weight_bucket_mb << 20)
+        self._state["sender"] = sender
         buffer = StalenessBuffer(
             ro.max_staleness,
-            capacity_groups=max(4 * ro.rollout_batch_size, 64),
+            # room for everything admission lets into flight, so the feeder never blocks a worker's send
+            capacity_groups=max((ro.max_staleness + 2) * ro.rollout_batch_size, 64),
             on_drop=lambda g: self.admission.release(g.ticket),
             on_take=lambda g: self.admission.consumed(g.ticket),
         )
@@ -205,7 +251,7 @@ class LearnerService:
                                    extra={"samples_trained": samples_trained})
             logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
-        gen_tokens, train_tokens, rollout_busy, train_busy = RateMeter(), RateMeter(), BusyMeter(), BusyMeter()
+        train_tokens, rollout_busy, train_busy = RateMeter(), BusyMeter(), BusyMeter()
         B = ro.rollout_batch_size
         saved_version = start
         try:
@@ -216,7 +262,7 @@ class LearnerService:
                 # stamped version 0: an older stamp than the truth, which only errs towards the lag guard.
                 self.control.publish(version=start, weights_version=start)
                 sender.push_async(actor_state(), start)
-                pushed_version = start
+                pushed_version = self._state["pushed_version"] = start
             else:
                 self.control.publish(version=0, weights_version=0)
             for step in range(start + 1, tr.total_steps + 1):
@@ -227,16 +273,19 @@ class LearnerService:
                 metrics = updater.step(D.broadcast_batch(batch) if multi else batch)
                 metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
                 self.version += 1
-                if self.version % ro.sync_every == 0:
+                last = step == tr.total_steps
+                if self.version % ro.sync_every == 0 and not last:  # nobody generates with the final weights
                     sender.wait()
                     self.control.publish(version=self.version, weights_version=self.version)
                     sender.push_async(actor_state(), self.version)
-                    pushed_version = self.version
+                    pushed_version = self._state["pushed_version"] = self.version
+                if last:
+                    self.admission_server.stop()  # no more generation while the run evaluates and saves
                 self.admission.set_version(self.version)
                 self.control.publish(version=self.version, weights_version=pushed_version)
                 train_busy.add(time.perf_counter() - t_work)
                 n_tokens = int(batch.response_mask.sum())
-                gen_tokens.add(n_tokens)
+                gen_seconds = sum(g.timings.get("gen_s", 0.0) for g in groups)
                 train_tokens.add(n_tokens)
                 rollout_busy.add(sum(g.timings.get("busy_s", 0.0) for g in groups))
                 samples_trained += batch.size
@@ -244,7 +293,8 @@ class LearnerService:
                 metrics.update(
                     {
                         "policy_version": self.version,
-                        "throughput/gen_tokens_per_s": gen_tokens.rate(),
+                        # engine throughput while generating these groups (tokens per engine-second)
+                        "throughput/gen_tokens_per_s": n_tokens / max(gen_seconds, 1e-9),
                         "throughput/train_tokens_per_s": train_tokens.rate(),
                         "util/rollout_busy": rollout_busy.fraction(self.num_workers),
                         "util/train_busy": train_busy.fraction(),
@@ -257,7 +307,7 @@ class LearnerService:
                         "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
                     }
                 )
-                for meter in (gen_tokens, train_tokens, rollout_busy, train_busy):
+                for meter in (train_tokens, rollout_busy, train_busy):
                     meter.reset()
                 if tr.eval_every and evaluator is not None and step % tr.eval_every == 0 and step < tr.total_steps:
                     if multi and self.version % ro.sync_every:
@@ -283,16 +333,7 @@ class LearnerService:
             logger.message(f"done: {summary}")
             return summary
         finally:
-            if multi:
-                D.broadcast_stop()
-                D.destroy()
-            self.control.publish(version=self.version, weights_version=pushed_version, stop=True)
-            self.admission_server.stop()
-            for closable in self._closables:
-                try:
-                    closable.close()
-                except Exception:
-                    pass
+            self._state["pushed_version"] = pushed_version
 
     def _take_batch(self, buffer, n: int):
         """Block until ``n`` fresh groups are available; fail loudly if the workers stop producing."""

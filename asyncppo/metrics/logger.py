@@ -54,12 +54,14 @@ class MetricsLogger:
         wandb_run_name: Optional[str] = None,
         config: Optional[dict] = None,
         total_steps: Optional[int] = None,
+        log_every: int = 1,
         stream=None,
     ) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.output_dir = output_dir
         self.console = console
         self.total_steps = total_steps
+        self.log_every = max(1, int(log_every))
         self._stream = stream or sys.stdout
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if jsonl else None
         self._wandb = None
@@ -91,7 +93,7 @@ class MetricsLogger:
             except Exception as exc:
                 print(f"[asyncppo] wandb logging failed, sink dropped: {exc}", file=sys.stderr)
                 self._wandb = None
-        if self.console:
+        if self.console and (step % self.log_every == 0 or step == self.total_steps):
             self._stream.write(self.format_line(step, record) + "\n")
             self._stream.flush()
 

@@ -82,7 +82,7 @@ class RolloutWorker:
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)),
         )
         dataset = build_prompt_dataset(cfg, self.model_path, split="train").shard(self.worker_id, self.num_workers)
-        prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id))
+        prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle))
         self.stats["dataset"] = dataset.stats.as_dict()
         print(f"[asyncppo] rollout worker {self.worker_id}: {len(dataset)} prompts, dataset {self.stats['dataset']}",
               flush=True)
@@ -90,6 +90,7 @@ class RolloutWorker:
         ep = self.endpoints
         group = make_sync_group(ep.sync_host, ep.sync_port, rank=1 + self.worker_id, world_size=ep.sync_world_size,
                                 backend=sync_backend(cfg), timeout_s=cfg.cluster.timeout_s)
+        self._group = group
         receiver = WeightReceiver(group)
         sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm)
         control = ControlSubscriber(ep.control)
@@ -125,7 +126,8 @@ class RolloutWorker:
                 # Weights must be at least as new as every ticket demands before a token is generated.
                 needed = max(t.min_version for t in tickets)
                 while self.version < needed:
-                    state = control.latest(timeout_ms=100) or state
+                    # sleeps in poll until the learner announces newer weights (or stops): no spinning
+                    state = control.wait_for(lambda s: s.stop or s.weights_version > self.version, 1.0) or state
                     if state is not None and state.stop:
                         return self._finish(engine, sender, control, admission)
                     if state is not None and state.weights_version > self.version:
@@ -138,12 +140,15 @@ class RolloutWorker:
                         if state is not None and state.stop:
                             return self._finish(engine, sender, control, admission)
                     self.stats["groups_sent"] += 1
-        finally:
-            pass
+        except BaseException:
+            self._finish(engine, sender, control, admission)
+            raise
         return self._finish(engine, sender, control, admission)
 
     def _finish(self, engine, sender, control, admission) -> dict:
-        for closable in (sender, control, admission, engine):
+        for closable in (sender, control, admission, getattr(self, "_group", None), engine):
+            if closable is None:
+                continue
             try:
                 closable.close()
             except Exception:  # closing must not mask the run's outcome
@@ -173,7 +178,9 @@ class RolloutWorker:
             temperature=s.temperature,
             top_p=s.top_p,
             top_k=s.top_k,
-            seed=None if s.seed is None else s.seed + self._seq,
+            # vLLM seeds sample j of prompt i with seed + i * n + j: advance past every seed this call uses, and keep
+            # workers' sequences apart
+            seed=None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * ro.num_return_sequences_in_group,
         )
         gen_s = time.perf_counter() - t0
         groups = []
