@@ -148,7 +148,6 @@ def main() -> None:
             send.append(tx.push(state, version=rep).seconds)
         rows.append((name, tx.stats, send, copy_baseline(state, args.reps)))
         del state
-    vllm_rows = []
     if not args.no_vllm:
         tx = WeightSender(group, bucket_bytes=64 << 10)
         state = tiny_state(model_dir)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import socket
-import time
 import sys
 import subprocess
 import re
