@@ -228,12 +228,10 @@ class PPOUpdate:
     def _update_mini_batch(self, mini: TrainBatch, means: _MetricMean) -> None:
         alg = self.alg
         global_tokens, global_seqs = self._global_counts(mini)
-        agg = dict(
-            loss_agg_mode=alg.loss_agg_mode,
-            global_tokens=global_tokens,
-            global_seqs=global_seqs,
-            norm_length=alg.loss_agg_norm_length,
-        )
+        # The same normalisation for every loss term: policy/value losses take it as keywords, aggregate() as mode=.
+        counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_length=alg.loss_agg_norm_length)
+        agg = dict(loss_agg_mode=alg.loss_agg_mode, **counts)
+        mat_agg = dict(mode=alg.loss_agg_mode, **counts)
         # FSDP averages gradients over ranks; the losses are already normalised by global counts, so undo the mean.
         scale = float(self.world_size)
         self.actor_opt.zero_grad(set_to_none=True)
@@ -264,7 +262,7 @@ class PPOUpdate:
                 off_policy_cap=alg.off_policy_cap,
                 **agg,
             )
-            entropy_term = algo.aggregate(entropy, micro.response_mask, **_agg_kwargs(agg))
+            entropy_term = algo.aggregate(entropy, micro.response_mask, **mat_agg)
             loss = pg_loss - alg.entropy_coef * entropy_term
             step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items() if k != "pg_loss"}
             step_metrics["actor/entropy"] = float(algo.masked_mean(entropy.detach(), micro.response_mask))
@@ -277,7 +275,7 @@ class PPOUpdate:
                 kl_mat = algo.kl_penalty(
                     logprobs, micro.ref_logprobs, alg.kl_penalty, logits=logits, ref_logits=ref_logits
                 )
-                kl_loss = algo.aggregate(kl_mat, micro.response_mask, **_agg_kwargs(agg))
+                kl_loss = algo.aggregate(kl_mat, micro.response_mask, **mat_agg)
                 loss = loss + alg.kl_loss_coef * kl_loss
                 loss_sums["actor/kl_loss"] += float(kl_loss.detach())
             (loss * scale).backward()
@@ -304,12 +302,3 @@ class PPOUpdate:
             self.critic_opt.step()
             extra["critic/grad_norm"] = float(critic_norm)
         means.add(extra, 1.0)
-
-
-def _agg_kwargs(agg: dict) -> dict:
-    return {
-        "mode": agg["loss_agg_mode"],
-        "global_tokens": agg["global_tokens"],
-        "global_seqs": agg["global_seqs"],
-        "norm_length": agg["norm_length"],
-    }

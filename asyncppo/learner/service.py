@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 import time
 from typing import Optional
 
@@ -26,14 +25,9 @@ import torch
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.metrics import BusyMeter, MetricsLogger, RateMeter, lag_stats
 from asyncppo.rollout.worker import Endpoints, sync_backend
+from asyncppo.sync.group import find_free_port
 
 log = logging.getLogger("asyncppo.learner")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class LearnerService:
@@ -80,7 +74,7 @@ class LearnerService:
         self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=self.version)
         self.admission_server = AdmissionServer(self.admission, bind_endpoint(host, cl.admission_port))
         self._closables += [self.receiver, self.control, self.admission_server]
-        self.sync_port = cl.sync_port or _free_port(host)
+        self.sync_port = cl.sync_port or find_free_port(host)
         return Endpoints(
             trajectory=connect_endpoint(self.receiver.address, public),
             control=connect_endpoint(self.control.address, public),
@@ -96,7 +90,7 @@ class LearnerService:
         import ray
 
         host = ray.util.get_node_ip_address()
-        return host, _free_port("0.0.0.0")
+        return host, find_free_port("0.0.0.0")
 
     def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
         """Train; whatever happens, tell the workers to stop and release every socket, group and thread."""
