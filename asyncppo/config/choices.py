@@ -31,6 +31,8 @@ REWARD_NORMS = (None, "batch", "group", "running")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
 
 ENGINES = ("vllm", "hf")
+GENERATION_MODES = ("continuous", "batch")
+INFLIGHT_UPDATES = ("keep", "recompute", "off")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 # float16 training needs loss scaling, which the learner does not implement.
 LEARNER_DTYPES = ("float32", "bfloat16")

@@ -104,7 +104,11 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0  # CPU engines: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
-    prompts_per_call: int = 0  # prompts per engine call (weight swaps wait between calls); 0 = rollout_batch_size
+    # --- how the engine is kept busy (docs/staleness.md, "Weight swaps during generation") ---------------
+    generation: str = "continuous"  # continuous: admit a group whenever a slot frees | batch: drain between batches
+    max_num_seqs: int = 256  # sequences decoded at once per engine (vLLM max_num_seqs); admission keeps it full
+    inflight_update: str = "keep"  # keep | recompute | off: what a weight push does to sequences in flight
+    prompts_per_call: int = 0  # generation=batch: groups per batch (weights load between batches); 0 = rollout_batch_size
     reward_fn: str = "auto"  # auto | exact_match | math | a dotted path "pkg.module:function"
     weight_bucket_mb: int = 64
 

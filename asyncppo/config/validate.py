@@ -198,6 +198,13 @@ def _check_rollout(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.in_range("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
     c.positive("rollout.kv_cache_gib", r.kv_cache_gib)
     c.non_negative("rollout.prompts_per_call", r.prompts_per_call)
+    c.choice("rollout.generation", r.generation, C.GENERATION_MODES)
+    c.choice("rollout.inflight_update", r.inflight_update, C.INFLIGHT_UPDATES)
+    c.positive("rollout.max_num_seqs", r.max_num_seqs)
+    if r.max_num_seqs > 0 and r.num_return_sequences_in_group > r.max_num_seqs:
+        c.error("rollout.max_num_seqs", r.max_num_seqs,
+                f"must be >= rollout.num_return_sequences_in_group={r.num_return_sequences_in_group}: a group is "
+                "admitted whole, so a smaller engine could never start one")
     if r.reward_fn not in C.BUILTIN_REWARD_FNS and not _DOTTED_FN.match(r.reward_fn or ""):
         c.error("rollout.reward_fn", r.reward_fn, f"must be one of {', '.join(C.BUILTIN_REWARD_FNS)} or a dotted "
                 "path 'package.module:function'")

@@ -21,11 +21,16 @@ import numpy as np
 
 @dataclass
 class Completion:
-    """One sampled continuation. ``token_ids`` include the stop token (eos) when ``finish_reason == "stop"``."""
+    """One sampled continuation. ``token_ids`` include the stop token (eos) when ``finish_reason == "stop"``.
+
+    ``versions`` (streaming engines): the weight version that produced each token, non-decreasing along the
+    sequence; a weight update in the middle of a generation shows up as a step in this array. ``None`` from the
+    one-shot :meth:`RolloutEngine.generate` (every token comes from the weights loaded at the call)."""
 
     token_ids: np.ndarray  # int32 [T]
     logprobs: np.ndarray  # float32 [T]
     finish_reason: str  # "stop" | "length"
+    versions: Optional[np.ndarray] = None  # int64 [T]
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +58,63 @@ class RolloutEngine(Protocol):
     def state_dict_keys(self) -> list[str]: ...
 
     def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """What one prompt group asks of a streaming engine: ``n`` samples of at most ``max_tokens`` tokens each.
+
+    ``seed`` seeds sample ``j`` of the group with ``seed + j`` (vLLM's convention for ``n > 1``); None draws from
+    the engine's own generator."""
+
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # generate exactly max_tokens (benchmarks, tests); stop_token_ids still stop
+
+
+@dataclass
+class FinishedGroup:
+    """The ``n`` completions of one group added with :meth:`StreamingEngine.add_group`, in sample order."""
+
+    key: str
+    completions: list[Completion]
+
+
+@runtime_checkable
+class StreamingEngine(Protocol):
+    """Step-level generation: the rollout worker keeps the engine full and swaps weights between two steps.
+
+    * ``add_group`` queues one prompt with ``spec.n`` samples; it never blocks and never runs the model.
+    * ``step`` runs one engine iteration (a decode step for every running sequence, plus any prefill the
+      scheduler fits) and returns the groups whose ``n`` samples have all finished, each exactly once.
+    * ``num_unfinished_seqs`` counts sequences added and not finished (running or waiting for a slot);
+      ``max_num_seqs`` is how many the engine decodes at once.
+    * ``set_weight_version(v)``: tokens produced by later steps are labelled ``v`` in ``Completion.versions``.
+    * ``update_weights`` loads tensors in place between two steps; sequences in flight carry on.
+      What happens to their cached keys/values is the caller's choice: by default they are kept (computed
+      under the old weights); :meth:`recompute_inflight` drops them so that every running sequence is
+      re-prefilled (prompt + tokens so far) under the current weights before its next token.
+    * ``abort_all`` drops every unfinished group (shutdown) and returns their keys.
+    """
+
+    max_num_seqs: int
+
+    def add_group(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None: ...
+
+    def step(self) -> list[FinishedGroup]: ...
+
+    def num_unfinished_seqs(self) -> int: ...
+
+    def set_weight_version(self, version: int) -> None: ...
+
+    def recompute_inflight(self) -> None: ...
+
+    def abort_all(self) -> list[str]: ...
 
 
 ENGINE_KINDS = ("vllm", "hf")

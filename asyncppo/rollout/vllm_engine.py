@@ -32,7 +32,7 @@ import numpy as np
 
 from asyncppo.sync.engine_load import layer_group
 
-from .engine import Completion, check_sampling_args
+from .engine import Completion, FinishedGroup, SamplingSpec, check_sampling_args
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -46,6 +46,18 @@ def _configure_env(device: str, kv_cache_gib: float) -> None:
 
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def _completion(c) -> Completion:
+    """A vLLM ``CompletionOutput`` as a :class:`Completion` with per-token versions from its weight spans."""
+    ids = np.asarray(c.token_ids, dtype=np.int32)
+    if c.logprobs is None or len(c.logprobs) != len(ids):
+        raise RuntimeError("vllm engine: missing per-token log-probs in the engine output")
+    lps = np.array([d[int(t)].logprob for d, t in zip(c.logprobs, ids)], dtype=np.float32)
+    versions = np.zeros(len(ids), dtype=np.int64)
+    for span in c.weight_versions or ():
+        versions[span.start : span.end] = int(span.version) if span.version.isdigit() else 0
+    return Completion(ids, lps, "stop" if c.finish_reason == "stop" else "length", versions)
 
 
 def tied_fp32(model_path: str, dtype: str) -> bool:
@@ -66,6 +78,7 @@ class VLLMEngine:
         enforce_eager: bool = True,
         gpu_memory_utilization: float = 0.5,
         num_threads: Optional[int] = None,
+        max_num_seqs: int = 256,
         allow_tied_fp32: bool = True,  # accepted for compatibility; tied fp32 is handled in update_weights
         **llm_kwargs,
     ):
@@ -86,7 +99,12 @@ class VLLMEngine:
             enforce_eager=enforce_eager,
             seed=seed,
             logprobs_mode="processed_logprobs",
+            max_num_seqs=int(max_num_seqs),
         )
+        if device != "cpu":
+            # A batch still in flight while weights change would race the swap (async scheduling is on by default
+            # on GPU in vLLM 0.32, off on CPU): the streaming loop swaps between two synchronous steps.
+            kwargs["async_scheduling"] = False
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         kwargs.update(llm_kwargs)
@@ -96,6 +114,10 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads  # undo the CPU worker's process-wide no-op patch
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
+        self.max_num_seqs = int(max_num_seqs)
+        self.version = 0
+        self._streaming: set[str] = set()  # keys of groups added with add_group and not yet returned
+        self.llm.llm_engine.set_weight_version("0")
         self.seed = seed
         self._calls = 0
         self._shapes: Optional[dict[str, tuple[int, ...]]] = None
@@ -122,6 +144,9 @@ class VLLMEngine:
         check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k)
         if not prompts:
             return []
+        if self._streaming:
+            # LLM.generate steps the same engine until it is empty and would swallow the streaming groups' outputs.
+            raise RuntimeError("vllm engine: generate() called while streaming groups are in flight")
         too_long = [i for i, p in enumerate(prompts) if len(p) + max_tokens > self.max_model_len]
         if too_long:
             i = too_long[0]
@@ -149,17 +174,69 @@ class VLLMEngine:
             )
         inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
-        result = []
-        for out in outs:
-            comps = []
-            for c in sorted(out.outputs, key=lambda c: c.index):
-                ids = np.asarray(c.token_ids, dtype=np.int32)
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError("vllm engine: missing per-token log-probs in the engine output")
-                lps = np.array([d[int(t)].logprob for d, t in zip(c.logprobs, ids)], dtype=np.float32)
-                comps.append(Completion(ids, lps, "stop" if c.finish_reason == "stop" else "length"))
-            result.append(comps)
-        return result
+        return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outs]
+
+    # ------------------------------------------------------------------ streaming (step-level) generation
+    def add_group(self, key: str, prompt_ids, spec: SamplingSpec) -> None:
+        """Queue one prompt with ``spec.n`` samples as a single vLLM request (vLLM fans it out into ``n`` child
+        sequences and reports the group once every child has finished: ``FINAL_ONLY``).
+
+        The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
+        weights is never reused for a new request, while requests in flight keep their own blocks."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k)
+        if key in self._streaming:
+            raise ValueError(f"vllm engine: group key {key!r} is already in flight")
+        if len(prompt_ids) + spec.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={spec.max_tokens} exceeds "
+                             f"max_model_len={self.max_model_len}")
+        params = SamplingParams(
+            n=spec.n, max_tokens=spec.max_tokens, temperature=float(spec.temperature), top_p=float(spec.top_p),
+            top_k=int(spec.top_k) if spec.top_k > 0 else 0, seed=spec.seed, logprobs=0,
+            stop_token_ids=list(spec.stop_token_ids) or None, detokenize=False, ignore_eos=bool(spec.ignore_eos),
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"asyncppo-v{self.version}"}
+        self.llm.llm_engine.add_request(key, prompt, params)
+        self._streaming.add(key)
+
+    def step(self) -> list[FinishedGroup]:
+        """One engine iteration; the groups that finished in it."""
+        engine = self.llm.llm_engine
+        if not engine.has_unfinished_requests():
+            return []
+        done = []
+        for out in engine.step():
+            if not out.finished or out.request_id not in self._streaming:
+                continue
+            self._streaming.discard(out.request_id)
+            done.append(FinishedGroup(out.request_id, [_completion(c) for c in sorted(out.outputs,
+                                                                                     key=lambda c: c.index)]))
+        return done
+
+    def num_unfinished_seqs(self) -> int:
+        """Child sequences added and not finished (vLLM tracks each of a group's ``n`` samples separately)."""
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def set_weight_version(self, version: int) -> None:
+        """Label the tokens of later steps with ``version`` (vLLM records spans per sequence)."""
+        self.version = int(version)
+        self.llm.llm_engine.set_weight_version(str(self.version))
+
+    def recompute_inflight(self) -> None:
+        """Preempt every running sequence so that vLLM re-prefills it (prompt + tokens so far) under the weights
+        loaded now before it samples again; the tokens already generated are kept."""
+        if not self.llm.llm_engine.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vllm engine: the prefix cache could not be reset for recomputation")
+
+    def abort_all(self) -> list[str]:
+        keys = sorted(self._streaming)
+        if keys:
+            self.llm.llm_engine.abort_request(keys)
+        self._streaming.clear()
+        return keys
 
     def decode(self, token_ids) -> str:
         """Response text for reward functions: special tokens (eos, pad) dropped."""

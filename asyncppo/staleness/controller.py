@@ -140,6 +140,12 @@ class AdmissionController:
                 self._outstanding.remove(index)
                 self.consumed_count += 1
 
+    def lowest_outstanding(self, n: int) -> list[int]:
+        """The ``n`` smallest outstanding ticket indices, ascending (fewer if fewer are outstanding): the groups
+        the learner must train next when it consumes in ticket order (see :class:`StalenessBuffer`)."""
+        with self._lock:
+            return heapq.nsmallest(n, self._outstanding)
+
     def is_outstanding(self, index: int) -> bool:
         with self._lock:
             return index in self._outstanding

@@ -159,8 +159,10 @@ class AdmissionClient:
         self._sock.setsockopt(zmq.LINGER, 200)
         self._sock.connect(address)
         self._req = 0
+        self._open: set[int] = set()  # requests sent with request() and not yet answered
         self.stopped = False
         self.rejected: dict[str, int] = {r: 0 for r in REASONS}
+        self._early: list[Ticket] = []  # grants for request() that a blocking acquire() read first
         self.returned = 0  # grants that arrived after their request was given up, and were released
 
     def acquire(self, timeout_s: Optional[float] = None) -> Optional[Ticket]:
@@ -188,7 +190,53 @@ class AdmissionClient:
                 return None
             if f["req"] == req:
                 return Ticket(index=f["index"], min_version=f["min_version"])
+            if f["req"] in self._open:  # a grant for an earlier request(): keep it for poll_granted()
+                self._open.discard(f["req"])
+                self._early.append(Ticket(index=f["index"], min_version=f["min_version"]))
+                continue
             self._give_back(f["index"])  # a grant for a request we already abandoned
+
+    # ------------------------------------------------------------------------------------------------ non-blocking
+    def request(self, count: int = 1) -> None:
+        """Ask for ``count`` more tickets without waiting for them: the server parks each request until a ticket
+        is free, and the grants arrive through :meth:`poll_granted`. Lets a worker keep its engine stepping
+        while tickets are on their way (a round trip per ticket would stall every decode step)."""
+        if self.stopped:
+            return
+        for _ in range(max(0, int(count))):
+            self._req += 1
+            self._open.add(self._req)
+            self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=self._req))
+
+    @property
+    def open_requests(self) -> int:
+        """Requests sent with :meth:`request` and not answered yet."""
+        return len(self._open)
+
+    def poll_granted(self, timeout_s: float = 0.0) -> list[Ticket]:
+        """The tickets granted so far for :meth:`request`; waits up to ``timeout_s`` for the first one if none
+        has arrived. Sets :attr:`stopped` when the server says stop (open requests are then void)."""
+        out, self._early = self._early, []
+        if not out and self._open and timeout_s > 0:
+            self._sock.poll(int(timeout_s * 1000))
+        while True:
+            reply = self._recv_reply()
+            if reply is None:
+                return out
+            kind, f = reply
+            if kind == "stop":
+                self.stopped = True
+                self._open.clear()
+                return out
+            if f["req"] in self._open:
+                self._open.discard(f["req"])
+                out.append(Ticket(index=f["index"], min_version=f["min_version"]))
+            else:
+                self._give_back(f["index"])
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back a granted ticket that will not be used (so its slot is granted again)."""
+        self._give_back(ticket.index)
 
     def _recv_reply(self):
         try:
@@ -210,6 +258,12 @@ class AdmissionClient:
         """Return any grant that arrived after its request was abandoned, then close."""
         if self._sock.closed:
             return
+        for req in sorted(self._open):
+            self._sock.send(encode_message("cancel", worker_id=self.worker_id, req=req))
+        self._open.clear()
+        for ticket in self._early:
+            self._give_back(ticket.index)
+        self._early = []
         while True:
             reply = self._recv_reply()
             if reply is None:

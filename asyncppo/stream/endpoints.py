@@ -5,6 +5,8 @@ Kept apart from the sockets so launch code can compute what workers should conne
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import zmq
 
 
@@ -46,3 +48,17 @@ def bind_socket(sock: zmq.Socket, address: str) -> str:
         sock.setsockopt(zmq.IPV6, 1)
     sock.bind(address)
     return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+
+@dataclass
+class Endpoints:
+    """Where the learner listens: what the launcher hands every rollout worker (the only wiring the two sides
+    share besides the records they stream and the weights they sync)."""
+
+    trajectory: str
+    control: str
+    admission: str
+    sync_host: str
+    sync_port: int
+    sync_world_size: int
+    sync_backend: str = "gloo"  # "nccl" when both the learner and the engines hold GPUs

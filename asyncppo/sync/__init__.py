@@ -14,7 +14,7 @@ from asyncppo.sync.engine_load import (
     tied_alias_name,
     vllm_reload_weights,
 )
-from asyncppo.sync.group import SyncGroup, SyncGroupError, find_free_port, make_sync_group
+from asyncppo.sync.group import SyncGroup, SyncGroupError, backend_for, find_free_port, make_sync_group
 from asyncppo.sync.layout import WeightSyncProtocolError
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "WeightSender",
     "WeightSyncError",
     "WeightSyncProtocolError",
+    "backend_for",
     "find_free_port",
     "layer_group",
     "make_sync_group",

@@ -70,6 +70,11 @@ def _bcast_opts(src: int):
     return opts
 
 
+def backend_for(learner_on_gpu: bool, engines_on_gpu: bool) -> str:
+    """NCCL when both the learner and the engines hold GPUs, gloo otherwise (every rank must use the same)."""
+    return "nccl" if learner_on_gpu and engines_on_gpu else "gloo"
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (bind to port 0 and read what the OS chose).
 
