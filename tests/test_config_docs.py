@@ -33,6 +33,7 @@ def test_every_schema_field_is_documented():
 def test_every_allowed_value_is_documented():
     text = DOC.read_text(encoding="utf-8")
     for group in (choices.ADV_ESTIMATORS, choices.LOSS_AGG_MODES, choices.KL_PENALTIES_BASE, choices.KL_CTRL_TYPES,
-                  choices.OFF_POLICY_CORRECTIONS, choices.ENGINES, choices.GENERATION_MODES, choices.INFLIGHT_UPDATES, choices.ROLLOUT_DTYPES, choices.WANDB_MODES):
+                  choices.OFF_POLICY_CORRECTIONS, choices.ENGINES, choices.GENERATION_MODES,
+                  choices.INFLIGHT_UPDATES, choices.ROLLOUT_DTYPES, choices.WANDB_MODES):
         for value in group:
             assert f"`{value}`" in text, value

@@ -11,6 +11,18 @@ import ray
 from asyncppo.config.schema import AsyncPPOConfig
 
 
+def pin_cpus(env_var: str) -> None:
+    """Pin this actor to the CPU ids listed in ``$env_var`` (e.g. ``ASYNCPPO_ROLLOUT_CPUS=1``), if set.
+
+    Benchmarks use it to give the rollout worker and the learner disjoint cores, as disjoint GPU pools would be;
+    a run that does not set it is scheduled by the OS as usual."""
+    import os
+
+    spec = os.environ.get(env_var, "").strip()
+    if spec and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {int(c) for c in spec.split(",") if c.strip()})
+
+
 def _config(cfg_dict: dict) -> AsyncPPOConfig:
     from omegaconf import OmegaConf
 
@@ -27,6 +39,7 @@ class LearnerActor:
         from asyncppo.learner.service import LearnerService
 
         logging.basicConfig(level=logging.WARNING)
+        pin_cpus("ASYNCPPO_LEARNER_CPUS")
         if not torch.cuda.is_available():
             import os
 
@@ -50,6 +63,7 @@ class RolloutActor:
 
         from asyncppo.rollout.worker import RolloutWorker
 
+        pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
         torch.set_num_threads(1)
         self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path)
 

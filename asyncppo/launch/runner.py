@@ -39,7 +39,8 @@ def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
     }
     if cfg.cluster.rollout_gpus == 0:
         env["VLLM_TARGET_DEVICE"] = "cpu"
-    for key in ("ASYNCPPO_LEARNER_THREADS", "ASYNCPPO_CACHE", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
+    for key in ("ASYNCPPO_LEARNER_THREADS", "ASYNCPPO_LEARNER_CPUS", "ASYNCPPO_ROLLOUT_CPUS", "ASYNCPPO_CACHE",
+                "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE", "HF_HUB_OFFLINE"):
         if key in os.environ:
             env[key] = os.environ[key]
     return env

@@ -2,5 +2,6 @@
 
 from asyncppo.metrics.logger import MetricsLogger
 from asyncppo.metrics.meters import BusyMeter, RateMeter, lag_stats
+from asyncppo.metrics.rollout import EngineTotals, token_lag_stats
 
-__all__ = ["MetricsLogger", "BusyMeter", "RateMeter", "lag_stats"]
+__all__ = ["MetricsLogger", "BusyMeter", "EngineTotals", "RateMeter", "lag_stats", "token_lag_stats"]

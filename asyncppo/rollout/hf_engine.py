@@ -8,6 +8,10 @@ off — because transformers otherwise falls back to library defaults (``top_k=5
 behaviour distribution differ from the one requested. The ``scores`` it returns are the logits after the
 temperature / top-k / top-p warpers, so their log-softmax at the sampled token is the behaviour log-prob.
 Sampling uses a forked RNG seeded per call, so the engine neither depends on nor disturbs global RNG state.
+
+The step-level :class:`~asyncppo.rollout.engine.StreamingEngine` interface (``add_group`` / ``step`` / ...) comes
+from :class:`~asyncppo.rollout.hf_stream.HFStreamingMixin`; see that module for its design (KV cache across
+steps, dropped by ``recompute_inflight``; ``kv_cache=False`` recomputes every prefix at every step).
 """
 
 from __future__ import annotations
@@ -19,14 +23,13 @@ import numpy as np
 import torch
 
 from .engine import Completion, check_sampling_args
-
-GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM)
+from .hf_stream import GREEDY_EPS, HFStreamingMixin  # noqa: F401  (GREEDY_EPS: temperatures below it are greedy)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class HFEngine:
+class HFEngine(HFStreamingMixin):
     def __init__(
         self,
         model_path: str,
@@ -36,10 +39,14 @@ class HFEngine:
         device: str = "cpu",
         batch_size: int = 0,
         num_threads: Optional[int] = None,
+        max_num_seqs: int = 256,
+        kv_cache: bool = True,
         **unused,
     ):
         """``num_threads``: torch intra-op threads for this process (applied here). On a few shared cores use 1:
         a tiny model gains nothing from a second thread, and under contention it is several times slower.
+        ``max_num_seqs``: how many sequences :meth:`step` decodes at once; more wait in FIFO order.
+        ``kv_cache``: streaming keeps a KV cache across steps (False: recompute every prefix at every step).
         ``unused`` absorbs vLLM-only options so that one config can build either backend."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,6 +67,7 @@ class HFEngine:
         self.seed = seed
         self.batch_size = batch_size
         self._calls = 0
+        self._init_streaming(max_num_seqs, kv_cache)
 
     # ------------------------------------------------------------------ generation
     def generate(

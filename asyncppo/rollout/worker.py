@@ -1,49 +1,57 @@
-"""The rollout worker loop: generate, score, stamp, stream — never waiting for the learner unless staleness says so.
+"""The rollout worker: keep the engine full, swap weights between decode steps, stream each group when it is done.
 
-Each iteration between two engine calls:
-1. read the control channel (newest state wins); stop if asked;
-2. if the learner announced weights newer than ours, join the broadcast and load them in place;
-3. take admission tickets (one per prompt group) — a ticket says the minimum policy version allowed to generate it;
-4. make sure our weights are at least that version (else go back to 2);
-5. generate ``n`` samples per prompt in one engine call, score them (a failing reward function scores 0 and is counted),
-   stamp each sample with the version of the weights that produced it, and stream each group to the learner.
+One turn of :meth:`RolloutWorker.run`'s loop, top to bottom:
 
-Weights only change between engine calls, so every token of a sample comes from one version:
-``version_min == version_max``. The learner's broadcast waits for at most one engine call per worker
-(``rollout.prompts_per_call`` bounds that call).
+1. **control** - read the learner's newest state; stop if asked.
+2. **weights** - if the learner announced newer weights, load them now or mark the engine as *draining*:
+   ``rollout.inflight_update=keep`` loads between two decode steps and keeps the sequences in flight (and their
+   KV cache, computed under the old weights); ``recompute`` loads, then has the engine re-prefill every running
+   sequence under the new weights; ``off`` (and ``generation=batch``) stops admitting and loads once the
+   sequences in flight have finished.
+3. **admit** - ``generation=continuous``: while the engine has room for a whole group (``max_num_seqs``) and a
+   ticket is at hand whose ``min_version`` our weights satisfy, add the next prompt as a group of ``n`` samples.
+   ``generation=batch``: only when the engine is empty, up to ``prompts_per_call`` groups at once. Tickets are
+   requested ahead without waiting (:meth:`AdmissionClient.request`), so a decode step never waits on a round trip.
+4. **step** - one engine iteration; every group whose ``n`` samples finished in it is scored and sent at once
+   (:mod:`asyncppo.rollout.groups`). With nothing to do, sleep on the admission socket instead of spinning.
+
+Every token carries the version of the weights that produced it (the engine labels steps with
+``set_weight_version``), so a sample that lived through a swap records both versions and its lag is exact.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from dataclasses import dataclass
-
-import numpy as np
-
-from asyncppo.sync.engine_load import receive_into_engine
+from dataclasses import dataclass, field
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.stream.records import Sample, TrajectoryGroup
+from asyncppo.rollout.engine import SamplingSpec
+from asyncppo.rollout.groups import GroupBuilder, InFlight
+from asyncppo.stream.endpoints import Endpoints
+from asyncppo.sync.engine_load import receive_into_engine
 
 log = logging.getLogger("asyncppo.rollout")
 
 
-def sync_backend(cfg: AsyncPPOConfig) -> str:
-    """NCCL when both the learner and the engines hold GPUs, gloo otherwise (both sides must agree)."""
-    return "nccl" if cfg.cluster.train_gpus > 0 and cfg.cluster.rollout_gpus > 0 else "gloo"
-
-
 @dataclass
-class Endpoints:
-    """Where the learner listens; handed to every worker by the launcher."""
+class EngineMeter:
+    """What the engine did since the last group was sent; handed to the learner in that group's timings."""
 
-    trajectory: str
-    control: str
-    admission: str
-    sync_host: str
-    sync_port: int
-    sync_world_size: int
+    busy_s: float = 0.0  # time inside engine.step()
+    steps: int = 0
+    running_sum: int = 0  # sequences decoding, summed over steps (occupancy = running_sum / steps / max_num_seqs)
+    inflight_updates: int = 0  # weight loads that happened with sequences in flight
+    push_s: list[float] = field(default_factory=list)  # announcement seen -> weights loaded, per load
+
+    def take(self) -> dict[str, float]:
+        out = {"engine_busy_s": self.busy_s, "decode_steps": float(self.steps),
+               "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
+               "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
+               "push_s_sum": sum(self.push_s)}
+        self.busy_s, self.steps, self.running_sum, self.inflight_updates, self.push_s = 0.0, 0, 0, 0, []
+        return out
 
 
 class RolloutWorker:
@@ -53,174 +61,200 @@ class RolloutWorker:
         self.num_workers = num_workers
         self.endpoints = endpoints
         self.model_path = model_path
-        self.version = 0
-        self.stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "weight_loads": 0, "gen_tokens": 0}
+        self.version = 0  # version of the weights in the engine
+        self.stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "weight_loads": 0, "gen_tokens": 0,
+                      "inflight_updates": 0}
+        self.meter = EngineMeter()
+        self._pending: collections.deque = collections.deque()  # granted tickets not yet admitted
+        self._in_flight: dict[str, InFlight] = {}
+        self._draining = False  # weights are waiting for the sequences in flight to finish
+        self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
         self._seq = 0
+        self._closables: list = []
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
+        self._open()
+        try:
+            while self._turn():
+                pass
+        finally:
+            self._close()
+        return dict(self.stats, worker_id=self.worker_id, version=self.version)
+
+    def _turn(self) -> bool:
+        """One pass of the loop in the module docstring; False once the run is over."""
+        state = self._read_control()
+        if state is not None and state.stop:
+            return False
+        if state is not None and state.weights_version > self.version:
+            self._announce_seen.setdefault(state.weights_version, time.perf_counter())
+            self._update_weights()
+        self._admit()
+        if self.engine.num_unfinished_seqs():
+            self._step()
+        else:
+            self._idle()
+        return True
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _open(self) -> None:
         from asyncppo.data.datasets import build_prompt_dataset
-        from asyncppo.data.rewards import resolve_reward_fn, score_safely
+        from asyncppo.data.rewards import resolve_reward_fn
         from asyncppo.rollout.engine import make_engine
         from asyncppo.staleness import AdmissionClient
         from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
         from asyncppo.sync import WeightReceiver, make_sync_group
 
-        cfg, ro = self.cfg, self.cfg.rollout
-        self._score_safely = score_safely
-        engine = make_engine(
-            ro.engine,
-            self.model_path,
-            dtype=ro.dtype,
-            max_model_len=ro.prompt_length + ro.response_length,
+        cfg, ro, ep = self.cfg, self.cfg.rollout, self.endpoints
+        self.engine = make_engine(
+            ro.engine, self.model_path, dtype=ro.dtype, max_model_len=ro.prompt_length + ro.response_length,
             seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
-            device="cuda" if cfg.cluster.rollout_gpus > 0 else "cpu",
-            kv_cache_gib=ro.kv_cache_gib,
-            enforce_eager=ro.enforce_eager,
-            gpu_memory_utilization=ro.gpu_memory_utilization,
-            num_threads=max(1, int(cfg.cluster.cpus_per_worker)),
+            device="cuda" if cfg.cluster.rollout_gpus > 0 else "cpu", kv_cache_gib=ro.kv_cache_gib,
+            enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
+            num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
         )
+        self._closables.append(self.engine)
         dataset = build_prompt_dataset(cfg, self.model_path, split="train").shard(self.worker_id, self.num_workers)
-        prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle))
+        self._prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle))
         self.stats["dataset"] = dataset.stats.as_dict()
-        print(f"[asyncppo] rollout worker {self.worker_id}: {len(dataset)} prompts, dataset {self.stats['dataset']}",
+        print(f"[asyncppo] rollout worker {self.worker_id}: {len(dataset)} prompts, dataset {self.stats['dataset']}, "
+              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}",
               flush=True)
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
-        ep = self.endpoints
-        group = make_sync_group(ep.sync_host, ep.sync_port, rank=1 + self.worker_id, world_size=ep.sync_world_size,
-                                backend=sync_backend(cfg), timeout_s=cfg.cluster.timeout_s)
-        self._group = group
-        receiver = WeightReceiver(group)
-        sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm)
-        control = ControlSubscriber(ep.control)
-        admission = AdmissionClient(ep.admission, self.worker_id)
-        per_call = ro.prompts_per_call or max(1, ro.rollout_batch_size // self.num_workers)
-        state = None
-        try:
-            while True:
-                state = control.latest(timeout_ms=0) or state
-                if state is None and control.rejected.get("version", 0):
-                    # Every control message is refused: the learner runs another asyncppo wire version. Waiting
-                    # would hang the run until its timeout; fail now with the reason.
-                    raise RuntimeError(
-                        f"rollout worker {self.worker_id}: the learner's control messages use another wire schema "
-                        "version; run the same asyncppo version on every node"
-                    )
-                if state is not None and state.stop:
-                    break
-                if state is not None and state.weights_version > self.version:
-                    self._load_weights(receiver, engine)
-                    continue
-                ticket = admission.acquire(timeout_s=0.2)
-                if ticket is None:
-                    if admission.stopped:
-                        break
-                    continue
-                tickets = [ticket]
-                while len(tickets) < per_call:
-                    more = admission.acquire(timeout_s=0.05)
-                    if more is None:
-                        break
-                    tickets.append(more)
-                # Weights must be at least as new as every ticket demands before a token is generated.
-                needed = max(t.min_version for t in tickets)
-                while self.version < needed:
-                    # sleeps in poll until the learner announces newer weights (or stops): no spinning
-                    state = control.wait_for(lambda s: s.stop or s.weights_version > self.version, 1.0) or state
-                    if state is not None and state.stop:
-                        return self._finish(engine, sender, control, admission)
-                    if state is not None and state.weights_version > self.version:
-                        self._load_weights(receiver, engine)
-                rows = [next(prompts) for _ in tickets]
-                groups = self._generate(engine, rows, tickets, reward_fn)
-                for g in groups:
-                    while not sender.send(g, timeout_s=1.0):
-                        state = control.latest(timeout_ms=0) or state
-                        if state is not None and state.stop:
-                            return self._finish(engine, sender, control, admission)
-                    self.stats["groups_sent"] += 1
-        except BaseException:
-            self._finish(engine, sender, control, admission)
-            raise
-        return self._finish(engine, sender, control, admission)
+        self.builder = GroupBuilder(self.engine, reward_fn, self.worker_id, self.stats)
+        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=1 + self.worker_id,
+                                     world_size=ep.sync_world_size, backend=ep.sync_backend,
+                                     timeout_s=cfg.cluster.timeout_s)
+        self._closables.append(self.group)
+        self.receiver = WeightReceiver(self.group)
+        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm)
+        self.control = ControlSubscriber(ep.control)
+        self.admission = AdmissionClient(ep.admission, self.worker_id)
+        self._closables += [self.sender, self.control, self.admission]
+        self._state = None
 
-    def _finish(self, engine, sender, control, admission) -> dict:
-        for closable in (sender, control, admission, getattr(self, "_group", None), engine):
-            if closable is None:
-                continue
+    def _close(self) -> None:
+        if getattr(self, "engine", None) is not None and self._in_flight:
+            try:
+                self.engine.abort_all()
+            except Exception:
+                pass
+        for closable in reversed(self._closables):
             try:
                 closable.close()
             except Exception:  # closing must not mask the run's outcome
                 pass
-        return dict(self.stats, worker_id=self.worker_id, version=self.version)
 
     # ------------------------------------------------------------------------------------------------------------
-    def _load_weights(self, receiver, engine) -> None:
-        t0 = time.perf_counter()
-        ro = self.cfg.rollout
-        # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
-        version = receive_into_engine(
-            receiver, engine, flush_bytes=ro.weight_bucket_mb << 20, model_config=self.model_path, dtype=ro.dtype
-        )
-        self.version = version
-        self.stats["weight_loads"] += 1
-        log.info("worker %d loaded weights v%d in %.3fs", self.worker_id, version, time.perf_counter() - t0)
-
-    def _generate(self, engine, rows, tickets, reward_fn) -> list[TrajectoryGroup]:
-        ro = self.cfg.rollout
-        s = ro.sampling
-        t0 = time.perf_counter()
-        outputs = engine.generate(
-            [row.prompt_ids for row in rows],
-            n=ro.num_return_sequences_in_group,
-            max_tokens=ro.response_length,
-            temperature=s.temperature,
-            top_p=s.top_p,
-            top_k=s.top_k,
-            # vLLM seeds sample j of prompt i with seed + i * n + j: advance past every seed this call uses, and keep
-            # workers' sequences apart
-            seed=None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * ro.num_return_sequences_in_group,
-        )
-        gen_s = time.perf_counter() - t0
-        groups = []
-        version = self.version
-        for row, ticket, completions in zip(rows, tickets, outputs):
-            t1 = time.perf_counter()
-            samples = []
-            for c in completions:
-                text = engine.decode(c.token_ids)
-                reward, failed, _err = self._score_safely(reward_fn, text, row.answer)
-                self.stats["reward_failures"] += int(failed)
-                self.stats["gen_tokens"] += len(c.token_ids)
-                samples.append(
-                    Sample(
-                        response_ids=np.asarray(c.token_ids, dtype=np.int32),
-                        behavior_logprobs=np.asarray(c.logprobs, dtype=np.float32),
-                        reward=float(reward),
-                        finish_reason=c.finish_reason,
-                        version_min=version,
-                        version_max=version,
-                        reward_failed=bool(failed),
-                    )
-                )
-            reward_s = time.perf_counter() - t1
-            self.stats["samples"] += len(samples)
-            groups.append(
-                TrajectoryGroup(
-                    group_id=f"{self.worker_id}-{self._seq}",
-                    worker_id=self.worker_id,
-                    prompt_ids=np.asarray(row.prompt_ids, dtype=np.int32),
-                    samples=samples,
-                    prompt_index=int(row.index),
-                    ticket=int(ticket.index),
-                    answer=str(row.answer),
-                    timings={
-                        "gen_s": gen_s / len(rows),
-                        "reward_s": reward_s,
-                        "busy_s": gen_s / len(rows) + reward_s,
-                        "created_at": time.time(),
-                    },
-                )
+    def _read_control(self):
+        self._state = self.control.latest(timeout_ms=0) or self._state
+        if self._state is None and self.control.rejected.get("version", 0):
+            # Every control message is refused: the learner runs another asyncppo wire version. Waiting would
+            # hang the run until its timeout; fail now with the reason.
+            raise RuntimeError(
+                f"rollout worker {self.worker_id}: the learner's control messages use another wire schema "
+                "version; run the same asyncppo version on every node"
             )
-            self._seq += 1
-        return groups
+        return self._state
+
+    def _update_weights(self) -> None:
+        """Load the announced weights now, or drain first (``inflight_update=off``, ``generation=batch``)."""
+        ro = self.cfg.rollout
+        busy = self.engine.num_unfinished_seqs() > 0
+        if busy and (ro.inflight_update == "off" or ro.generation == "batch"):
+            self._draining = True
+            return
+        t0 = time.perf_counter()
+        # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
+        version = receive_into_engine(self.receiver, self.engine, flush_bytes=ro.weight_bucket_mb << 20,
+                                      model_config=self.model_path, dtype=ro.dtype)
+        self.engine.set_weight_version(version)
+        if busy:
+            if ro.inflight_update == "recompute":
+                self.engine.recompute_inflight()
+            self.meter.inflight_updates += 1
+            self.stats["inflight_updates"] += 1
+        now = time.perf_counter()
+        seen = [v for v in self._announce_seen if v <= version]
+        if seen:
+            self.meter.push_s.append(now - min(self._announce_seen[v] for v in seen))
+        for v in seen:
+            del self._announce_seen[v]
+        self.version = version
+        self._draining = False
+        self.stats["weight_loads"] += 1
+        log.info("worker %d loaded weights v%d in %.3fs (%d sequences in flight)", self.worker_id, version,
+                 now - t0, self.engine.num_unfinished_seqs())
+
+    def _admit(self) -> None:
+        """Add groups while there is room and a ticket our weights satisfy (module docstring, step 3)."""
+        ro = self.cfg.rollout
+        n = ro.num_return_sequences_in_group
+        if self._draining or self.admission.stopped:
+            return
+        if ro.generation == "batch":
+            if self.engine.num_unfinished_seqs():
+                return
+            room = ro.prompts_per_call
+        else:
+            room = max(0, ro.max_num_seqs - self.engine.num_unfinished_seqs()) // n
+        want = room - len(self._pending) - self.admission.open_requests
+        if want > 0:
+            self.admission.request(want)
+        # Never wait while the engine has work; an idle engine waits a little for its tickets.
+        self._pending.extend(self.admission.poll_granted(0.0 if self.engine.num_unfinished_seqs() else 0.05))
+        if ro.generation == "batch":
+            while len(self._pending) < room and self.admission.open_requests:
+                more = self.admission.poll_granted(0.05)
+                if not more:
+                    break
+                self._pending.extend(more)
+        for _ in range(room):
+            if not self._pending or self._pending[0].min_version > self.version:
+                break  # tickets come in order: a newer one cannot be served before this one
+            self._add_group(self._pending.popleft())
+
+    def _add_group(self, ticket) -> None:
+        ro, s = self.cfg.rollout, self.cfg.rollout.sampling
+        n = ro.num_return_sequences_in_group
+        row = next(self._prompts)
+        key = f"{self.worker_id}-{self._seq}"
+        # distinct seeds for every sample of the run and every worker (vLLM seeds sample j with seed + j)
+        seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
+        spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
+                            top_k=s.top_k, seed=seed)
+        self.engine.add_group(key, row.prompt_ids, spec)
+        self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
+        self._seq += 1
+
+    def _step(self) -> None:
+        running = min(self.engine.num_unfinished_seqs(), self.cfg.rollout.max_num_seqs)
+        t0 = time.perf_counter()
+        finished = self.engine.step()
+        self.meter.busy_s += time.perf_counter() - t0
+        self.meter.steps += 1
+        self.meter.running_sum += running
+        if not self.engine.num_unfinished_seqs() and self._draining:
+            self._update_weights()  # drained: the announced weights can load now
+        for done in finished:
+            group = self.builder.build(done, self._in_flight.pop(done.key), self.meter)
+            self._send(group)
+
+    def _send(self, group) -> None:
+        while not self.sender.send(group, timeout_s=1.0):
+            state = self._read_control()
+            if state is not None and state.stop:
+                return
+        self.stats["groups_sent"] += 1
+
+    def _idle(self) -> None:
+        """Nothing in the engine: wait for newer weights (a ticket needs them) or for tickets, without spinning."""
+        if self._pending and self._pending[0].min_version > self.version:
+            needed = self._pending[0].min_version
+            self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 1.0) \
+                or self._state
+        elif self.admission.stopped:
+            self._state = self.control.wait_for(lambda st: st.stop, 1.0) or self._state
+        elif not self._pending:
+            self._pending.extend(self.admission.poll_granted(0.2))

@@ -8,6 +8,14 @@ Why drop at hand-out time: a group's lag ``learner_version - group.version_min``
 only moment that decides whether it may be trained on is the moment it is handed to the learner. A dropped group
 is reported to ``on_drop`` (the learner releases its admission ticket there) and counted.
 
+Why ticket order (``order=`` the admission controller): with continuous generation groups finish out of order,
+long ones last. Taking groups in arrival order would let short groups admitted later overtake a long one until
+its lag passes ``k`` and it is dropped: training would be biased against exactly the long samples. In ticket order
+the batch at version ``v`` is the ``B`` lowest outstanding tickets, which admission granted no earlier than
+version ``v - k`` with ``min_version >= v - k`` (see :mod:`asyncppo.staleness.controller`): every token of the batch
+then has lag ``<= k`` *and nothing is dropped*; a straggler makes the learner wait for it instead (the engine keeps
+generating later tickets meanwhile). The lag guard stays as the backstop for anything that breaks the rule.
+
 Why bounded: when the learner falls behind, ``put`` blocks, the feeder stops reading the socket, and ZeroMQ's
 high-water marks push back on the workers instead of memory growing without limit.
 """
@@ -17,13 +25,34 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 from asyncppo.stream.records import TrajectoryGroup
 
 
 class BufferClosed(RuntimeError):
     """Raised by ``put`` on a closed buffer."""
+
+
+class TicketOrder(Protocol):
+    """What ticket-ordered consumption needs from the admission controller."""
+
+    def lowest_outstanding(self, n: int) -> list[int]: ...
+
+    def is_outstanding(self, index: int) -> bool: ...
+
+
+#: Drops are counted per bucket of the group's longest response, as a fraction of ``response_length``.
+LENGTH_BUCKETS = (0.25, 0.5, 0.75, 1.0)
+
+
+def length_bucket(num_tokens: int, response_length: int) -> str:
+    """``"le25"``, ``"le50"``, ``"le75"`` or ``"le100"``: the quarter of ``response_length`` a length falls in."""
+    frac = num_tokens / max(1, response_length)
+    for edge in LENGTH_BUCKETS:
+        if frac <= edge:
+            return f"le{int(edge * 100)}"
+    return "le100"
 
 
 class StalenessBuffer:
@@ -33,6 +62,8 @@ class StalenessBuffer:
         capacity_groups: int,
         on_drop: Optional[Callable[[TrajectoryGroup], None]] = None,
         on_take: Optional[Callable[[TrajectoryGroup], None]] = None,
+        order: Optional[TicketOrder] = None,
+        response_length: int = 0,
     ):
         if type(max_staleness) is not int or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
@@ -42,7 +73,12 @@ class StalenessBuffer:
         self.capacity = capacity_groups
         self.on_drop = on_drop
         self.on_take = on_take
+        self.order = order
+        self.response_length = response_length
         self._q: collections.deque[TrajectoryGroup] = collections.deque()
+        self.rejected_ticket = 0  # ordered mode: groups whose ticket is not outstanding, or already buffered
+        self.dropped_tokens = 0
+        self.dropped_by_length: collections.Counter[str] = collections.Counter()
         self._cv = threading.Condition()
         self._closed = False
         self.dropped_stale = 0
@@ -70,6 +106,12 @@ class StalenessBuffer:
                 self._cv.wait(left)
             if self._closed:
                 raise BufferClosed("put on a closed StalenessBuffer")
+            if self.order is not None and (
+                not self.order.is_outstanding(group.ticket) or any(g.ticket == group.ticket for g in self._q)
+            ):
+                # never granted, already trained or a duplicate: it has no place in the ticket order
+                self.rejected_ticket += 1
+                return True
             self._q.append(group)
             self.put_count += 1
             self._cv.notify_all()
@@ -84,12 +126,17 @@ class StalenessBuffer:
             self._q = keep
             self.dropped_stale += len(dropped)
             self.dropped_samples += sum(len(g.samples) for g in dropped)
+            for g in dropped:
+                self.dropped_tokens += g.num_response_tokens
+                self.dropped_by_length[length_bucket(max(s.num_tokens for s in g.samples),
+                                                     self.response_length)] += 1
             self._cv.notify_all()  # room for blocked producers
         return dropped
 
     def take(self, n_groups: int, learner_version: int, timeout_s: Optional[float] = None) -> list[TrajectoryGroup]:
-        """Hand out the ``n_groups`` oldest groups whose lag at ``learner_version`` is ``<= k``, dropping every
-        stale one met on the way. Waits for enough groups; on timeout (or close) returns ``[]`` and keeps what
+        """Hand out the next ``n_groups`` groups whose lag at ``learner_version`` is ``<= k`` (the oldest arrivals,
+        or in ordered mode exactly the ``n_groups`` lowest outstanding tickets), dropping every stale one met on
+        the way. Waits for the whole batch; on timeout (or close) returns ``[]`` and keeps what
         is buffered, so a caller can retry without losing anything."""
         if n_groups < 1 or n_groups > self.capacity:
             raise ValueError(f"n_groups must be in [1, capacity={self.capacity}], got {n_groups}")
@@ -99,8 +146,8 @@ class StalenessBuffer:
         with self._cv:
             while True:
                 dropped += self._drop_stale_locked(learner_version)
-                if len(self._q) >= n_groups:
-                    out = [self._q.popleft() for _ in range(n_groups)]
+                out = self._pop_batch_locked(n_groups)
+                if out:
                     self.taken += n_groups
                     self._record_lags(out, learner_version)
                     self._cv.notify_all()
@@ -108,7 +155,8 @@ class StalenessBuffer:
                 left = None if deadline is None else deadline - time.monotonic()
                 if self._closed or (left is not None and left <= 0):
                     break
-                self._cv.wait(left)
+                # ordered mode also waits on grants (other threads): re-check now and then, not only on put
+                self._cv.wait(left if self.order is None else min(left if left is not None else 0.05, 0.05))
         # Callbacks run outside the lock: they may talk to sockets or the admission controller.
         for g in dropped:
             if self.on_drop is not None:
@@ -117,6 +165,28 @@ class StalenessBuffer:
             if self.on_take is not None:
                 self.on_take(g)
         return out
+
+    def _pop_batch_locked(self, n: int) -> list[TrajectoryGroup]:
+        """The next batch if it is complete, else [] (nothing removed)."""
+        if self.order is None:
+            return [self._q.popleft() for _ in range(n)] if len(self._q) >= n else []
+        want = self.order.lowest_outstanding(n)
+        if len(want) < n:
+            return []
+        by_ticket = {g.ticket: g for g in self._q}
+        if not all(t in by_ticket for t in want):
+            return []
+        chosen = set(want)
+        self._q = collections.deque(g for g in self._q if g.ticket not in chosen)
+        return [by_ticket[t] for t in want]
+
+    def missing(self, n: int) -> list[int]:
+        """Ordered mode: the tickets of the next batch that have not arrived yet (what the learner waits for)."""
+        if self.order is None:
+            return []
+        with self._cv:
+            have = {g.ticket for g in self._q}
+            return [t for t in self.order.lowest_outstanding(n) if t not in have]
 
     def _record_lags(self, groups: list[TrajectoryGroup], v: int) -> None:
         self._last_lags = [v - s.version_min for g in groups for s in g.samples]
@@ -134,6 +204,9 @@ class StalenessBuffer:
                 "taken": self.taken,
                 "dropped_stale": self.dropped_stale,
                 "dropped_samples": self.dropped_samples,
+                "dropped_tokens": self.dropped_tokens,
+                "rejected_ticket": self.rejected_ticket,
+                **{f"dropped_{b}": c for b, c in sorted(self.dropped_by_length.items())},
                 "lag_min": min(lags) if lags else 0,
                 "lag_mean": sum(lags) / len(lags) if lags else 0.0,
                 "lag_max": max(lags) if lags else 0,

@@ -1,0 +1,75 @@
+"""Rollout-side accounting from the groups a learner step trains: token-weighted lag, engine occupancy, in-flight
+weight updates, push latency and response lengths.
+
+The rollout workers attach to every group what their engine did since the previous group was sent
+(:mod:`asyncppo.rollout.groups`), so these are exact sums over the groups of a step, not samples of a gauge.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Iterable
+
+
+def token_lag_stats(learner_version: int, groups: Iterable) -> dict[str, float]:
+    """``staleness/token_mean``: lag ``learner_version - token_version`` averaged over every response token (a
+    sample that lived through a weight swap counts its newer tokens as fresher), beside the per-sample lag."""
+    total, count = 0, 0
+    for g in groups:
+        s, c = g.token_lag_sum(learner_version)
+        total += s
+        count += c
+    return {"staleness/token_mean": total / count if count else 0.0}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+class EngineTotals:
+    """Per-step rollout metrics plus run totals (for the summary: occupancy, push p50/p99, lengths)."""
+
+    def __init__(self, max_num_seqs: int):
+        self.max_num_seqs = max(1, int(max_num_seqs))
+        self.steps = 0.0
+        self.running_sum = 0.0
+        self.inflight_updates = 0
+        self.push_s: list[float] = []
+        self.trained_tokens = 0
+        self.lengths: list[int] = []
+
+    def add(self, groups: list) -> dict[str, float]:
+        steps = sum(g.timings.get("decode_steps", 0.0) for g in groups)
+        running = sum(g.timings.get("running_seq_sum", 0.0) for g in groups)
+        inflight = int(sum(g.timings.get("inflight_updates", 0.0) for g in groups))
+        pushes = [g.timings["push_s_max"] for g in groups if g.timings.get("push_count", 0.0) > 0]
+        lengths = [s.num_tokens for g in groups for s in g.samples]
+        self.steps += steps
+        self.running_sum += running
+        self.inflight_updates += inflight
+        self.push_s += pushes
+        self.trained_tokens += sum(lengths)
+        self.lengths += lengths
+        return {
+            "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
+            "rollout/inflight_updates": float(inflight),
+            "sync/push_s": max(pushes, default=0.0),
+            "response_length/max": float(max(lengths, default=0)),
+            "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
+        }
+
+    def summary(self) -> dict[str, float]:
+        lengths = [float(x) for x in self.lengths]
+        return {
+            "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
+            "inflight_updates": self.inflight_updates,
+            "push_s_p50": _percentile(self.push_s, 0.5),
+            "push_s_p99": _percentile(self.push_s, 0.99),
+            "pushes_measured": len(self.push_s),
+            "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
+            "response_length_p99": _percentile(lengths, 0.99),
+            "trained_tokens": self.trained_tokens,
+        }

@@ -1,0 +1,83 @@
+"""Turning a finished engine group into the stream record: score every sample, stamp its versions, attach timings.
+
+Why the engine meter rides on the groups: the learner computes throughput, busy fractions, engine occupancy and
+push latency from what the groups it trains say about the engine. Each group carries what the engine did since the
+previous group was sent (busy seconds, decode steps, running sequences summed over those steps, in-flight weight
+loads, push latencies), so summing over any set of groups gives exact totals and nothing is counted twice.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from asyncppo.rollout.engine import FinishedGroup
+from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
+
+
+@dataclass
+class InFlight:
+    """A group the worker admitted and the engine is generating."""
+
+    row: Any  # the dataset row: prompt_ids, answer, index
+    ticket: Any  # the admission ticket
+    admitted_at: float  # unix time
+    version: int  # the engine's weight version when admitted
+
+
+class GroupBuilder:
+    def __init__(self, engine, reward_fn, worker_id: int, stats: dict):
+        from asyncppo.data.rewards import score_safely
+
+        self.engine = engine
+        self.reward_fn = reward_fn
+        self.worker_id = worker_id
+        self.stats = stats
+        self._score = score_safely
+
+    def build(self, done: FinishedGroup, flight: InFlight, meter) -> TrajectoryGroup:
+        t0 = time.perf_counter()
+        samples = []
+        for c in done.completions:
+            text = self.engine.decode(c.token_ids)
+            reward, failed, _err = self._score(self.reward_fn, text, flight.row.answer)
+            versions = c.versions if c.versions is not None else np.full(len(c.token_ids), flight.version)
+            spans = spans_from_token_versions(np.asarray(versions, dtype=np.int64), default_version=flight.version)
+            self.stats["reward_failures"] += int(failed)
+            self.stats["gen_tokens"] += len(c.token_ids)
+            samples.append(
+                Sample(
+                    response_ids=np.asarray(c.token_ids, dtype=np.int32),
+                    behavior_logprobs=np.asarray(c.logprobs, dtype=np.float32),
+                    reward=float(reward),
+                    finish_reason=c.finish_reason,
+                    version_min=int(spans[0, 1]),
+                    version_max=int(spans[-1, 1]),
+                    reward_failed=bool(failed),
+                    version_spans=spans,
+                )
+            )
+        self.stats["samples"] += len(samples)
+        reward_s = time.perf_counter() - t0
+        engine = meter.take()
+        timings = {
+            **engine,
+            "gen_s": engine["engine_busy_s"],
+            "reward_s": reward_s,
+            "busy_s": engine["engine_busy_s"] + reward_s,
+            "created_at": time.time(),
+            "latency_s": time.time() - flight.admitted_at,  # admission -> sent
+        }
+        return TrajectoryGroup(
+            group_id=done.key,
+            worker_id=self.worker_id,
+            prompt_ids=np.asarray(flight.row.prompt_ids, dtype=np.int32),
+            samples=samples,
+            prompt_index=int(flight.row.index),
+            ticket=int(flight.ticket.index),
+            answer=str(flight.row.answer),
+            timings=timings,
+        )
