@@ -1,15 +1,21 @@
 #!/usr/bin/env python
-"""Asynchronous against synchronous PPO on the same machine, task and budget, side by side in one command.
+"""Synchronous PPO against asynchronous PPO with whole-batch and with continuous generation, side by side.
 
-Runs ``asyncppo launch`` twice with identical settings except ``rollout.max_staleness`` (0 = synchronous on-policy
-PPO; k > 0 = asynchronous), each for the same number of learner steps (= the same number of trained samples), and
-prints wall time, the reward reached, held-out accuracy and both sides' busy fractions.
+Three runs of ``asyncppo launch`` on the same task, model, seed and number of trained samples:
 
-A long-tailed response-length distribution comes from the policy itself: with a short supervised warm start
-(``--sft-steps``) the built-in model often fails to stop and runs on to ``--response-length`` tokens, so most samples
-are 3 tokens long and a few are ten times longer — the shape that makes synchronous generation wait on stragglers.
+* ``sync``        - ``max_staleness=0``, whole-batch generation (generate a batch, train on it, repeat);
+* ``async-batch`` - ``max_staleness=k``, whole-batch generation, weights loaded between batches
+  (``generation=batch inflight_update=off``: what asyncppo 0.1 did);
+* ``async-cont``  - ``max_staleness=k``, continuous generation with in-flight weight updates
+  (``generation=continuous inflight_update=keep``).
 
-    python scripts/bench_async_vs_sync.py --steps 60 --staleness 4
+The rollout worker and the learner are pinned to disjoint cores (``--rollout-cpus`` / ``--learner-cpus``), as
+disjoint GPU pools would be. For each mode it prints wall time, trained samples per second, engine occupancy,
+rollout / train busy fractions, push latency p50/p99, waste, response length mean/p99 and the reward reached, and
+the speed-up of each async mode over sync in learner time to the same number of trained samples.
+
+    python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
+    python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
 """
 
 from __future__ import annotations
@@ -22,97 +28,124 @@ import sys
 import tempfile
 import time
 
+MODES = {
+    "sync": ["rollout.max_staleness=0", "rollout.generation=batch", "rollout.inflight_update=off"],
+    "async-batch": ["rollout.max_staleness={k}", "rollout.generation=batch", "rollout.inflight_update=off"],
+    "async-cont": ["rollout.max_staleness={k}", "rollout.generation=continuous", "rollout.inflight_update=keep"],
+}
 
-def run_once(label: str, staleness: int, args, root: str) -> dict:
+
+def run_once(label: str, args, root: str) -> dict:
     out = os.path.join(root, label)
     cmd = [
-        sys.executable, "-m", "asyncppo", "launch",
+        sys.executable, "-m", "asyncppo", "launch", *args.preset,
         f"trainer.output_dir={out}",
         f"trainer.total_steps={args.steps}",
-        f"trainer.sft_warmup_steps={args.sft_steps}",
-        f"rollout.max_staleness={staleness}",
-        f"rollout.response_length={args.response_length}",
-        f"rollout.rollout_batch_size={args.batch}",
-        f"cluster.rollout_workers={args.workers}",
         "trainer.logger.wandb=false",
+        "trainer.eval_every=0",
+        *[m.format(k=args.staleness) for m in MODES[label]],
         *args.overrides,
     ]
-    print(f"[bench] {label}: {' '.join(cmd[2:])}", flush=True)
+    env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
+    print(f"[bench] {label}: {' '.join(cmd[3:])}", flush=True)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-2000:] + proc.stderr[-4000:])
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
         raise SystemExit(f"[bench] {label} failed with exit code {proc.returncode}")
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    summary = json.load(open(os.path.join(out, "summary.json")))
     train = [r for r in records if "reward/mean" in r]
-    evals = [r for r in records if "eval/accuracy_sampled" in r]
-    tail = train[-10:]
     steady = train[len(train) // 4 :]  # skip start-up (engine load, first batches)
 
     def mean(key, rows):
-        return sum(r[key] for r in rows) / max(len(rows), 1)
+        vals = [r[key] for r in rows if r.get(key) is not None]
+        return sum(vals) / max(len(vals), 1)
 
-    lengths = [r["response_length/mean"] for r in train]
+    train_s = sum(r["time/step_s"] for r in train)
+    ro = summary.get("rollout", {})
     return {
         "label": label,
         "wall_s": wall,
-        "train_s": sum(r["time/step_s"] for r in train),
-        "steady_step_s": mean("time/step_s", steady),
+        "train_s": train_s,
         "samples": train[-1]["samples_trained"],
-        "reward_first10": mean("reward/mean", train[:10]),
-        "reward_last10": mean("reward/mean", tail),
-        "eval_before": evals[0]["eval/accuracy_sampled"] if evals else float("nan"),
-        "eval_after": evals[-1]["eval/accuracy_sampled"] if evals else float("nan"),
+        "samples_per_s": train[-1]["samples_trained"] / train_s,
+        "occupancy": ro.get("occupancy", float("nan")),
         "rollout_busy": mean("util/rollout_busy", steady),
         "train_busy": mean("util/train_busy", steady),
+        "push_p50": ro.get("push_s_p50", float("nan")),
+        "push_p99": ro.get("push_s_p99", float("nan")),
+        "inflight_updates": ro.get("inflight_updates", 0),
+        "waste": train[-1].get("waste/tokens_frac", 0.0),
+        "len_mean": ro.get("response_length_mean", float("nan")),
+        "len_p99": ro.get("response_length_p99", float("nan")),
+        "reward_first": mean("reward/mean", train[:10]),
+        "reward_last": mean("reward/mean", train[-10:]),
+        "eval_before": summary.get("eval_before", {}).get("accuracy_sampled", float("nan")),
+        "eval_after": summary.get("eval_after", {}).get("accuracy_sampled", float("nan")),
         "lag_mean": mean("staleness/mean", train),
+        "token_lag_mean": mean("staleness/token_mean", train),
         "lag_max": max(r["staleness/max"] for r in train),
-        "resp_len_mean": sum(lengths) / len(lengths),
-        "resp_len_max_step_mean": max(lengths),
     }
+
+
+ROWS = [
+    ("learner time to the same samples (s)", "train_s", "{:.1f}"),
+    ("wall time, whole launch (s)", "wall_s", "{:.1f}"),
+    ("trained samples", "samples", "{:d}"),
+    ("trained samples / s", "samples_per_s", "{:.1f}"),
+    ("engine occupancy", "occupancy", "{:.2f}"),
+    ("rollout busy", "rollout_busy", "{:.2f}"),
+    ("train busy", "train_busy", "{:.2f}"),
+    ("push latency p50 (s)", "push_p50", "{:.3f}"),
+    ("push latency p99 (s)", "push_p99", "{:.3f}"),
+    ("in-flight weight updates", "inflight_updates", "{:d}"),
+    ("waste (tokens dropped / generated)", "waste", "{:.3f}"),
+    ("response length mean", "len_mean", "{:.1f}"),
+    ("response length p99", "len_p99", "{:.0f}"),
+    ("lag mean / token-weighted / max", None, None),
+    ("reward, first 10 steps", "reward_first", "{:.3f}"),
+    ("reward, last 10 steps", "reward_last", "{:.3f}"),
+    ("held-out accuracy before (T=1)", "eval_before", "{:.3f}"),
+    ("held-out accuracy after (T=1)", "eval_after", "{:.3f}"),
+]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--staleness", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--sft-steps", type=int, default=300)
-    p.add_argument("--response-length", type=int, default=16)
-    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for both runs")
+    p.add_argument("--modes", default="sync,async-batch,async-cont")
+    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list)")
+    p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner")
+    p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
+    p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"unknown modes {unknown}; allowed: {list(MODES)}")
     root = tempfile.mkdtemp(prefix="asyncppo-bench-")
-    sync = run_once("sync", 0, args, root)
-    asyn = run_once(f"async-k{args.staleness}", args.staleness, args, root)
-    rows = [
-        ("wall time, whole launch (s)", "wall_s", "{:.1f}"),
-        ("learner time for all steps (s)", "train_s", "{:.1f}"),
-        ("steady-state s / step", "steady_step_s", "{:.3f}"),
-        ("samples trained", "samples", "{:d}"),
-        ("reward, first 10 steps", "reward_first10", "{:.3f}"),
-        ("reward, last 10 steps", "reward_last10", "{:.3f}"),
-        ("held-out accuracy before (T=1)", "eval_before", "{:.3f}"),
-        ("held-out accuracy after (T=1)", "eval_after", "{:.3f}"),
-        ("rollout busy fraction", "rollout_busy", "{:.2f}"),
-        ("train busy fraction", "train_busy", "{:.2f}"),
-        ("version lag mean / max", None, None),
-        ("response length mean (tokens)", "resp_len_mean", "{:.2f}"),
-    ]
+    results = [run_once(m, args, root) for m in modes]
     print()
-    print(f"| metric | sync (max_staleness=0) | async (max_staleness={args.staleness}) | async / sync |")
-    print("|---|---|---|---|")
-    for name, key, fmt in rows:
+    print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
+    print("|---|" + "---|" * len(results))
+    for name, key, fmt in ROWS:
         if key is None:
-            print(f"| {name} | {sync['lag_mean']:.2f} / {sync['lag_max']:.0f} | "
-                  f"{asyn['lag_mean']:.2f} / {asyn['lag_max']:.0f} | |")
-            continue
-        a, s = asyn[key], sync[key]
-        ratio = f"{a / s:.2f}" if isinstance(s, (int, float)) and s else ""
-        print(f"| {name} | {fmt.format(s)} | {fmt.format(a)} | {ratio} |")
-    speedup = sync["train_s"] / asyn["train_s"]
-    print(f"\nspeed-up of async over sync in learner wall time for {sync['samples']} samples: {speedup:.2f}x")
+            cells = [f"{r['lag_mean']:.2f} / {r['token_lag_mean']:.2f} / {r['lag_max']:.0f}" for r in results]
+        else:
+            cells = [fmt.format(r[key]) if isinstance(r[key], (int, float)) else str(r[key]) for r in results]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    base = next((r for r in results if r["label"] == "sync"), None)
+    if base is not None:
+        for r in results:
+            if r is not base:
+                print(f"speed-up of {r['label']} over sync in learner time to {base['samples']} samples: "
+                      f"{base['train_s'] / r['train_s']:.2f}x (whole launch {base['wall_s'] / r['wall_s']:.2f}x)")
+    with open(os.path.join(root, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"[bench] run directories and results.json under {root}")
 
 
 if __name__ == "__main__":
