@@ -26,6 +26,7 @@ class TrainBatch:
     group_index: torch.Tensor  # [B] long, which prompt group each sample belongs to
     version_min: torch.Tensor  # [B] long
     prompt_len: int  # P (padded)
+    token_versions: Optional[torch.Tensor] = None  # [B, T] long, policy version of each response token (0 on padding)
     # Filled in by the learner before the update:
     old_logprobs: Optional[torch.Tensor] = None  # proximal policy (learner recompute) [B, T]
     ref_logprobs: Optional[torch.Tensor] = None
@@ -71,6 +72,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
     scores = torch.zeros(B, dtype=torch.float32)
     group_index = torch.zeros(B, dtype=torch.long)
     version_min = torch.zeros(B, dtype=torch.long)
+    token_versions = torch.zeros((B, T), dtype=torch.long)
     for i, (g_idx, group, sample) in enumerate(rows):
         prompt = torch.tensor(group.prompt_ids, dtype=torch.long)
         n_prompt, n_resp = prompt.shape[0], sample.num_tokens
@@ -80,6 +82,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
             input_ids[i, P : P + n_resp] = torch.tensor(sample.response_ids, dtype=torch.long)
             behavior[i, :n_resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
             response_mask[i, :n_resp] = 1.0
+            token_versions[i, :n_resp] = torch.from_numpy(sample.token_versions())
         scores[i] = float(sample.reward)
         group_index[i] = g_idx
         version_min[i] = sample.version_min
@@ -94,6 +97,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         group_index=group_index,
         version_min=version_min,
         prompt_len=P,
+        token_versions=token_versions,
     )
 
 

@@ -14,12 +14,23 @@ columns and ``group.samples`` builds the ``Sample`` objects on first access (onc
 truth, so code that edits a sample sees its edit everywhere). Group-level summaries that the buffer needs on every
 message (``num_samples``, ``version_min``, ``version_max``, ``num_response_tokens``) are answered from the columns
 without materialising anything.
+
+Per-token policy versions
+-------------------------
+Rollout engines may swap weights in the middle of a generation, so the tokens of one sample can come from several
+policy versions. Because weights only move forward, a sample's per-token versions are non-decreasing and are kept
+in run-length form: ``Sample.version_spans`` is an int64 ``[S, 2]`` array of ``(start_token_index, version)`` rows,
+one per version used. :func:`check_spans` states the rules (the wire format enforces them on both ends);
+``None`` is the compact spelling of the common case "one version for the whole sample" (``version_min ==
+version_max``). :meth:`Sample.token_versions` expands the spans, :func:`spans_from_token_versions` compresses a
+per-token array, and :meth:`TrajectoryGroup.token_lag_sum` computes token-weighted policy lag from the spans
+without expanding them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -35,15 +46,94 @@ class Sample:
     version_min: int  # oldest policy version whose weights produced any token of this sample
     version_max: int  # newest such version
     reward_failed: bool = False  # the reward function raised; reward is then the failure score (0.0)
+    # int64 [S, 2] rows (start_token_index, version), see check_spans; None: every token has version_min (only
+    # valid when version_min == version_max)
+    version_spans: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
         return int(self.response_ids.shape[0])
 
+    def token_versions(self) -> np.ndarray:
+        """int64 ``[T]``: the policy version of every response token (expanded from ``version_spans``; all
+        ``version_min`` when it is None). Assumes valid spans (see :func:`check_spans`)."""
+        T = self.num_tokens
+        spans = self.version_spans
+        if spans is None:
+            return np.full(T, self.version_min, dtype=np.int64)
+        spans = np.asarray(spans, dtype=np.int64)
+        if T == 0:
+            return np.zeros(0, dtype=np.int64)
+        return np.repeat(spans[:, 1], np.diff(spans[:, 0], append=T))
+
+    def spans(self) -> np.ndarray:
+        """``version_spans`` as an int64 ``[S, 2]`` array, with None spelled out as ``[(0, version_min)]``."""
+        if self.version_spans is None:
+            return np.array([[0, self.version_min]], dtype=np.int64)
+        return np.asarray(self.version_spans, dtype=np.int64)
+
+
+def spans_from_token_versions(versions: np.ndarray, default_version: Optional[int] = None) -> np.ndarray:
+    """The compact ``[S, 2]`` int64 form (rows ``(start_token_index, version)``) of a non-decreasing per-token
+    version array. For an empty array the version cannot be read off the tokens: ``default_version`` is used
+    (``[(0, default_version)]``), and ValueError is raised when it is None. ValueError too if ``versions`` is not
+    1-D or decreases anywhere (weights never go back)."""
+    v = np.asarray(versions)
+    if v.ndim != 1:
+        raise ValueError(f"spans_from_token_versions: expected a 1-D array, got shape {v.shape}")
+    if v.shape[0] == 0:
+        if default_version is None:
+            raise ValueError("spans_from_token_versions: empty array and no default_version")
+        return np.array([[0, int(default_version)]], dtype=np.int64)
+    if v.dtype.kind not in "iu":
+        raise ValueError(f"spans_from_token_versions: versions must be integers, got dtype {v.dtype}")
+    v = v.astype(np.int64, copy=False)
+    step = np.diff(v)
+    if step.size and step.min() < 0:
+        t = int(np.argmax(step < 0)) + 1
+        raise ValueError(f"spans_from_token_versions: version decreases at token {t} ({v[t - 1]} -> {v[t]})")
+    starts = np.flatnonzero(step) + 1
+    starts = np.concatenate(([0], starts)).astype(np.int64)
+    return np.stack((starts, v[starts]), axis=1)
+
+
+def check_spans(spans: Any, num_tokens: int, version_min: int, version_max: int) -> Optional[str]:
+    """What is wrong with ``spans`` for a sample of ``num_tokens`` tokens, or None when they are valid.
+
+    The rules: an integer ``[S, 2]`` array with ``1 <= S <= max(num_tokens, 1)``; starts strictly increasing,
+    the first 0, all ``< num_tokens`` when ``num_tokens > 0``; versions ``>= 0`` and strictly increasing; the first
+    version is ``version_min`` and the last ``version_max``. (This is the one-sample statement of the rules the wire
+    format checks vectorised over a whole group.)"""
+    if not isinstance(spans, np.ndarray) or spans.ndim != 2 or spans.shape[1] != 2 or spans.dtype.kind not in "iu":
+        what = (f"dtype {spans.dtype}, shape {spans.shape}" if isinstance(spans, np.ndarray)
+                else type(spans).__name__)
+        return f"must be an integer numpy array of shape [S, 2], got {what}"
+    S = spans.shape[0]
+    if S < 1 or S > max(num_tokens, 1):
+        return f"has {S} spans; a sample of {num_tokens} tokens needs 1..{max(num_tokens, 1)}"
+    starts, vers = spans[:, 0].tolist(), spans[:, 1].tolist()
+    if starts[0] != 0:
+        return f"first start is {starts[0]}, must be 0"
+    if any(b <= a for a, b in zip(starts, starts[1:])):
+        return f"starts {starts} are not strictly increasing"
+    if num_tokens > 0 and starts[-1] >= num_tokens:
+        return f"start {starts[-1]} is not < num_tokens={num_tokens}"
+    if min(vers) < 0:
+        return f"versions {vers} must be >= 0"
+    if any(b <= a for a, b in zip(vers, vers[1:])):
+        return f"versions {vers} are not strictly increasing"
+    if vers[0] != version_min:
+        return f"first version {vers[0]} != version_min={version_min}"
+    if vers[-1] != version_max:
+        return f"last version {vers[-1]} != version_max={version_max}"
+    return None
+
 
 class SampleColumns(NamedTuple):
     """The samples of one group stored column-wise. Sample ``j`` owns ``[offsets[j], offsets[j+1])`` of the two
-    concatenated arrays; the scalar columns are plain lists of length ``n``."""
+    concatenated token arrays and rows ``[span_offsets[j], span_offsets[j+1])`` of ``version_spans`` (every sample
+    has at least one span, even one whose ``Sample.version_spans`` was None); the scalar columns are plain lists
+    (or tuples) of length ``n``."""
 
     response_ids: np.ndarray  # [sum T] concatenated
     behavior_logprobs: np.ndarray  # [sum T] concatenated
@@ -53,13 +143,17 @@ class SampleColumns(NamedTuple):
     version_min: list[int]
     version_max: list[int]
     reward_failed: list[bool]
+    version_spans: np.ndarray  # int64 [sum S, 2] concatenated (start_token_index, version) rows
+    span_offsets: list[int]  # n + 1 entries, span_offsets[0] == 0
 
     def materialise(self) -> list[Sample]:
         ids, lps, off = self.response_ids, self.behavior_logprobs, self.offsets
+        spans, soff = self.version_spans, self.span_offsets
         return [
-            Sample(ids[a:b], lps[a:b], r, f, v0, v1, bad)
-            for a, b, r, f, v0, v1, bad in zip(
-                off, off[1:], self.reward, self.finish_reason, self.version_min, self.version_max, self.reward_failed
+            Sample(ids[a:b], lps[a:b], r, f, v0, v1, bad, spans[c:d])
+            for a, b, r, f, v0, v1, bad, c, d in zip(
+                off, off[1:], self.reward, self.finish_reason, self.version_min, self.version_max, self.reward_failed,
+                soff, soff[1:],
             )
         ]
 
@@ -140,6 +234,34 @@ class TrajectoryGroup:
     def num_response_tokens(self) -> int:
         c = self._columns
         return c.offsets[-1] if c is not None else sum(s.num_tokens for s in self._samples)
+
+    def token_lag_sum(self, learner_version: int) -> tuple[int, int]:
+        """``(sum over all response tokens of learner_version - token_version, number of response tokens)``.
+
+        Computed from the version spans without expanding them per token (one vectorised pass over the columns
+        while the group is columnar). Divide the two for the token-weighted mean policy lag."""
+        c = self._columns
+        if c is not None:
+            total = c.offsets[-1]
+            spans = c.version_spans
+            if spans.shape[0] == 0 or total == 0:
+                return 0, total
+            counts = np.diff(c.span_offsets)
+            # global token index where each span begins: its sample's token offset plus its start. The first
+            # start of every sample is 0, so these are non-decreasing and each span ends where the next one begins.
+            gstart = spans[:, 0] + np.repeat(np.asarray(c.offsets[:-1], dtype=np.int64), counts)
+            weighted = int(np.dot(spans[:, 1], np.diff(gstart, append=total)))
+            return learner_version * total - weighted, total
+        lag = tokens = 0
+        for s in self._samples:
+            T = s.num_tokens
+            tokens += T
+            if s.version_spans is None:
+                lag += (learner_version - s.version_min) * T
+            elif T:
+                sp = np.asarray(s.version_spans, dtype=np.int64)
+                lag += learner_version * T - int(np.dot(sp[:, 1], np.diff(sp[:, 0], append=T)))
+        return lag, tokens
 
     def __repr__(self) -> str:
         return (f"TrajectoryGroup(group_id={self.group_id!r}, worker_id={self.worker_id}, "

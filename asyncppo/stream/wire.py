@@ -9,11 +9,17 @@ save. So a group travels as **one frame**::
 
     b"APPO" | uint32 LE header length | msgpack header (an array) | pad to 8
     | sample table | pad to 8 | prompt ids | pad to 8 | response ids (all samples) | pad to 8 | log-probs (all)
+    | pad to 8 | version spans (all)
 
 * header: ``[schema, "group", group_id, worker_id, prompt_index, ticket, answer, timings, n,
   prompt dtype, prompt length, response-id dtype, log-prob dtype]`` (see :data:`HEADER_FIELDS`);
 * sample table: ``n`` x uint32 response length, ``n`` x float64 reward, ``n`` x int64 version_min, ``n`` x int64
-  version_max, ``n`` x uint8 flags (bit 0: finish_reason is "length", bit 1: reward_failed), all little-endian.
+  version_max, ``n`` x uint8 flags (bit 0: finish_reason is "length", bit 1: reward_failed), ``n`` x uint32 span
+  count, all little-endian (``33 * n`` bytes);
+* version spans: for each sample in order, its ``span count`` rows of (int64 start_token_index, int64 version),
+  little-endian; ``16 * sum(span counts)`` bytes. A sample whose ``Sample.version_spans`` is None travels as the
+  single span ``(0, version_min)``, so every decoded sample has at least one span (see
+  :mod:`asyncppo.stream.records` for what spans mean).
 
 Every offset follows from the header and the table, so the receiver computes the exact frame length and refuses
 any other. The design goal is *few Python operations per message*, because on a small machine the stream's
@@ -25,13 +31,21 @@ Decoded groups are columnar (:meth:`TrajectoryGroup.from_columns`): arrays are *
 received frame alive (copy them, ``np.array(x)``, before writing), and ``Sample`` objects are built on first use.
 
 Nothing here trusts the peer: :func:`decode_group` checks the type of every header field, the dtype whitelist,
-the flag values, that the frame is exactly as long as the header and table say, and the schema version, and
-raises :class:`WireError` with a short reason code:
+the flag values, that the frame is exactly as long as the header and table say, the schema version, and the
+version spans, and raises :class:`WireError` with a short reason code:
 
 * ``malformed`` - not parseable: bad magic, bad msgpack, a frame of the wrong length for what it declares;
 * ``oversized`` - longer than the receiver's limit (checked before anything is parsed);
 * ``version``   - a schema version other than :data:`SCHEMA_VERSION`;
 * ``schema``    - parseable, but a field is missing, of the wrong type or has a disallowed value.
+
+The version spans of each sample must satisfy (checked vectorised over the whole concatenated spans array, with a
+per-sample walk only on the error path to name the offending sample; :func:`encode_group` applies the same
+checks, so a worker bug is reported at the sender): ``1 <= span count <= max(num_tokens, 1)``; the first start is
+0, starts strictly increase and are ``< num_tokens`` (when ``num_tokens > 0``); versions are ``>= 0`` and strictly
+increase; the first version equals the table's ``version_min`` and the last its ``version_max``. The sum of the
+span counts is also bounded by ``total tokens + n`` (the exact frame-length check comes first, so a hostile count
+can never make the reader allocate more than the frame holds).
 
 Small control messages (:func:`encode_message` / :func:`decode_message`) are plain msgpack maps with the same
 schema-version field, validated against a caller-supplied field specification.
@@ -46,10 +60,11 @@ from typing import Any, Mapping
 import msgpack
 import numpy as np
 
-from asyncppo.stream.records import SampleColumns, TrajectoryGroup
+from asyncppo.stream.records import SampleColumns, TrajectoryGroup, check_spans
 
+#: Version 3: per-token policy versions (a span count per sample in the table, a version-span region at the end).
 #: Version 2: columnar sample table (version 1 carried the per-sample scalars as msgpack lists in a map header).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 MAGIC = b"APPO"
 _PREFIX = struct.Struct("<4sI")
 _ALIGN = 8
@@ -91,17 +106,29 @@ HEADER_FIELDS: tuple[tuple[str, type], ...] = (
 )
 _HEADER_TYPES = tuple(t for _, t in HEADER_FIELDS)
 _STR, _FLOAT = frozenset({str}), frozenset({float})
-_TABLE_BYTES_PER_SAMPLE = 4 + 8 + 8 + 8 + 1
+_TABLE_BYTES_PER_SAMPLE = 4 + 8 + 8 + 8 + 1 + 4
+_SPAN_BYTES = 16  # one (int64 start, int64 version) row
 _TABLES: dict[int, struct.Struct] = {}
+_PAIRS: dict[int, struct.Struct] = {}
 
 
 def _table(n: int) -> struct.Struct:
     """The sample-table codec for ``n`` samples (cached: groups almost always have the same size)."""
     st = _TABLES.get(n)
     if st is None:
-        st = struct.Struct(f"<{n}I{n}d{n}q{n}q{n}B")
+        st = struct.Struct(f"<{n}I{n}d{n}q{n}q{n}B{n}I")
         if len(_TABLES) < 64:
             _TABLES[n] = st
+    return st
+
+
+def _pairs(n: int) -> struct.Struct:
+    """``n`` int64 pairs: the span region of a group whose samples each have one span."""
+    st = _PAIRS.get(n)
+    if st is None:
+        st = struct.Struct(f"<{2 * n}q")
+        if len(_PAIRS) < 64:
+            _PAIRS[n] = st
     return st
 
 
@@ -122,6 +149,126 @@ def _pad(n: int) -> int:
 
 def _up(n: int) -> int:
     return n + (-n) % _ALIGN
+
+
+# --------------------------------------------------------------------------------------------- version spans
+
+
+def _explain_spans(spans: np.ndarray, counts: Any, lengths: Any, vmin: Any, vmax: Any) -> WireError:
+    """Walk the samples one by one to name the first whose spans break a rule (error path only)."""
+    start = 0
+    for j, (c, T, v0, v1) in enumerate(zip(counts, lengths, vmin, vmax)):
+        c = int(c)
+        if c < 1:
+            return WireError("schema", f"samples[{j}].version_spans: span count {c}, a sample has at least one")
+        problem = check_spans(spans[start : start + c], int(T), int(v0), int(v1))
+        if problem is not None:
+            return WireError("schema", f"samples[{j}].version_spans {problem}")
+        start += c
+    return WireError("schema", "version spans do not satisfy the span rules")
+
+
+_nonzero = np.count_nonzero  # C-level reductions: ndarray.any()/min() go through Python wrappers
+_min = np.minimum.reduce
+
+
+def _check_spans(spans: np.ndarray, counts: Any, lengths: Any, vmin: Any, vmax: Any,
+                 span_offsets: Any = None) -> None:
+    """Check the concatenated int64 ``[S, 2]`` ``spans`` of ``n`` samples against the span rules (module
+    docstring) and raise a ``schema`` :class:`WireError` naming the first bad sample.
+
+    ``counts``, ``lengths``, ``vmin``, ``vmax`` are ``n`` ints each with ``sum(counts) == S``; ``span_offsets``
+    (their running sum from 0) is computed when not given. The checks are a fixed number of numpy operations over
+    the whole array, whatever ``n`` and ``S``: a sample's starts run 0 < s1 < ... < s_last < max(T, 1) and its
+    versions vmin = v0 < ... < v_last = vmax, so it suffices to check that no value is negative (which also keeps
+    the differences below from overflowing), that every within-sample step is positive in both columns, that each
+    first row is (0, vmin) and each last row is (< max(T, 1), vmax) (this also bounds the span count by
+    max(T, 1))."""
+    n = len(counts)
+    if min(counts) < 1:
+        raise _explain_spans(spans, counts, lengths, vmin, vmax)
+    if spans.shape[0] == n:  # every count is 1: one policy version per sample (the common case)
+        flat = spans.ravel().tolist()  # n pairs: cheaper as small Python lists than as numpy calls
+        vmin = list(vmin)
+        if not any(flat[0::2]) and flat[1::2] == vmin == list(vmax) and min(vmin) >= 0:
+            return
+        raise _explain_spans(spans, counts, lengths, vmin, vmax)
+    if span_offsets is None:
+        span_offsets = list(itertools.accumulate(counts, initial=0))
+    soff = np.asarray(span_offsets, dtype=np.int64)
+    last = soff[1:] - 1  # each sample's last row; its first row is soff[:-1]
+    step = spans[1:] - spans[:-1]
+    step[last[:-1]] = 1  # the step from one sample's last row to the next sample's first row is not ordered
+    head, tail = spans[soff[:-1]], spans[last]
+    if (
+        _min(spans, axis=None) < 0  # first: with every value >= 0 no step below can wrap around
+        or _min(step, axis=None) <= 0
+        or _nonzero(head[:, 0])
+        or head[:, 1].tolist() != list(vmin)
+        or tail[:, 1].tolist() != list(vmax)
+        or _nonzero(tail[:, 0] >= np.maximum(lengths, 1))
+    ):
+        raise _explain_spans(spans, counts, lengths, vmin, vmax)
+
+
+_I8 = np.dtype("<i8")
+_NONE = frozenset({type(None)})
+
+
+def _bad_spans(spans: Any, where: str) -> WireError:
+    what = f"dtype {spans.dtype}, shape {spans.shape}" if isinstance(spans, np.ndarray) else type(spans).__name__
+    return WireError("schema", f"{where}version_spans must be an integer numpy array of shape [S, 2], got {what}")
+
+
+def _span_counts(vspans: list) -> list:
+    """The span count of each sample (None counts as one span); refuses a ``version_spans`` that is not an
+    integer ``[S, 2]`` array. The rules are checked by :func:`_spans_region`, after the scalars are packed."""
+    n = len(vspans)
+    if set(map(type, vspans)) == _NONE:
+        return [1] * n
+    counts = []
+    for j, sp in enumerate(vspans):
+        if sp is None:
+            counts.append(1)
+        elif type(sp) is not np.ndarray or sp.ndim != 2 or sp.shape[1] != 2 or sp.dtype.kind not in "iu":
+            raise _bad_spans(sp, f"samples[{j}].")
+        else:
+            counts.append(sp.shape[0])
+    return counts
+
+
+def _none_with_two_versions(j: int, a: Any, b: Any) -> WireError:
+    return WireError("schema", f"samples[{j}]: version_min={a} != version_max={b} but version_spans is None "
+                               f"(None means one version for every token; give the spans)")
+
+
+def _spans_region(src: Any, counts: list, lengths: list, vmin: list, vmax: list) -> Any:
+    """The validated span region (bytes, or a C-contiguous little-endian int64 ``[S, 2]`` array) from either the
+    samples' ``version_spans`` (a list) or a columnar group's concatenated spans (an array)."""
+    if type(src) is np.ndarray:  # columns: already concatenated
+        spans = src.astype(_I8, copy=False)
+        _check_spans(spans, counts, lengths, vmin, vmax)
+        return spans
+    n = len(src)
+    if set(map(type, src)) == _NONE:  # the common case: no sample changed weights mid-generation
+        if vmin != vmax:
+            j = next(j for j, (a, b) in enumerate(zip(vmin, vmax)) if a != b)
+            raise _none_with_two_versions(j, vmin[j], vmax[j])
+        if min(vmin) < 0:
+            j = next(j for j, v in enumerate(vmin) if v < 0)
+            raise WireError("schema", f"samples[{j}].version_spans: version {vmin[j]} must be >= 0")
+        return _pairs(n).pack(*[x for v in vmin for x in (0, v)])
+    parts = []
+    for j, (sp, a, b) in enumerate(zip(src, vmin, vmax)):
+        if sp is not None:
+            parts.append(sp)
+        elif a != b:
+            raise _none_with_two_versions(j, a, b)
+        else:
+            parts.append(np.array([[0, a]], dtype=_I8))
+    spans = np.concatenate(parts).astype(_I8, copy=False)
+    _check_spans(spans, counts, lengths, vmin, vmax)
+    return spans
 
 
 # --------------------------------------------------------------------------------------------- encode
@@ -164,9 +311,9 @@ def _explain_samples(samples: list) -> WireError:
     return WireError("schema", "samples could not be encoded")
 
 
-def _pack_table(n: int, lengths: list, rewards: list, vmin: list, vmax: list, flags: list) -> bytes:
+def _pack_table(n: int, lengths: list, rewards: list, vmin: list, vmax: list, flags: list, counts: list) -> bytes:
     try:
-        return _table(n).pack(*lengths, *rewards, *vmin, *vmax, *flags)
+        return _table(n).pack(*lengths, *rewards, *vmin, *vmax, *flags, *counts)
     except struct.error:
         pass
     for name, code, col in (("reward", "d", rewards), ("version_min", "q", vmin), ("version_max", "q", vmax)):
@@ -179,7 +326,8 @@ def _pack_table(n: int, lengths: list, rewards: list, vmin: list, vmax: list, fl
 
 
 def _column_parts(group: TrajectoryGroup) -> tuple:
-    """(ids parts, logprob parts, ids dtype, logprob dtype, lengths, rewards, vmin, vmax, flags).
+    """(ids parts, logprob parts, ids dtype, logprob dtype, lengths, rewards, vmin, vmax, flags, span counts,
+    span source) where the span source is the samples' ``version_spans`` list or the columns' spans array.
 
     Checks run over whole columns (set comprehensions in C) rather than field by field; only when one fails does
     :func:`_explain_samples` walk the samples to say which and why. Scalar types are enforced by ``struct``."""
@@ -198,8 +346,15 @@ def _column_parts(group: TrajectoryGroup) -> tuple:
                      for f, bad in zip(cols.finish_reason, cols.reward_failed)]
         except (KeyError, TypeError):
             raise WireError("schema", f"finish_reason {list(cols.finish_reason)}; allowed: {FINISH_REASONS}") from None
+        spans, soff = cols.version_spans, list(cols.span_offsets)
+        if type(spans) is not np.ndarray or spans.ndim != 2 or spans.shape[1] != 2 or spans.dtype.kind not in "iu":
+            raise _bad_spans(spans, "columns.")
+        counts = [b - a for a, b in zip(soff, soff[1:])]
+        if len(soff) != len(off) or soff[0] != 0 or soff[-1] != spans.shape[0] or min(counts, default=0) < 0:
+            raise WireError("schema", f"columns: span_offsets {soff} do not cover {spans.shape[0]} spans of "
+                                      f"{len(lengths)} samples")
         return [ids], [lps], ids.dtype, lps.dtype, lengths, list(cols.reward), list(cols.version_min), \
-            list(cols.version_max), flags
+            list(cols.version_max), flags, counts, spans
     samples = group.samples
     ids = [s.response_ids for s in samples]
     lps = [s.behavior_logprobs for s in samples]
@@ -220,13 +375,15 @@ def _column_parts(group: TrajectoryGroup) -> tuple:
         flags = [_FINISH_CODE[s.finish_reason] | (_FAILED_BIT if s.reward_failed else 0) for s in samples]
     except (KeyError, TypeError):
         raise _explain_samples(samples) from None
+    vspans = [s.version_spans for s in samples]
     return (ids, lps, ids_dts.pop(), lp_dts.pop(), lengths, [s.reward for s in samples],
-            [s.version_min for s in samples], [s.version_max for s in samples], flags)
+            [s.version_min for s in samples], [s.version_max for s in samples], flags, _span_counts(vspans), vspans)
 
 
 def encode_group(group: TrajectoryGroup) -> bytes:
     """Serialise ``group`` into one frame (see module docstring). Raises :class:`WireError` ("schema") when the
-    group cannot be represented exactly (wrong or mixed dtypes, length mismatch, bad finish_reason, ...).
+    group cannot be represented exactly (wrong or mixed dtypes, length mismatch, bad finish_reason, version spans
+    that break the span rules, ...).
 
     The work is a fixed number of bulk operations per group plus one ``b"".join`` copy of the arrays."""
     n = group.num_samples
@@ -237,8 +394,9 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     prompt = group.prompt_ids
     if type(prompt) is not np.ndarray or prompt.ndim != 1 or prompt.dtype not in _DTYPE_OBJS["prompt_ids"]:
         raise _bad_array("prompt_ids", prompt, "")
-    id_parts, lp_parts, ids_dt, lp_dt, lengths, rewards, vmin, vmax, flags = _column_parts(group)
-    table = _pack_table(n, lengths, rewards, vmin, vmax, flags)
+    id_parts, lp_parts, ids_dt, lp_dt, lengths, rewards, vmin, vmax, flags, counts, span_src = _column_parts(group)
+    table = _pack_table(n, lengths, rewards, vmin, vmax, flags, counts)  # also checks every scalar's type
+    spans = _spans_region(span_src, counts, lengths, vmin, vmax)
     try:
         timings = {str(k): float(v) for k, v in group.timings.items()}
         header = [SCHEMA_VERSION, "group", str(group.group_id), int(group.worker_id), int(group.prompt_index),
@@ -247,12 +405,14 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         hdr = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError("schema", f"group scalars are not representable: {e}") from None
-    r_bytes = sum(lengths) * ids_dt.itemsize
+    total = sum(lengths)
     parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, _ZEROS[: _pad(_PREFIX.size + len(hdr))],
                         table, _ZEROS[: _pad(len(table))], prompt, _ZEROS[: _pad(prompt.nbytes)]]
     parts += id_parts
-    parts.append(_ZEROS[: _pad(r_bytes)])
+    parts.append(_ZEROS[: _pad(total * ids_dt.itemsize)])
     parts += lp_parts
+    parts.append(_ZEROS[: _pad(total * lp_dt.itemsize)])
+    parts.append(spans)
     try:
         return b"".join(parts)  # numpy arrays are bytes-like when C-contiguous
     except TypeError:  # some array is a strided view: copy those into contiguous memory first
@@ -364,22 +524,33 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     lengths = values[:n]
     offsets = list(itertools.accumulate(lengths, initial=0))
     total = offsets[-1]
+    counts = values[5 * n :]
+    span_offsets = list(itertools.accumulate(counts, initial=0))
+    n_spans = span_offsets[-1]
     l_start = i_start + _up(total * i_dt.itemsize)
-    end = l_start + total * l_dt.itemsize
-    if end != size:
+    s_start = l_start + _up(total * l_dt.itemsize)
+    end = s_start + n_spans * _SPAN_BYTES
+    if end != size:  # (plain int arithmetic: nothing was allocated for what the table claims)
         raise WireError("malformed", f"message is {size} bytes, but its header and sample table describe {end}")
-    flags = values[4 * n :]
+    if n_spans > total + n:  # each sample has at most max(T, 1) spans
+        raise WireError("schema", f"span counts {list(counts)} add up to {n_spans} > tokens + samples = {total + n}")
+    flags = values[4 * n : 5 * n]
     if max(flags) > 3:
         raise WireError("schema", f"sample flags {list(flags)}: only bits 0 (length) and 1 (reward_failed) exist")
+    vmin, vmax = values[2 * n : 3 * n], values[3 * n : 4 * n]
+    spans = np.frombuffer(mv, dtype=_I8, count=2 * n_spans, offset=s_start).reshape(n_spans, 2)
+    _check_spans(spans, counts, lengths, vmin, vmax, span_offsets)
     columns = SampleColumns(
         np.frombuffer(mv, dtype=i_dt, count=total, offset=i_start),
         np.frombuffer(mv, dtype=l_dt, count=total, offset=l_start),
         offsets,
         values[n : 2 * n],
         list(map(_FINISH_BY_FLAGS.__getitem__, flags)),
-        values[2 * n : 3 * n],
-        values[3 * n : 4 * n],
+        vmin,
+        vmax,
         list(map(_FAILED_BY_FLAGS.__getitem__, flags)),
+        spans,
+        span_offsets,
     )
     return TrajectoryGroup.from_columns(
         group_id, worker_id, np.frombuffer(mv, dtype=p_dt, count=p_n, offset=p_start), columns,
