@@ -109,9 +109,18 @@ def build_tiny_model(
     return str(out_dir)
 
 
-# name -> (task name, build kwargs)
+# name -> task name, architecture kwargs of build_tiny_model and optional "sft": supervised_warmstart kwargs.
+# Every entry is part of the cache key.
 BUILTIN_MODELS: dict[str, dict] = {
     "tiny-addition": {"task": "addition", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512},
+    # String reversal with heavy-tailed lengths (data=reverse). Same architecture. Warm start measured on 2 shared
+    # cores (seed 0): 200 steps of 64 rows at lr 1e-3 reach held-out greedy 0.44 / sampled (T=1) 0.30 accuracy,
+    # sampled ~0.6 on 1-3 letters, ~0.3 on 4-6, ~0.1 on 7-12, ~0 beyond 12: room and signal for RL. Batches of 64
+    # in 4 length buckets because a padded batch of 128 costs ~4x more per step with this length tail.
+    "tiny-reverse": {
+        "task": "reverse", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
+        "sft": {"batch_size": 64, "lr": 1e-3, "length_buckets": 4},
+    },
 }
 
 
@@ -143,6 +152,7 @@ def ensure_builtin_model(
     spec = dict(BUILTIN_MODELS[name])
     task_name = spec.pop("task")
     params = {"task": task_name, **spec, "sft_steps": int(sft_steps), "seed": int(seed)}
+    sft_kwargs = dict(spec.pop("sft", {}))
     root = cache_root(cache_dir)
     final = root / _cache_key(name, params)
     if (final / "build.json").is_file():
@@ -161,7 +171,7 @@ def ensure_builtin_model(
         if sft_steps > 0:
             from .warmstart import supervised_warmstart
 
-            report = supervised_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose)
+            report = supervised_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose, **sft_kwargs)
         (tmp / "build.json").write_text(
             json.dumps({"name": name, "params": params, "sft": report, "build_s": time.time() - t0}, indent=2)
         )

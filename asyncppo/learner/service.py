@@ -15,6 +15,7 @@ from ``V + 1``, the admission controller counts its tickets from slot ``V * B`` 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import time
@@ -23,9 +24,9 @@ from typing import Optional
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.metrics import BusyMeter, MetricsLogger, RateMeter, lag_stats
-from asyncppo.rollout.worker import Endpoints, sync_backend
-from asyncppo.sync.group import find_free_port
+from asyncppo.metrics import BusyMeter, EngineTotals, MetricsLogger, RateMeter, lag_stats, token_lag_stats
+from asyncppo.stream.endpoints import Endpoints
+from asyncppo.sync.group import backend_for, find_free_port
 
 log = logging.getLogger("asyncppo.learner")
 
@@ -82,7 +83,11 @@ class LearnerService:
             sync_host=public,
             sync_port=self.sync_port,
             sync_world_size=1 + self.num_workers,
+            sync_backend=self._sync_backend(),
         )
+
+    def _sync_backend(self) -> str:
+        return backend_for(self.cfg.cluster.train_gpus > 0, self.cfg.cluster.rollout_gpus > 0)
 
     # ------------------------------------------------------------------------------------------------------------
     def group_address(self) -> tuple[str, int]:
@@ -215,7 +220,7 @@ class LearnerService:
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
         group = make_sync_group(
             self.cfg.cluster.bind_address, self.sync_port, rank=0, world_size=1 + self.num_workers,
-            backend=sync_backend(cfg),
+            backend=self._sync_backend(),
             timeout_s=cfg.cluster.timeout_s,
         )
         self._state["group"] = group
@@ -225,8 +230,11 @@ class LearnerService:
             ro.max_staleness,
             # room for everything admission lets into flight, so the feeder never blocks a worker's send
             capacity_groups=max((ro.max_staleness + 2) * ro.rollout_batch_size, 64),
-            on_drop=lambda g: self.admission.release(g.ticket),
+            on_drop=self._release_dropped,
             on_take=lambda g: self.admission.consumed(g.ticket),
+            # the batch at version v is the B lowest outstanding tickets: lag <= k without dropping long samples
+            order=self.admission,
+            response_length=ro.response_length,
         )
         feeder = Feeder(self.receiver, buffer)
         self._closables.insert(0, feeder)
@@ -246,6 +254,7 @@ class LearnerService:
             logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
         train_tokens, rollout_busy, train_busy = RateMeter(), BusyMeter(), BusyMeter()
+        engine_totals = EngineTotals(ro.max_num_seqs)
         B = ro.rollout_batch_size
         saved_version = start
         try:
@@ -266,6 +275,8 @@ class LearnerService:
                 batch = collate_groups(groups, tokenizer.pad_token_id)
                 metrics = updater.step(D.broadcast_batch(batch) if multi else batch)
                 metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
+                metrics.update(token_lag_stats(self.version, groups))
+                metrics.update(engine_totals.add(groups))
                 self.version += 1
                 last = step == tr.total_steps
                 if self.version % ro.sync_every == 0 and not last:  # nobody generates with the final weights
@@ -296,6 +307,9 @@ class LearnerService:
                         "time/wait_s": t_work - t_step,
                         "buffer/size": stats.get("size", 0),
                         "buffer/dropped_stale": stats.get("dropped_stale", 0),
+                        "buffer/rejected_ticket": stats.get("rejected_ticket", 0),
+                        "waste/tokens_frac": stats.get("dropped_tokens", 0)
+                        / max(1, stats.get("dropped_tokens", 0) + engine_totals.trained_tokens),
                         "stream/rejected": sum(self.receiver.rejected.values()),
                         "samples_trained": samples_trained,
                         "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
@@ -323,11 +337,20 @@ class LearnerService:
             plain_actor.save_pretrained(final_dir)
             tokenizer.save_pretrained(final_dir)
             summary.update(steps=tr.total_steps, version=self.version, samples_trained=samples_trained,
-                           buffer=buffer.stats(), rejected=dict(self.receiver.rejected))
+                           buffer=buffer.stats(), rejected=dict(self.receiver.rejected),
+                           rollout=engine_totals.summary())
+            with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1, default=str)
             logger.message(f"done: {summary}")
             return summary
         finally:
             self._state["pushed_version"] = pushed_version
+
+    def _release_dropped(self, group) -> None:
+        """A group the lag guard dropped gives its ticket back, so the slot is generated again (a group whose
+        ticket is no longer outstanding has nothing to give back)."""
+        if self.admission.is_outstanding(group.ticket):
+            self.admission.release(group.ticket)
 
     def _take_batch(self, buffer, n: int):
         """Block until ``n`` fresh groups are available; fail loudly if the workers stop producing."""
@@ -340,7 +363,8 @@ class LearnerService:
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"no trajectories for {self.cfg.cluster.timeout_s:.0f}s at policy version {self.version} "
-                    f"({len(groups)}/{n} groups): are the rollout workers alive? (cluster.timeout_s)"
+                    f"({len(groups)}/{n} groups; waiting for tickets {buffer.missing(n)[:8]}): are the rollout "
+                    "workers alive? (cluster.timeout_s)"
                 )
             if groups:
                 deadline = time.monotonic() + self.cfg.cluster.timeout_s
@@ -355,15 +379,18 @@ def _make_evaluator(cfg: AsyncPPOConfig, tokenizer):
     from asyncppo.data.tasks import get_task
     from asyncppo.data.warmstart import answer_accuracy
 
-    rows = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts).splits().eval
+    task = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts)
+    rows = task.splits().eval
     temperature = cfg.rollout.sampling.temperature
+    # the task's longest answer + eos (5 for addition, as always), never more than a rollout may generate
+    max_new = min(getattr(task, "max_response_tokens", 5), cfg.rollout.response_length)
 
     def evaluate(model) -> dict:
         was_training = model.training
         out = {
             "accuracy_sampled": answer_accuracy(model, tokenizer, rows * 4, temperature=temperature,
-                                                seed=cfg.trainer.seed),
-            "accuracy_greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0),
+                                                seed=cfg.trainer.seed, max_new_tokens=max_new),
+            "accuracy_greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0, max_new_tokens=max_new),
         }
         model.train(was_training)
         return out
