@@ -82,6 +82,34 @@ def test_async_run_learns_within_staleness_bound(tmp_path):
     _assert_no_leftovers()
 
 
+def test_long_tailed_task_learns_with_continuous_generation_and_inflight_updates(tmp_path):
+    """data=reverse (heavy-tailed response lengths) with continuous generation and in-flight weight updates: the
+    policy learns, every trained token is within the bound, long samples are trained rather than dropped, and
+    weight pushes do land while sequences are in flight (so some samples span two versions)."""
+    k, steps = 2, 40
+    proc, records = _launch(tmp_path, "data=reverse", "algorithm=grpo", f"trainer.total_steps={steps}",
+                            f"rollout.max_staleness={k}", "rollout.max_num_seqs=64", "trainer.eval_every=0")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = _train_records(records)
+    assert len(train) == steps
+    for key in ("rollout/occupancy", "rollout/inflight_updates", "staleness/token_mean", "waste/tokens_frac",
+                "sync/push_s", "response_length/mean", "response_length/max"):
+        assert key in train[-1], key
+    assert max(r["staleness/max"] for r in train) <= k
+    assert all(r["staleness/token_mean"] <= r["staleness/mean"] + 1e-9 for r in train)
+    assert train[-1]["waste/tokens_frac"] == 0.0
+    assert max(r["response_length/max"] for r in train) >= 30  # the tail is trained, not dropped
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["buffer"]["dropped_stale"] == 0
+    assert summary["rollout"]["inflight_updates"] > 0
+    assert max(r["staleness/version_spread_max"] for r in train) >= 1  # a trained sample spans two versions
+    # Held-out accuracy at T=1 on 1024 answers (256 prompts x 4): the warm start gives ~0.30, and 40 steps of
+    # 128 samples lift it by ~0.15 (measured); the standard error of the difference is ~0.02.
+    before, after = summary["eval_before"]["accuracy_sampled"], summary["eval_after"]["accuracy_sampled"]
+    assert after - before > 0.06, (before, after)
+    _assert_no_leftovers()
+
+
 def test_synchronous_run_has_zero_lag(tmp_path):
     proc, records = _launch(tmp_path, "trainer.total_steps=8", "rollout.max_staleness=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

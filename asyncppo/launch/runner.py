@@ -94,8 +94,20 @@ def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> str:
     return ckpt.actor_dir
 
 
+def _local_ray_on_loopback(cfg: AsyncPPOConfig) -> None:
+    """A local Ray cluster (no ``cluster.address``) talks over loopback only.
+
+    Ray otherwise advertises this machine's outward-facing address for its control plane (GCS, raylet, workers) and
+    connects to it even on one machine. Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` as "single-node: use the
+    loopback address" (the name is historical); it must be set before ``ray`` is imported, and the processes Ray
+    starts inherit it. Joining an existing cluster leaves Ray's own choice alone."""
+    if not cfg.cluster.address:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
 def run(cfg: AsyncPPOConfig) -> int:
     """Run a training job; returns the process exit code."""
+    _local_ray_on_loopback(cfg)
     import ray
 
     from asyncppo.config import config_to_yaml

@@ -308,6 +308,7 @@ class LearnerService:
                         "buffer/size": stats.get("size", 0),
                         "buffer/dropped_stale": stats.get("dropped_stale", 0),
                         "buffer/rejected_ticket": stats.get("rejected_ticket", 0),
+                        "staleness/version_spread_max": stats.get("version_spread_max", 0),
                         "waste/tokens_frac": stats.get("dropped_tokens", 0)
                         / max(1, stats.get("dropped_tokens", 0) + engine_totals.trained_tokens),
                         "stream/rejected": sum(self.receiver.rejected.values()),
