@@ -43,6 +43,9 @@ class PlacementPlan:
     advertise_address: str
     ports: dict[str, int] = field(default_factory=dict)  # cluster.*_port; 0 = a free port picked at launch
     ray_address: str | None = None  # None: start a local Ray instance
+    generation: str = "continuous"  # rollout.generation
+    max_num_seqs: int = 256  # rollout.max_num_seqs
+    inflight_update: str = "keep"  # rollout.inflight_update
 
     @property
     def learners(self) -> list[RolePlacement]:
@@ -85,6 +88,9 @@ def make_placement_plan(cfg: AsyncPPOConfig) -> PlacementPlan:
         advertise_address=cl.advertise_address or cl.bind_address,
         ports={name: int(getattr(cl, name)) for name in _PORT_NAMES},
         ray_address=cl.address,
+        generation=cfg.rollout.generation,
+        max_num_seqs=cfg.rollout.max_num_seqs,
+        inflight_update=cfg.rollout.inflight_update,
     )
 
 
@@ -99,7 +105,8 @@ def format_plan(plan: PlacementPlan) -> str:
         if r.kind == "learner":
             notes = "trajectory sink, admission, control, weight-sync rank 0" if r.rank == 0 else "data-parallel rank"
         else:
-            notes = f"{plan.engine} engine, weight-sync rank {1 + r.rank}"
+            notes = (f"{plan.engine} engine ({plan.generation}, up to {plan.max_num_seqs} sequences, in-flight "
+                     f"update {plan.inflight_update}), weight-sync rank {1 + r.rank}")
         lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
     ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
     lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")

@@ -113,12 +113,18 @@ def mini_batches(batch: TrainBatch, groups_per_mini_batch: int, generator: torch
 
 
 def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> list[TrainBatch]:
-    """Split rows into micro-batches by sample count or by a token budget (rows sorted by nothing: order kept)."""
+    """Split rows into micro-batches by sample count or by a token budget, rows sorted by length first.
+
+    Sorting puts similar lengths together, so each micro-batch's forward trims to its own longest row (see
+    :mod:`asyncppo.learner.forward`); which rows share a micro-batch never changes the gradient, because losses are
+    normalised by the mini-batch's global counts and summed."""
     n = batch.size
+    lengths = batch.attention_mask.sum(dim=1)
+    order = torch.argsort(lengths, stable=True)
     if max_tokens > 0:
-        lengths = batch.attention_mask.sum(dim=1).tolist()
+        sorted_lengths = lengths[order].tolist()
         bounds, start, used = [], 0, 0
-        for i, length in enumerate(lengths):
+        for i, length in enumerate(sorted_lengths):
             if i > start and used + length > max_tokens:
                 bounds.append((start, i))
                 start, used = i, 0
@@ -127,4 +133,4 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> 
     else:
         size = n if micro_batch_size <= 0 else micro_batch_size
         bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
-    return [batch.select(torch.arange(s, e)) for s, e in bounds]
+    return [batch.select(order[s:e]) for s, e in bounds]

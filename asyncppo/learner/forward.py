@@ -1,4 +1,13 @@
-"""Forward passes over a :class:`TrainBatch`: per-token log-probs, entropy and values of the response tokens."""
+"""Forward passes over a :class:`TrainBatch`: per-token log-probs, entropy and values of the response tokens.
+
+Why the forwards trim: a batch is padded to its longest prompt and its longest response, and with long-tailed
+lengths that longest response is many times the typical one. Each forward therefore runs only on the columns this
+(micro-)batch actually uses, from its first prompt token to the end of its longest response, and pads the outputs
+back to the batch's width (padded positions are masked everywhere they are used). Combined with micro-batches of
+similar lengths (:func:`asyncppo.learner.batch.micro_batches` sorts by length), the learner's cost follows the real
+token count instead of ``rows x longest``. Left-padding columns are masked keys, so removing them changes nothing
+but the work; the results are the same up to float summation order.
+"""
 
 from __future__ import annotations
 
@@ -11,17 +20,38 @@ from asyncppo.algo import entropy_from_logits, logprobs_from_logits
 from asyncppo.learner.batch import TrainBatch
 
 
+def used_columns(batch: TrainBatch) -> tuple[int, int]:
+    """``[lo, hi)``: the columns holding any token of this batch (first prompt column to longest response end)."""
+    used = batch.attention_mask.any(dim=0)
+    lo = int(used.nonzero()[0, 0]) if bool(used.any()) else 0
+    longest = int(batch.response_mask.sum(dim=1).max().item()) if batch.size else 0
+    lo = min(lo, batch.prompt_len - 1)  # the logit predicting the first response token sits at column P - 1
+    return lo, batch.prompt_len + max(1, longest)
+
+
+def _pad_back(x: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
+    """``x`` [B, t, ...] for the response columns this batch uses, as [B, T, ...] with zeros at every padded
+    response position: the same values whatever rows a (micro-)batch or chunk happened to group together."""
+    missing = batch.response_len - x.shape[1]
+    if missing > 0:
+        x = torch.cat([x, x.new_zeros((x.shape[0], missing, *x.shape[2:]))], dim=1)
+    mask = batch.response_mask.to(x.dtype)
+    return x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
+
+
 def response_logits(model: nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token, divided by the sampling temperature: [B, T, V]."""
+    """Logits that predict each response token, divided by the sampling temperature: [B, T, V] (zeros at padded
+    response positions)."""
+    lo, hi = used_columns(batch)
     out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
+        input_ids=batch.input_ids[:, lo:hi],
+        attention_mask=batch.attention_mask[:, lo:hi],
+        position_ids=batch.position_ids[:, lo:hi],
         use_cache=False,
     )
-    P, T = batch.prompt_len, batch.response_len
-    logits = out.logits[:, P - 1 : P + T - 1, :].float()
-    return logits / temperature
+    P = batch.prompt_len
+    logits = out.logits[:, P - 1 - lo : hi - 1 - lo, :].float()
+    return _pad_back(logits / temperature, batch)
 
 
 def policy_forward(
@@ -37,16 +67,23 @@ def policy_forward(
 
 def value_forward(critic: nn.Module, batch: TrainBatch) -> torch.Tensor:
     """V(s_t) for the state before each response token t: [B, T]."""
-    values = critic(batch.input_ids, attention_mask=batch.attention_mask, position_ids=batch.position_ids)
-    P, T = batch.prompt_len, batch.response_len
-    return values[:, P - 1 : P + T - 1].float()
+    lo, hi = used_columns(batch)
+    values = critic(batch.input_ids[:, lo:hi], attention_mask=batch.attention_mask[:, lo:hi],
+                    position_ids=batch.position_ids[:, lo:hi])
+    P = batch.prompt_len
+    return _pad_back(values[:, P - 1 - lo : hi - 1 - lo].float(), batch)
 
 
 @torch.no_grad()
 def chunked(fn, batch: TrainBatch, chunk_rows: int) -> torch.Tensor:
-    """Apply a no-grad forward in row chunks and concatenate (bounded activation memory)."""
-    outs = []
+    """Apply a no-grad forward in row chunks (bounded activation memory) and return rows in the batch's order.
+    Chunks are formed from rows sorted by length, so that each forward trims to its own longest row."""
+    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
+    out = None
     for start in range(0, batch.size, max(chunk_rows, 1)):
-        rows = torch.arange(start, min(start + chunk_rows, batch.size), device=batch.input_ids.device)
-        outs.append(fn(batch.select(rows)))
-    return torch.cat(outs, dim=0)
+        rows = order[start : start + chunk_rows].to(batch.input_ids.device)
+        part = fn(batch.select(rows))
+        if out is None:
+            out = part.new_zeros((batch.size, *part.shape[1:]))
+        out[rows] = part
+    return out
