@@ -55,3 +55,21 @@ def vllm_engine(tiny_model_dir):
     engine = make_engine("vllm", tiny_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
     yield engine
     engine.close()
+
+
+@pytest.fixture(scope="session")
+def ref_model(tiny_model_dir):
+    """A plain transformers copy of ``tiny_model_dir``: the independent reference for the engine tests."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_tokenizer):
+    """16 held-out addition prompts as token ids."""
+    from asyncppo.data.tasks import get_task
+
+    rows = get_task("addition", seed=0).splits().eval[:16]
+    return [tiny_tokenizer.encode(r["prompt"]) for r in rows]

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncppo.data.tasks import get_task
 from asyncppo.rollout.engine import Completion, make_engine
+from tests.engine_reference import ref_logprobs
 
 LOGPROB_TOL = 2e-5  # measured max abs diff (fp32): <= 2.5e-6 for both backends; printed with -s
 
@@ -31,19 +31,6 @@ def engine(request):
     return request.getfixturevalue("hf_engine" if request.param == "hf" else "vllm_engine")
 
 
-@pytest.fixture(scope="module")
-def ref_model(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompts(tiny_tokenizer):
-    rows = get_task("addition", seed=0).splits().eval[:16]
-    return [tiny_tokenizer.encode(r["prompt"]) for r in rows]
-
-
 @torch.no_grad()
 def ref_greedy(model, prompt, max_tokens, eos):
     ids = list(prompt)
@@ -55,22 +42,6 @@ def ref_greedy(model, prompt, max_tokens, eos):
         if nxt == eos:
             break
     return out
-
-
-@torch.no_grad()
-def ref_logprobs(model, prompt, response, temperature, top_k=-1, top_p=1.0):
-    ids = torch.tensor([list(prompt) + list(response)])
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].double() / temperature
-    if top_k > 0:
-        kth = logits.topk(top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:  # keep the most probable tokens until their mass reaches top_p
-        probs, order = torch.softmax(logits, -1).sort(dim=-1, descending=True)
-        drop_sorted = (probs.cumsum(-1) - probs) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    lp = torch.log_softmax(logits, dim=-1)
-    return lp.gather(1, torch.tensor(response, dtype=torch.long)[:, None]).squeeze(1).numpy()
 
 
 def test_tokenizer_roundtrip_transformers_and_vllm(tiny_tokenizer, vllm_engine):
