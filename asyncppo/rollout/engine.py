@@ -120,8 +120,10 @@ class StreamingEngine(Protocol):
 ENGINE_KINDS = ("vllm", "hf")
 
 
-def check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k) -> None:
-    """Reject meaningless sampling arguments with an error naming the value, before any work is done."""
+def check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k,
+                        max_model_len: Optional[int] = None) -> None:
+    """Reject meaningless sampling arguments with an error naming the value, before any work is done.
+    With ``max_model_len``, also every prompt that leaves no room for ``max_tokens`` new tokens."""
     if not isinstance(prompts, (list, tuple)) or not all(isinstance(p, (list, tuple, np.ndarray)) for p in prompts):
         raise TypeError("prompts must be a list of token-id lists")
     if any(len(p) == 0 for p in prompts):
@@ -136,6 +138,11 @@ def check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k) -> No
         raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
     if not isinstance(top_k, int) or (top_k < 1 and top_k != -1):
         raise ValueError(f"top_k={top_k!r} must be -1 (off) or an int >= 1")
+    if max_model_len is not None:
+        for i, p in enumerate(prompts):
+            if len(p) + max_tokens > max_model_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} it exceeds "
+                                 f"max_model_len={max_model_len}")
 
 
 def make_engine(

@@ -81,15 +81,9 @@ class HFEngine(HFStreamingMixin):
         seed: Optional[int] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
     ) -> list[list[Completion]]:
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k)
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
         if not prompts:
             return []
-        for i, p in enumerate(prompts):
-            if len(p) + max_tokens > self.max_model_len:
-                raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} it exceeds "
-                    f"max_model_len={self.max_model_len}"
-                )
         self._calls += 1
         if seed is None:  # reproducible per engine, independent of global RNG state
             seed = (self.seed * 1_000_003 + self._calls) % (2**31)

@@ -97,12 +97,8 @@ class HFStreamingMixin:
     def add_group(self, key: str, prompt_ids: Sequence[int], spec: SamplingSpec) -> None:
         """Queue ``spec.n`` samples of one prompt; never runs the model. Errors name the offending value."""
         prompt = [int(t) for t in prompt_ids]
-        check_sampling_args([prompt], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k)
-        if len(prompt) + spec.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"group {key!r}: prompt has {len(prompt)} tokens; with max_tokens={spec.max_tokens} it exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
+        check_sampling_args([prompt], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
+                            self.max_model_len)
         if key in self._groups:
             raise ValueError(f"group key {key!r} is already in flight")
         eos = [] if spec.ignore_eos else [int(self.eos_token_id)]

@@ -141,19 +141,12 @@ class VLLMEngine:
     ) -> list[list[Completion]]:
         from vllm import SamplingParams
 
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k)
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
         if not prompts:
             return []
         if self._streaming:
             # LLM.generate steps the same engine until it is empty and would swallow the streaming groups' outputs.
             raise RuntimeError("vllm engine: generate() called while streaming groups are in flight")
-        too_long = [i for i, p in enumerate(prompts) if len(p) + max_tokens > self.max_model_len]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"prompt {i} has {len(prompts[i])} tokens; with max_tokens={max_tokens} it exceeds "
-                f"max_model_len={self.max_model_len}"
-            )
         self._calls += 1
         params = []
         for i in range(len(prompts)):
@@ -186,12 +179,10 @@ class VLLMEngine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k)
+        check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
+                            self.max_model_len)
         if key in self._streaming:
             raise ValueError(f"vllm engine: group key {key!r} is already in flight")
-        if len(prompt_ids) + spec.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={spec.max_tokens} exceeds "
-                             f"max_model_len={self.max_model_len}")
         params = SamplingParams(
             n=spec.n, max_tokens=spec.max_tokens, temperature=float(spec.temperature), top_p=float(spec.top_p),
             top_k=int(spec.top_k) if spec.top_k > 0 else 0, seed=spec.seed, logprobs=0,
