@@ -55,11 +55,109 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config-dir", metavar="DIR", default=None,
                    help="compose from this directory instead of the packaged configs (it must hold config.yaml; "
                    "copy asyncppo/configs to start)")
+    p.add_argument("--config-file", metavar="FILE.yaml", default=None,
+                   help="run the options in this YAML file (e.g. from 'asyncppo convert' or --dry-run): schema "
+                   "defaults < presets named here < the file < KEY=VALUE overrides")
     p.set_defaults(func=_cmd_launch)
 
 
+def _add_convert(sub: argparse._SubParsersAction) -> None:
+    from asyncppo.config.convert.command import add_parser
+
+    add_parser(sub)
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "report",
+        help="plot a run (or overlay several): report.png and one PNG per panel",
+        description="Read RUN_DIR/metrics.jsonl (and summary.json) and write report.png plus report/<panel>.png: "
+        "reward and held-out accuracy against step and wall time, lag, busy fractions and occupancy, KL / clip / "
+        "entropy, response length and waste, push latency. With several runs the curves are overlaid and the "
+        "images go to FIRST_RUN/compare/ unless --out is given.",
+    )
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.output_dir of each run)")
+    p.add_argument("--out", metavar="DIR", default=None, help="where to write the images")
+    p.set_defaults(func=_cmd_report)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from asyncppo.report.plots import write_report
+    from asyncppo.report.runs import RunDirError
+
+    try:
+        paths = write_report(*args.runs, out_dir=args.out)
+    except RunDirError as exc:
+        return _fail(str(exc))
+    print(f"asyncppo: report written to {paths['report']} (and {len(paths) - 1} panels beside it in report/)")
+    return 0
+
+
+def _add_advise(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "advise",
+        help="predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
+        description="Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load "
+        "time, response lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. "
+        "Prints a table and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
+    )
+    p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a finished run to take the rates from")
+    p.add_argument("--workload", metavar="NAME", default=None,
+                   help="use a documented workload's rates instead of a run (7b-long)")
+    p.add_argument("--gpus", type=int, required=True, metavar="N", help="total GPU budget to split")
+    p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the GPUs are on (pools get whole nodes)")
+    p.add_argument("--tp", type=int, default=1, metavar="T", help="GPUs per rollout engine (tensor parallel)")
+    p.add_argument("--staleness", default="0,1,2,4,8", metavar="K,K,...", help="max_staleness values to try")
+    p.add_argument("--batch", type=int, default=None, metavar="B", help="prompts per step (default: the run's)")
+    p.add_argument("--steps", type=int, default=40, help="simulated learner steps per configuration")
+    p.add_argument("--out", metavar="PNG", default=None, help="plot path (default: RUN_DIR/advise_<N>gpus.png)")
+    p.set_defaults(func=_cmd_advise)
+
+
+def _cmd_advise(args: argparse.Namespace) -> int:
+    import os
+
+    from asyncppo.report.advisor import format_table, plot, recommend, sweep
+
+    if (args.run is None) == (args.workload is None):
+        return _fail("advise needs exactly one of RUN_DIR or --workload NAME")
+    try:
+        ks = sorted({int(x) for x in args.staleness.split(",") if x.strip()})
+        if any(k < 0 for k in ks) or not ks:
+            raise ValueError
+    except ValueError:
+        return _fail(f"--staleness {args.staleness!r}: expected comma-separated integers >= 0, e.g. 0,1,2,4")
+    switch_s = 0.0
+    try:
+        if args.workload:
+            from asyncppo.report.workloads import SWITCH_S, workload
+
+            rates, switch_s = workload(args.workload), SWITCH_S.get(args.workload, 0.0)
+        else:
+            from asyncppo.report.rates import measure
+
+            rates = measure(args.run)
+        rows = sweep(rates, args.gpus, nodes=args.nodes, tp=args.tp, ks=ks, steps=args.steps,
+                     warmup=max(2, args.steps // 4), switch_s=switch_s, batch_groups=args.batch)
+    except ValueError as exc:
+        return _fail(str(exc))
+    pick = recommend(rows)
+    for note in rates.notes:
+        print(f"note: {note}")
+    print(format_table(rows, pick))
+    print(f"\nrecommended: {pick.label}: {pick.result.samples_per_s:.2f} samples/s, lag mean "
+          f"{pick.result.lag_mean:.2f}, idle GPU {pick.result.idle_gpu_frac:.0%}\n"
+          f"  asyncppo launch --rollout-gpus {pick.rollout_gpus} --train-gpus {pick.train_gpus} "
+          f"rollout.max_staleness={pick.max_staleness}")
+    out = args.out or os.path.join(args.run or ".", f"advise_{args.gpus}gpus.png")
+    print(f"plot: {plot(rows, pick, out, title=f'{args.run or args.workload}: {args.gpus} GPUs')}")
+    return 0
+
+
 # name -> adds the subcommand's parser (which sets func=handler(args) -> exit code)
-SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {"launch": _add_launch}
+SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
+    "launch": _add_launch, "report": _add_report, "advise": _add_advise, "convert": _add_convert,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,7 +192,7 @@ def _load(args: argparse.Namespace):
         overrides.append(f"cluster.train_gpus={args.train_gpus}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
-        cfg = load_config(overrides, config_dir=args.config_dir)
+        cfg = load_config(overrides, config_dir=args.config_dir, config_file=args.config_file)
     for w in caught:
         if issubclass(w.category, ConfigWarning):
             print(f"asyncppo: warning: {w.message}", file=sys.stderr)

@@ -18,12 +18,12 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch first, pinned, so that the local CPU wheel is used and no CUDA build is pulled in.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev]"
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev,mujoco]"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$VENV/bin/python" - <<'PY'
-import torch, transformers, zmq, ray, hydra  # noqa: F401
+import torch, transformers, zmq, ray, hydra, matplotlib, gymnasium  # noqa: F401
 print(f"asyncppo env ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
 try:
     import vllm  # noqa: F401

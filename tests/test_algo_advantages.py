@@ -212,3 +212,26 @@ def test_registry_errors_are_clear():
     assert set(ADV_ESTIMATORS) == {
         "gae", "grpo", "rloo", "reinforce", "reinforce_plus_plus", "reinforce_plus_plus_baseline"
     }
+
+
+@pytest.mark.parametrize("name", ["gae", "reinforce_plus_plus", "reinforce_plus_plus_baseline"])
+def test_whitening_uses_1e_8_on_the_variance(name):
+    # Low-variance advantages: x = 0.5 +- 0.001 (unbiased var 2e-6 over 4 tokens, incl. Bessel). With eps 1e-8 on
+    # the variance the scale is 1/sqrt(2.01e-6); the old GRPO epsilon 1e-6 would give 1/sqrt(3e-6): ~18% smaller.
+    rewards = torch.tensor([[0.501], [0.499], [0.501], [0.499]], dtype=torch.float64)
+    mask = torch.ones(4, 1, dtype=torch.float64)
+    group = torch.tensor([0, 0, 1, 1])
+    values = torch.full((4, 1), 0.0, dtype=torch.float64) if name == "gae" else None
+    adv, _ = compute_advantages(name, rewards, mask, values=values, group_index=group, whiten=name == "gae")
+    var = 4 * 0.001 ** 2 / 3
+    expected = 0.001 / math.sqrt(var + 1e-8)
+    assert adv[:, 0].tolist() == pytest.approx([expected, -expected, expected, -expected], rel=1e-9)
+    assert expected / (0.001 / math.sqrt(var + 1e-6)) > 1.15
+
+
+def test_grpo_keeps_its_std_epsilon():
+    # an all-equal group gives 0, not NaN; a group (0, 1) gives +-0.5 / (std + 1e-6) with std = sqrt(0.5)
+    rewards = torch.tensor([[1.0], [1.0], [0.0], [1.0]])
+    adv, _ = compute_advantages("grpo", rewards, torch.ones(4, 1), group_index=torch.tensor([0, 0, 1, 1]))
+    s = math.sqrt(0.5) + 1e-6
+    assert adv[:, 0].tolist() == pytest.approx([0.0, 0.0, -0.5 / s, 0.5 / s], rel=1e-6)

@@ -114,3 +114,12 @@ def test_unknown_mode_lists_allowed():
         assert name in str(e.value)
     with pytest.raises(ValueError, match="global_tokens"):
         aggregate(LOSS, MASK, "token-mean", global_tokens=0)
+
+
+def test_token_sum_by_hand_and_split_invariant():
+    loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, float("nan"), 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    assert aggregate(loss, mask, "token-sum").item() == pytest.approx(1 + 2 + 4 + 6)
+    # counts are ignored: the sum of the rows' sums is the whole sum
+    parts = aggregate(loss[:1], mask[:1], "token-sum", global_tokens=4) + aggregate(loss[1:], mask[1:], "token-sum")
+    assert parts.item() == pytest.approx(13.0)

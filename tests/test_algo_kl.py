@@ -141,3 +141,15 @@ def test_unknown_kl_kind_lists_allowed():
     for name in KL_ESTIMATORS:
         assert name in str(e.value)
     assert "'+'" in str(e.value)
+
+
+def test_full_kl_from_logits_alone_and_other_estimators_refuse_none():
+    logits = torch.tensor([[[0.0, 1.0, 2.0]]])
+    ref = torch.tensor([[[2.0, 1.0, 0.0]]])
+    p = torch.softmax(logits, -1)[0, 0]
+    q = torch.softmax(ref, -1)[0, 0]
+    expected = float((p * (p.log() - q.log())).sum())
+    # the KL-in-reward path passes no sampled log-probs
+    assert kl_penalty(None, None, "full", logits=logits, ref_logits=ref).item() == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError, match="only 'full'"):
+        kl_penalty(None, None, "k3")

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from asyncppo.algo import (
+    overlong_penalty,
     RunningMeanStd,
     clip_rewards,
     group_mean_std,
@@ -90,3 +91,13 @@ def test_scores_on_last_valid_token_and_masked_stats():
     assert masked_var(x, m).item() == pytest.approx(2.0)
     assert masked_var(x, m, unbiased=False).item() == pytest.approx(1.0)
     assert masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+def test_overlong_penalty_ramp_by_hand():
+    # response_length 16, buffer 4: no penalty up to 12 tokens, then -1/4 per token to -factor at 16
+    lengths = torch.tensor([1, 12, 13, 14, 16])
+    assert overlong_penalty(lengths, 16, 4, 1.0).tolist() == [0.0, 0.0, -0.25, -0.5, -1.0]
+    assert overlong_penalty(lengths, 16, 4, 0.5).tolist() == [0.0, 0.0, -0.125, -0.25, -0.5]
+    assert overlong_penalty(lengths, 16, 0).tolist() == [0.0] * 5
+    with pytest.raises(ValueError, match="buffer_len"):
+        overlong_penalty(lengths, 16, 17)

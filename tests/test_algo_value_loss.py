@@ -56,7 +56,21 @@ def test_explained_variance():
     # residuals [0, 0, 1]: var = 1/3 ; var(R) = 1 -> 1 - 1/3
     v = torch.tensor([[1.0, 2.0, 2.0, -7.0]])
     assert explained_variance(v, ret, mask).item() == pytest.approx(2 / 3)
-    assert explained_variance(ret, torch.ones_like(ret), mask).item() == 0.0
+    # constant returns: nothing to explain, undefined (NaN, logged as null) -- never a huge negative number
+    assert torch.isnan(explained_variance(ret, torch.ones_like(ret), mask))
+
+
+def test_explained_variance_of_constant_float32_returns_is_undefined():
+    # float32 returns that are all 0.7: their computed variance is rounding noise (~1e-15), not 0; dividing the
+    # critic's residual variance by it printed -1.6e15 in a run where every reward was equal
+    returns = torch.full((64, 7), 0.7, dtype=torch.float32)
+    values = torch.rand(64, 7, generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(64, 7)
+    assert torch.isnan(explained_variance(values, returns, mask))
+    # a small but real spread is still measured
+    returns[0, 0] = 0.8
+    ev = explained_variance(returns, returns, mask)
+    assert ev.item() == pytest.approx(1.0)
 
 
 def test_bad_arguments():

@@ -118,6 +118,16 @@ def test_synchronous_run_has_zero_lag(tmp_path):
     for r in train:
         assert r["staleness/min"] == r["staleness/max"] == 0, r
     assert [r["policy_version"] for r in train] == list(range(1, 9))
+    # A clean console: one progress line per step from the driver, no Ray prefixes or colour codes, actor output
+    # in the run directory's log files, and a summary table at the end.
+    out = proc.stdout
+    assert "pid=" not in out and "\x1b[" not in out, out[-3000:]
+    progress = [line for line in out.splitlines() if line.startswith("step ") and "reward" in line]
+    assert [line.split(" |")[0] for line in progress] == [f"step {i}/8" for i in range(1, 9)], out[-3000:]
+    assert "run summary" in out and "samples trained        | 1,024" in out, out[-3000:]
+    logs = tmp_path / "run" / "logs"
+    assert (logs / "learner.log").stat().st_size > 0 and (logs / "worker-0.log").stat().st_size > 0
+    assert "training started" in (logs / "learner.log").read_text()
     _assert_no_leftovers()
 
 
@@ -176,6 +186,10 @@ def test_raising_reward_function_is_counted_not_fatal(tmp_path):
     # one call in three raises: about a third of the samples are scored as failed
     failed = sum(r["reward/failed_frac"] for r in train) / len(train)
     assert 0.25 < failed < 0.42, failed
+    # the user is told, once and with the error, by the worker that saw it (not once per failure)
+    told = [line for line in proc.stdout.splitlines() if "the reward function failed" in line]
+    assert told and told[0].startswith("[worker-0] ") and "failed 1 time(s)" in told[0], proc.stdout[-3000:]
+    assert len(told) <= 4, told
     _assert_no_leftovers()
 
 
@@ -206,4 +220,35 @@ def test_ctrl_c_stops_everything(tmp_path):
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted" in err
+    _assert_no_leftovers()
+
+
+def test_eval_files_are_evaluated_on_the_rollout_engines(tmp_path):
+    """data.eval_files runs on the rollout engines at step 0, every eval_every steps and on the final weights. The
+    file holds the built-in task's held-out prompts, which the learner also scores greedily with transformers on the
+    same weights at step 0 and at the end: the two independent evaluations must agree."""
+    from asyncppo.data.tasks import get_task
+
+    rows = get_task("addition", seed=0, num_eval=256).splits().eval
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    proc, records = _launch(tmp_path, f"data.eval_files=[{data}]", "trainer.total_steps=6", "trainer.eval_every=3",
+                            "rollout.max_staleness=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    engine_evals = {r["step"]: r for r in records if "eval/heldout.jsonl/accuracy_greedy" in r}
+    assert sorted(engine_evals) == [0, 3, 6], records
+    final = engine_evals[6]
+    assert final["eval/version_min"] == 6 and final["eval/workers"] == 1  # the final weights were evaluated
+    assert final["eval/heldout.jsonl/num_prompts"] == 256
+    assert 1.0 < final["eval/heldout.jsonl/length_mean"] < 5.0  # 2-3 digits, eos not counted
+    learner = [r for r in records if "eval/accuracy_greedy" in r]
+    for engine_rec, learner_rec in ((engine_evals[0], learner[0]), (final, learner[-1])):
+        # vLLM and transformers greedy agree except on near-ties: a few prompts of 256 at most
+        assert abs(engine_rec["eval/heldout.jsonl/accuracy_greedy"] - learner_rec["eval/accuracy_greedy"]) <= 0.02, \
+            (engine_rec, learner_rec)
+    # 1024 sampled answers: the same distribution as the learner's sampled estimate, within noise (3 sigma ~ 0.06)
+    assert abs(engine_evals[0]["eval/heldout.jsonl/accuracy_sampled"] - learner[0]["eval/accuracy_sampled"]) < 0.07
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_files"]["points"] == [0, 3, 6] and summary["eval_files"]["rejected"] == 0
+    assert "heldout.jsonl/accuracy_greedy" in proc.stdout
     _assert_no_leftovers()

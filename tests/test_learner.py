@@ -141,3 +141,121 @@ def test_padding_does_not_change_log_probs(model_dir):
     row = 2 * 4 + 1
     n = groups[2].samples[1].num_tokens
     torch.testing.assert_close(lp_full[row, :n], lp_alone[0, :n], rtol=1e-7, atol=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every KL estimator, as a loss and in the reward: the logged value equals the estimator computed independently on
+# the step's proximal policy (the actor before the update) and the reference
+
+
+@pytest.mark.parametrize("place", ["loss", "reward"])
+@pytest.mark.parametrize("kind", ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"])
+def test_every_kl_estimator_in_the_loss_and_in_the_reward(model_dir, kind, place):
+    from asyncppo import algo
+    from asyncppo.learner.forward import response_logits
+
+    opts = dict(use_kl_loss=True) if place == "loss" else dict(add_token_level_kl=True)
+    cfg = _cfg(adv_estimator="grpo", kl_penalty=kind, **opts)
+    upd = _updater(cfg, model_dir)
+    batch = collate_groups(_groups(seed=2), pad_token_id=0)
+    with torch.no_grad():
+        lp, _, logits = policy_forward(upd.actor, batch, 1.0, False)
+        ref_lp, _, _ = policy_forward(upd.reference, batch, 1.0, False)
+        ref_logits = response_logits(upd.reference, batch, 1.0)
+        per_token = algo.kl_penalty(lp, ref_lp, kind, logits=logits, ref_logits=ref_logits)
+    mask = batch.response_mask
+    before = _params(upd.actor).clone()
+    metrics = upd.step(batch)
+    assert not torch.equal(before, _params(upd.actor))
+    if place == "loss":  # one mini-batch, one micro-batch, token-mean: the loss is the masked mean
+        assert metrics["actor/kl_loss"] == pytest.approx(float(algo.masked_mean(per_token, mask)), rel=1e-6)
+    else:  # the batch mean of each sequence's mean per-token KL
+        seq = (per_token * mask).sum(-1) / mask.sum(-1)
+        assert metrics["actor/reward_kl"] == pytest.approx(float(seq.mean()), rel=1e-6)
+    assert metrics["actor/kl_loss" if place == "loss" else "actor/reward_kl"] != 0
+
+
+def test_straight_through_kl_loss_reports_the_named_value(model_dir):
+    m_plain = _updater(_cfg(adv_estimator="grpo", use_kl_loss=True, kl_penalty="k3"), model_dir).step(
+        collate_groups(_groups(seed=2), pad_token_id=0))
+    m_st = _updater(_cfg(adv_estimator="grpo", use_kl_loss=True, kl_penalty="k3+"), model_dir).step(
+        collate_groups(_groups(seed=2), pad_token_id=0))
+    assert m_st["actor/kl_loss"] == pytest.approx(m_plain["actor/kl_loss"], rel=1e-9)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the algorithm family in the learner
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean"),
+        dict(policy_loss="gmpo", loss_agg_mode="seq-mean-token-mean"),
+        dict(policy_loss="cispo", clip_ratio_high=0.28),
+        dict(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0),
+        dict(policy_loss="kl_cov", kl_cov_ratio=0.2),
+        dict(policy_loss="reinforce_tis", off_policy_correction="none"),
+        dict(loss_agg_mode="token-sum"),
+        dict(off_policy_level="sequence", off_policy_normalize=True),
+        dict(off_policy_truncation="icepop", off_policy_cap_low=0.5),
+        dict(rejection="token", rejection_stat="k3", rejection_low=0.0, rejection_high=0.05),
+        dict(rejection="sequence", rejection_stat="k1", rejection_low=0.0, rejection_high=1.2),
+        dict(overlong_buffer_len=2, overlong_penalty_factor=1.0),
+    ],
+)
+def test_family_options_train(model_dir, options):
+    cfg = _cfg(adv_estimator="grpo", **options)
+    cfg.rollout.response_length = 5
+    upd = _updater(cfg, model_dir)
+    before = _params(upd.actor).clone()
+    metrics = upd.step(collate_groups(_groups(), pad_token_id=0))
+    assert not torch.equal(before, _params(upd.actor)), "the actor did not move"
+    assert np.isfinite(metrics["actor/pg_loss"]) and np.isfinite(metrics["actor/grad_norm"])
+    if options.get("policy_loss") in ("clip_cov", "kl_cov"):
+        assert metrics["actor/cov_frac"] > 0
+    if "rejection" in options:
+        assert 0 < metrics["actor/is_masked_frac"] < 1
+    if "overlong_buffer_len" in options:  # lengths 4 and 5 of 5 are penalised -0.5 and -1
+        assert metrics["reward/overlong_penalty_mean"] < 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(policy_loss="gspo", loss_agg_mode="seq-mean-token-mean"),
+    dict(policy_loss="kl_cov", kl_cov_ratio=0.2),
+    dict(policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0),
+    dict(rejection="token", rejection_stat="k3", rejection_low=0.0, rejection_high=0.05, off_policy_normalize=True,
+         loss_agg_mode="seq-mean-token-sum"),
+    dict(policy_loss="cispo", off_policy_level="sequence", loss_agg_mode="token-sum", use_kl_loss=True),
+])
+def test_family_is_invariant_to_micro_batching(model_dir, options):
+    base = _cfg(adv_estimator="grpo", ppo_mini_batch_size=2, ppo_epochs=2, **options)
+    split_cfg = copy.deepcopy(base)
+    split_cfg.algorithm.micro_batch_size = 3
+    whole, parts = _updater(base, model_dir), _updater(split_cfg, model_dir)
+    batch = collate_groups(_groups(seed=5), pad_token_id=0)
+    m1, m2 = whole.step(batch), parts.step(batch)
+    torch.testing.assert_close(_params(whole.actor), _params(parts.actor), rtol=1e-9, atol=1e-10)
+    # (log-probs pass through float32 logits, so logged losses agree to float32 precision)
+    assert m1["actor/pg_loss"] == pytest.approx(m2["actor/pg_loss"], rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("threshold,steps", [(1e-12, 2), (1e9, 4)])
+def test_early_stop_kl_counts_the_updates_that_ran(model_dir, threshold, steps):
+    # 2 epochs x 2 mini-batches. The first mini-batch measures KL 0 (the proximal policy is the actor), every later
+    # one measures the KL the previous updates made (> 1e-12): a tiny threshold stops after the second update.
+    cfg = _cfg(adv_estimator="grpo", ppo_epochs=2, ppo_mini_batch_size=2, early_stop_kl=threshold)
+    metrics = _updater(cfg, model_dir).step(collate_groups(_groups(), pad_token_id=0))
+    assert metrics["actor/optimizer_steps"] == steps
+    assert metrics["actor/optimizer_steps_planned"] == 4
+    assert metrics["actor/early_stopped"] == float(steps < 4)
+
+
+def test_explained_variance_is_undefined_when_every_reward_is_equal(model_dir):
+    groups = _groups()
+    for g in groups:
+        for s in g.samples:
+            s.reward = 1.0
+    metrics = _updater(_cfg(adv_estimator="gae"), model_dir).step(collate_groups(groups, pad_token_id=0))
+    assert np.isnan(metrics["critic/explained_variance"])
+    assert "critic/vf_explained_var" not in metrics  # left out of the micro-batch means, not averaged as NaN

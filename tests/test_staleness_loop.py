@@ -98,7 +98,7 @@ def test_lag_is_bounded_by_k(k):
         assert max_in_flight > B, max_in_flight  # more than one batch was being generated at once
         assert max_ahead >= B
         assert max(lags) > 0  # and it shows: some samples were trained one or more versions late
-    assert server.rejected == {"malformed": 0, "oversized": 0, "version": 0, "schema": 0}
+    assert set(server.rejected.values()) == {0}
 
 
 def test_admission_server_waits_stops_and_ignores_garbage():

@@ -2,12 +2,15 @@
 
 No I/O, no distributed code: the learner feeds tensors in and gets losses, advantages and metrics
 out. Variants are chosen by name through small registries (``ADV_ESTIMATORS``, ``LOSS_AGG_MODES``,
-``KL_ESTIMATORS``, ``KL_CONTROLLERS``); an unknown name raises ``ValueError`` listing the allowed ones.
+``KL_ESTIMATORS``, ``KL_CONTROLLERS``, ``POLICY_LOSSES``); an unknown name raises ``ValueError`` listing the allowed
+ones. docs/algorithms.md gives each one's formula, when to use it and its name in other libraries.
 """
 
 from .advantages import (
     ADV_ESTIMATORS,
     GROUP_ESTIMATORS,
+    GROUP_STD_EPS,
+    WHITEN_EPS,
     clip_advantages,
     compute_advantages,
     discounted_returns,
@@ -39,14 +42,26 @@ from .normalize import (
     masked_var,
     masked_whiten,
     normalize_rewards,
+    overlong_penalty,
     scores_to_token_rewards,
 )
 from .policy_loss import OFF_POLICY_CORRECTIONS, OFF_POLICY_TRUNCATIONS, combine_actor_loss, policy_loss
+from .policy_losses import COV_LOSSES, POLICY_LOSSES, LossParams, cov_select, get_policy_loss
+from .rollout_correction import (
+    IS_LEVELS,
+    IS_TRUNCATIONS,
+    REJECTION_LEVELS,
+    REJECTION_STATS,
+    ratio_metrics,
+    rollout_correction,
+)
 from .value_loss import explained_variance, value_loss
 
 __all__ = [
     "ADV_ESTIMATORS",
     "GROUP_ESTIMATORS",
+    "GROUP_STD_EPS",
+    "WHITEN_EPS",
     "clip_advantages",
     "compute_advantages",
     "discounted_returns",
@@ -82,11 +97,23 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "normalize_rewards",
+    "overlong_penalty",
     "scores_to_token_rewards",
     "OFF_POLICY_CORRECTIONS",
     "OFF_POLICY_TRUNCATIONS",
     "combine_actor_loss",
     "policy_loss",
+    "COV_LOSSES",
+    "POLICY_LOSSES",
+    "LossParams",
+    "cov_select",
+    "get_policy_loss",
+    "IS_LEVELS",
+    "IS_TRUNCATIONS",
+    "REJECTION_LEVELS",
+    "REJECTION_STATS",
+    "ratio_metrics",
+    "rollout_correction",
     "explained_variance",
     "value_loss",
 ]

@@ -14,6 +14,14 @@ out. Outputs are 0 at masked positions.
 
 ``returns`` is the value-function target: for GAE ``advantages + values``; for every other
 estimator the discounted Monte-Carlo return-to-go of ``token_rewards``.
+
+Two epsilons, one per purpose, never shared:
+
+* :data:`GROUP_STD_EPS` (1e-6) is added to a group's *standard deviation* in GRPO's ``(r - mean) / (std + eps)``
+  (verl's value). It keeps an all-equal group (std 0) at advantage 0.
+* :data:`WHITEN_EPS` (1e-8) is added to the *variance* in whitening ``(x - mean) / sqrt(var + eps)`` (GAE with
+  ``whiten_advantages``, REINFORCE++, REINFORCE++-baseline), as in :func:`masked_whiten` and the usual PPO
+  convention. Reusing 1e-6 there shrinks low-variance advantages: with var = 2e-6 the scale is off by ~20%.
 """
 
 from __future__ import annotations
@@ -23,6 +31,9 @@ from typing import Callable, Optional
 import torch
 
 from .normalize import group_mean_std, masked_whiten
+
+GROUP_STD_EPS = 1e-6
+WHITEN_EPS = 1e-8
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -36,6 +47,8 @@ __all__ = [
     "reinforce_plus_plus_baseline_advantages",
     "discounted_returns",
     "clip_advantages",
+    "GROUP_STD_EPS",
+    "WHITEN_EPS",
 ]
 
 
@@ -82,7 +95,8 @@ def _scores(token_rewards: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def gae_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """Generalised advantage estimation with bootstrap value 0 after the last valid token."""
     m = _check(token_rewards, response_mask)
@@ -108,7 +122,8 @@ def gae_advantages(
 
 @torch.no_grad()
 def grpo_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """``(score - group mean) / (group std + eps)`` (or without the std when ``norm_by_std`` is off).
 
@@ -124,7 +139,8 @@ def grpo_advantages(
 
 @torch.no_grad()
 def rloo_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """Leave-one-out baseline: ``score - mean(scores of the other samples in the group)``."""
     m = _check(token_rewards, response_mask)
@@ -138,7 +154,8 @@ def rloo_advantages(
 
 @torch.no_grad()
 def reinforce_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """Plain REINFORCE: the advantage is the discounted return-to-go."""
     returns = discounted_returns(_f(token_rewards), response_mask, gamma)
@@ -147,23 +164,26 @@ def reinforce_advantages(
 
 @torch.no_grad()
 def reinforce_plus_plus_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """REINFORCE++: discounted returns-to-go whitened over the batch's valid tokens."""
     returns = discounted_returns(_f(token_rewards), response_mask, gamma)
-    return masked_whiten(returns, response_mask, eps=eps), returns
+    return masked_whiten(returns, response_mask, eps=WHITEN_EPS), returns
 
 
 @torch.no_grad()
 def reinforce_plus_plus_baseline_advantages(
-    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True, eps=1e-6
+    token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
+    eps=GROUP_STD_EPS,
 ):
     """REINFORCE++-baseline: score minus its group mean, broadcast over tokens, whitened over the batch."""
     m = _check(token_rewards, response_mask)
     scores = _f(_scores(token_rewards, m))
     mean, _, _ = group_mean_std(scores, group_index)
     adv = _broadcast(scores - mean, m)
-    return masked_whiten(adv, response_mask, eps=eps), discounted_returns(_f(token_rewards), response_mask, gamma)
+    returns = discounted_returns(_f(token_rewards), response_mask, gamma)
+    return masked_whiten(adv, response_mask, eps=WHITEN_EPS), returns
 
 
 ADV_ESTIMATORS: dict[str, Callable] = {
@@ -204,7 +224,7 @@ def compute_advantages(
     gamma: float = 1.0,
     lambd: float = 1.0,
     norm_by_std: bool = True,
-    eps: float = 1e-6,
+    eps: float = GROUP_STD_EPS,
     *,
     whiten: bool = False,
     clip: Optional[float] = None,
@@ -212,7 +232,8 @@ def compute_advantages(
     """Run estimator ``name``; returns ``(advantages, returns)``, both float32 (float64 if given) ``[B, T]``, 0 where masked.
 
     ``whiten`` additionally whitens the advantages over the batch's valid tokens (the usual choice
-    for GAE, ``algorithm.whiten_advantages``); ``clip`` then clamps them (``advantage_clip``).
+    for GAE, ``algorithm.whiten_advantages``) with :data:`WHITEN_EPS` on the variance; ``clip`` then clamps
+    them (``advantage_clip``). ``eps`` is GRPO's std epsilon (:data:`GROUP_STD_EPS`) and nothing else.
     Neither touches ``returns``. Advantages are computed without autograd.
     """
     fn = get_adv_estimator(name)
@@ -231,5 +252,5 @@ def compute_advantages(
         eps=eps,
     )
     if whiten:
-        adv = masked_whiten(adv, response_mask, eps=eps)
+        adv = masked_whiten(adv, response_mask, eps=WHITEN_EPS)
     return clip_advantages(adv, clip), returns

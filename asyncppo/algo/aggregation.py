@@ -69,8 +69,15 @@ def _seq_mean_token_sum_norm(loss_mat, mask, global_tokens, global_seqs, norm_le
     return seq.sum() / _denominator(global_seqs, _local_seqs(mask), "global_seqs")
 
 
+def _token_sum(loss_mat, mask, global_tokens, global_seqs, norm_length):
+    # No divisor at all: the gradient grows with the number of tokens trained on (the scale is the caller's
+    # choice, e.g. a smaller learning rate). Trivially invariant to micro-batch splitting.
+    return (loss_mat * mask).sum()
+
+
 LOSS_AGG_MODES: dict[str, Callable] = {
     "token-mean": _token_mean,
+    "token-sum": _token_sum,
     "seq-mean-token-sum": _seq_mean_token_sum,
     "seq-mean-token-mean": _seq_mean_token_mean,
     "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
@@ -96,6 +103,7 @@ def aggregate(
     """Reduce ``loss_mat`` ``[B, T]`` over valid ``mask`` positions according to ``mode``.
 
     * ``token-mean``: sum over valid tokens / ``global_tokens``
+    * ``token-sum``: sum over valid tokens (no normalisation)
     * ``seq-mean-token-sum``: per-sequence sum, summed / ``global_seqs``
     * ``seq-mean-token-mean``: per-sequence mean, summed / ``global_seqs``
     * ``seq-mean-token-sum-norm``: per-sequence sum / ``norm_length``, summed / ``global_seqs``

@@ -88,14 +88,23 @@ def get_kl_estimator(kind: str) -> Callable:
 
 
 def kl_penalty(
-    logprob: torch.Tensor,
-    ref_logprob: torch.Tensor,
+    logprob: Optional[torch.Tensor],
+    ref_logprob: Optional[torch.Tensor],
     kind: str = "low_var_kl",
     logits: Optional[torch.Tensor] = None,
     ref_logits: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Per-token KL(policy || reference) estimate ``[B, T]`` (see module docstring for ``kind``)."""
+    """Per-token KL(policy || reference) estimate ``[B, T]`` (see module docstring for ``kind``).
+
+    ``full`` reads only the logits, so its log-prob arguments may be ``None`` (the KL-in-reward path has no
+    sampled log-probs to pass); ``full+`` needs them for its k2 gradient. Every other estimator needs both."""
     fn = get_kl_estimator(kind)
+    if kind == "full" and (logprob is None or ref_logprob is None):
+        return fn(None, None, logits, ref_logits)
+    if logprob is None or ref_logprob is None:
+        raise ValueError(
+            f"kl_penalty {kind!r} needs logprob and ref_logprob ([B, T]); only 'full' works from logits alone"
+        )
     if logprob.shape != ref_logprob.shape:
         raise ValueError(f"logprob shape {tuple(logprob.shape)} != ref_logprob shape {tuple(ref_logprob.shape)}")
     return fn(logprob, ref_logprob, logits, ref_logits)

@@ -27,6 +27,7 @@ __all__ = [
     "normalize_rewards",
     "REWARD_NORM_MODES",
     "scores_to_token_rewards",
+    "overlong_penalty",
 ]
 
 
@@ -159,6 +160,25 @@ def clip_rewards(scores: torch.Tensor, clip: Optional[float]) -> torch.Tensor:
     if clip <= 0:
         raise ValueError(f"reward_clip must be > 0 or None, got {clip}")
     return scores.clamp(-clip, clip)
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_len: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft over-length punishment, added to each sample's score: ``[B]`` penalties, all ``<= 0``.
+
+    ``0`` up to ``max_length - buffer_len`` tokens, then a linear ramp to ``-factor`` at ``max_length``
+    (and beyond): ``min(0, -(L - (max_length - buffer_len)) / buffer_len * factor)``. A truncated answer is
+    usually wrong *because* it ran out of room; a hard penalty would punish the reasoning before the cut as
+    much as the length, the ramp tells the policy "shorter" smoothly. ``buffer_len=0`` turns it off.
+    """
+    if buffer_len < 0 or buffer_len > max_length:
+        raise ValueError(f"overlong buffer_len must be in [0, max_length={max_length}], got {buffer_len}")
+    if factor < 0:
+        raise ValueError(f"overlong penalty factor must be >= 0, got {factor}")
+    lengths = torch.as_tensor(lengths)
+    if buffer_len == 0:
+        return torch.zeros(lengths.shape, dtype=torch.float32, device=lengths.device)
+    exceed = lengths.to(torch.float32) - float(max_length - buffer_len)
+    return (-exceed / buffer_len * factor).clamp(max=0.0, min=-float(factor))
 
 
 REWARD_NORM_MODES = ("batch", "group", "running")

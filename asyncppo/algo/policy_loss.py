@@ -1,4 +1,5 @@
-"""The PPO clipped surrogate with dual clip and off-policy (stale sample) corrections.
+"""The policy-loss entry point: a loss from the registry (:mod:`asyncppo.algo.policy_losses`, default ``ppo``),
+importance weights for stale samples, aggregation and metrics.
 
 With ``r = exp(logp - old_logp)`` and advantage ``A`` the per-token loss is
 
@@ -21,9 +22,11 @@ learner:
   is weighted by ``min(exp(old - behav), cap)`` to correct the engine/learner numerical mismatch.
 
 The two off-policy modes share the same weight formula -- they differ in what the caller passes as
-``old_logprobs`` -- and both treat the weight as a constant (no gradient). ``off_policy_truncation``
-chooses between truncating weights at the cap (``clip``, the default) and dropping tokens whose
-weight exceeds it (``mask``).
+``old_logprobs`` -- and both treat the weight as a constant (no gradient). The weights themselves (token or
+sequence level, truncation, IcePop, rejection, normalisation) come from
+:func:`asyncppo.algo.rollout_correction.rollout_correction`; the learner computes them once per batch and passes
+``is_weights`` (and the rejection-reduced ``response_mask``), while a caller with ``behavior_logprobs`` gets the
+token-level weights computed here.
 """
 
 from __future__ import annotations
@@ -35,11 +38,13 @@ import torch
 from .aggregation import aggregate
 from .kl import kl_penalty
 from .normalize import masked_mean
+from .policy_losses import COV_LOSSES, LossParams, get_policy_loss
+from .rollout_correction import apply_weights, rollout_correction
 
 __all__ = ["policy_loss", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_TRUNCATIONS", "combine_actor_loss"]
 
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
-OFF_POLICY_TRUNCATIONS = ("clip", "mask")
+OFF_POLICY_TRUNCATIONS = ("clip", "mask", "icepop")
 _LOG_RATIO_CLAMP = 20.0
 
 
@@ -57,34 +62,46 @@ def policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     *,
+    loss_name: str = "ppo",
     clip_ratio_low: float = 0.2,
     clip_ratio_high: Optional[float] = None,
     dual_clip: bool = False,
     clip_ratio_c: float = 3.0,
+    tis_cap: float = 2.0,
+    kl_cov_coef: float = 1.0,
+    token_select: Optional[torch.Tensor] = None,
+    is_weights: Optional[torch.Tensor] = None,
     behavior_logprobs: Optional[torch.Tensor] = None,
     off_policy_correction: str = "none",
     off_policy_cap: float = 2.0,
     off_policy_truncation: str = "clip",
+    off_policy_cap_low: float = 0.0,
     loss_agg_mode: str = "token-mean",
     global_tokens: Optional[float] = None,
     global_seqs: Optional[float] = None,
     norm_length: Optional[float] = None,
 ) -> tuple[torch.Tensor, dict]:
-    """Clipped PPO policy loss; returns ``(loss, metrics)`` with metrics as detached 0-d tensors.
+    """Policy loss ``loss_name``; returns ``(loss, metrics)`` with metrics as detached 0-d tensors.
 
-    ``clip_ratio_high=None`` uses ``clip_ratio_low``. Gradients flow only through ``logprobs``.
-    Metrics are local masked means over this batch: ``approx_kl`` (k3 estimate of KL(old || new)),
-    ``clipfrac`` (= ``clipfrac_low`` + ``clipfrac_high``: tokens whose gradient the clip zeroed),
-    ``clipfrac_dual``, ``ratio_mean/max/min``, ``pg_loss``; and with an off-policy correction
+    ``clip_ratio_high=None`` uses ``clip_ratio_low``. Gradients flow only through ``logprobs``. ``token_select``
+    is the :func:`~asyncppo.algo.policy_losses.cov_select` choice for ``clip_cov`` / ``kl_cov`` (without it they
+    reduce to plain PPO / the unclipped surrogate). Importance weights: either ``is_weights`` (precomputed, used
+    as constants) or, with ``off_policy_correction != "none"``, token-level weights from ``behavior_logprobs``.
+    Metrics are local masked means over this batch: ``approx_kl`` (k3 estimate of KL(old || new)), ``clipfrac``
+    (= ``clipfrac_low`` + ``clipfrac_high``: tokens whose clip was active), ``clipfrac_dual``, ``cov_frac``
+    (covariance losses), ``ratio_mean/max/min``, ``pg_loss``; with ``behavior_logprobs`` also
     ``is_weight_mean``, ``is_weight_max``, ``is_truncated_frac`` and ``mismatch_kl`` (k3 estimate of
     KL(behaviour || old) -- how far the samples lag the proximal policy).
     """
+    fn = get_policy_loss(loss_name)
     if clip_ratio_high is None:
         clip_ratio_high = clip_ratio_low
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError(f"clip ratios must be >= 0; got low={clip_ratio_low}, high={clip_ratio_high}")
     if dual_clip and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    if tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
     if off_policy_correction not in OFF_POLICY_CORRECTIONS:
         raise ValueError(
             f"unknown off_policy_correction {off_policy_correction!r}; allowed: {', '.join(OFF_POLICY_CORRECTIONS)}"
@@ -96,7 +113,9 @@ def policy_loss(
     for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("response_mask", response_mask)):
         if t.shape != logprobs.shape:
             raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if off_policy_correction != "none":
+    if token_select is not None and token_select.shape != logprobs.shape:
+        raise ValueError(f"token_select shape {tuple(token_select.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    if off_policy_correction != "none" and is_weights is None:
         if behavior_logprobs is None:
             raise ValueError(f"off_policy_correction {off_policy_correction!r} needs behavior_logprobs")
         if behavior_logprobs.shape != logprobs.shape:
@@ -111,33 +130,25 @@ def policy_loss(
     dt = torch.promote_types(logprobs.dtype, torch.float32)
     logp = logprobs.to(dt)
     old = old_logprobs.detach().to(dt)
-    adv = advantages.detach().to(dt)
+    adv = torch.where(m, advantages.detach().to(dt), torch.zeros((), dtype=dt, device=logp.device))
+    log_ratio = torch.where(m, (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP), torch.zeros_like(logp))
 
-    log_ratio = (logp - old).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
-    ratio = torch.exp(log_ratio)
-    unclipped = -adv * ratio
-    clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    per_token = torch.maximum(unclipped, clipped)
-    if dual_clip:
-        bound = -adv * clip_ratio_c
-        dual_active = (adv < 0) & (per_token > bound)
-        per_token = torch.where(adv < 0, torch.minimum(per_token, bound), per_token)
-    else:
-        dual_active = torch.zeros_like(m)
+    params = LossParams(clip_low=clip_ratio_low, clip_high=clip_ratio_high, dual_clip=dual_clip,
+                        clip_ratio_c=clip_ratio_c, tis_cap=tis_cap, kl_cov_coef=kl_cov_coef)
+    select = token_select.bool() & m if token_select is not None and loss_name in COV_LOSSES else None
+    per_token, flags = fn(log_ratio, adv, m, params, select)
 
     metrics: dict = {}
-    if off_policy_correction != "none":
+    if is_weights is not None:
+        per_token = apply_weights(per_token, is_weights)
+    elif off_policy_correction != "none":
         behav = behavior_logprobs.detach().to(dt)
-        raw_w = torch.exp((old - behav).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
-        over = raw_w > off_policy_cap
-        if off_policy_truncation == "clip":
-            weight = raw_w.clamp(max=off_policy_cap)
-        else:
-            weight = torch.where(over, torch.zeros_like(raw_w), raw_w)
-        per_token = per_token * weight
-        metrics["is_weight_mean"] = masked_mean(weight, m)
-        metrics["is_weight_max"] = _masked_extreme(weight, m, largest=True)
-        metrics["is_truncated_frac"] = masked_mean(over.float(), m)
+        weights, _, w_metrics = rollout_correction(
+            old, behav, m, truncation=off_policy_truncation, cap=off_policy_cap, cap_low=off_policy_cap_low
+        )
+        per_token = apply_weights(per_token, weights)
+        for key in ("is_weight_mean", "is_weight_max", "is_truncated_frac"):
+            metrics[key] = w_metrics[key]
         metrics["mismatch_kl"] = masked_mean(kl_penalty(behav, old, "k3"), m)
 
     loss = aggregate(
@@ -145,22 +156,23 @@ def policy_loss(
     )
 
     with torch.no_grad():
-        r = ratio.detach()
-        low = (adv < 0) & (r < 1.0 - clip_ratio_low)
-        high = (adv > 0) & (r > 1.0 + clip_ratio_high)
+        r = torch.exp(log_ratio.detach())
+        low, high = flags["clip_low"], flags["clip_high"]
         metrics.update(
             {
                 "pg_loss": loss.detach(),
                 "approx_kl": masked_mean(kl_penalty(old, logp.detach(), "k3"), m),
-                "clipfrac": masked_mean((low | high).float(), m),
-                "clipfrac_low": masked_mean(low.float(), m),
-                "clipfrac_high": masked_mean(high.float(), m),
-                "clipfrac_dual": masked_mean(dual_active.float(), m),
+                "clipfrac": masked_mean((low | high).to(dt), m),
+                "clipfrac_low": masked_mean(low.to(dt), m),
+                "clipfrac_high": masked_mean(high.to(dt), m),
+                "clipfrac_dual": masked_mean(flags["dual"].to(dt), m),
                 "ratio_mean": masked_mean(r, m),
                 "ratio_max": _masked_extreme(r, m, largest=True),
                 "ratio_min": _masked_extreme(r, m, largest=False),
             }
         )
+        if "cov" in flags:
+            metrics["cov_frac"] = masked_mean(flags["cov"].to(dt), m)
     return loss, metrics
 
 

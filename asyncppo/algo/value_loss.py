@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .aggregation import aggregate
 from .normalize import masked_mean, masked_var
 
-__all__ = ["value_loss", "explained_variance"]
+__all__ = ["value_loss", "explained_variance", "EV_CONSTANT_TOL"]
 
 
 def _error(pred: torch.Tensor, target: torch.Tensor, huber_delta: Optional[float]) -> torch.Tensor:
@@ -77,16 +77,24 @@ def value_loss(
     return loss, metrics
 
 
+#: Returns whose variance is at most this fraction of their scale (``max(1, mean R^2)``) count as constant.
+EV_CONSTANT_TOL = 1e-8
+
+
 @torch.no_grad()
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``1 - Var[R - V] / Var[R]`` over valid tokens: 1 is a perfect critic, 0 no better than a constant.
 
-    When the returns have no variance there is nothing to explain; 0 is returned rather than NaN
-    so metric sinks need no special case.
+    When the returns are constant (every reward in the batch equal) there is nothing to explain and the ratio is
+    undefined: NaN is returned (logged as null / left out of means), never a number. "Constant" includes the
+    rounding noise of a float32 mean: ``Var[R] <= EV_CONSTANT_TOL * max(1, E[R^2])``. Dividing by that noise was
+    what printed -1.6e15; an additive epsilon as in verl only turns it into another large, meaningless number.
     """
     dt = torch.promote_types(values.dtype, torch.float32)
     values = values.to(dt)
     returns = returns.to(dt)
     var_r = masked_var(returns, mask)
+    scale = masked_mean(returns.square(), mask).clamp(min=1.0)
+    defined = var_r > EV_CONSTANT_TOL * scale
     ev = 1.0 - masked_var(returns - values, mask) / var_r.clamp(min=torch.finfo(dt).tiny)
-    return torch.where(var_r > 0, ev, torch.zeros_like(ev))
+    return torch.where(defined, ev, torch.full_like(ev, float("nan")))

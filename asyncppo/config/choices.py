@@ -19,7 +19,8 @@ ADV_ESTIMATORS = (
 # baseline (GRPO/REINFORCE++-baseline give a zero advantage, RLOO divides by n - 1 = 0).
 GROUP_ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline")
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+POLICY_LOSSES = ("ppo", "gspo", "cispo", "gmpo", "clip_cov", "kl_cov", "reinforce_tis")
 
 # KL estimators; each may carry a '+' suffix (value of the named estimator, gradient of k2: a straight-through
 # trick that keeps the estimate unbiased while giving the low-variance k2 gradient).
@@ -29,6 +30,10 @@ KL_PENALTIES = KL_PENALTIES_BASE + tuple(name + "+" for name in KL_PENALTIES_BAS
 KL_CTRL_TYPES = ("fixed", "adaptive")
 REWARD_NORMS = (None, "batch", "group", "running")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+OFF_POLICY_LEVELS = ("token", "sequence")
+OFF_POLICY_TRUNCATIONS = ("clip", "mask", "icepop")
+REJECTION_LEVELS = ("none", "token", "sequence")
+REJECTION_STATS = ("ratio", "k1", "k2", "k3")
 
 ENGINES = ("vllm", "hf")
 GENERATION_MODES = ("continuous", "batch")
@@ -39,4 +44,10 @@ LEARNER_DTYPES = ("float32", "bfloat16")
 OVERLONG_PROMPT = ("truncate", "skip")
 BUILTIN_REWARD_FNS = ("auto", "exact_match", "math")
 WANDB_MODES = ("offline", "online", "disabled")
+AUTH_MODES = ("auto", "curve", "off")  # cluster.auth (stream/security.py)
 DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet")
+# Embodied runs (env.id set; docs/embodied.md)
+LOSS_TYPES = ("actor", "actor_critic")
+LR_SCHEDULES = ("constant", "linear")
+ENV_VECTORIZATION = ("sync", "async")
+ACTIVATIONS = ("tanh", "relu", "elu")

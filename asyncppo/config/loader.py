@@ -26,7 +26,9 @@ from asyncppo.config.store import register_schema
 from asyncppo.config.validate import ConfigError, validate_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_GROUPS = ("algorithm", "data")
+CONFIG_GROUPS = ("algorithm", "data", "env")
+#: ``env=<gymnasium id>`` without a preset of that name uses this preset with ``env.id=<id>`` (docs/embodied.md).
+GENERIC_ENV_PRESET = "gym"
 # Sub-trees that accept keys the schema does not declare.
 _OPEN_NODES = ("extra", "hydra")
 
@@ -113,6 +115,18 @@ def _explain(exc: BaseException) -> str:
     return msg or type(exc).__name__
 
 
+def _expand_env_id(overrides: list[str], cdir: Path) -> list[str]:
+    """``env=HalfCheetah-v5`` (no preset file of that name) -> ``env=gym env.id=HalfCheetah-v5``."""
+    out = []
+    for text in overrides:
+        name = text[len("env="):] if text.startswith("env=") else None
+        if name and name != "null" and not (cdir / "env" / f"{name}.yaml").is_file():
+            out += [f"env={GENERIC_ENV_PRESET}", f"env.id={name}"]
+        else:
+            out.append(text)
+    return out
+
+
 def compose(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = None,
             config_name: str = "config") -> DictConfig:
     """Compose ``config_name`` from ``config_dir`` (default: the packaged configs) with ``overrides``.
@@ -124,7 +138,7 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = No
     from hydra.core.global_hydra import GlobalHydra
     from hydra.errors import HydraException
 
-    overrides = list(overrides)
+    overrides = _expand_env_id(list(overrides), Path(config_dir or CONFIG_DIR))
     problems = check_override_keys(overrides)
     if problems:
         raise ConfigError(problems)
@@ -161,12 +175,20 @@ def _finish(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
 
 
 def load_config(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = None,
-                config_name: str = "config") -> AsyncPPOConfig:
+                config_name: str = "config", config_file: Optional[str | Path] = None) -> AsyncPPOConfig:
     """Compose presets + overrides, convert to the typed dataclass, validate and fill derived defaults.
 
     ``overrides`` use Hydra syntax: ``algorithm=grpo``, ``algorithm.pg_clip=0.28``, ``+extra.note=x``.
+    ``config_file``: a YAML file of values (e.g. from ``asyncppo convert``) layered on the schema defaults, under
+    the overrides; no preset applies unless named (see :mod:`asyncppo.config.config_file`).
     Raises :class:`ConfigError`; emits :class:`ConfigWarning` for suspicious but legal combinations.
     """
+    if config_file is not None:
+        from asyncppo.config.config_file import file_config_dir
+
+        source = Path(config_dir or CONFIG_DIR).resolve()
+        with file_config_dir(config_file, source, CONFIG_GROUPS) as tmp:
+            return _finish(to_dataclass(compose(overrides, tmp, "config")))
     return _finish(to_dataclass(compose(overrides, config_dir, config_name)))
 
 

@@ -1,10 +1,15 @@
 """Typed configuration for asyncppo: the only place where defaults live.
 
-Every option users know from verl / ROLL / RLinf PPO has a field here under the name those
-projects use (see docs/configuration.md for the mapping). The dataclasses are registered with
-Hydra's ConfigStore (see :mod:`asyncppo.config.store`) so that `configs/config.yaml` and command
-line overrides are type-checked, and :func:`asyncppo.config.validate.validate_config` rejects
-values that are well-typed but meaningless (``clip_ratio_c <= 1``, ``lambd`` outside [0, 1], ...).
+The options users know from verl / ROLL / RLinf PPO have a field here, but not always under the same
+name: the projects disagree among themselves, and several names here follow one of them (``lambd`` and ``pg_clip``
+are ROLL's; verl says ``lam`` and ``clip_ratio``, RLinf ``gae_lambda`` and ``ratio_clip_eps``; ``entropy_coef`` is
+none of verl's ``entropy_coeff``, ROLL's ``entropy_loss_coef`` or RLinf's ``entropy_bonus``). docs/configuration.md
+maps every field to each project's key, checked against a named version of its sources, and
+``asyncppo convert`` (:mod:`asyncppo.config.convert`) applies that map to a whole config. Also, not every field
+exists in every project, nor every project option here. The dataclasses are registered with Hydra's ConfigStore
+(see :mod:`asyncppo.config.store`) so that `configs/config.yaml` and command line overrides are type-checked, and
+:func:`asyncppo.config.validate.validate_config` rejects values that are well-typed but meaningless
+(``clip_ratio_c <= 1``, ``lambd`` outside [0, 1], ...).
 """
 
 from __future__ import annotations
@@ -44,7 +49,19 @@ class AlgorithmConfig:
     reward_norm: Optional[str] = None  # batch | group | running | null
     reward_shift: bool = False  # normalisation subtracts the mean only
     reward_scale: bool = False  # normalisation divides by the std only
+    overlong_buffer_len: int = 0  # DAPO soft over-length punishment: ramp over the last N tokens; 0 = off
+    overlong_penalty_factor: float = 1.0  # the penalty at rollout.response_length tokens
+    dynamic_sampling: bool = False  # DAPO: skip groups whose rewards are all equal, fill the batch from the stream
+    dynamic_sampling_max_skip: int = 0  # groups skipped per step before the rest are trained anyway; 0 = 4 x batch
     # --- policy loss ----------------------------------------------------------------------
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | gmpo | clip_cov | kl_cov | reinforce_tis (docs/algorithms.md)
+    tis_cap: float = 2.0  # reinforce_tis: cap of the stop-gradient ratio
+    clip_cov_ratio: float = 0.0002  # clip_cov: fraction of tokens whose loss is removed
+    clip_cov_lb: float = 1.0  # clip_cov: covariance window (lb, ub) the tokens are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: fraction of tokens (largest covariance) given the |log r| penalty
+    kl_cov_coef: float = 1.0  # kl_cov: weight of that penalty
+    early_stop_kl: Optional[float] = None  # stop a step's remaining mini-batches once approx_kl exceeds this
     pg_clip: float = 0.2
     clip_ratio_low: Optional[float] = None  # defaults to pg_clip
     clip_ratio_high: Optional[float] = None  # defaults to pg_clip
@@ -71,7 +88,17 @@ class AlgorithmConfig:
     # --- off-policy correction ------------------------------------------------------------
     off_policy_correction: str = "decoupled"  # none | decoupled | tis
     off_policy_cap: float = 2.0  # truncation cap of the behaviour importance weight
+    off_policy_level: str = "token"  # token | sequence: per-token ratio or the sequence's product
+    off_policy_truncation: str = "clip"  # clip (cap) | mask (weight 0 above cap) | icepop (0 outside [cap_low, cap])
+    off_policy_cap_low: float = 0.5  # icepop's lower bound
+    off_policy_normalize: bool = False  # rescale the weights to mean 1 over the batch
+    rejection: str = "none"  # none | token | sequence: drop from the loss mask when the statistic leaves [low, high]
+    rejection_stat: str = "ratio"  # ratio | k1 | k2 | k3
+    rejection_low: float = 0.5
+    rejection_high: float = 2.0
     temperature: float = 1.0  # logits are divided by this when log-probs are recomputed
+    # actor: policy loss, critic trained with its own optimiser | actor_critic: one loss, one backward (env runs)
+    loss_type: str = "actor"
 
 
 @dataclass
@@ -123,6 +150,11 @@ class ModelConfig:
     dtype: str = "float32"  # learner compute dtype on GPU: bfloat16 | float32
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # --- embodied runs (env.id set): the MLP actor-critic of asyncppo.envs.policy -----------------------------
+    shared_backbone: bool = False  # one trunk with policy and value heads (needs algorithm.loss_type=actor_critic)
+    hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
+    activation: str = "tanh"  # tanh | relu | elu
+    init_log_std: float = 0.0  # continuous actions: initial log standard deviation of the Gaussian
 
 
 @dataclass
@@ -137,6 +169,7 @@ class DataConfig:
     shuffle: bool = True
     task: str = "addition"  # the built-in synthetic task when train_files is empty
     num_eval_prompts: int = 256
+    eval_samples: int = 4  # data.eval_files: answers per prompt at the rollout temperature (besides one greedy)
     seed: int = 0
 
 
@@ -162,6 +195,7 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     warmup_steps: int = 0
+    lr_schedule: str = "constant"  # constant | linear (annealed to 0 at trainer.total_steps, after warmup)
     grad_clip: float = 1.0
     total_steps: int = 500
     output_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
@@ -192,6 +226,28 @@ class ClusterConfig:
     stream_hwm: int = 64
     max_message_mb: int = 256
     timeout_s: float = 600.0
+    auth: str = "auto"  # ZeroMQ CURVE: auto (on when bind_address is not loopback), curve (always), off
+    max_tickets_per_worker: int = 0  # tickets one worker connection may hold; 0: 2 * (groups it asks for) + 2
+    logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
+    max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
+
+
+@dataclass
+class EnvConfig:
+    """Embodied runs (docs/embodied.md): gymnasium environments instead of prompts. ``id: null`` is an LLM run."""
+
+    id: Optional[str] = None  # a gymnasium id, e.g. CartPole-v1 or HalfCheetah-v5
+    num_envs: int = 4  # environments per rollout worker (one gymnasium vector env)
+    segment_length: int = 128  # env steps per environment in one segment (the unit a ticket admits)
+    num_minibatches: int = 4  # mini-batches per epoch over the step's transitions (CleanRL's num_minibatches)
+    vectorization: str = "sync"  # sync | async (one subprocess per environment)
+    max_episode_steps: Optional[int] = None  # None: the environment's registered limit
+    normalize_obs: bool = False  # running mean/std of observations, carried in the policy's weights
+    obs_clip: float = 10.0
+    normalize_reward: bool = False  # divide rewards by the running std of the discounted return (learner side)
+    reward_scale: float = 1.0  # constant factor on rewards before any normalisation
+    reward_clip: Optional[float] = None  # clip scaled rewards to [-c, c]
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to gymnasium.make
 
 
 @dataclass
@@ -205,4 +261,5 @@ class AsyncPPOConfig:
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     extra: dict[str, Any] = field(default_factory=dict)

@@ -18,6 +18,7 @@ from typing import Any, Iterable
 
 from asyncppo.config import choices as C
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.config.validate_algorithm import check_algorithm_family
 
 _DOTTED_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
@@ -117,6 +118,7 @@ def _check_algorithm(cfg: AsyncPPOConfig, c: _Checks) -> None:
         c.error("algorithm.clip_ratio_c", a.clip_ratio_c, "must be > 1 (dual-clip bound on the ratio for negative "
                 "advantages)")
     c.non_negative("algorithm.entropy_coef", a.entropy_coef)
+    check_algorithm_family(cfg, c)
     c.choice("algorithm.loss_agg_mode", a.loss_agg_mode, C.LOSS_AGG_MODES)
     c.optional_positive("algorithm.loss_agg_norm_length", a.loss_agg_norm_length, " (= rollout.response_length)")
     # value loss
@@ -258,6 +260,7 @@ def _check_model_data(cfg: AsyncPPOConfig, c: _Checks) -> None:
     if not d.train_files:
         c.non_empty("data.task", d.task)
     c.non_negative("data.num_eval_prompts", d.num_eval_prompts)
+    c.non_negative("data.eval_samples", d.eval_samples)
     c.non_negative("data.seed", d.seed)
 
 
@@ -278,11 +281,6 @@ def _check_trainer(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.positive("trainer.keep_checkpoints", t.keep_checkpoints)
     if t.resume_from is not None:
         c.non_empty("trainer.resume_from", t.resume_from)
-    if cfg.cluster.train_gpus > 1 and (t.save_every > 0 or t.resume_from):
-        c.error("trainer.save_every" if t.save_every > 0 else "trainer.resume_from",
-                t.save_every if t.save_every > 0 else t.resume_from,
-                "checkpoints need one learner rank (cluster.train_gpus <= 1): sharded optimiser states are not "
-                "saved yet; use trainer.save_every=0 (final/ still holds the weights)")
     c.non_negative("trainer.sft_warmup_steps", t.sft_warmup_steps)
     c.choice("trainer.logger.wandb_mode", lg.wandb_mode, C.WANDB_MODES)
     c.positive("trainer.logger.log_every", lg.log_every)
@@ -309,12 +307,57 @@ def _check_cluster(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.positive("cluster.stream_hwm", k.stream_hwm)
     c.positive("cluster.max_message_mb", k.max_message_mb)
     c.positive("cluster.timeout_s", k.timeout_s)
+    c.choice("cluster.auth", k.auth, C.AUTH_MODES)
+    c.non_negative("cluster.max_tickets_per_worker", k.max_tickets_per_worker)
+    c.non_negative("cluster.max_worker_restarts", k.max_worker_restarts)
+    if not (k.logprob_tolerance is not None and 0 <= k.logprob_tolerance < float("inf")):
+        c.error("cluster.logprob_tolerance", k.logprob_tolerance, "must be finite and >= 0")
+    if k.auth == "off" and k.bind_address.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+        c.warn(f"cluster.auth=off with cluster.bind_address={k.bind_address}: anyone who can reach the learner's "
+               "ports can push trajectories, take tickets and read control messages (docs/security.md)")
+
+
+def _check_env(cfg: AsyncPPOConfig, c: _Checks) -> None:
+    """Embodied runs (docs/embodied.md); also the keys only they read, so an LLM run cannot set them by mistake."""
+    e, a, m = cfg.env, cfg.algorithm, cfg.model
+    c.choice("algorithm.loss_type", a.loss_type, C.LOSS_TYPES)
+    c.choice("trainer.lr_schedule", cfg.trainer.lr_schedule, C.LR_SCHEDULES)
+    if e.id is None:
+        if a.loss_type == "actor_critic" or m.shared_backbone:
+            c.error("algorithm.loss_type" if a.loss_type == "actor_critic" else "model.shared_backbone",
+                    a.loss_type if a.loss_type == "actor_critic" else True,
+                    "needs an embodied run (env=cartpole or env.id=<gymnasium id>); LLM runs train a separate critic")
+        return
+    if not e.id.strip():
+        c.error("env.id", e.id, "must be a gymnasium id such as CartPole-v1, or null for an LLM run")
+    for key in ("num_envs", "segment_length", "num_minibatches"):
+        c.positive(f"env.{key}", getattr(e, key))
+    c.choice("env.vectorization", e.vectorization, C.ENV_VECTORIZATION)
+    c.optional_positive("env.max_episode_steps", e.max_episode_steps)
+    c.positive("env.obs_clip", e.obs_clip)
+    c.positive("env.reward_scale", e.reward_scale)
+    c.optional_positive("env.reward_clip", e.reward_clip)
+    transitions = cfg.rollout.rollout_batch_size * e.num_envs * e.segment_length
+    if e.num_minibatches > 0 and transitions % e.num_minibatches:
+        c.error("env.num_minibatches", e.num_minibatches, f"must divide the {transitions} transitions of a step "
+                "(rollout.rollout_batch_size x env.num_envs x env.segment_length)")
+    if a.adv_estimator != "gae" or a.use_critic is False:
+        c.error("algorithm.adv_estimator", a.adv_estimator, "embodied runs use gae with a critic")
+    if m.shared_backbone and a.loss_type != "actor_critic":
+        c.error("model.shared_backbone", True, "needs algorithm.loss_type=actor_critic (one loss over the shared trunk)")
+    c.choice("model.activation", m.activation, C.ACTIVATIONS)
+    if not m.hidden_sizes or min(m.hidden_sizes) < 1:
+        c.error("model.hidden_sizes", list(m.hidden_sizes), "needs at least one layer, every size >= 1")
+    if cfg.cluster.train_gpus > 1:
+        c.error("cluster.train_gpus", cfg.cluster.train_gpus, "embodied runs train on one device (0 or 1)")
+    if a.off_policy_correction == "tis":
+        c.error("algorithm.off_policy_correction", "tis", "embodied runs allow none or decoupled (no engine mismatch)")
 
 
 def check_config(cfg: AsyncPPOConfig) -> tuple[list[str], list[str]]:
     """Return ``(errors, warnings)`` without raising; each error names key, value and what is allowed."""
     c = _Checks()
-    for part in (_check_algorithm, _check_rollout, _check_model_data, _check_trainer, _check_cluster):
+    for part in (_check_algorithm, _check_rollout, _check_model_data, _check_trainer, _check_cluster, _check_env):
         part(cfg, c)
     return c.errors, c.warnings
 

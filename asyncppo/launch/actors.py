@@ -29,7 +29,8 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), cfg_dict))
 
 
-@ray.remote(max_restarts=0)
+# Threaded: the launcher calls replace_worker / data_position while run() trains (learner/service.py locks).
+@ray.remote(max_restarts=0, max_concurrency=4)
 class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
         import logging
@@ -38,6 +39,9 @@ class LearnerActor:
 
         from asyncppo.learner.service import LearnerService
 
+        from asyncppo.launch.console import redirect_output
+
+        redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
         if not torch.cuda.is_available():
@@ -55,17 +59,30 @@ class LearnerActor:
     def run(self, master_addr=None, master_port=None) -> dict:
         return self.service.run(master_addr, master_port)
 
+    def data_position(self, worker_id: int) -> dict:
+        return self.service.data_position(worker_id)
+
+    def replace_worker(self, worker_id: int, generation: int) -> dict:
+        return self.service.replace_worker(worker_id, generation)
+
 
 @ray.remote(max_restarts=0)
 class RolloutActor:
-    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str):
+    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
+                 generation: int = 0, position=None):
         import torch
 
+        import logging
+
+        from asyncppo.launch.console import redirect_output
         from asyncppo.rollout.worker import RolloutWorker
 
+        redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")  # a replacement appends
+        logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
         torch.set_num_threads(1)
-        self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path)
+        self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path,
+                                    generation=generation, position=position)
 
     def run(self) -> dict:
         return self.worker.run()

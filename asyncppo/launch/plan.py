@@ -83,7 +83,7 @@ def make_placement_plan(cfg: AsyncPPOConfig) -> PlacementPlan:
         roles += [RolePlacement(f"rollout-{i}", "rollout", i, "cpu", 0, cpus) for i in range(cl.rollout_workers)]
     return PlacementPlan(
         roles=roles,
-        engine=cfg.rollout.engine,
+        engine=cfg.rollout.engine if not cfg.env.id else f"env:{cfg.env.id}",
         bind_address=cl.bind_address,
         advertise_address=cl.advertise_address or cl.bind_address,
         ports={name: int(getattr(cl, name)) for name in _PORT_NAMES},
@@ -107,6 +107,8 @@ def format_plan(plan: PlacementPlan) -> str:
         else:
             notes = (f"{plan.engine} engine ({plan.generation}, up to {plan.max_num_seqs} sequences, in-flight "
                      f"update {plan.inflight_update}), weight-sync rank {1 + r.rank}")
+            if plan.engine.startswith("env:"):
+                notes = f"{plan.engine[4:]} env worker (gymnasium vector env), weight-sync rank {1 + r.rank}"
         lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
     ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
     lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")

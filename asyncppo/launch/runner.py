@@ -3,8 +3,11 @@
 Order of start-up: the driver resolves the model (building the built-in one once, so the actors do not race to build
 it), starts Ray, checks the requested GPUs against what Ray sees, reserves a placement group with one bundle per role,
 starts the learner actor (which binds the stream, control and admission sockets and returns their addresses), then
-starts the rollout workers with those addresses. The driver then waits: the learner finishing ends the run; any actor
-dying ends it too, with the actor's error. Ctrl-C, an error or a normal end all go through ``ray.shutdown()`` (which
+starts the rollout workers with those addresses. The driver then waits: the learner finishing ends the run. A rollout
+worker that dies is replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back
+its tickets and awaits the replacement in the weight sync (``LearnerService.replace_worker``), then a new actor of
+the next incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor
+dying, or one worker death too many, ends the run with the actor's error. Ctrl-C, an error or a normal end all go through ``ray.shutdown()`` (which
 also stops a local Ray cluster's processes), so nothing is left behind.
 """
 
@@ -22,6 +25,15 @@ from asyncppo.config.schema import AsyncPPOConfig
 
 class LaunchError(RuntimeError):
     """A launch problem the user can fix (resources, paths); printed without a traceback."""
+
+
+class WorkerFailed(RuntimeError):
+    """A rollout worker died and may not be replaced (restarts used up, or an embodied run)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
 
 
 def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
@@ -59,6 +71,19 @@ def _check_data(cfg: AsyncPPOConfig) -> None:
     for path in list(cfg.data.train_files) + list(cfg.data.eval_files):
         if not os.path.isfile(path) or not os.access(path, os.R_OK):
             raise LaunchError(f"data file {path!r} does not exist or is not readable (data.train_files/eval_files)")
+
+
+def _check_env(cfg: AsyncPPOConfig) -> str:
+    """Embodied runs: the env id exists and its spaces are supported, checked before Ray starts. No model path."""
+    from asyncppo.envs.spaces import EnvError, describe_env
+
+    try:
+        describe_env(cfg.env)
+    except EnvError as exc:
+        raise LaunchError(str(exc)) from None
+    if cfg.trainer.resume_from:
+        raise LaunchError("trainer.resume_from is not supported for embodied runs yet")
+    return ""
 
 
 def _check_resources(cfg: AsyncPPOConfig, resources: dict[str, float]) -> None:
@@ -112,6 +137,9 @@ def run(cfg: AsyncPPOConfig) -> int:
 
     from asyncppo.config import config_to_yaml
     from asyncppo.launch.actors import LearnerActor, RolloutActor
+    if cfg.env.id:  # embodied run: env workers and the embodied learner (docs/embodied.md)
+        from asyncppo.launch.env_actors import EnvLearnerActor as LearnerActor, EnvRolloutActor as RolloutActor
+    from asyncppo.launch.console import RunConsole
 
     output_dir = os.path.abspath(cfg.trainer.output_dir)
     os.makedirs(output_dir, exist_ok=True)
@@ -119,16 +147,20 @@ def run(cfg: AsyncPPOConfig) -> int:
         f.write(config_to_yaml(cfg))
     print(f"[asyncppo] run directory: {output_dir}", flush=True)
     try:
-        _check_data(cfg)
-        model_path = _resolve_model(cfg)
-        worker_model_path = _resolve_resume(cfg, model_path)
+        if cfg.env.id:
+            model_path = worker_model_path = _check_env(cfg)
+        else:
+            _check_data(cfg)
+            model_path = _resolve_model(cfg)
+            worker_model_path = _resolve_resume(cfg, model_path)
     except LaunchError as exc:
         print(f"[asyncppo] error: {exc}", file=sys.stderr)
         return 2
 
     cl = cfg.cluster
     num_workers = cl.rollout_gpus if cl.rollout_gpus > 0 else cl.rollout_workers
-    init_kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=True, logging_level="WARNING")
+    # Actors write their output to <run_dir>/logs/ (launch/console.py); the driver prints clean lines from there.
+    init_kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     if cl.address:
         init_kwargs["address"] = cl.address
     else:
@@ -138,6 +170,8 @@ def run(cfg: AsyncPPOConfig) -> int:
     t0 = time.time()
     actors: list = []
     code = 1
+    console = RunConsole(output_dir, cfg.trainer.total_steps, cfg.trainer.logger.log_every,
+                         progress=cfg.trainer.logger.console)
     try:
         ray.init(**init_kwargs)
         _check_resources(cfg, ray.cluster_resources())
@@ -153,6 +187,7 @@ def run(cfg: AsyncPPOConfig) -> int:
         if not pg.wait(timeout_seconds=60):
             raise LaunchError(f"Ray could not reserve {bundles} within 60 s: not enough free resources")
         cfg_dict = dataclasses.asdict(cfg)
+        cfg_dict["trainer"]["output_dir"] = output_dir  # absolute: actors need not share the driver's cwd
 
         def placed(cls, index: int, bundle: dict):
             return cls.options(
@@ -171,18 +206,59 @@ def run(cfg: AsyncPPOConfig) -> int:
         learner = learners[0]
         endpoints = ray.get(learner.setup.remote(), timeout=cl.timeout_s)
         master = ray.get(learner.group_address.remote()) if num_learners > 1 else (None, None)
-        workers = [
-            placed(RolloutActor, num_learners + i, worker_bundle).remote(cfg_dict, i, num_workers, endpoints, worker_model_path)
-            for i in range(num_workers)
-        ]
-        actors += workers
+        # LLM runs replace a dead rollout worker (cluster.max_worker_restarts); embodied runs end on any death
+        supervise = not cfg.env.id and cl.max_worker_restarts > 0
+        positions = ray.get([learner.data_position.remote(i) for i in range(num_workers)], timeout=cl.timeout_s) \
+            if not cfg.env.id else [None] * num_workers
+        workers: dict[int, Any] = {}
+        worker_refs: dict = {}
+
+        def start_worker(i: int, generation: int, position) -> Any:
+            extra = (generation, position) if not cfg.env.id else ()
+            actor = placed(RolloutActor, num_learners + i, worker_bundle).remote(
+                cfg_dict, i, num_workers, endpoints, worker_model_path, *extra)
+            actors.append(actor)
+            workers[i] = actor
+            ref = actor.run.remote()
+            worker_refs[ref] = i
+            return ref
+
+        for i in range(num_workers):
+            start_worker(i, 0, positions[i])
         learner_ref = learner.run.remote(*master)
         follower_refs = [f.run.remote(*master) for f in learners[1:]]
-        worker_refs = {w.run.remote(): i for i, w in enumerate(workers)}
         pending = [learner_ref, *follower_refs, *worker_refs]
+        generations = {i: 0 for i in range(num_workers)}
+        restarts = 0
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            console.poll()
             for ref in done:
+                if ref in worker_refs:
+                    i = worker_refs.pop(ref)
+                    try:
+                        ray.get(ref)  # a worker returns normally only when the learner told it to stop
+                        continue
+                    except ray.exceptions.RayError as exc:
+                        if not supervise or restarts >= cl.max_worker_restarts:
+                            raise WorkerFailed(
+                                f"rollout worker {i} died"
+                                + (f" after {restarts} restart(s), the limit (cluster.max_worker_restarts="
+                                   f"{cl.max_worker_restarts})" if supervise else "") + f": an actor failed:\n{exc}"
+                            ) from None
+                        restarts += 1
+                        generations[i] += 1
+                        print(f"[asyncppo] rollout worker {i} died ({_first_line(exc)}); starting a replacement "
+                              f"(restart {restarts} of at most {cl.max_worker_restarts})", file=sys.stderr, flush=True)
+                        try:
+                            ray.kill(workers[i])
+                        except Exception:
+                            pass
+                        # its tickets return to the pool and the weight sync awaits the replacement, which resumes
+                        # the worker's prompt sequence where the learner's record of trained draws says
+                        position = ray.get(learner.replace_worker.remote(i, generations[i]), timeout=cl.timeout_s)
+                        pending.append(start_worker(i, generations[i], position))
+                        continue
                 ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
                 if ref == learner_ref:
                     print(f"[asyncppo] learner finished in {time.time() - t0:.0f}s", flush=True)
@@ -191,6 +267,8 @@ def run(cfg: AsyncPPOConfig) -> int:
                         ray.wait(pending, num_returns=len(pending), timeout=15.0)
                     pending = []
                     code = 0
+                    console.poll()
+                    print(console.summary(time.time() - t0), flush=True)
                 # A worker returns normally only when the learner told it to stop: keep waiting for the learner.
         return code
     except KeyboardInterrupt:
@@ -199,8 +277,14 @@ def run(cfg: AsyncPPOConfig) -> int:
     except LaunchError as exc:
         print(f"[asyncppo] error: {exc}", file=sys.stderr)
         return 2
+    except WorkerFailed as exc:
+        console.poll()
+        print(f"[asyncppo] error: {exc}\n(actor logs: {os.path.join(output_dir, 'logs')})", file=sys.stderr)
+        return 1
     except ray.exceptions.RayError as exc:
-        print(f"[asyncppo] error: an actor failed:\n{exc}", file=sys.stderr)
+        console.poll()
+        print(f"[asyncppo] error: an actor failed:\n{exc}\n(actor logs: {os.path.join(output_dir, 'logs')})",
+              file=sys.stderr)
         return 1
     finally:
         for actor in actors:

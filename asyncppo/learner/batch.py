@@ -33,6 +33,9 @@ class TrainBatch:
     old_values: Optional[torch.Tensor] = None
     advantages: Optional[torch.Tensor] = None
     returns: Optional[torch.Tensor] = None
+    is_weights: Optional[torch.Tensor] = None  # [B, T] rollout-correction weights (algo.rollout_correction)
+    loss_mask: Optional[torch.Tensor] = None  # [B, T] bool: response_mask minus rejected tokens (policy terms)
+    token_select: Optional[torch.Tensor] = None  # [B, T] bool: clip_cov / kl_cov tokens of this mini-batch
 
     @property
     def size(self) -> int:

@@ -4,8 +4,11 @@ Layout of ``<output_dir>/checkpoints/``::
 
     step_300/
       actor/                  HF format (save_pretrained + tokenizer): usable as ``model.path`` or by vLLM as is
-      critic.safetensors      the value model's state dict (only when the run trains a critic)
-      trainer_state.pt        version, optimiser/scheduler states, KL controller, reward stats, RNG states
+      critic.safetensors      the value model's state dict (only when the run trains a critic; one learner rank)
+      sharded/                several learner ranks: actor, critic and optimiser states as torch.distributed.checkpoint
+                              shards, each rank writing its own (loadable by any number of ranks)
+      trainer_state.pt        version, optimiser/scheduler states, KL controller, reward stats, RNG states, and in
+                              ``extra`` the data position (data/position.py: the prompts each worker trained)
       meta.json               version, architecture summary; written last
     latest                    the name of the newest complete checkpoint dir ("step_300")
 
@@ -34,6 +37,7 @@ LATEST_FILE = "latest"
 ACTOR_DIR = "actor"
 CRITIC_FILE = "critic.safetensors"
 STATE_FILE = "trainer_state.pt"
+SHARDED_DIR = "sharded"
 META_FILE = "meta.json"
 FORMAT = 1
 _STEP_RE = re.compile(r"^step_(\d+)$")
@@ -69,7 +73,13 @@ class Checkpoint:
 
     @property
     def has_critic(self) -> bool:
-        return os.path.isfile(self.critic_file)
+        if os.path.isfile(self.critic_file):
+            return True
+        try:
+            with open(os.path.join(self.path, META_FILE), encoding="utf-8") as f:
+                return bool(json.load(f).get("has_critic")) and os.path.isdir(os.path.join(self.path, SHARDED_DIR))
+        except (OSError, ValueError):
+            return False
 
 
 def checkpoints_root(output_dir: str) -> str:
@@ -77,14 +87,16 @@ def checkpoints_root(output_dir: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------------------- saving
-def trainer_state(updater, version: int, extra: Optional[dict] = None) -> dict[str, Any]:
-    """Everything of a :class:`~asyncppo.learner.ppo.PPOUpdate` that is not a model weight, plus the RNG states."""
+def trainer_state(updater, version: int, extra: Optional[dict] = None, sharded: bool = False) -> dict[str, Any]:
+    """Everything of a :class:`~asyncppo.learner.ppo.PPOUpdate` that is not a model weight, plus the RNG states.
+    ``sharded``: the optimiser states are in the ``sharded/`` shards instead (several learner ranks)."""
     state: dict[str, Any] = {
         "format": FORMAT,
         "version": int(version),
-        "actor_opt": updater.actor_opt.state_dict(),
+        "sharded": bool(sharded),
+        "actor_opt": updater.actor_opt.state_dict() if not sharded else None,
         "actor_sched": updater.actor_sched.state_dict(),
-        "critic_opt": updater.critic_opt.state_dict() if updater.critic_opt is not None else None,
+        "critic_opt": updater.critic_opt.state_dict() if updater.critic_opt is not None and not sharded else None,
         "critic_sched": updater.critic_sched.state_dict() if updater.critic_sched is not None else None,
         "kl_ctrl": updater.kl_ctrl.state_dict(),
         "reward_stats": updater.reward_stats.state_dict() if updater.reward_stats is not None else None,
@@ -116,11 +128,14 @@ def save_checkpoint(
     critic: Optional[nn.Module] = None,
     keep: int = 2,
     extra: Optional[dict] = None,
+    sharded=None,
 ) -> Checkpoint:
     """Write ``<output_dir>/checkpoints/step_<version>`` atomically, point ``latest`` at it, prune old ones.
 
     ``actor`` must be an unsharded model (rank 0's plain copy on a multi-rank learner). ``keep`` >= 1 checkpoints
     are kept, newest first; an unfinished ``.tmp-*`` directory left by a crash is removed by the next save.
+    ``sharded(path)``: several learner ranks; called with the ``sharded/`` directory inside the unfinished checkpoint,
+    it must have every rank write its shards there (:func:`save_sharded`, collective) before it returns.
     """
     from safetensors.torch import save_model
 
@@ -135,9 +150,11 @@ def save_checkpoint(
     actor_dir = os.path.join(tmp, ACTOR_DIR)
     actor.save_pretrained(actor_dir)
     tokenizer.save_pretrained(actor_dir)
-    if critic is not None:
+    if sharded is not None:
+        sharded(os.path.join(tmp, SHARDED_DIR))
+    elif critic is not None:
         save_model(critic, os.path.join(tmp, CRITIC_FILE))
-    _write_state(trainer_state(updater, version, extra), os.path.join(tmp, STATE_FILE))
+    _write_state(trainer_state(updater, version, extra, sharded=sharded is not None), os.path.join(tmp, STATE_FILE))
     meta = {
         "format": FORMAT,
         "version": int(version),
@@ -272,16 +289,21 @@ def restore(ckpt: Checkpoint, updater, critic: Optional[nn.Module] = None) -> di
     state = load_trainer_state(ckpt.state_file)
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{ckpt.state_file!r} has format {state.get('format')!r}; this asyncppo reads {FORMAT}")
-    if critic is not None:
-        from safetensors.torch import load_model
+    if state.get("sharded"):  # collective: every learner rank calls restore()
+        load_sharded(os.path.join(ckpt.path, SHARDED_DIR), updater, critic)
+    else:
+        if critic is not None:
+            from safetensors.torch import load_model
 
-        load_model(critic, ckpt.critic_file, strict=True, device=str(next(critic.parameters()).device))
-    updater.actor_opt.load_state_dict(state["actor_opt"])
+            load_model(critic, ckpt.critic_file, strict=True, device=str(next(critic.parameters()).device))
+        updater.actor_opt.load_state_dict(state["actor_opt"])
+        if updater.critic_opt is not None:
+            if state["critic_opt"] is None:
+                raise CheckpointError(
+                    f"checkpoint {ckpt.path!r} has no critic optimiser state, but this run trains a critic")
+            updater.critic_opt.load_state_dict(state["critic_opt"])
     updater.actor_sched.load_state_dict(state["actor_sched"])
-    if updater.critic_opt is not None:
-        if state["critic_opt"] is None:
-            raise CheckpointError(f"checkpoint {ckpt.path!r} has no critic optimiser state, but this run trains a critic")
-        updater.critic_opt.load_state_dict(state["critic_opt"])
+    if updater.critic_sched is not None and state["critic_sched"] is not None:
         updater.critic_sched.load_state_dict(state["critic_sched"])
     updater.kl_ctrl.load_state_dict(state["kl_ctrl"])
     if updater.reward_stats is not None and state["reward_stats"] is not None:
@@ -291,3 +313,45 @@ def restore(ckpt: Checkpoint, updater, critic: Optional[nn.Module] = None) -> di
     if state["cuda_rng"] and torch.cuda.is_available() and len(state["cuda_rng"]) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
     return state
+
+
+# ---------------------------------------------------------------------------------------------------------- sharded
+def sharded_tmp_dir(output_dir: str, version: int) -> str:
+    """Where the ranks of a multi-rank learner write their shards of checkpoint ``version`` (inside the unfinished
+    checkpoint that rank 0 renames when complete); every rank computes it alike from the run's output dir."""
+    return os.path.join(checkpoints_root(output_dir), f".tmp-step_{int(version)}", SHARDED_DIR)
+
+
+def _dcp_state(updater, critic: Optional[nn.Module]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    actor_sd, actor_osd = get_state_dict(updater.actor, updater.actor_opt)
+    state: dict[str, Any] = {"actor": actor_sd, "actor_opt": actor_osd}
+    if critic is not None and updater.critic_opt is not None:
+        critic_sd, critic_osd = get_state_dict(critic, updater.critic_opt)
+        state.update(critic=critic_sd, critic_opt=critic_osd)
+    return state
+
+
+def save_sharded(path: str, updater, critic: Optional[nn.Module] = None) -> None:
+    """Collective (every learner rank, in step): each rank writes its own shards of the (FSDP) actor, critic and
+    their optimiser states to ``path`` with torch.distributed.checkpoint; no rank gathers a full copy."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(updater, critic), checkpoint_id=path)
+
+
+def load_sharded(path: str, updater, critic: Optional[nn.Module] = None) -> None:
+    """Collective: load what :func:`save_sharded` wrote into this rank's shards (the world size may differ)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path!r} is missing: the checkpoint was written by several learner ranks")
+    state = _dcp_state(updater, critic)
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(updater.actor, updater.actor_opt, model_state_dict=state["actor"],
+                   optim_state_dict=state["actor_opt"])
+    if "critic" in state:
+        set_state_dict(critic, updater.critic_opt, model_state_dict=state["critic"],
+                       optim_state_dict=state["critic_opt"])

@@ -43,7 +43,7 @@ from asyncppo.learner.batch import TrainBatch, micro_batches
 from asyncppo.learner.forward import chunked
 from asyncppo.learner.ppo import PPOUpdate
 
-OP_BATCH, OP_GATHER, OP_STOP = 1, 2, 3
+OP_BATCH, OP_GATHER, OP_STOP, OP_CHECKPOINT = 1, 2, 3, 4
 _MAGIC, _PROTOCOL = 0x41505031, 1  # "APP1"
 _TENSOR_FIELDS = tuple(f.name for f in fields(TrainBatch) if f.name != "prompt_len")
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
@@ -73,12 +73,17 @@ def init_learner_group(
     *,
     timeout_s: float = 600.0,
     local_rank: Optional[int] = None,
+    bind_host: Optional[str] = None,
 ) -> torch.device:
     """Initialise the *default* process group of the learner ranks and return this rank's device.
 
     ``backend`` defaults to nccl when CUDA is available, else gloo. With nccl the CUDA device is the local rank's
     (``local_rank``, else ``$LOCAL_RANK``, else ``rank % device_count``: under Ray each actor usually sees one GPU).
     ``timeout_s`` bounds the meeting and every later collective, so a lost rank fails the others loudly.
+
+    Rank 0 hosts the rendezvous ``TCPStore`` listening on ``bind_host`` only (default ``master_addr``; torch's own
+    ``tcp://`` init would listen on every interface, see :func:`asyncppo.sync.group.bound_store`). With gloo and no
+    ``GLOO_SOCKET_IFNAME`` set, a loopback ``master_addr`` also pins gloo's pair sockets to the loopback interface.
     """
     if not 0 <= rank < world_size:
         raise LearnerGroupError(f"rank={rank} must be in [0, world_size={world_size})")
@@ -96,11 +101,22 @@ def init_learner_group(
             index = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
+    from asyncppo.sync.group import bound_store, loopback_interface
+
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     url = f"tcp://{host}:{master_port}"
+    timeout = timedelta(seconds=timeout_s)
+    if backend == "gloo" and "GLOO_SOCKET_IFNAME" not in os.environ:
+        ifname = loopback_interface(master_addr)
+        if ifname is not None:
+            os.environ["GLOO_SOCKET_IFNAME"] = ifname
     try:
+        if rank == 0:
+            store = bound_store(bind_host or master_addr, master_port, world_size, timeout)
+        else:
+            store = dist.TCPStore(master_addr, master_port, world_size, False, timeout)
         dist.init_process_group(
-            backend, init_method=url, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s),
+            backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
             device_id=device if backend == "nccl" else None,
         )
     except Exception as e:  # DistNetworkError, DistStoreError, TimeoutError ...
@@ -155,8 +171,9 @@ def _receive_header(src: int = 0) -> torch.Tensor:
             f"learner command header not understood: magic={magic:#x} protocol={protocol} fields={n_fields} "
             f"(expected {_MAGIC:#x}, {_PROTOCOL}, {len(_TENSOR_FIELDS)}): ranks run different code versions?"
         )
-    if op not in (OP_BATCH, OP_GATHER, OP_STOP):
-        raise LearnerGroupError(f"learner command op={op} unknown; allowed: {OP_BATCH}, {OP_GATHER}, {OP_STOP}")
+    if op not in (OP_BATCH, OP_GATHER, OP_STOP, OP_CHECKPOINT):
+        raise LearnerGroupError(f"learner command op={op} unknown; allowed: {OP_BATCH}, {OP_GATHER}, {OP_STOP}, "
+                                f"{OP_CHECKPOINT}")
     return header
 
 
@@ -213,6 +230,12 @@ def broadcast_gather(model_index: int = 0, src: int = 0) -> None:
     _broadcast_header(OP_GATHER, arg=model_index, src=src)
 
 
+def broadcast_checkpoint(version: int, src: int = 0) -> None:
+    """Rank ``src`` announces a sharded checkpoint of ``version``: every follower writes its shards
+    (``run_follower``'s ``on_checkpoint``, learner/checkpoint.py ``save_sharded``) while rank ``src`` writes its own."""
+    _broadcast_header(OP_CHECKPOINT, arg=int(version), src=src)
+
+
 def gather_full_state_dict(model: nn.Module, rank: int) -> Optional[dict[str, torch.Tensor]]:
     """The unsharded state dict on rank 0, ``None`` elsewhere. Collective: every rank must call it, in step.
 
@@ -228,7 +251,8 @@ def gather_full_state_dict(model: nn.Module, rank: int) -> Optional[dict[str, to
     return out
 
 
-def run_follower(updater, stop_check: Optional[Callable[[], bool]] = None, src: int = 0) -> int:
+def run_follower(updater, stop_check: Optional[Callable[[], bool]] = None, src: int = 0,
+                 on_checkpoint: Optional[Callable[[int], None]] = None) -> int:
     """Loop of ranks > 0: execute rank ``src``'s commands until it broadcasts a stop; return the steps done.
 
     ``OP_BATCH`` -> ``updater.step(batch)``; ``OP_GATHER`` -> take part in gathering the actor (0) or critic (1).
@@ -242,6 +266,11 @@ def run_follower(updater, stop_check: Optional[Callable[[], bool]] = None, src: 
         op, arg = int(header[2]), int(header[3])
         if op == OP_STOP:
             break
+        if op == OP_CHECKPOINT:
+            if on_checkpoint is None:
+                raise LearnerGroupError("a sharded checkpoint was requested, but this rank cannot write one")
+            on_checkpoint(arg)
+            continue
         if op == OP_GATHER:
             if models.get(arg) is None:
                 raise LearnerGroupError(f"gather of model {arg} requested, but this rank has no such model")

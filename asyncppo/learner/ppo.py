@@ -7,12 +7,18 @@
 3. Advantages and returns with the configured estimator; whitening and clipping.
 4. ``ppo_epochs`` passes over shuffled mini-batches of whole prompt groups; each mini-batch accumulates gradients over
    micro-batches whose losses are normalised by the *mini-batch's* token / sequence counts, so the split does not
-   change the gradient; grad clipping; AdamW with linear warm-up.
+   change the gradient; grad clipping; AdamW with linear warm-up. With ``early_stop_kl`` the remaining mini-batches
+   of the step are skipped once a mini-batch measures ``approx_kl`` above it (CleanRL's ``target_kl``).
+
+Everything that is a constant of the update and needs more than one micro-batch to compute is computed before the
+micro-batch split: the rollout-correction weights and rejection mask (once per batch) and the covariance token
+selection of ``clip_cov`` / ``kl_cov`` (once per mini-batch). That is what keeps every loss invariant to the split.
 The math lives in :mod:`asyncppo.algo`; this module only wires it to models and optimisers.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from typing import Optional
@@ -53,6 +59,8 @@ class _MetricMean:
     def add(self, metrics: dict, weight: float) -> None:
         for key, value in metrics.items():
             value = float(value.item() if hasattr(value, "item") else value)
+            if not math.isfinite(value):  # undefined for this micro-batch (e.g. explained variance of constants)
+                continue
             if key.endswith("_max") or key.endswith("/max"):
                 self.maxes[key] = max(self.maxes.get(key, value), value)
             elif key.endswith("_min") or key.endswith("/min"):
@@ -100,6 +108,7 @@ class PPOUpdate:
         self.reward_stats = algo.RunningMeanStd() if self.alg.reward_norm == "running" else None
         self.generator = torch.Generator().manual_seed(t.seed)
         self.kl_base = self.alg.kl_penalty.rstrip("+")
+        self.last_mini_batch_kl = 0.0  # approx_kl measured by the last mini-batch (all ranks), for early_stop_kl
 
     # ------------------------------------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
@@ -134,12 +143,29 @@ class PPOUpdate:
         metrics["actor/mismatch_kl"] = float(
             algo.masked_mean(algo.kl_penalty(batch.behavior_logprobs, proximal, "k3"), mask)
         )
+        # rollout correction: constant weights and the rejection-reduced loss mask, once for the whole batch
+        batch.loss_mask = mask.bool()
+        if alg.off_policy_correction != "none":
+            batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
+                batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
+                truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
+                normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
+                rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
+            )
+            metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
 
         # 2. rewards: shape the outcome score, put it on the last valid token, optional KL-in-reward
         scores = batch.scores.clone()
         metrics["reward/mean"] = float(scores.mean())
         metrics["reward/max"] = float(scores.max())
         metrics["reward/min"] = float(scores.min())
+        lengths = mask.sum(dim=1).long()
+        if alg.overlong_buffer_len > 0:  # DAPO soft over-length punishment, before clipping and normalisation
+            penalty = algo.overlong_penalty(
+                lengths, self.cfg.rollout.response_length, alg.overlong_buffer_len, alg.overlong_penalty_factor
+            )
+            scores = scores + penalty.to(scores)
+            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
         if alg.reward_clip is not None:
             scores = scores.clamp(-alg.reward_clip, alg.reward_clip)
         if alg.reward_norm is not None:
@@ -151,7 +177,6 @@ class PPOUpdate:
                 shift_only=alg.reward_shift,
                 scale_only=alg.reward_scale,
             )
-        lengths = mask.sum(dim=1).long()
         token_rewards = algo.scores_to_token_rewards(scores, mask)
         if alg.add_token_level_kl:
             kl_tok = self._reference_kl(batch, rows)
@@ -174,7 +199,7 @@ class PPOUpdate:
             clip=alg.advantage_clip,
         )
         batch.advantages, batch.returns = advantages, returns
-        if batch.old_values is not None:
+        if batch.old_values is not None:  # NaN (logged as null) when every return is equal: nothing to explain
             metrics["critic/explained_variance"] = float(algo.explained_variance(batch.old_values, returns, mask))
             metrics["critic/values_mean"] = float(algo.masked_mean(batch.old_values, mask))
         metrics["actor/advantages_mean"] = float(algo.masked_mean(advantages, mask))
@@ -185,17 +210,28 @@ class PPOUpdate:
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
-        optimizer_steps = 0
+        optimizer_steps, stopped = 0, False
+        num_groups = int(batch.group_index.max().item()) + 1
+        per_mini = alg.ppo_mini_batch_size if alg.ppo_mini_batch_size > 0 else num_groups
+        planned = alg.ppo_epochs * -(-num_groups // per_mini)
         for _ in range(alg.ppo_epochs):
             for mini in mini_batches(batch, alg.ppo_mini_batch_size, self.generator):
-                self._update_mini_batch(mini, means)
+                self._update_mini_batch(self._prepare_mini_batch(mini), means)
                 optimizer_steps += 1
+                # the KL this mini-batch measured before its own step (as CleanRL): identical on every rank
+                if alg.early_stop_kl is not None and self.last_mini_batch_kl > alg.early_stop_kl:
+                    stopped = True
+                    break
+            if stopped:
+                break
         self.actor_sched.step()
         if self.critic_sched is not None:
             self.critic_sched.step()
         metrics.update(means.result())
         metrics["actor/lr"] = self.actor_opt.param_groups[0]["lr"]
         metrics["actor/optimizer_steps"] = optimizer_steps
+        metrics["actor/optimizer_steps_planned"] = planned
+        metrics["actor/early_stopped"] = float(stopped)
         metrics["time/update_s"] = time.perf_counter() - t0
         return metrics
 
@@ -216,22 +252,52 @@ class PPOUpdate:
         """No-grad forward over every row in chunks; the multi-rank learner splits this work over its ranks."""
         return chunked(fn, batch, rows)
 
-    def _global_counts(self, mini: TrainBatch) -> tuple[float, float]:
-        counts = torch.tensor([mini.response_mask.sum().item(), float(mini.size)], dtype=torch.float64)
+    def _prepare_mini_batch(self, mini: TrainBatch) -> TrainBatch:
+        """Per-mini-batch constants computed before the micro-batch split: clip_cov / kl_cov's token selection."""
+        alg = self.alg
+        mode = algo.COV_LOSSES.get(alg.policy_loss)
+        if mode is not None:
+            ratio = alg.clip_cov_ratio if mode == "clip" else alg.kl_cov_ratio
+            mini.token_select = algo.cov_select(
+                mini.advantages, mini.old_logprobs, self._loss_mask(mini), mode, ratio,
+                lb=alg.clip_cov_lb, ub=alg.clip_cov_ub, generator=self.generator,
+            )
+        return mini
+
+    @staticmethod
+    def _loss_mask(b: TrainBatch) -> torch.Tensor:
+        return b.loss_mask if b.loss_mask is not None else b.response_mask.bool()
+
+    def _all_reduce(self, values: list[float]) -> list[float]:
+        counts = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             import torch.distributed as dist
 
             counts = counts.to(self.device)
             dist.all_reduce(counts)
-        return float(counts[0]), float(counts[1])
+        return [float(x) for x in counts.cpu()]
+
+    def _global_counts(self, mini: TrainBatch) -> tuple[float, float, float, float]:
+        """(tokens, sequences) of the mini-batch for the critic, then for the policy terms (rejected tokens and
+        fully rejected sequences left out), summed over the learner ranks."""
+        lm = self._loss_mask(mini)
+        rejected_rows = float((mini.response_mask.bool().any(-1) & ~lm.any(-1)).sum())
+        tokens, seqs, p_tokens, p_seqs = self._all_reduce(
+            [float(mini.response_mask.sum()), float(mini.size), float(lm.sum()), float(mini.size) - rejected_rows]
+        )
+        return tokens, seqs, max(p_tokens, 1.0), max(p_seqs, 1.0)
 
     def _update_mini_batch(self, mini: TrainBatch, means: _MetricMean) -> None:
         alg = self.alg
-        global_tokens, global_seqs = self._global_counts(mini)
-        # The same normalisation for every loss term: policy/value losses take it as keywords, aggregate() as mode=.
+        global_tokens, global_seqs, policy_tokens, policy_seqs = self._global_counts(mini)
+        # One normalisation per mask: the actor terms (policy, entropy, KL) count the loss mask's tokens (rejected
+        # ones left out), the critic the whole response. Losses take it as keywords, aggregate() as mode=.
         counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_length=alg.loss_agg_norm_length)
         agg = dict(loss_agg_mode=alg.loss_agg_mode, **counts)
-        mat_agg = dict(mode=alg.loss_agg_mode, **counts)
+        actor_counts = dict(global_tokens=policy_tokens, global_seqs=policy_seqs, norm_length=alg.loss_agg_norm_length)
+        actor_agg = dict(loss_agg_mode=alg.loss_agg_mode, **actor_counts)
+        mat_agg = dict(mode=alg.loss_agg_mode, **actor_counts)
+        kl_sum = kl_tokens = 0.0
         # FSDP averages gradients over ranks; the losses are already normalised by global counts, so undo the mean.
         scale = float(self.world_size)
         self.actor_opt.zero_grad(set_to_none=True)
@@ -248,21 +314,27 @@ class PPOUpdate:
             if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
                 with torch.no_grad():
                     entropy = algo.entropy_from_logits(logits.detach())
+            lmask = self._loss_mask(micro)
             pg_loss, pg_metrics = algo.policy_loss(
                 logprobs,
                 micro.old_logprobs,
                 micro.advantages,
-                micro.response_mask,
+                lmask,
+                loss_name=alg.policy_loss,
                 clip_ratio_low=alg.clip_ratio_low,
                 clip_ratio_high=alg.clip_ratio_high,
                 dual_clip=alg.dual_clip_loss,
                 clip_ratio_c=alg.clip_ratio_c,
-                behavior_logprobs=micro.behavior_logprobs,
-                off_policy_correction=alg.off_policy_correction,
-                off_policy_cap=alg.off_policy_cap,
-                **agg,
+                tis_cap=alg.tis_cap,
+                kl_cov_coef=alg.kl_cov_coef,
+                token_select=micro.token_select,
+                is_weights=micro.is_weights,
+                **actor_agg,
             )
-            entropy_term = algo.aggregate(entropy, micro.response_mask, **mat_agg)
+            n_kept = float(lmask.sum())
+            kl_sum += float(pg_metrics["approx_kl"]) * n_kept
+            kl_tokens += n_kept
+            entropy_term = algo.aggregate(entropy, lmask, **mat_agg)
             loss = pg_loss - alg.entropy_coef * entropy_term
             step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items() if k != "pg_loss"}
             step_metrics["actor/entropy"] = float(algo.masked_mean(entropy.detach(), micro.response_mask))
@@ -275,7 +347,7 @@ class PPOUpdate:
                 kl_mat = algo.kl_penalty(
                     logprobs, micro.ref_logprobs, alg.kl_penalty, logits=logits, ref_logits=ref_logits
                 )
-                kl_loss = algo.aggregate(kl_mat, micro.response_mask, **mat_agg)
+                kl_loss = algo.aggregate(kl_mat, lmask, **mat_agg)
                 loss = loss + alg.kl_loss_coef * kl_loss
                 loss_sums["actor/kl_loss"] += float(kl_loss.detach())
             (loss * scale).backward()
@@ -294,6 +366,10 @@ class PPOUpdate:
                 loss_sums["critic/vf_loss"] += float(vf_loss.detach())
                 step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items() if k != "vf_loss"})
             means.add(step_metrics, weight)
+        # approx_kl of the whole mini-batch (all ranks): the early-stopping decision must be the same everywhere
+        if alg.early_stop_kl is not None:
+            kl_sum, kl_tokens = self._all_reduce([kl_sum, kl_tokens])
+        self.last_mini_batch_kl = kl_sum / max(kl_tokens, 1.0)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.trainer.grad_clip)
         self.actor_opt.step()
         extra = {"actor/grad_norm": float(grad_norm), **loss_sums}

@@ -33,7 +33,8 @@ log = logging.getLogger("asyncppo.learner")
 
 class LearnerService:
     def __init__(
-        self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1
+        self, cfg: AsyncPPOConfig, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1,
+        keys=None,
     ):
         self.cfg = cfg
         self.rank = rank
@@ -46,6 +47,7 @@ class LearnerService:
         self._feeder = None
         self._state: dict = {}  # what _shutdown must release: multi, sender, group, pushed_version
         self.resume = None  # the Checkpoint being resumed from, resolved in setup()
+        self.keys = keys  # the run's CURVE keys (stream.security.CurveKeys) from the launcher; made here if needed
 
     # ------------------------------------------------------------------------------------------------------------
     def setup(self) -> Endpoints:
@@ -68,14 +70,50 @@ class LearnerService:
                 )
         host = cl.bind_address
         public = cl.advertise_address or host
+        # Authentication (docs/security.md): CURVE beyond loopback (cluster.auth=auto) or when forced.
+        import secrets
+
+        from asyncppo.stream.security import CurveKeys, auth_enabled
+
+        self.keys = (self.keys or CurveKeys.generate()) if auth_enabled(cl.auth, host) else None
+        curve = self.keys
         self.receiver = TrajectoryReceiver(
-            bind_endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20
+            bind_endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20,
+            curve=curve,
         )
-        self.control = ControlPublisher(bind_endpoint(host, cl.control_port))
+        self.control = ControlPublisher(bind_endpoint(host, cl.control_port), curve=curve)
         self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=self.version)
-        self.admission_server = AdmissionServer(self.admission, bind_endpoint(host, cl.admission_port))
+        room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks
+        self.admission_server = AdmissionServer(
+            self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
+            max_tickets_per_peer=cl.max_tickets_per_worker or 2 * room + 2,
+        )
+        self.sync_prefix = secrets.token_hex(16)
         self._closables += [self.receiver, self.control, self.admission_server]
+        self.engine_eval = None  # evaluation of data.eval_files on the rollout engines (learner/evaluation.py)
+        if self.cfg.data.eval_files:
+            from asyncppo.learner.evaluation import EngineEvaluation
+
+            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), self.num_workers)
+            self._closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)
+        # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)
+        from asyncppo.data.position import DataPosition
+        from asyncppo.sync.fanout import WeightFanout
+
+        self.fanout = WeightFanout(host, self.sync_port, self.sync_prefix, backend=self._sync_backend(),
+                                   timeout_s=cl.timeout_s, bucket_bytes=ro.weight_bucket_mb << 20)
+        for w in range(self.num_workers):
+            self.fanout.add(w, 0)
+        self._closables.append(self.fanout)
+        saved = {}
+        if self.resume is not None:  # the prompts each worker had trained (data/position.py)
+            from asyncppo.learner.checkpoint import load_trainer_state
+
+            saved = load_trainer_state(self.resume.state_file).get("extra", {}).get("data_position", {})
+        self.position = DataPosition(saved)
+        self.restarts: dict[int, int] = {}
+        self.tickets_returned = 0
         return Endpoints(
             trajectory=connect_endpoint(self.receiver.address, public),
             control=connect_endpoint(self.control.address, public),
@@ -84,6 +122,11 @@ class LearnerService:
             sync_port=self.sync_port,
             sync_world_size=1 + self.num_workers,
             sync_backend=self._sync_backend(),
+            curve=curve.for_workers() if curve is not None else None,
+            max_message_bytes=cl.max_message_mb << 20,
+            sync_prefix=self.sync_prefix,
+            eval=connect_endpoint(self.engine_eval.address, public) if self.engine_eval is not None else "",
+            sync_per_worker=True,
         )
 
     def _sync_backend(self) -> str:
@@ -94,8 +137,15 @@ class LearnerService:
         """Where the learner ranks rendezvous (rank 0's node, a free port)."""
         import ray
 
-        host = ray.util.get_node_ip_address()
-        return host, find_free_port("0.0.0.0")
+        from asyncppo.stream.security import is_loopback
+
+        bind = self.cfg.cluster.bind_address
+        wildcard = bind.strip("[]") in ("0.0.0.0", "::")
+        # rank 0's store listens on cluster.bind_address only (learner.distributed.init_learner_group)
+        host = ray.util.get_node_ip_address() if wildcard else bind
+        if not wildcard and not is_loopback(bind):
+            host = self.cfg.cluster.advertise_address or bind
+        return host, find_free_port(bind.strip("[]"))
 
     def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
         """Train; whatever happens, tell the workers to stop and release every socket, group and thread."""
@@ -119,7 +169,8 @@ class LearnerService:
                 version=self.version, weights_version=state.get("pushed_version", 0), stop=True))
             attempt("stop admission", self.admission_server.stop)
         if "sender" in state:
-            attempt("finish weight push", state["sender"].wait)
+            # short: a normal end already waited for every push; a worker that is late must not delay the error
+            attempt("finish weight push", lambda: state["sender"].wait(timeout_s=5.0))
         if state.get("multi"):
             from asyncppo.learner import distributed as D
 
@@ -141,9 +192,9 @@ class LearnerService:
         from asyncppo.learner.models import (
             full_state_dict, load_actor, load_critic, load_reference, maybe_shard, torch_dtype,
         )
+        from asyncppo.learner.dynamic_sampling import GroupFilter
         from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
         from asyncppo.staleness import Feeder, StalenessBuffer
-        from asyncppo.sync import WeightSender, make_sync_group
         from transformers import AutoTokenizer
 
         cfg, ro, tr = self.cfg, self.cfg.rollout, self.cfg.trainer
@@ -152,13 +203,18 @@ class LearnerService:
         if multi:
             self._state["multi"] = True
             device = D.init_learner_group(
-                self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.cluster.timeout_s
+                self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.cluster.timeout_s,
+                bind_host=cfg.cluster.bind_address,
             )
         else:
             device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.train_gpus > 0 else "cpu")
         dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         remote = cfg.model.trust_remote_code
+        if self.resume is None and tr.resume_from and self.rank > 0:  # followers skip setup(): resolve it here
+            from asyncppo.learner.checkpoint import resolve_checkpoint
+
+            self.resume = resolve_checkpoint(tr.resume_from)
         if self.resume is not None:
             check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg))
         # The reference (and a fresh critic body) always come from the configured model; only the actor resumes.
@@ -179,7 +235,12 @@ class LearnerService:
             updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=self.rank,
                                          world_size=self.world_size)
             if self.rank > 0:  # followers do what rank 0 broadcasts, until it says stop
-                steps = D.run_follower(updater)
+                from asyncppo.learner.checkpoint import save_sharded, sharded_tmp_dir
+
+                if self.resume is not None:
+                    restore(self.resume, updater, critic)  # collective with rank 0's restore below
+                steps = D.run_follower(updater, on_checkpoint=lambda v: save_sharded(
+                    sharded_tmp_dir(self.output_dir, v), updater, critic))
                 return {"rank": self.rank, "steps": steps}
         else:
             updater = PPOUpdate(cfg, actor, critic, reference, device)
@@ -218,28 +279,28 @@ class LearnerService:
             logger.log(self.version, {f"eval/{k}": v for k, v in summary["eval_before"].items()})
 
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
-        group = make_sync_group(
-            self.cfg.cluster.bind_address, self.sync_port, rank=0, world_size=1 + self.num_workers,
-            backend=self._sync_backend(),
-            timeout_s=cfg.cluster.timeout_s,
-        )
-        self._state["group"] = group
-        sender = WeightSender(group, bucket_bytes=ro.weight_bucket_mb << 20)
+        sender = self.fanout  # pushes to every worker's own group (sync/fanout.py); raises naming who is missing
+        sender.wait_joined(range(self.num_workers), timeout_s=cfg.cluster.timeout_s)
         self._state["sender"] = sender
+        al = cfg.algorithm
+        self.group_filter = GroupFilter(self.admission, al.dynamic_sampling,
+                                        al.dynamic_sampling_max_skip or 4 * ro.rollout_batch_size)
         buffer = StalenessBuffer(
             ro.max_staleness,
             # room for everything admission lets into flight, so the feeder never blocks a worker's send
             capacity_groups=max((ro.max_staleness + 2) * ro.rollout_batch_size, 64),
             on_drop=self._release_dropped,
-            on_take=lambda g: self.admission.consumed(g.ticket),
+            on_take=self.group_filter.on_take,  # consumes the ticket, or releases it for a skipped group
             # the batch at version v is the B lowest outstanding tickets: lag <= k without dropping long samples
             order=self.admission,
             response_length=ro.response_length,
         )
-        feeder = Feeder(self.receiver, buffer)
+        self.validator, rejections = self._door(plain_actor, tokenizer)
+        feeder = Feeder(self.receiver, buffer, validator=self.validator, summary=rejections)
         self._closables.insert(0, feeder)
         self._feeder = feeder
         start = self.version
+        t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
         pushed_version = 0
         logger.message(f"training started at step {start + 1}" + (f" (resumed from {self.resume.path})"
                                                                  if self.resume is not None else ""))
@@ -248,9 +309,17 @@ class LearnerService:
             if multi:
                 actor_state()  # the collective gather into plain_actor
             t0 = time.perf_counter()
+            from asyncppo.learner.checkpoint import save_sharded
+
+            def sharded(path: str) -> None:  # every rank writes its own shards (collective)
+                D.broadcast_checkpoint(self.version)
+                save_sharded(path, updater, critic)
+
             ckpt = save_checkpoint(self.output_dir, self.version, actor=plain_actor, tokenizer=tokenizer,
                                    updater=updater, critic=critic, keep=tr.keep_checkpoints,
-                                   extra={"samples_trained": samples_trained})
+                                   sharded=sharded if multi else None,
+                                   extra={"samples_trained": samples_trained,
+                                          "data_position": self.position.state_dict()})
             logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
         train_tokens, rollout_busy, train_busy = RateMeter(), BusyMeter(), BusyMeter()
@@ -270,16 +339,20 @@ class LearnerService:
                 self.control.publish(version=0, weights_version=0)
             for step in range(start + 1, tr.total_steps + 1):
                 t_step = time.perf_counter()
+                self.group_filter.start_step()
                 groups = self._take_batch(buffer, B)
                 t_work = time.perf_counter()
                 batch = collate_groups(groups, tokenizer.pad_token_id)
                 metrics = updater.step(D.broadcast_batch(batch) if multi else batch)
                 metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
+                if cfg.algorithm.dynamic_sampling:
+                    metrics.update(self.group_filter.metrics())
                 metrics.update(token_lag_stats(self.version, groups))
                 metrics.update(engine_totals.add(groups))
                 self.version += 1
                 last = step == tr.total_steps
-                if self.version % ro.sync_every == 0 and not last:  # nobody generates with the final weights
+                # Nobody generates with the final weights, except an evaluation of data.eval_files.
+                if (self.version % ro.sync_every == 0 and not last) or (last and self.engine_eval is not None):
                     sender.wait()
                     self.control.publish(version=self.version, weights_version=self.version)
                     sender.push_async(actor_state(), self.version)
@@ -294,10 +367,12 @@ class LearnerService:
                 train_tokens.add(n_tokens)
                 rollout_busy.add(sum(g.timings.get("busy_s", 0.0) for g in groups))
                 samples_trained += batch.size
+                self._record_trained(step, groups)
                 stats = buffer.stats()
                 metrics.update(
                     {
                         "policy_version": self.version,
+                        "time/wall_s": time.perf_counter() - t_train0,
                         # engine throughput while generating these groups (tokens per engine-second)
                         "throughput/gen_tokens_per_s": n_tokens / max(gen_seconds, 1e-9),
                         "throughput/train_tokens_per_s": train_tokens.rate(),
@@ -312,8 +387,12 @@ class LearnerService:
                         "waste/tokens_frac": stats.get("dropped_tokens", 0)
                         / max(1, stats.get("dropped_tokens", 0) + engine_totals.trained_tokens),
                         "stream/rejected": sum(self.receiver.rejected.values()),
+                        "stream/rejected_content": self.validator.num_rejected,
                         "samples_trained": samples_trained,
                         "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
+                        "workers/restarts": sum(self.restarts.values()),
+                        "workers/tickets_returned": self.tickets_returned,
+                        "workers/sync_failures": len(self.fanout.failures),
                     }
                 )
                 for meter in (train_tokens, rollout_busy, train_busy):
@@ -323,6 +402,8 @@ class LearnerService:
                         actor_state()
                     metrics.update({f"eval/{k}": v for k, v in evaluator(plain_actor).items()})
                 logger.log(step, metrics)
+                if self.engine_eval is not None:
+                    self.engine_eval.poll(logger)
                 if tr.save_every and step % tr.save_every == 0:
                     checkpoint()
                     saved_version = self.version
@@ -334,11 +415,14 @@ class LearnerService:
             if evaluator is not None:
                 summary["eval_after"] = evaluator(plain_actor)
                 logger.log(tr.total_steps, {f"eval/{k}": v for k, v in summary["eval_after"].items()})
+            if self.engine_eval is not None:
+                self.engine_eval.finish(logger, tr.total_steps, cfg.cluster.timeout_s)
+                summary["eval_files"] = self.engine_eval.summary()
             final_dir = os.path.join(self.output_dir, "final")
             plain_actor.save_pretrained(final_dir)
             tokenizer.save_pretrained(final_dir)
             summary.update(steps=tr.total_steps, version=self.version, samples_trained=samples_trained,
-                           buffer=buffer.stats(), rejected=dict(self.receiver.rejected),
+                           buffer=buffer.stats(), rejected=self.rejections(),
                            rollout=engine_totals.summary())
             with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1, default=str)
@@ -346,6 +430,59 @@ class LearnerService:
             return summary
         finally:
             self._state["pushed_version"] = pushed_version
+
+    def _door(self, actor, tokenizer):
+        """The content validator at the learner's door and the one-line-per-interval rejection summary
+        (:mod:`asyncppo.stream.validate`): limits from the model's vocabulary and the configured lengths."""
+        from asyncppo.stream.validate import ContentLimits, GroupValidator, RejectionSummary
+
+        cl, ro = self.cfg.cluster, self.cfg.rollout
+        vocab = int(getattr(getattr(actor, "config", None), "vocab_size", 0) or len(tokenizer))
+        limits = ContentLimits(vocab_size=vocab, max_prompt_len=ro.prompt_length, max_response_len=ro.response_length,
+                               max_samples=ro.num_return_sequences_in_group, num_workers=self.num_workers,
+                               logprob_tolerance=cl.logprob_tolerance)
+        validator = GroupValidator(limits, lambda: self.version, ledger=self.admission_server)
+        summary = RejectionSummary({"stream": lambda: self.receiver.rejected, "content": lambda: validator.rejected,
+                                    "admission": lambda: self.admission_server.rejected}, logger=log)
+        return validator, summary
+
+    def rejections(self) -> dict:
+        """Every refusal so far, by source and reason (summary.json, metrics)."""
+        out = {f"stream/{k}": v for k, v in self.receiver.rejected.items()}
+        if getattr(self, "validator", None) is not None:
+            out.update({f"content/{k}": v for k, v in self.validator.rejected.items()})
+        out.update({f"admission/{k}": v for k, v in self.admission_server.rejected.items()})
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # worker restarts (launch/runner.py supervises; docs/reliability.md)
+    def _record_trained(self, step: int, groups) -> None:
+        """The data position (what each worker's prompt sequence has trained) and one line per step in
+        ``trained_groups.jsonl``: the group ids, tickets and prompts of the batch, so a run can show that no group
+        was trained twice and a resume trained the prompt sequence of a run that never stopped."""
+        for g in groups:
+            self.position.record(g.group_id)
+        with open(os.path.join(self.output_dir, "trained_groups.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "groups": [[g.group_id, g.ticket, g.prompt_index] for g in groups]})
+                    + "\n")
+
+    def data_position(self, worker_id: int) -> dict:
+        """Where worker ``worker_id``'s prompt sequence starts (a resumed run's workers; data/position.py)."""
+        return self.position.of(worker_id)
+
+    def replace_worker(self, worker_id: int, generation: int) -> dict:
+        """The launcher saw worker ``worker_id`` die and starts incarnation ``generation``: its tickets come back
+        to the pool (groups of it still on the way are then refused at the door: their tickets are no longer its),
+        its weight-sync member is retired and a new one awaited (the replacement receives the current weights when
+        it joins). Returns where the replacement's prompt sequence resumes. Called from the launcher's thread while
+        :meth:`run` trains (the actor is threaded); every structure touched here is locked."""
+        returned = self.admission_server.retire(worker_id, timeout_s=self.cfg.cluster.timeout_s)
+        self.tickets_returned += len(returned)
+        self.fanout.replace(worker_id, generation)
+        self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
+        log.warning("rollout worker %d died: %d ticket(s) %s returned to the pool; starting incarnation %d",
+                    worker_id, len(returned), returned[:8], generation)
+        return self.position.of(worker_id)
 
     def _release_dropped(self, group) -> None:
         """A group the lag guard dropped gives its ticket back, so the slot is generated again (a group whose
@@ -358,14 +495,20 @@ class LearnerService:
         deadline = time.monotonic() + self.cfg.cluster.timeout_s
         groups = []
         while len(groups) < n:
-            groups += buffer.take(n - len(groups), self.version, timeout_s=1.0)
+            groups += self.group_filter.keep(buffer.take(n - len(groups), self.version, timeout_s=1.0))
             if self._feeder is not None and not self._feeder.alive:
                 raise RuntimeError(f"the trajectory feeder stopped: {self._feeder.error!r}")
             if time.monotonic() > deadline:
+                missing = buffer.missing(n)
+                holders = {w: self.admission_server.held_by(w) for w in range(self.num_workers)}
+                late = {w: [t for t in held if t in missing] for w, held in holders.items()}
+                late = {w: t for w, t in late.items() if t}
+                who = ("; ".join(f"rollout worker {w} holds tickets {t[:8]} and sent nothing for them"
+                                 for w, t in sorted(late.items())) or "no worker holds them (no tickets granted?)")
                 raise TimeoutError(
-                    f"no trajectories for {self.cfg.cluster.timeout_s:.0f}s at policy version {self.version} "
-                    f"({len(groups)}/{n} groups; waiting for tickets {buffer.missing(n)[:8]}): are the rollout "
-                    "workers alive? (cluster.timeout_s)"
+                    f"rollout worker(s) {sorted(late) or '?'} late: no trajectories for "
+                    f"{self.cfg.cluster.timeout_s:.0f}s at policy version {self.version} ({len(groups)}/{n} groups; "
+                    f"waiting for tickets {missing[:8]}): {who} (cluster.timeout_s)"
                 )
             if groups:
                 deadline = time.monotonic() + self.cfg.cluster.timeout_s

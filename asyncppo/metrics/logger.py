@@ -38,6 +38,23 @@ _CONSOLE_FIELDS = [
 ]
 
 
+def format_progress(step: int, total_steps: Optional[int], elapsed_s: float, record: dict[str, Any]) -> str:
+    """One console line for one metrics record (the learner's console and the launcher's driver both use it)."""
+    total = f"/{total_steps}" if total_steps else ""
+    parts = [f"step {step}{total}", f"{elapsed_s:6.0f}s"]
+    for key, label, fmt in _CONSOLE_FIELDS:
+        value = record.get(key)
+        if isinstance(value, (int, float)):
+            parts.append(f"{label} " + fmt.format(value))
+    shown = {key for key, _, _ in _CONSOLE_FIELDS}
+    for key in sorted(record):  # evaluation of data.eval_files: eval/<file>/<metric>
+        value = record[key]
+        if key.startswith("eval/") and key not in shown and key.count("/") >= 2 and isinstance(value, (int, float)) \
+                and key.rsplit("/", 1)[1] in ("accuracy_greedy", "accuracy_sampled"):
+            parts.append(f"{key[len('eval/'):]} {value:.3f}")
+    return " | ".join(parts)
+
+
 def _clean(value: Any) -> Any:
     """JSON-safe scalars: tensors and numpy numbers become floats, NaN/inf become None."""
     if hasattr(value, "item"):
@@ -104,13 +121,7 @@ class MetricsLogger:
             self._stream.flush()
 
     def format_line(self, step: int, record: dict[str, Any]) -> str:
-        total = f"/{self.total_steps}" if self.total_steps else ""
-        parts = [f"step {step}{total}", f"{time.time() - self._t0:6.0f}s"]
-        for key, label, fmt in _CONSOLE_FIELDS:
-            value = record.get(key)
-            if isinstance(value, (int, float)):
-                parts.append(f"{label} " + fmt.format(value))
-        return " | ".join(parts)
+        return format_progress(step, self.total_steps, time.time() - self._t0, record)
 
     def message(self, text: str) -> None:
         if self.console:

@@ -7,6 +7,7 @@ The rollout workers attach to every group what their engine did since the previo
 
 from __future__ import annotations
 
+import random
 import statistics
 from typing import Iterable
 
@@ -40,6 +41,11 @@ class EngineTotals:
         self.push_s: list[float] = []
         self.trained_tokens = 0
         self.lengths: list[int] = []
+        # A uniform sample of whole groups' response lengths (reservoir, fixed seed): the advisor replays them, since
+        # a group finishes with its longest sample and lengths within a group are correlated.
+        self.group_lengths: list[list[int]] = []
+        self._groups_seen = 0
+        self._rng = random.Random(0)
 
     def add(self, groups: list) -> dict[str, float]:
         steps = sum(g.timings.get("decode_steps", 0.0) for g in groups)
@@ -53,13 +59,28 @@ class EngineTotals:
         self.push_s += pushes
         self.trained_tokens += sum(lengths)
         self.lengths += lengths
+        for g in groups:
+            self._keep_group([s.num_tokens for s in g.samples])
+        busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
         return {
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
+            # engine seconds per decode step and sequences per step: the advisor's generation-speed curve
+            "rollout/decode_step_s": busy / steps if steps else 0.0,
+            "rollout/running_mean": running / steps if steps else 0.0,
             "rollout/inflight_updates": float(inflight),
             "sync/push_s": max(pushes, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
         }
+
+    def _keep_group(self, lengths: list[int], capacity: int = 512) -> None:
+        self._groups_seen += 1
+        if len(self.group_lengths) < capacity:
+            self.group_lengths.append(lengths)
+        else:
+            j = self._rng.randrange(self._groups_seen)
+            if j < capacity:
+                self.group_lengths[j] = lengths
 
     def summary(self) -> dict[str, float]:
         lengths = [float(x) for x in self.lengths]
@@ -72,4 +93,6 @@ class EngineTotals:
             "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
             "response_length_p99": _percentile(lengths, 0.99),
             "trained_tokens": self.trained_tokens,
+            # one string per sampled group, e.g. "3 4 3 3": compact in summary.json, read by asyncppo.report.rates
+            "group_lengths": [" ".join(map(str, g)) for g in self.group_lengths],
         }

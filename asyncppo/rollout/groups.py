@@ -8,6 +8,7 @@ loads, push latencies), so summing over any set of groups gives exact totals and
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +17,8 @@ import numpy as np
 
 from asyncppo.rollout.engine import FinishedGroup
 from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
+
+log = logging.getLogger("asyncppo.rollout")
 
 
 @dataclass
@@ -38,12 +41,22 @@ class GroupBuilder:
         self.stats = stats
         self._score = score_safely
 
+    def _report_failure(self, err) -> None:
+        """Say so when the reward function fails: the first time with its error, then at 10, 100, 1000, ...
+        failures (the sample scores 0.0 and is counted in ``reward/failed_frac``; the run goes on)."""
+        count = self.stats["reward_failures"] + 1
+        if count == 1 or (count >= 10 and str(count).rstrip("0") == "1"):
+            log.warning("worker %d: the reward function failed %d time(s) so far (the samples score 0.0); "
+                        "last error: %s", self.worker_id, count, err)
+
     def build(self, done: FinishedGroup, flight: InFlight, meter) -> TrajectoryGroup:
         t0 = time.perf_counter()
         samples = []
         for c in done.completions:
             text = self.engine.decode(c.token_ids)
-            reward, failed, _err = self._score(self.reward_fn, text, flight.row.answer)
+            reward, failed, err = self._score(self.reward_fn, text, flight.row.answer)
+            if failed:
+                self._report_failure(err)
             versions = c.versions if c.versions is not None else np.full(len(c.token_ids), flight.version)
             spans = spans_from_token_versions(np.asarray(versions, dtype=np.int64), default_version=flight.version)
             self.stats["reward_failures"] += int(failed)

@@ -55,9 +55,14 @@ class EngineMeter:
 
 
 class RolloutWorker:
-    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints, model_path: str):
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints, model_path: str,
+                 generation: int = 0, position: dict | None = None):
         self.cfg = cfg
         self.worker_id = worker_id
+        # generation: how many times the launcher restarted this worker (0: the first process); position: where its
+        # prompt sequence resumes (data/position.py), from the learner's record of what it trained
+        self.generation = generation
+        self.position = position
         self.num_workers = num_workers
         self.endpoints = endpoints
         self.model_path = model_path
@@ -71,6 +76,7 @@ class RolloutWorker:
         self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
         self._seq = 0
         self._closables: list = []
+        self.evaluator = None  # an EvalRunner when data.eval_files is set (rollout/evaluation.py)
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -90,6 +96,8 @@ class RolloutWorker:
         if state is not None and state.weights_version > self.version:
             self._announce_seen.setdefault(state.weights_version, time.perf_counter())
             self._update_weights()
+        if self.evaluator is not None:
+            self._evaluate()
         self._admit()
         if self.engine.num_unfinished_seqs():
             self._step()
@@ -115,22 +123,49 @@ class RolloutWorker:
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
         )
         self._closables.append(self.engine)
-        dataset = build_prompt_dataset(cfg, self.model_path, split="train").shard(self.worker_id, self.num_workers)
-        self._prompts = iter(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle))
+        from transformers import AutoTokenizer
+
+        from asyncppo.rollout.evaluation import build_eval_runner
+        from asyncppo.stream.evals import EvalSender
+
+        tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
+        dataset = build_prompt_dataset(cfg, self.model_path, split="train", tokenizer=tokenizer).shard(
+            self.worker_id, self.num_workers)
+        from asyncppo.data.position import resume_draws
+
+        self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
+                                     self.position)
         self.stats["dataset"] = dataset.stats.as_dict()
-        print(f"[asyncppo] rollout worker {self.worker_id}: {len(dataset)} prompts, dataset {self.stats['dataset']}, "
+        import os
+
+        print(f"[asyncppo] rollout worker {self.worker_id}"
+              + (f" (incarnation {self.generation}, from draw {self.position['next'] if self.position else 0})"
+                 if self.generation else "")
+              + f": pid {os.getpid()}, {len(dataset)} prompts, dataset {self.stats['dataset']}, "
               f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}",
               flush=True)
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
         self.builder = GroupBuilder(self.engine, reward_fn, self.worker_id, self.stats)
-        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=1 + self.worker_id,
-                                     world_size=ep.sync_world_size, backend=ep.sync_backend,
-                                     timeout_s=cfg.cluster.timeout_s)
+        self.evaluator = build_eval_runner(cfg, self.worker_id, self.num_workers, tokenizer, self.engine.decode,
+                                           reward_fn) if ep.eval else None
+        if self.evaluator is not None:
+            self.eval_sender = EvalSender(ep.eval)
+            self._closables.append(self.eval_sender)
+        if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
+            from asyncppo.sync.fanout import member_prefix
+
+            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self.generation)
+        else:
+            rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
+        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
+                                     backend=ep.sync_backend, timeout_s=cfg.cluster.timeout_s, store_prefix=prefix)
         self._closables.append(self.group)
         self.receiver = WeightReceiver(self.group)
-        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm)
-        self.control = ControlSubscriber(ep.control)
-        self.admission = AdmissionClient(ep.admission, self.worker_id)
+        # ep.curve: the run's CURVE client keys when the learner authenticates peers (docs/security.md)
+        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm,
+                                       max_message_bytes=ep.max_message_bytes, curve=ep.curve)
+        self.control = ControlSubscriber(ep.control, curve=ep.curve)
+        self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
         self._closables += [self.sender, self.control, self.admission]
         self._state = None
 
@@ -218,15 +253,18 @@ class RolloutWorker:
     def _add_group(self, ticket) -> None:
         ro, s = self.cfg.rollout, self.cfg.rollout.sampling
         n = ro.num_return_sequences_in_group
-        row = next(self._prompts)
-        key = f"{self.worker_id}-{self._seq}"
+        from asyncppo.data.position import group_key
+
+        # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a
+        # replacement or a resumed run that draws it again samples it alike
+        self._seq, row = next(self._prompts)
+        key = group_key(self.worker_id, self.generation, self._seq)
         # distinct seeds for every sample of the run and every worker (vLLM seeds sample j with seed + j)
         seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
         spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, seed=seed)
         self.engine.add_group(key, row.prompt_ids, spec)
         self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
-        self._seq += 1
 
     def _step(self) -> None:
         running = min(self.engine.num_unfinished_seqs(), self.cfg.rollout.max_num_seqs)
@@ -238,8 +276,25 @@ class RolloutWorker:
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now
         for done in finished:
+            if self.evaluator is not None and self.evaluator.owns(done.key):
+                self._report_eval(self.evaluator.finished(done))
+                continue
             group = self.builder.build(done, self._in_flight.pop(done.key), self.meter)
             self._send(group)
+
+    def _evaluate(self) -> None:
+        """Start the evaluation a new weight version makes due, and keep its groups flowing into the engine
+        (rollout/evaluation.py says when and how much)."""
+        self._report_eval(self.evaluator.on_version(self.version, loaded=self.stats["weight_loads"] > 0))
+        self.evaluator.admit(self.engine)
+
+    def _report_eval(self, report) -> None:
+        if report is None:
+            return
+        if not self.eval_sender.send(report, timeout_s=self.cfg.cluster.timeout_s):
+            log.warning("worker %d: the learner did not take the evaluation report of point %d", self.worker_id,
+                        report.point)
+        self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1
 
     def _send(self, group) -> None:
         while not self.sender.send(group, timeout_s=1.0):
@@ -254,7 +309,8 @@ class RolloutWorker:
             needed = self._pending[0].min_version
             self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 1.0) \
                 or self._state
-        elif self.admission.stopped:
-            self._state = self.control.wait_for(lambda st: st.stop, 1.0) or self._state
+        elif self.admission.stopped:  # the run is ending: only a stop, or final weights to evaluate, can come
+            self._state = self.control.wait_for(lambda st: st.stop or st.weights_version > self.version, 1.0) \
+                or self._state
         elif not self._pending:
             self._pending.extend(self.admission.poll_granted(0.2))

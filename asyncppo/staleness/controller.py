@@ -71,6 +71,7 @@ class AdmissionController:
         self._live = start_version * batch_groups  # granted - released: the slots in use, consumed ones included
         self.granted = 0  # grants, including re-grants of released indices
         self.released = 0
+        self.release_unknown = 0  # release() of an index that was not outstanding: refused, counted
         self.consumed_count = 0
         self.stopped = False
 
@@ -116,19 +117,24 @@ class AdmissionController:
         self._next_index += 1
         return i
 
-    def release(self, ticket: Ticket | int) -> None:
-        """Return the ticket of a group that was dropped (never trained), so its slot is granted again.
+    def release(self, ticket: Ticket | int) -> bool:
+        """Return the ticket of a group that was dropped (never trained), so its slot is granted again; True if
+        it was returned.
 
-        Raises ValueError for an index that is not outstanding (never granted, already released, or already
-        consumed): a double release would silently widen the pool beyond ``(k + v + 1) * B``."""
+        An index that is not outstanding (never granted, already released, already consumed, or -1) is a counted
+        no-op (``release_unknown``) that returns False: a double release must not widen the pool beyond
+        ``(k + v + 1) * B``, and since the index can come from a peer (a forged record, a stray release message),
+        refusing it must never raise through the learner."""
         index = ticket.index if isinstance(ticket, Ticket) else ticket
         with self._lock:
-            if index not in self._outstanding:
-                raise ValueError(f"ticket {index} is not outstanding (never granted, released or consumed)")
+            if type(index) is not int or index not in self._outstanding:
+                self.release_unknown += 1
+                return False
             self._outstanding.remove(index)
             self._live -= 1
             heapq.heappush(self._free, index)
             self.released += 1
+            return True
 
     def consumed(self, ticket: Ticket | int) -> None:
         """The group of this ticket was handed to the learner: it keeps its slot for good, can no longer be
@@ -157,6 +163,7 @@ class AdmissionController:
             return {
                 "granted": self.granted,
                 "released": self.released,
+                "release_unknown": self.release_unknown,
                 "consumed": self.consumed_count,
                 "live": self._live,
                 "in_flight": len(self._outstanding),

@@ -12,6 +12,15 @@ Messages are small msgpack maps (never pickle), validated field by field; a malf
 * a client whose ``acquire`` times out sends ``cancel``; if the grant crossed the cancel on the wire, the client
   receives a ticket it no longer wants and sends it back with ``release``;
 * the ROUTER is ``ROUTER_MANDATORY``: a grant that cannot be delivered (the worker is gone) is released at once.
+
+Who holds what. Every grant is recorded with the connection (ROUTER identity) and worker id it went to, until the
+worker's group arrives (:meth:`AdmissionServer.claim`, called by the learner's content validator) or the ticket comes
+back. So a ticket can be released only over the connection that holds it, a group is accepted only for a ticket its
+worker holds (once), and ``held_by`` can list a dead worker's tickets. Each connection may *hold* at most
+``max_tickets_per_peer`` tickets: requests beyond that are parked (served once its groups arrive), never refused, so a
+worker under backpressure is only slowed; the pending queue is bounded per connection and in total, and requests
+beyond those bounds are refused and counted. Nothing a peer sends raises: every refusal is a count in ``rejected``.
+Replies are range-checked on the client too.
 """
 
 from __future__ import annotations
@@ -21,12 +30,14 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import Optional
 
 import zmq
 
 from asyncppo.staleness.controller import AdmissionController, Ticket
 from asyncppo.stream.endpoints import bind_socket
+from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
 from asyncppo.stream.wire import REASONS, WireError, decode_message, encode_message
 
 log = logging.getLogger(__name__)
@@ -40,6 +51,18 @@ REPLY_SPEC = {
     "ticket": {"req": int, "index": int, "min_version": int},
     "stop": {"req": int},
 }
+#: Refusals of the admission server beyond the wire decoder's REASONS.
+ADMISSION_REASONS = ("not_holder", "pending_full")
+#: libzmq drops the connection of a peer whose message exceeds this (requests and replies are < 100 bytes).
+MAXMSGSIZE = 4096
+_MAX_INT = 1 << 53  # sane upper bound for indices and versions in replies
+
+
+@dataclass
+class _Grant:
+    identity: bytes
+    worker_id: int
+    min_version: int
 
 
 class AdmissionServer:
@@ -51,19 +74,33 @@ class AdmissionServer:
         bind_address: str = "tcp://127.0.0.1:0",
         context: Optional[zmq.Context] = None,
         poll_ms: int = 5,
+        max_tickets_per_peer: Optional[int] = None,
+        max_pending: int = 1024,
+        curve: Optional[CurveKeys] = None,
     ):
         self.controller = controller
         self._ctx = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+        self._security = ServerSecurity(curve)
+        self._security.apply(self._sock)
         self.address = bind_socket(self._sock, bind_address)
         self._poll_ms = poll_ms
+        if max_tickets_per_peer is not None and max_tickets_per_peer < 1:
+            raise ValueError(f"max_tickets_per_peer must be >= 1 or None, got {max_tickets_per_peer}")
+        self.max_tickets_per_peer = max_tickets_per_peer
+        self.max_pending = max(1, int(max_pending))
         self._pending: collections.deque[tuple[bytes, int, int]] = collections.deque()  # (identity, worker, req)
-        self.rejected: dict[str, int] = {r: 0 for r in REASONS}
+        self._lock = threading.Lock()  # grants/held: the server thread writes, the learner's feeder claims
+        self._grants: dict[int, _Grant] = {}  # granted, not yet delivered as a group, not released
+        self._held: collections.Counter[bytes] = collections.Counter()
+        self.rejected: dict[str, int] = {r: 0 for r in REASONS + ADMISSION_REASONS}
         self.undeliverable = 0
         self.granted_by_worker: collections.Counter[int] = collections.Counter()
         self._closing = threading.Event()
+        self._retiring: collections.deque = collections.deque()  # (worker_id, done event, tickets returned)
         self._thread = threading.Thread(target=self._run, name="admission-server", daemon=True)
         self._thread.start()
 
@@ -73,6 +110,7 @@ class AdmissionServer:
             while not self._closing.is_set():
                 if self._sock.poll(self._poll_ms):
                     self._handle_all()
+                self._serve_retiring()
                 self._serve_pending()
         finally:
             self._sock.close()
@@ -93,33 +131,114 @@ class AdmissionServer:
                 self._reject(e)
                 continue
             if kind == "acquire":
+                mine = sum(1 for p in self._pending if p[0] == identity)
+                if len(self._pending) >= self.max_pending or mine >= self._peer_limit():
+                    self._count("pending_full", f"acquire from {identity!r}: {mine} pending from it, "
+                                                f"{len(self._pending)} in all")
+                    continue
                 self._pending.append((identity, f["worker_id"], f["req"]))
             elif kind == "cancel":
                 self._pending = collections.deque(
                     p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
                 )
-            else:  # release of a grant the client did not want any more
-                try:
-                    self.controller.release(f["index"])
-                except ValueError as e:
-                    self._reject(WireError("schema", str(e)))
+            else:  # release of a grant the client did not want any more: only its holder may
+                with self._lock:
+                    g = self._grants.get(f["index"])
+                    if g is None or g.identity != identity:
+                        self._count("not_holder", f"release of ticket {f['index']} by {identity!r}")
+                        continue
+                    self._forget_locked(f["index"])
+                self.controller.release(f["index"])
+
+    def _peer_limit(self) -> int:
+        return self.max_tickets_per_peer if self.max_tickets_per_peer is not None else self.max_pending
+
+    def _forget_locked(self, index: int) -> _Grant:
+        g = self._grants.pop(index)
+        self._held[g.identity] -= 1
+        if self._held[g.identity] <= 0:
+            del self._held[g.identity]
+        return g
 
     def _serve_pending(self) -> None:
-        while self._pending:
-            identity, worker, req = self._pending[0]
-            if self.controller.stopped:
-                self._pending.popleft()
+        """Answer parked requests in arrival order, skipping connections at their holding limit."""
+        if not self._pending:
+            return
+        if self.controller.stopped:
+            while self._pending:
+                identity, _, req = self._pending.popleft()
                 self._send(identity, encode_message("stop", req=req))
+            return
+        limit = self.max_tickets_per_peer
+        kept: collections.deque[tuple[bytes, int, int]] = collections.deque()
+        while self._pending:
+            identity, worker, req = entry = self._pending.popleft()
+            if limit is not None and self._held[identity] >= limit:
+                kept.append(entry)  # parked until one of its groups arrives or a ticket comes back
                 continue
             ticket = self.controller.try_acquire()
             if ticket is None:
-                return
-            self._pending.popleft()
+                kept.append(entry)
+                kept.extend(self._pending)
+                break
+            with self._lock:
+                self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
+                self._held[identity] += 1
             msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
             if self._send(identity, msg):
                 self.granted_by_worker[worker] += 1
             else:
+                with self._lock:
+                    self._forget_locked(ticket.index)
                 self.controller.release(ticket)
+        self._pending = kept
+
+    # ------------------------------------------------------------------------------------------ ledger
+    def claim(self, index: int, worker_id: int, version_min: int) -> Optional[str]:
+        """The group of ticket ``index`` arrived from ``worker_id`` (see :class:`asyncppo.stream.validate.TicketLedger`):
+        None if that worker holds the ticket and ``version_min`` honours its ``min_version`` (the ticket is then
+        delivered: a second group for it is refused), else the reason."""
+        with self._lock:
+            g = self._grants.get(index)
+            if g is None or not self.controller.is_outstanding(index):
+                return "ticket"
+            if g.worker_id != worker_id:
+                return "worker"
+            if version_min < g.min_version:
+                return "version"
+            self._forget_locked(index)
+            return None
+
+    def forfeit(self, index: int, worker_id: int) -> bool:
+        """Give back a ticket still held by ``worker_id`` whose group was refused, so the slot is granted again."""
+        with self._lock:
+            g = self._grants.get(index)
+            if g is None or g.worker_id != worker_id:
+                return False
+            self._forget_locked(index)
+        return self.controller.release(index)
+
+    def retire(self, worker_id: int, timeout_s: float = 10.0) -> list[int]:
+        """Worker ``worker_id``'s process died (the launcher restarts it): drop its parked requests and give every
+        ticket it held back to the pool; returns those tickets. The server thread does it (it owns the parked
+        queue), before it serves anyone again, so no ticket is granted to the dead connection afterwards."""
+        done, box = threading.Event(), []
+        self._retiring.append((int(worker_id), done, box))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"the admission server did not retire worker {worker_id} within {timeout_s}s")
+        return box
+
+    def _serve_retiring(self) -> None:
+        while self._retiring:
+            worker_id, done, box = self._retiring.popleft()
+            self._pending = collections.deque(p for p in self._pending if p[1] != worker_id)
+            box.extend(i for i in self.held_by(worker_id) if self.forfeit(i, worker_id))
+            done.set()
+
+    def held_by(self, worker_id: int) -> list[int]:
+        """Tickets granted to ``worker_id`` whose groups have not arrived (what a dead worker leaves behind)."""
+        with self._lock:
+            return sorted(i for i, g in self._grants.items() if g.worker_id == worker_id)
 
     def _send(self, identity: bytes, msg: bytes) -> bool:
         try:
@@ -131,8 +250,11 @@ class AdmissionServer:
             return False
 
     def _reject(self, err: WireError) -> None:
-        self.rejected[err.reason] += 1
-        log.warning("rejected admission request: %s", err)
+        self._count(err.reason, str(err))
+
+    def _count(self, reason: str, detail: str) -> None:
+        self.rejected[reason] += 1
+        log.debug("rejected admission request: %s: %s", reason, detail)  # summarised by the learner
 
     # ------------------------------------------------------------------------------------------ control
     def stop(self) -> None:
@@ -146,6 +268,7 @@ class AdmissionServer:
     def close(self) -> None:
         self._closing.set()
         self._thread.join()
+        self._security.release()
 
 
 class AdmissionClient:
@@ -153,10 +276,13 @@ class AdmissionClient:
 
     _ids = itertools.count()
 
-    def __init__(self, address: str, worker_id: int, context: Optional[zmq.Context] = None):
+    def __init__(self, address: str, worker_id: int, context: Optional[zmq.Context] = None,
+                 curve: Optional[CurveKeys] = None):
         self.worker_id = int(worker_id)
         self._sock = (context if context is not None else zmq.Context.instance()).socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 200)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+        apply_client(self._sock, curve)
         self._sock.connect(address)
         self._req = 0
         self._open: set[int] = set()  # requests sent with request() and not yet answered
@@ -244,7 +370,11 @@ class AdmissionClient:
         except zmq.Again:
             return None
         try:
-            return decode_message(payload, REPLY_SPEC, max_bytes=4096)
+            kind, f = decode_message(payload, REPLY_SPEC, max_bytes=MAXMSGSIZE)
+            if not 0 < f["req"] <= self._req or (kind == "ticket" and not (
+                    0 <= f["index"] < _MAX_INT and 0 <= f["min_version"] < _MAX_INT)):
+                raise WireError("schema", f"{kind} reply out of range: {f} (requests sent: {self._req})")
+            return kind, f
         except WireError as e:
             self.rejected[e.reason] += 1
             log.warning("rejected admission reply: %s", e)

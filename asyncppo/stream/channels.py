@@ -9,6 +9,16 @@ Why these socket types
   the *whole* state (version, weights_version, stop), never a delta, and the publisher repeats the last state
   periodically so a worker that connects late still learns it (the "slow joiner" problem).
 
+Limits and trust. Every socket has a size limit: the trajectory receiver counts a frame over
+``max_message_bytes`` as ``oversized`` (and ZMQ_MAXMSGSIZE, a memory guard above it, disconnects a peer whose frame
+is grossly larger before it is read in full); the sender refuses to send a frame the receiver would refuse, with
+the reason, instead of reporting it sent. Control messages are range-checked, not only type-checked (a
+``weights_version`` that can never arrive would make a worker wait forever). Rejections are counted per reason and
+logged at debug level; the learner logs one summary line per interval
+(:class:`asyncppo.stream.validate.RejectionSummary`). With ``curve`` keys (:mod:`asyncppo.stream.security`) the
+binding sockets are CURVE servers and the connecting ones CURVE clients: a peer without the run's keys cannot
+complete a handshake, so it can neither push nor listen.
+
 Sockets are not thread-safe; each object owns one socket and guards it with a lock where a background thread
 also uses it. Objects share the process-wide ``zmq.Context.instance()`` unless given a context, and ``close()``
 uses a short linger so processes and tests exit promptly.
@@ -17,6 +27,7 @@ uses a short linger so processes and tests exit promptly.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -26,11 +37,16 @@ import zmq
 
 from asyncppo.stream.endpoints import bind_socket
 from asyncppo.stream.records import TrajectoryGroup
+from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
 from asyncppo.stream.wire import REASONS, WireError, decode_group, decode_message, encode_group, encode_message
 
 log = logging.getLogger(__name__)
 
 MiB = 1 << 20
+#: Small-message sockets (control, subscriptions): libzmq drops the connection of a peer sending more than this.
+SMALL_MAXMSGSIZE = 64 * 1024
+#: Largest value a version or counter in a control message may take (2^53: exact in a float, far beyond any run).
+MAX_COUNTER = 1 << 53
 
 
 def _ctx(context: Optional[zmq.Context]) -> zmq.Context:
@@ -40,15 +56,19 @@ def _ctx(context: Optional[zmq.Context]) -> zmq.Context:
 class TrajectorySender:
     """Worker side of the trajectory stream (PUSH, connects to the learner's receiver)."""
 
-    def __init__(self, address: str, hwm: int = 64, context: Optional[zmq.Context] = None, linger_ms: int = 1000):
+    def __init__(self, address: str, hwm: int = 64, context: Optional[zmq.Context] = None, linger_ms: int = 1000,
+                 max_message_bytes: Optional[int] = None, curve: Optional[CurveKeys] = None):
         self.address = address
         self.linger_ms = linger_ms
+        self.max_message_bytes = max_message_bytes  # the receiver's limit: larger frames are refused here
         self._sock = _ctx(context).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
+        apply_client(self._sock, curve)
         self._sock.connect(address)
         self._timeout_ms: Optional[int] = None
         self.sent = 0
+        self.refused = 0
 
     def _set_timeout(self, timeout_s: Optional[float]) -> None:
         ms = -1 if timeout_s is None else max(0, int(timeout_s * 1000))
@@ -62,7 +82,14 @@ class TrajectorySender:
         return self.send_encoded(encode_group(group), timeout_s)
 
     def send_encoded(self, frame: bytes, timeout_s: Optional[float] = None) -> bool:
-        """Send an already encoded frame (lets a caller encode once outside a lock, or measure encoding apart)."""
+        """Send an already encoded frame (lets a caller encode once outside a lock, or measure encoding apart).
+
+        A frame over ``max_message_bytes`` raises ``WireError("oversized")``: the receiver would only count and
+        drop it, so reporting it sent would lose the group silently."""
+        if self.max_message_bytes is not None and len(frame) > self.max_message_bytes:
+            self.refused += 1
+            raise WireError("oversized", f"a {len(frame)}-byte group exceeds the learner's limit of "
+                                         f"{self.max_message_bytes} bytes (raise cluster.max_message_mb)")
         self._set_timeout(timeout_s)
         try:
             self._sock.send(frame, copy=False)
@@ -95,12 +122,18 @@ class TrajectoryReceiver:
         max_message_bytes: int = 256 * MiB,
         context: Optional[zmq.Context] = None,
         linger_ms: int = 0,
+        decode: Optional[Callable] = None,
+        curve: Optional[CurveKeys] = None,
     ):
         self.max_message_bytes = int(max_message_bytes)
+        # decode(buf, max_bytes) -> record; another record type on this stream (e.g. stream.segments) plugs in here
+        self.decode = decode if decode is not None else decode_group
         self._sock = _ctx(context).socket(zmq.PULL)
         self._sock.setsockopt(zmq.RCVHWM, hwm)
         self._sock.setsockopt(zmq.MAXMSGSIZE, 2 * self.max_message_bytes + MiB)
         self._sock.setsockopt(zmq.LINGER, linger_ms)
+        self._security = ServerSecurity(curve)
+        self._security.apply(self._sock)
         self.address = bind_socket(self._sock, bind_address)
         self._poller = zmq.Poller()
         self._poller.register(self._sock, zmq.POLLIN)
@@ -129,7 +162,7 @@ class TrajectoryReceiver:
                 self._reject(WireError("malformed", "multipart message; a group is one frame"))
                 continue
             try:
-                group = decode_group(frame.buffer, self.max_message_bytes)
+                group = self.decode(frame.buffer, self.max_message_bytes)
             except WireError as e:
                 self._reject(e)
                 continue
@@ -139,7 +172,7 @@ class TrajectoryReceiver:
     def _reject(self, err: WireError) -> None:
         self.rejected[err.reason] += 1
         self.last_error = err
-        log.warning("rejected trajectory message: %s", err)
+        log.debug("rejected trajectory message: %s", err)  # summarised by the learner, not one line each
 
     @property
     def num_rejected(self) -> int:
@@ -148,11 +181,21 @@ class TrajectoryReceiver:
     def close(self) -> None:
         if not self._sock.closed:
             self._sock.close()
+            self._security.release()
 
 
 # ------------------------------------------------------------------------------------------------ control
 
 _CONTROL_SPEC = {"control": {"version": int, "weights_version": int, "stop": bool, "seq": int, "time": float}}
+
+
+def check_control(f: dict) -> None:
+    """Range checks of a decoded control message (types are already checked): ``0 <= weights_version <= version
+    < 2^53``, ``seq >= 0``, ``time`` finite. Raises ``WireError("schema")``."""
+    v, w = f["version"], f["weights_version"]
+    if not (0 <= w <= v < MAX_COUNTER) or not 0 <= f["seq"] < MAX_COUNTER or not math.isfinite(f["time"]):
+        raise WireError("schema", f"control message out of range: version={v}, weights_version={w}, "
+                                  f"seq={f['seq']}, time={f['time']} (need 0 <= weights_version <= version < 2^53)")
 
 
 @dataclass(frozen=True)
@@ -174,9 +217,13 @@ class ControlPublisher:
         bind_address: str = "tcp://127.0.0.1:0",
         republish_interval_s: float = 0.2,
         context: Optional[zmq.Context] = None,
+        curve: Optional[CurveKeys] = None,
     ):
         self._sock = _ctx(context).socket(zmq.PUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, SMALL_MAXMSGSIZE)  # what a PUB receives: subscriptions
+        self._security = ServerSecurity(curve)
+        self._security.apply(self._sock)
         self.address = bind_socket(self._sock, bind_address)
         self._lock = threading.Lock()
         self._state: Optional[ControlState] = None
@@ -233,15 +280,18 @@ class ControlPublisher:
         with self._lock:
             if not self._sock.closed:
                 self._sock.close()
+                self._security.release()
 
 
 class ControlSubscriber:
     """Worker side of the control channel (SUB, connects). Only the newest state matters."""
 
-    def __init__(self, address: str, context: Optional[zmq.Context] = None):
+    def __init__(self, address: str, context: Optional[zmq.Context] = None, curve: Optional[CurveKeys] = None):
         self._sock = _ctx(context).socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, SMALL_MAXMSGSIZE)
         self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        apply_client(self._sock, curve)
         self._sock.connect(address)
         self._state: Optional[ControlState] = None
         self.rejected: dict[str, int] = {r: 0 for r in REASONS}
@@ -260,9 +310,10 @@ class ControlSubscriber:
                 continue
             try:
                 _, f = decode_message(frame, _CONTROL_SPEC)
+                check_control(f)
             except WireError as e:
                 self.rejected[e.reason] += 1
-                log.warning("rejected control message: %s", e)
+                log.debug("rejected control message: %s", e)
                 continue
             self._state = ControlState(**f)
             got = True

@@ -6,8 +6,11 @@ Kept apart from the sockets so launch code can compute what workers should conne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import zmq
+
+from asyncppo.stream.security import CurveKeys
 
 
 def _host(host: str) -> str:
@@ -62,3 +65,11 @@ class Endpoints:
     sync_port: int
     sync_world_size: int
     sync_backend: str = "gloo"  # "nccl" when both the learner and the engines hold GPUs
+    # CURVE client keys when the learner's sockets authenticate (cluster.auth), else None; see stream.security
+    curve: Optional[CurveKeys] = None
+    max_message_bytes: int = 256 << 20  # the trajectory receiver's limit: the sender refuses larger frames
+    sync_prefix: str = ""  # per-run secret key prefix of the weight-sync store (sync.group.make_sync_group)
+    eval: str = ""  # evaluation reports (stream/evals.py); empty when the run has no data.eval_files
+    # True: one two-rank weight-sync group per worker and incarnation (sync/fanout.py), rank 1 in it; False: one
+    # shared group of sync_world_size ranks in which worker w is rank 1 + w
+    sync_per_worker: bool = False

@@ -31,8 +31,10 @@ Decoded groups are columnar (:meth:`TrajectoryGroup.from_columns`): arrays are *
 received frame alive (copy them, ``np.array(x)``, before writing), and ``Sample`` objects are built on first use.
 
 Nothing here trusts the peer: :func:`decode_group` checks the type of every header field, the dtype whitelist,
-the flag values, that the frame is exactly as long as the header and table say, the schema version, and the
-version spans, and raises :class:`WireError` with a short reason code:
+the flag values, that the frame is exactly as long as the header and table say, that every alignment pad is zero
+(else a header could under-state a length and cut data short), the schema version, and the version spans
+(content - vocabulary, finiteness, limits, tickets - is :mod:`asyncppo.stream.validate`'s job), and raises
+:class:`WireError` with a short reason code:
 
 * ``malformed`` - not parseable: bad magic, bad msgpack, a frame of the wrong length for what it declares;
 * ``oversized`` - longer than the receiver's limit (checked before anything is parsed);
@@ -120,6 +122,11 @@ def _table(n: int) -> struct.Struct:
         if len(_TABLES) < 64:
             _TABLES[n] = st
     return st
+
+
+def _header_end(mv: memoryview) -> int:
+    """Where the msgpack header of a frame ends (its prefix is already known to be valid)."""
+    return _PREFIX.size + _PREFIX.unpack_from(mv, 0)[1]
 
 
 def _pad(n: int) -> int:
@@ -391,6 +398,13 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     end = s_start + n_spans * _SPAN_BYTES
     if end != size:  # (plain int arithmetic: nothing was allocated for what the table claims)
         raise WireError("malformed", f"message is {size} bytes, but its header and sample table describe {end}")
+    # Alignment padding must be zero: a header that under-states a length by a few elements would otherwise
+    # still describe a frame of the right size, and silently cut the prompt (or a response) short.
+    pads = ((_header_end(mv), data_start), (data_start + table.size, p_start),
+            (p_start + p_n * p_dt.itemsize, i_start), (i_start + total * i_dt.itemsize, l_start),
+            (l_start + total * l_dt.itemsize, s_start))
+    if any(b > a and mv[a:b] != _ZEROS[: b - a] for a, b in pads):
+        raise WireError("malformed", "alignment padding is not zero (a declared length is short of the data)")
     if n_spans > total + n:  # each sample has at most max(T, 1) spans
         raise WireError("schema", f"span counts {list(counts)} add up to {n_spans} > tokens + samples = {total + n}")
     flags = values[4 * n : 5 * n]

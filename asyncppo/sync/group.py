@@ -8,14 +8,24 @@ NCCL) so that callers never have to think about where a broadcast buffer must li
 
 Failures to meet (nobody listening, a wrong host, a worker that never joins) become :class:`SyncGroupError`
 naming the address, the rank and the timeout, instead of torch's generic store errors.
+
+Exposure. torch's ``TCPStore`` server listens on *every* interface whatever host it is given. So rank 0 binds the
+listening socket itself, on exactly ``host`` (``cluster.bind_address``), and hands it to the store
+(``master_listen_fd``; torch then owns and closes it). gloo's own pair sockets bind to the address the machine's
+hostname resolves to unless told otherwise: on a loopback store every rank's gloo device is pinned to that loopback
+address, and rank 0's to ``host`` when that is a specific address. The store has no authentication (torch offers
+none): ``store_prefix`` puts the group's keys under a per-run secret prefix, so a stranger who reaches the port
+cannot guess the rendezvous keys; what remains is listed in docs/security.md.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import os
 import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -75,6 +85,65 @@ def backend_for(learner_on_gpu: bool, engines_on_gpu: bool) -> str:
     return "nccl" if learner_on_gpu and engines_on_gpu else "gloo"
 
 
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _is_wildcard(host: str) -> bool:
+    return host.strip("[]") in ("0.0.0.0", "::", "")
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to exactly ``host:port`` and listening (what a store server should own)."""
+    family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host.strip("[]"), port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def bound_store(host: str, port: int, world_size: int, timeout: timedelta) -> Any:
+    """A ``TCPStore`` server listening on ``host:port`` only (torch alone would listen on every interface)."""
+    sock = listen_socket(host, port)
+    fd = sock.detach()  # the store owns the descriptor from here on and closes it when it is destroyed
+    try:
+        return dist.TCPStore(host.strip("[]"), port, world_size, True, timeout, wait_for_workers=False,
+                             master_listen_fd=fd, use_libuv=True)
+    except Exception:
+        os.close(fd)
+        raise
+
+
+def _gloo_options(host: str, rank: int, timeout: timedelta):
+    """Pin gloo's listening device to ``host`` where that is the right address for this rank (module docstring);
+    None: gloo's default device."""
+    if _is_wildcard(host) or not (_is_loopback(host) or rank == 0):
+        return None
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+    return opts
+
+
+def loopback_interface(host: str) -> Optional[str]:
+    """The name of the loopback interface (``lo`` on Linux) when ``host`` is a loopback address, else None: what
+    ``GLOO_SOCKET_IFNAME`` needs to keep a default process group's gloo sockets on loopback."""
+    if not _is_loopback(host):
+        return None
+    for _, name in socket.if_nameindex():
+        if name == "lo" or name.startswith("lo0"):
+            return name
+    return None
+
+
 def find_free_port(host: str = "127.0.0.1") -> int:
     """A TCP port on ``host`` that was free a moment ago (bind to port 0 and read what the OS chose).
 
@@ -94,12 +163,14 @@ def make_sync_group(
     world_size: int,
     backend: str = "gloo",
     timeout_s: float = 300.0,
+    store_prefix: str = "",
 ) -> SyncGroup:
     """Join (rank 0: host) the weight-sync group at ``host:port``; blocks until all ``world_size`` ranks joined.
 
     Rank 0 is the learner: it binds the ``TCPStore`` on ``host:port`` (``host`` is then the address to bind, e.g.
     ``0.0.0.0`` or ``127.0.0.1``). Other ranks connect to it. ``timeout_s`` bounds both the meeting and every later
-    broadcast (a rank that never joins a broadcast makes the others fail after ``timeout_s``).
+    broadcast (a rank that never joins a broadcast makes the others fail after ``timeout_s``). ``store_prefix``: a
+    per-run secret every rank must pass alike (the launcher hands it out with the endpoints).
     """
     if backend not in BACKENDS:
         raise SyncGroupError(f"backend={backend!r} is not supported; allowed: {', '.join(BACKENDS)}")
@@ -118,7 +189,10 @@ def make_sync_group(
 
     who = f"rank {rank}/{world_size}"
     try:
-        store = dist.TCPStore(host, port, world_size, rank == 0, timeout, wait_for_workers=False)
+        if rank == 0:
+            store = bound_store(host, port, world_size, timeout)
+        else:
+            store = dist.TCPStore(host.strip("[]"), port, world_size, False, timeout)
     except Exception as e:  # DistNetworkError, DistStoreError, socket.gaierror, TimeoutError ...
         if rank == 0:
             msg = f"could not bind the weight-sync store on {address} ({who}): {e}"
@@ -126,11 +200,21 @@ def make_sync_group(
             msg = (f"could not reach the weight-sync store at {address} within {timeout_s}s ({who}); "
                    f"is the learner (rank 0) running and the address right? ({type(e).__name__}: {e})")
         raise SyncGroupError(msg) from e
-    prefixed = dist.PrefixStore(_STORE_PREFIX, store)
+    return group_on_store(store, host, port, rank, world_size, backend, timeout_s, store_prefix)
+
+
+def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
+                   store_prefix: str = "") -> SyncGroup:
+    """Form a group on an existing store (rank 0 may serve many groups from one store, each under its own
+    ``store_prefix``: :class:`asyncppo.sync.fanout.WeightFanout` forms one two-rank group per rollout worker)."""
+    address, timeout, who = f"{host}:{port}", timedelta(seconds=timeout_s), f"rank {rank}/{world_size}"
+    prefixed = dist.PrefixStore(f"{_STORE_PREFIX}/{store_prefix}" if store_prefix else _STORE_PREFIX, store)
 
     try:
         if backend == "gloo":
-            pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+            gloo_opts = _gloo_options(host, rank, timeout)
+            pg = (dist.ProcessGroupGloo(prefixed, rank, world_size, timeout) if gloo_opts is None
+                  else dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts))
             device = torch.device("cpu")
         else:
             opts = dist.ProcessGroupNCCL.Options()

@@ -1,0 +1,177 @@
+"""The environment rollout worker: step a gymnasium vector env with the newest weights, stream fixed-length segments.
+
+One turn of :meth:`EnvWorker.run`'s loop (the LLM worker's state machine, with an env step for a decode step):
+
+1. **control** - read the learner's newest state; stop if asked.
+2. **weights** - if newer weights were announced, join the broadcast and load them *now*, between two env steps:
+   a segment in progress goes on with the new policy, and every step records the version that chose it.
+3. **admit** - a segment starts only with an admission ticket whose ``min_version`` our weights satisfy (the same
+   tickets, and so the same staleness bound ``k``, as LLM groups); the next ticket is requested while the current
+   segment is collected, so no step waits on a round trip.
+4. **step** - one vector-env step; after ``env.segment_length`` steps the segment is sent and the next one starts
+   from the current observations (episodes continue across segments; only the learner's GAE sees the cut, as a
+   bootstrap from ``bootstrap_obs``).
+
+An environment that returns a NaN or infinite observation or reward is a bug in the environment, not noise: the
+worker raises :class:`EnvError` naming the env, the index and the step, and the run ends with that message.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import numpy as np
+import torch
+
+from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.envs.policy import ActorCritic
+from asyncppo.envs.segments import SegmentBuilder
+from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
+from asyncppo.stream.endpoints import Endpoints
+from asyncppo.stream.segments import encode_segment
+
+log = logging.getLogger("asyncppo.envs")
+
+
+class EnvWorker:
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
+                 device: str = "cpu"):
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.endpoints = endpoints
+        self.device = torch.device(device)
+        self.version = -1  # no weights yet: the learner pushes version 0 before any ticket can be served
+        self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0}
+        self._pending: collections.deque = collections.deque()
+        self._ticket = None
+        self._closables: list = []
+        self._state = None
+        self._seq = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self._open()
+        try:
+            while self._turn():
+                pass
+        finally:
+            self._close()
+        return dict(self.stats, worker_id=self.worker_id, version=self.version)
+
+    def _open(self) -> None:
+        from asyncppo.staleness import AdmissionClient
+        from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
+        from asyncppo.sync import WeightReceiver, make_sync_group
+
+        cfg, ep, e = self.cfg, self.endpoints, self.cfg.env
+        self.desc = describe_env(e)
+        self.env = make_vector_env(e, e.num_envs)
+        self._closables.append(self.env)
+        seed = cfg.trainer.seed + 1000 * (self.worker_id + 1)
+        torch.manual_seed(seed)
+        self.policy = ActorCritic(self.desc.policy_spec(cfg)).to(self.device).eval()
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        obs, _ = self.env.reset(seed=seed)
+        self.builder = SegmentBuilder(self.desc, e.num_envs, e.segment_length, self.worker_id)
+        self.builder.start(np.asarray(obs))
+        if ep.sync_per_worker:  # one two-rank group per worker (sync/fanout.py), as LLM workers
+            from asyncppo.sync.fanout import member_prefix
+
+            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, 0)
+        else:
+            rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
+        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
+                                     backend=ep.sync_backend, timeout_s=cfg.cluster.timeout_s, store_prefix=prefix)
+        self._closables.append(self.group)
+        self.receiver = WeightReceiver(self.group)
+        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm,
+                                       max_message_bytes=ep.max_message_bytes, curve=ep.curve)
+        self.control = ControlSubscriber(ep.control, curve=ep.curve)
+        self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
+        self._closables += [self.sender, self.control, self.admission]
+        print(f"[asyncppo] env worker {self.worker_id}: {e.num_envs} x {e.id} ({e.vectorization}), segments of "
+              f"{e.segment_length} steps, obs {self.desc.obs_shape}, "
+              f"{'discrete' if self.desc.discrete else 'continuous'} actions ({self.desc.action_dim})", flush=True)
+
+    def _close(self) -> None:
+        for closable in reversed(self._closables):
+            try:
+                closable.close()
+            except Exception:  # closing must not mask the run's outcome
+                pass
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _turn(self) -> bool:
+        state = self.control.latest(timeout_ms=0) or self._state
+        self._state = state
+        if state is None and self.control.rejected.get("version", 0):
+            raise RuntimeError(f"env worker {self.worker_id}: the learner's control messages use another wire "
+                               "schema version; run the same asyncppo version on every node")
+        if state is not None and state.stop:
+            return False
+        if state is not None and state.weights_version > self.version:
+            self._load_weights(state)
+            return True
+        if self._ticket is None and not self._next_ticket():
+            return True
+        if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours: wait for them
+            needed = self._ticket.min_version
+            self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
+            return True
+        self._step()
+        return True
+
+    def _load_weights(self, state) -> None:
+        t0 = time.perf_counter()
+        version, tensors = self.receiver.receive()
+        self.policy.load_state_dict(dict(tensors))
+        self.version = version
+        self.stats["weight_loads"] += 1
+        self.builder.note_weight_load(time.perf_counter() - t0, time.time() - state.time)
+        log.info("env worker %d loaded weights v%d", self.worker_id, version)
+
+    def _next_ticket(self) -> bool:
+        """Take a granted ticket if one is at hand (waiting briefly when none is), keeping one request ahead."""
+        if not self._pending and not self.admission.open_requests and not self.admission.stopped:
+            self.admission.request(1)
+        t0 = time.perf_counter()
+        self._pending.extend(self.admission.poll_granted(0.0 if self._pending else 0.2))
+        self.builder.note_wait(time.perf_counter() - t0)
+        if not self._pending:
+            return False
+        self._ticket = self._pending.popleft()
+        if not self.admission.open_requests and not self.admission.stopped:
+            self.admission.request(1)  # the next segment's ticket travels while this one is collected
+        return True
+
+    def _step(self) -> None:
+        b = self.builder
+        t0 = time.perf_counter()
+        x = torch.as_tensor(b.obs, dtype=torch.float32, device=self.device)
+        actions, logprobs = self.policy.act(x, self.generator)
+        env_actions = actions if self.desc.discrete else np.clip(actions, self.desc.action_low, self.desc.action_high)
+        t1 = time.perf_counter()
+        obs, reward, terminated, truncated, info = self.env.step(env_actions)
+        t2 = time.perf_counter()
+        b.record(actions, logprobs, reward, terminated, truncated, np.asarray(obs), info, self.version,
+                 policy_s=t1 - t0, env_s=t2 - t1)
+        self.stats["env_steps"] += self.cfg.env.num_envs
+        if b.full:
+            self._send(b.finish(self._ticket.index, f"{self.worker_id}-{self._seq}"))
+            self._seq += 1
+            self._ticket = None
+
+    def _send(self, segment) -> None:
+        frame = encode_segment(segment)
+        while not self.sender.send_encoded(frame, timeout_s=1.0):
+            state = self.control.latest(timeout_ms=0)
+            if state is not None and state.stop:
+                return
+        self.stats["segments_sent"] += 1
+        self.stats["episodes"] += int(segment.episode_returns.shape[0])
+
+
+__all__ = ["EnvWorker", "EnvError"]

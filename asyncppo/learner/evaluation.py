@@ -1,0 +1,63 @@
+"""The learner's end of the evaluation of ``data.eval_files`` (the workers run it: rollout/evaluation.py).
+
+The learner never waits for an evaluation during training: each step it takes whatever reports arrived, adds the
+workers' shards of each evaluation point, and logs a point as one metrics record at ``step = point`` once every
+worker has reported it. Only the final point is waited for, after the last step, with ``cluster.timeout_s`` as the
+deadline; a point some worker never reported is logged from the workers that did (``eval/workers`` says how many).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Optional
+
+from asyncppo.stream.evals import EvalAggregator, EvalReceiver
+
+log = logging.getLogger("asyncppo.learner")
+
+
+class EngineEvaluation:
+    def __init__(self, bind_address: str, num_workers: int):
+        self.receiver = EvalReceiver(bind_address, num_workers)
+        self.aggregator = EvalAggregator(num_workers)
+        self.address = self.receiver.address
+        self.logged: dict[int, dict] = {}
+
+    def poll(self, logger, timeout_s: float = 0.0) -> None:
+        """Log every point that is complete now."""
+        for report in self.receiver.poll(timeout_s):
+            done = self.aggregator.add(report)
+            if done is not None:
+                self._log(logger, *done)
+
+    def _log(self, logger, point: int, metrics: dict) -> None:
+        self.logged[point] = metrics
+        logger.log(point, metrics)
+
+    def finish(self, logger, final_point: int, timeout_s: float) -> Optional[dict]:
+        """Wait for the final point's reports (the workers evaluate the final weights), then log every point still
+        open from what arrived. Returns the final point's metrics."""
+        deadline = time.monotonic() + timeout_s
+        while final_point not in self.logged and time.monotonic() < deadline:
+            self.poll(logger, timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
+        for point in self.aggregator.pending():
+            metrics = self.aggregator.finish(point)
+            log.warning("evaluation point %d: only %d of %d worker(s) reported before the deadline", point,
+                        int(metrics.get("eval/workers", 0)), self.aggregator.num_workers)
+            self._log(logger, point, metrics)
+        if final_point not in self.logged:
+            log.warning("evaluation of the final weights (point %d) did not arrive within %.0fs", final_point,
+                        timeout_s)
+        return self.logged.get(final_point)
+
+    def summary(self) -> dict:
+        points = sorted(self.logged)
+        out = {"points": points, "rejected": self.receiver.rejected, "duplicates": self.aggregator.duplicates}
+        if points:
+            out["first"] = self.logged[points[0]]
+            out["last"] = self.logged[points[-1]]
+        return out
+
+    def close(self) -> None:
+        self.receiver.close()

@@ -1,0 +1,142 @@
+"""Measured rates of a run, turned into the simulator's inputs.
+
+What is read, from the run's own metrics (first ``skip`` steps dropped: engine warm-up and start-up waits):
+
+* **generation**: per learner step, ``rollout/decode_step_s`` (engine seconds per decode step) against
+  ``rollout/running_mean`` (sequences per decode step); older runs: derived from ``rollout/occupancy`` and
+  ``throughput/gen_tokens_per_s``. A line ``step = base + per_seq * running`` is fitted (least squares, medians
+  per occupancy bin so a few disturbed steps do not tilt it). When the run's occupancy barely varied the slope
+  cannot be told from the intercept; then the whole step time is charged per sequence (``base = 0``), which is
+  what a compute-bound CPU engine does, and :attr:`Rates.notes` says so.
+* **training**: learner work per step (``time/step_s - time/wait_s``: collate, update, starting the push) against
+  the step's response tokens, fitted the same way, per rank (times ``cluster.train_gpus``).
+* **weight load**: the median of ``sync/push_s`` (announcement seen -> weights loaded in the engine).
+* **lengths**: ``summary.json``'s sampled groups (``rollout.group_lengths``) when present, else a lognormal with the
+  run's mean and p99 response length, capped at ``rollout.response_length``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from asyncppo.report.lengths import LogNormalLengths, capped, parse_groups
+from asyncppo.report.runs import Run, load_run
+from asyncppo.report.simulator import EngineSpeed, Setup, TrainSpeed
+
+
+@dataclass
+class Rates:
+    gen: EngineSpeed
+    train: TrainSpeed
+    load_s: float
+    lengths: object
+    batch_groups: int
+    group_size: int
+    max_staleness: int
+    sync_every: int
+    engines: int
+    train_ranks: int
+    response_length: int
+    measured_samples_per_s: float  # what the run itself achieved (steady part), for comparison
+    notes: list[str] = field(default_factory=list)
+    prompt_tokens: int = 0  # only the per-KV-token term reads it (0 for runs: CPU engines are fitted without it)
+
+    def setup(self, **overrides) -> Setup:
+        """The run's own configuration as a simulator setup, with ``overrides`` (engines=, max_staleness=, ...)."""
+        base = Setup(engines=self.engines, train_ranks=self.train_ranks, batch_groups=self.batch_groups,
+                     group_size=self.group_size, max_staleness=self.max_staleness, sync_every=self.sync_every,
+                     load_s=self.load_s, prompt_tokens=self.prompt_tokens)
+        return replace(base, **overrides)
+
+    def with_response_length(self, cap: int) -> "Rates":
+        return replace(self, lengths=capped(self.lengths, cap), response_length=cap)
+
+
+def _fit_line(xs: list[float], ys: list[float], what: str, notes: list[str], bins: int = 6) -> tuple[float, float]:
+    """(intercept, slope) of y against x through per-bin medians; slope-only when x hardly varies."""
+    pts = sorted(zip(xs, ys))
+    if not pts:
+        raise ValueError(f"the run logged nothing to measure {what} from")
+    lo, hi = pts[0][0], pts[-1][0]
+    if hi <= 0:
+        raise ValueError(f"{what}: every measured x is 0")
+    if lo <= 0 or hi / lo < 1.5:
+        slope = statistics.median(y / x for x, y in pts if x > 0)
+        notes.append(f"{what}: x varied only from {lo:.3g} to {hi:.3g}; fitted as proportional (no fixed cost)")
+        return 0.0, slope
+    size = max(1, len(pts) // bins)
+    chunks = [pts[i:i + size] for i in range(0, len(pts), size)]
+    mx = [statistics.median(p[0] for p in c) for c in chunks]
+    my = [statistics.median(p[1] for p in c) for c in chunks]
+    xbar, ybar = statistics.fmean(mx), statistics.fmean(my)
+    sxx = sum((x - xbar) ** 2 for x in mx)
+    slope = sum((x - xbar) * (y - ybar) for x, y in zip(mx, my)) / sxx if sxx > 0 else 0.0
+    intercept = ybar - slope * xbar
+    if slope < 0 or intercept < 0:  # noise: fall back to the proportional fit, which is never negative
+        notes.append(f"{what}: the line fit was not physical (intercept {intercept:.3g}, slope {slope:.3g}); "
+                     "fitted as proportional")
+        return 0.0, statistics.median(y / x for x, y in pts if x > 0)
+    return intercept, slope
+
+
+def measure(run_dir: str, skip: int = 3) -> Rates:
+    run: Run = load_run(run_dir)
+    recs = [r for r in run.records if r.get("step", 0) > skip]
+    if len(recs) < 3:
+        raise ValueError(f"{run_dir}: need at least {skip + 3} logged steps to measure rates, found {len(run.records)}")
+    notes: list[str] = []
+    max_seqs = int(run.cfg("rollout.max_num_seqs", 256))
+    B = int(run.cfg("rollout.rollout_batch_size", 16))
+    n = int(run.cfg("rollout.num_return_sequences_in_group", 8))
+    gpus = int(run.cfg("cluster.rollout_gpus", 0) or 0)
+    engines = gpus if gpus > 0 else int(run.cfg("cluster.rollout_workers", 1))
+    ranks = max(1, int(run.cfg("cluster.train_gpus", 0) or 0))
+    resp_len = int(run.cfg("rollout.response_length", 16))
+
+    running, step_s = [], []
+    for r in recs:
+        if isinstance(r.get("rollout/decode_step_s"), (int, float)) and r.get("rollout/running_mean"):
+            running.append(float(r["rollout/running_mean"]))
+            step_s.append(float(r["rollout/decode_step_s"]))
+        elif r.get("rollout/occupancy") and r.get("throughput/gen_tokens_per_s"):
+            run_mean = float(r["rollout/occupancy"]) * max_seqs
+            running.append(run_mean)
+            step_s.append(run_mean / float(r["throughput/gen_tokens_per_s"]))
+    if not running:
+        raise ValueError(f"{run_dir}: no generation timing logged (rollout/decode_step_s or rollout/occupancy)")
+    base, per_seq = _fit_line(running, step_s, "decode step time vs running sequences", notes)
+
+    tokens, work = [], []
+    for r in recs:
+        if all(isinstance(r.get(k), (int, float)) for k in ("time/step_s", "time/wait_s", "response_length/mean")):
+            tokens.append(float(r["response_length/mean"]) * B * n)
+            work.append(float(r["time/step_s"]) - float(r["time/wait_s"]))
+    if not tokens:
+        raise ValueError(f"{run_dir}: no learner timing logged (time/step_s, time/wait_s)")
+    t_base, t_tok = _fit_line(tokens, work, "learner step time vs response tokens", notes)
+
+    pushes = [float(r["sync/push_s"]) for r in recs if isinstance(r.get("sync/push_s"), (int, float))
+              and r["sync/push_s"] > 0]
+    load_s = statistics.median(pushes) if pushes else float(run.summary.get("rollout", {}).get("push_s_p50", 0.0))
+
+    ro = run.summary.get("rollout", {}) if isinstance(run.summary.get("rollout"), dict) else {}
+    if ro.get("group_lengths"):
+        lengths = parse_groups(ro["group_lengths"])
+    else:
+        _, means = run.get("response_length/mean", recs)
+        _, p99s = run.get("response_length/p99", recs)
+        mean = ro.get("response_length_mean") or (statistics.fmean(means) if means else resp_len / 2)
+        p99 = ro.get("response_length_p99") or (statistics.median(p99s) if p99s else resp_len)
+        lengths = LogNormalLengths(float(mean), max(float(p99), float(mean) * 1.01), resp_len, within_group=0.5)
+        notes.append("no sampled group lengths in summary.json: lognormal lengths from the mean and p99")
+
+    walls = [float(r["time/step_s"]) for r in recs if isinstance(r.get("time/step_s"), (int, float))]
+    measured = B * n * len(walls) / sum(walls) if walls and sum(walls) > 0 else 0.0
+    return Rates(
+        gen=EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=max_seqs),
+        train=TrainSpeed(base_s=t_base, per_token_s=t_tok * ranks),
+        load_s=load_s, lengths=lengths, batch_groups=B, group_size=n,
+        max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
+        engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
+    )

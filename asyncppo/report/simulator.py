@@ -1,0 +1,341 @@
+"""A discrete-event model of the asyncppo pipeline: engines, admission, stream, learner and weight pushes.
+
+Why a simulator and not a formula: with a long-tailed length distribution the pipeline's speed is set by who waits
+for whom (the batch waits for its slowest ticket, tickets wait for the staleness window, engines wait for weights),
+and those waits interact. The model replays the real rules, stated in docs/architecture.md, at the granularity of
+sequences finishing, so a run of thousands of learner steps on hundreds of engines takes seconds:
+
+* **engines** (``engines``, each ``max_num_seqs`` slots) decode continuously; one decode step of an engine running
+  ``n`` sequences whose contexts hold ``kv`` tokens takes ``base + per_seq*n + per_kv_token*kv`` seconds and gives
+  every running sequence one token. A group of ``n`` samples is admitted when ``n`` slots are free and the engine
+  holds a ticket whose ``min_version`` its weights satisfy; its slots free one by one as samples finish; the group is
+  delivered when its last sample finishes (the stream costs nothing at this scale: docs/benchmarks.md, Transport).
+* **admission**: ticket ``i`` is granted while ``i < (k + v + 1) * B`` and needs weights ``>= i // B - k``;
+  engines take tickets in order as they have room, exactly like the workers.
+* **learner**: the batch at version ``v`` is tickets ``[v*B, (v+1)*B)`` (ticket-ordered consumption); it starts when
+  all are delivered and takes ``base + per_token * tokens / ranks`` seconds; then ``v + 1``, and every
+  ``sync_every`` versions the weights are pushed: every engine pauses ``load_s`` (between two decode steps, keeping
+  its sequences, as ``inflight_update=keep``) and then labels new tokens with the new version.
+* **colocated** (``colocated=True``, needs ``k = 0``): the same GPUs generate and train, as a synchronous trainer
+  on one pool does; ``switch_s`` is added per step for swapping the two roles in and out of memory.
+
+Within an engine the number of running sequences is constant between events, so progress is integrated exactly
+(the per-KV term makes step time grow linearly with progress: a quadratic, solved in closed form). Tokens are
+counted continuously (a sequence of length ``L`` finishes after ``L`` decode steps of its engine).
+
+Pure Python (heapq, random): no Ray, sockets or torch; deterministic for a given seed.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import math
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class EngineSpeed:
+    """Seconds per decode step of one engine: ``base_s + per_seq_s * running + per_kv_token_s * context_tokens``."""
+
+    base_s: float
+    per_seq_s: float = 0.0
+    per_kv_token_s: float = 0.0
+    max_num_seqs: int = 256
+
+    def tokens_per_s(self, running: int, context: float = 0.0) -> float:
+        return running / (self.base_s + self.per_seq_s * running + self.per_kv_token_s * context * running)
+
+
+@dataclass(frozen=True)
+class TrainSpeed:
+    """Seconds per learner step: ``base_s + per_token_s * response_tokens / (ranks * efficiency)``."""
+
+    base_s: float
+    per_token_s: float
+    efficiency: float = 1.0
+
+    def step_s(self, tokens: float, ranks: int) -> float:
+        return self.base_s + self.per_token_s * tokens / (max(1, ranks) * self.efficiency)
+
+
+@dataclass(frozen=True)
+class Setup:
+    engines: int
+    train_ranks: int
+    batch_groups: int  # B = rollout.rollout_batch_size
+    group_size: int  # n = rollout.num_return_sequences_in_group
+    max_staleness: int  # k
+    sync_every: int = 1
+    load_s: float = 0.0  # engine pause per weight load (broadcast + load)
+    prompt_tokens: int = 0  # context each sequence starts with (only the per-KV term reads it)
+    steps: int = 40
+    warmup_steps: int = 8
+    seed: int = 0
+    colocated: bool = False
+    switch_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.engines < 1 or self.train_ranks < 1 or self.batch_groups < 1 or self.group_size < 1:
+            raise ValueError(f"engines, train_ranks, batch_groups and group_size must be >= 1: {self}")
+        if self.max_staleness < 0 or self.sync_every < 1:
+            raise ValueError("max_staleness must be >= 0 and sync_every >= 1")
+        if self.max_staleness < self.sync_every - 1:
+            raise ValueError("max_staleness must be >= sync_every - 1 (as rollout.sync_every requires)")
+        if self.colocated and self.max_staleness != 0:
+            raise ValueError("a colocated pool alternates: it needs max_staleness = 0")
+        if not 0 <= self.warmup_steps < self.steps:
+            raise ValueError("need 0 <= warmup_steps < steps")
+
+
+@dataclass
+class Result:
+    samples_per_s: float
+    tokens_per_s: float
+    step_s: float  # mean learner step period in the measured window
+    rollout_busy: float  # engine time spent decoding / (engines * wall)
+    train_busy: float  # learner time spent training / wall
+    occupancy: float  # running sequences / max_num_seqs, averaged over decode steps
+    lag_mean: float
+    lag_max: int
+    token_lag_mean: float
+    waste: float  # generated tokens never trained / generated: 0 under admission control (kept for the table)
+    idle_gpu_frac: float  # 1 - busy GPU-seconds / all GPU-seconds (how much of the budget waits)
+    step_times: list[float] = field(default_factory=list)
+
+
+class _Engine:
+    __slots__ = ("idx", "t", "p", "n", "kv0", "heap", "paused_until", "version", "busy", "steps", "run_steps",
+                 "pending", "marks", "epoch")
+
+    def __init__(self, idx: int):
+        self.idx = idx
+        self.t = 0.0  # time up to which progress is integrated
+        self.p = 0.0  # progress: decode steps done
+        self.n = 0  # running sequences
+        self.kv0 = 0.0  # context tokens of the running sequences = n * p + kv0
+        self.heap: list = []  # (finish progress, seq id)
+        self.paused_until = 0.0
+        self.version = 0
+        self.busy = self.steps = self.run_steps = 0.0
+        self.pending: deque = deque()  # granted tickets not yet admitted
+        self.marks: list[tuple[float, int]] = [(0.0, 0)]  # (progress, version from then on)
+        self.epoch = 0
+
+
+class Simulator:
+    def __init__(self, setup: Setup, gen: EngineSpeed, train: TrainSpeed, lengths):
+        if setup.group_size > gen.max_num_seqs:
+            raise ValueError(f"a group of {setup.group_size} does not fit in max_num_seqs={gen.max_num_seqs}")
+        if gen.base_s <= 0 and gen.per_seq_s <= 0 and gen.per_kv_token_s <= 0:
+            raise ValueError("EngineSpeed needs a positive base_s, per_seq_s or per_kv_token_s (a step takes time)")
+        self.s, self.gen, self.train, self.lengths = setup, gen, train, lengths
+        self.rng = random.Random(setup.seed)
+
+    # -- engine progress ------------------------------------------------------------------------------------
+    def _rate_terms(self, e: _Engine) -> tuple[float, float]:
+        """Step time at progress p is alpha + beta * (p - e.p)."""
+        g = self.gen
+        alpha = g.base_s + g.per_seq_s * e.n + g.per_kv_token_s * (e.n * e.p + e.kv0)
+        return alpha, g.per_kv_token_s * e.n
+
+    def _advance(self, e: _Engine, t: float) -> None:
+        if t <= e.t:
+            return
+        start = max(e.t, e.paused_until)
+        if e.n and start < t:
+            dt = t - start
+            alpha, beta = self._rate_terms(e)
+            d = dt / alpha if beta == 0 else 2.0 * dt / (alpha + math.sqrt(alpha * alpha + 2.0 * beta * dt))
+            e.p += d
+            e.busy += dt
+            e.steps += d
+            e.run_steps += e.n * d
+        e.t = t
+
+    def _time_to(self, e: _Engine, p_target: float) -> float:
+        alpha, beta = self._rate_terms(e)
+        d = max(0.0, p_target - e.p)
+        return max(e.t, e.paused_until) + alpha * d + 0.5 * beta * d * d
+
+    def _schedule(self, e: _Engine) -> None:
+        e.epoch += 1
+        if e.heap:
+            heapq.heappush(self.events, (self._time_to(e, e.heap[0][0]), 0, self._seq(), ("finish", e.idx, e.epoch)))
+
+    def _seq(self) -> int:
+        self._counter += 1
+        return self._counter
+
+    def _mean_version(self, e: _Engine, p0: float, p1: float) -> float:
+        """Token-weighted mean weight version of the tokens decoded between progress p0 and p1 on engine e."""
+        if p1 <= p0:
+            return float(e.version)
+        total = 0.0
+        i = max(0, bisect.bisect_right(e.marks, (p0, float("inf"))) - 1)
+        while i < len(e.marks) and e.marks[i][0] < p1:
+            lo = max(p0, e.marks[i][0])
+            hi = min(p1, e.marks[i + 1][0]) if i + 1 < len(e.marks) else p1
+            total += max(0.0, hi - lo) * e.marks[i][1]
+            i += 1
+        return total / (p1 - p0)
+
+    # -- the run --------------------------------------------------------------------------------------------
+    def run(self) -> Result:
+        s = self.s
+        B, n, k = s.batch_groups, s.group_size, s.max_staleness
+        self.events: list = []
+        self._counter = 0
+        engines = [_Engine(i) for i in range(s.engines)]
+        seqs: dict[int, tuple] = {}  # seq id -> (group ticket, admit progress, length, engine)
+        groups: dict[int, dict] = {}  # ticket -> {left, tokens, vmin, tok_versions}
+        delivered: dict[int, dict] = {}
+        next_ticket = 0
+        version = 0
+        learner_busy_until: Optional[float] = None
+        step_ends: list[float] = [0.0]
+        train_time: list[float] = []
+        lags: list[int] = []
+        token_lags: list[tuple[float, int]] = []
+        snap: dict = {"t": 0.0, "busy": [0.0], "steps": [0.0], "run": [0.0], "train": 0.0, "lags": 0, "tlags": 0}
+        seq_ids = 0
+
+        def admit(e: _Engine, now: float) -> None:
+            nonlocal next_ticket, seq_ids
+            self._advance(e, now)
+            room = (self.gen.max_num_seqs - e.n) // n
+            while len(e.pending) < room and next_ticket < (k + version + 1) * B:  # request tickets, in order
+                e.pending.append(next_ticket)
+                next_ticket += 1
+            added = False
+            while e.pending and (self.gen.max_num_seqs - e.n) >= n and e.pending[0] // B - k <= e.version:
+                ticket = e.pending.popleft()
+                lens = self.lengths.sample_group(self.rng, n)
+                groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
+                for L in lens:
+                    seq_ids += 1
+                    seqs[seq_ids] = (ticket, e.p, L)
+                    heapq.heappush(e.heap, (e.p + L, seq_ids))
+                    e.kv0 += s.prompt_tokens - e.p
+                    e.n += 1
+                added = True
+            if added:
+                self._schedule(e)
+
+        def admit_all(now: float) -> None:
+            # engines with the most room ask first, as idle workers' requests reach the controller first
+            for e in sorted(engines, key=lambda x: x.n):
+                admit(e, now)
+
+        def try_train(now: float) -> None:
+            nonlocal learner_busy_until
+            if learner_busy_until is not None or version >= s.steps:
+                return
+            batch = range(version * B, (version + 1) * B)
+            if not all(t in delivered for t in batch):
+                return
+            recs = [delivered.pop(t) for t in batch]
+            tokens = sum(r["tokens"] for r in recs)
+            for r in recs:
+                lags.extend([version - r["vmin"]] * n)
+                token_lags.append((version * r["tokens"] - r["tv"], r["tokens"]))
+            dur = self.train.step_s(tokens, s.train_ranks) + (s.switch_s if s.colocated else 0.0)
+            train_time.append(dur)
+            learner_busy_until = now + dur
+            heapq.heappush(self.events, (now + dur, 1, self._seq(), ("trained", tokens)))
+
+        admit_all(0.0)
+        while self.events and version < s.steps:
+            now, _, _, ev = heapq.heappop(self.events)
+            if ev[0] == "finish":
+                e = engines[ev[1]]
+                if ev[2] != e.epoch:
+                    continue  # superseded by a later schedule of this engine
+                self._advance(e, now)
+                while e.heap and e.heap[0][0] <= e.p + 1e-9:
+                    _, sid = heapq.heappop(e.heap)
+                    ticket, p0, L = seqs.pop(sid)
+                    e.n -= 1
+                    e.kv0 -= s.prompt_tokens - p0
+                    g = groups[ticket]
+                    g["left"] -= 1
+                    g["tokens"] += L
+                    g["tv"] += L * self._mean_version(e, p0, p0 + L)
+                    if g["left"] == 0:
+                        delivered[ticket] = groups.pop(ticket)
+                if e.n == 0:
+                    e.kv0 = 0.0  # no drift of floating-point sums across idle periods
+                admit(e, now)
+                self._schedule(e)
+                try_train(now)
+            elif ev[0] == "trained":
+                learner_busy_until = None
+                version += 1
+                step_ends.append(now)
+                if version == s.warmup_steps:
+                    for e in engines:
+                        self._advance(e, now)
+                    snap = {"t": now, "busy": [e.busy for e in engines], "steps": [e.steps for e in engines],
+                            "run": [e.run_steps for e in engines], "train": sum(train_time),
+                            "lags": len(lags), "tlags": len(token_lags)}
+                if version % s.sync_every == 0 and version < s.steps:
+                    for e in engines:
+                        self._advance(e, now)
+                        e.paused_until = max(e.paused_until, now) + s.load_s
+                        heapq.heappush(self.events, (e.paused_until, 2, self._seq(), ("loaded", e.idx, version)))
+                        self._schedule(e)
+                admit_all(now)
+                try_train(now)
+            elif ev[0] == "loaded":
+                e = engines[ev[1]]
+                self._advance(e, now)
+                if ev[2] > e.version:
+                    e.version = ev[2]
+                    e.marks.append((e.p, e.version))
+                admit(e, now)
+                self._schedule(e)
+        if version < s.steps:
+            raise RuntimeError(f"the simulated pipeline stalled at version {version} (no event left): {s}")
+        return self._result(engines, snap, step_ends, train_time, lags, token_lags)
+
+    def _result(self, engines, snap, step_ends, train_time, lags, token_lags) -> Result:
+        s = self.s
+        t_end = step_ends[-1]
+        for e in engines:
+            self._advance(e, t_end)
+        wall = t_end - snap["t"]
+        measured = s.steps - s.warmup_steps
+        samples = measured * s.batch_groups * s.group_size
+        busy = sum(e.busy for e in engines) - sum(snap["busy"])
+        steps = sum(e.steps for e in engines) - sum(snap["steps"])
+        run = sum(e.run_steps for e in engines) - sum(snap["run"])
+        train = sum(train_time) - snap["train"]
+        lag_w = lags[snap["lags"]:]
+        tl = token_lags[snap["tlags"]:]
+        tokens = sum(c for _, c in tl)
+        rollout_busy = busy / (wall * s.engines)
+        train_busy = train / wall
+        gpus = s.engines + (0 if s.colocated else s.train_ranks)
+        used = busy + train * (s.train_ranks if not s.colocated else s.engines)
+        return Result(
+            samples_per_s=samples / wall,
+            tokens_per_s=tokens / wall,
+            step_s=wall / measured,
+            rollout_busy=rollout_busy,
+            train_busy=train_busy,
+            occupancy=run / steps / self.gen.max_num_seqs if steps else 0.0,
+            lag_mean=sum(lag_w) / len(lag_w) if lag_w else 0.0,
+            lag_max=max(lag_w, default=0),
+            token_lag_mean=sum(v for v, _ in tl) / tokens if tokens else 0.0,
+            waste=0.0,
+            idle_gpu_frac=max(0.0, 1.0 - used / (wall * gpus)),
+            step_times=[b - a for a, b in zip(step_ends[s.warmup_steps:], step_ends[s.warmup_steps + 1:])],
+        )
+
+
+def simulate(setup: Setup, gen: EngineSpeed, train: TrainSpeed, lengths) -> Result:
+    """Run the model once; see the module docstring for what it replays."""
+    return Simulator(setup, gen, train, lengths).run()

@@ -1,0 +1,186 @@
+"""Evaluation of ``data.eval_files`` on the rollout engines, interleaved with training generation.
+
+When it runs
+------------
+The evaluation points are version 0, every ``trainer.eval_every`` versions, and ``trainer.total_steps`` (the learner
+pushes the final weights when there is something to evaluate). A worker evaluates a point with the first weights it
+holds at or after it: weights arrive only every ``rollout.sync_every`` versions, and a worker may skip a version
+when pushes come faster than it loads. The report names both the point and the versions actually used. A resumed run
+skips the points it has passed.
+
+How it shares the engine
+------------------------
+Each prompt of the worker's shard becomes two engine groups, one greedy answer and ``data.eval_samples`` answers at
+the rollout temperature. They go into the same engine as training groups, up to half of ``rollout.max_num_seqs`` at a
+time; the other half keeps generating training data, so an evaluation never stops the stream the learner waits on,
+and on a long-tailed workload the evaluation fills slots that the tail would leave empty anyway. Eval groups carry no
+ticket and are never streamed as trajectories; their rewards come from the run's reward function, so "accuracy" is
+the mean reward (the fraction correct for 0/1 rewards).
+
+If weights change during a round (``rollout.inflight_update=keep``), answers that span the swap are kept and the
+report's ``version_max`` says so; rounds are short next to ``eval_every`` in practice.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
+from asyncppo.stream.evals import EvalReport, FileScores
+
+log = logging.getLogger("asyncppo.rollout")
+
+KEY_PREFIX = "eval:"
+
+
+def eval_file_names(paths: list[str]) -> list[str]:
+    """The metric name of each eval file: its base name, made unique with ``#2``, ``#3`` ... when names repeat."""
+    names: list[str] = []
+    for path in paths:
+        base = os.path.basename(path) or path
+        name, i = base, 2
+        while name in names:
+            name, i = f"{base}#{i}", i + 1
+        names.append(name)
+    return names
+
+
+def eval_points(eval_every: int, total_steps: int) -> list[int]:
+    points = set(range(0, total_steps + 1, eval_every)) if eval_every > 0 else {0}
+    points.add(total_steps)
+    return sorted(points)
+
+
+@dataclass
+class _Round:
+    point: int
+    version: int
+    queue: collections.deque  # (key, file name, prompt ids, answer, spec) still to add to the engine
+    outstanding: int  # groups added and not finished
+    scores: dict
+    version_max: int
+
+
+class EvalRunner:
+    """The worker's evaluation state: which point is due, what to add next, and the sums so far."""
+
+    def __init__(self, cfg, datasets: dict, worker_id: int, decode, reward_fn, score, resumed: bool):
+        ro = cfg.rollout
+        self.worker_id = worker_id
+        self.datasets = datasets  # name -> PromptDataset (this worker's shard)
+        self._decode, self._reward_fn, self._score = decode, reward_fn, score
+        self.samples = cfg.data.eval_samples
+        self.budget = max(1, ro.max_num_seqs // 2)  # sequences evaluation may hold in the engine at once
+        self.max_tokens = ro.response_length
+        self.temperature, self.top_p, self.top_k = ro.sampling.temperature, ro.sampling.top_p, ro.sampling.top_k
+        self.seed = ro.sampling.seed
+        self._points = collections.deque(eval_points(cfg.trainer.eval_every, cfg.trainer.total_steps))
+        self._skip_until_loaded = resumed  # version 0 is a placeholder stamp until the checkpoint's push lands
+        self._round: Optional[_Round] = None
+        self._inflight_seqs = 0
+        self._answers: dict[str, str] = {}  # engine key -> reference answer, for groups in the engine
+
+    # ------------------------------------------------------------------------------------------------------------
+    def on_version(self, version: int, loaded: bool) -> Optional[EvalReport]:
+        """The engine now holds ``version``: start a round for the newest point it covers, if none is running.
+        Returns the report at once when this worker's shard is empty (more workers than eval prompts)."""
+        if self._skip_until_loaded:
+            if not loaded:
+                return None
+            while self._points and self._points[0] < version:  # points before the checkpoint are history
+                self._points.popleft()
+            self._skip_until_loaded = False
+        if self._round is not None or not self._points or self._points[0] > version:
+            return None
+        point = self._points.popleft()
+        while self._points and self._points[0] <= version:  # several points passed at once: evaluate the newest
+            point = self._points.popleft()
+        self._round = self._new_round(point, version)
+        return self._complete() if not self._round.queue else None
+
+    def _new_round(self, point: int, version: int) -> _Round:
+        queue: collections.deque = collections.deque()
+        for name, ds in self.datasets.items():
+            for item in ds.items:
+                seed = None if self.seed is None else self.seed + 7919 * item.index + 104729 * point
+                greedy = SamplingSpec(n=1, max_tokens=self.max_tokens, temperature=0.0)
+                sampled = SamplingSpec(n=self.samples, max_tokens=self.max_tokens, temperature=self.temperature,
+                                       top_p=self.top_p, top_k=self.top_k, seed=seed)
+                for tag, spec in (("g", greedy), ("s", sampled)):
+                    if spec.n:
+                        key = f"{KEY_PREFIX}{point}:{name}:{item.index}:{tag}"
+                        queue.append((key, name, item.prompt_ids, item.answer, spec))
+        log.info("worker %d: evaluation of point %d at version %d (%d engine groups)", self.worker_id, point,
+                 version, len(queue))
+        return _Round(point, version, queue, 0, {name: FileScores() for name in self.datasets}, version)
+
+    def admit(self, engine) -> None:
+        """Add evaluation groups while they fit in the evaluation's share of the engine."""
+        r = self._round
+        while r is not None and r.queue and self._inflight_seqs + r.queue[0][4].n <= self.budget:
+            key, _name, prompt_ids, answer, spec = r.queue[0]
+            engine.add_group(key, prompt_ids, spec)
+            r.queue.popleft()
+            r.outstanding += 1
+            self._inflight_seqs += spec.n
+            self._answers[key] = answer
+
+    @property
+    def active(self) -> bool:
+        return self._round is not None
+
+    @staticmethod
+    def owns(key: str) -> bool:
+        return key.startswith(KEY_PREFIX)
+
+    def finished(self, done: FinishedGroup) -> Optional[EvalReport]:
+        """Score one finished evaluation group; returns the report when it completes the round."""
+        r = self._round
+        answer = self._answers.pop(done.key)
+        _, _point, rest = done.key.split(":", 2)
+        name, _index, tag = rest.rsplit(":", 2)
+        scores = r.scores[name]
+        for c in done.completions:
+            reward, _failed, _err = self._score(self._reward_fn, self._decode(c.token_ids), answer)
+            if tag == "g":
+                scores.prompts += 1
+                scores.greedy_reward += float(reward)
+            else:
+                scores.sampled += 1
+                scores.sampled_reward += float(reward)
+            scores.tokens += len(c.token_ids)
+            scores.answers += 1
+            if c.versions is not None and len(c.versions):
+                r.version_max = max(r.version_max, int(max(c.versions)))
+        self._inflight_seqs -= len(done.completions)
+        r.outstanding -= 1
+        if r.outstanding or r.queue:
+            return None
+        return self._complete()
+
+    def _complete(self) -> EvalReport:
+        r, self._round = self._round, None
+        return EvalReport(point=r.point, worker_id=self.worker_id, version_min=r.version, version_max=r.version_max,
+                          files=r.scores)
+
+
+def build_eval_runner(cfg, worker_id: int, num_workers: int, tokenizer, decode, reward_fn) -> Optional[EvalRunner]:
+    """An :class:`EvalRunner` for this worker's shard of ``data.eval_files``, or None when there is nothing to do."""
+    from asyncppo.data.datasets import PromptDataset
+    from asyncppo.data.rewards import score_safely
+
+    d, ro = cfg.data, cfg.rollout
+    if not d.eval_files:
+        return None
+    datasets = {}
+    for name, path in zip(eval_file_names(list(d.eval_files)), d.eval_files):
+        ds = PromptDataset.from_files([path], tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
+                                      prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
+                                      apply_chat_template=d.apply_chat_template)
+        datasets[name] = ds.shard(worker_id, num_workers)  # may be empty when workers outnumber prompts
+    return EvalRunner(cfg, datasets, worker_id, decode, reward_fn, score_safely,
+                      resumed=bool(cfg.trainer.resume_from))

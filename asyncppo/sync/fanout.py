@@ -1,0 +1,230 @@
+"""Learner side of the weight sync with one two-rank group per rollout worker, so one member's death breaks nobody.
+
+Why not one group of ``1 + N`` ranks. A collective needs every member: a worker killed in the middle of a run makes
+every later broadcast of a shared group fail (gloo) or hang (NCCL) for all the others, and a replacement process
+cannot enter a formed group, so the whole group would have to be re-formed by every member at once, in the middle of
+generation. Here rank 0 serves one ``TCPStore`` (bound to ``cluster.bind_address``) and forms, for worker ``w`` in
+its ``g``-th incarnation, a group of two ranks under the key prefix ``<run secret>/w<w>/g<g>``
+(:func:`member_prefix`). A dead member's group is simply abandoned; its replacement forms a fresh one, in the
+background, whenever it comes up.
+
+Pushes. One snapshot of the weights per version is shared by all members; each member has one pusher thread that
+broadcasts the queued versions in order, so members never wait for each other (a worker busy in a long decode step
+delays only its own copy). A member that joins after a push receives the latest version at once: a replacement
+holds the current weights before it generates. A push that fails (the peer died, or did not take the weights
+within ``timeout_s``) retires that member and is recorded in :attr:`WeightFanout.failures` with the worker's
+name; it is never raised into the learner, whose own deadlines (tickets, trajectories) name a worker that is late.
+
+Cost (measured in docs/benchmarks.md, "Weight sync fan-out"): the learner sends the bytes once per worker instead of
+once per broadcast tree; with gloo on one machine, N pair groups pushed in parallel cost about what the shared
+group's broadcast costs, because gloo's broadcast also sends the whole buffer to every peer.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from asyncppo.sync.broadcast import WeightSender, _as_named_list
+from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on_store
+
+log = logging.getLogger("asyncppo.sync")
+
+
+def member_prefix(run_prefix: str, worker_id: int, generation: int) -> str:
+    """The store key prefix of worker ``worker_id``'s ``generation``-th group (both sides compute it alike)."""
+    return f"{run_prefix}/w{int(worker_id)}/g{int(generation)}"
+
+
+@dataclass
+class _Member:
+    worker_id: int
+    generation: int
+    state: str = "joining"  # joining -> ready -> failed | gone
+    sender: Optional[WeightSender] = None
+    queue: "queue.Queue" = field(default_factory=queue.Queue)
+    error: str = ""
+    last_version: int = -1  # the last version this member took
+
+
+class WeightFanout:
+    """Rank 0 of one two-rank sync group per worker, all on one store. Thread-safe: the learner's loop pushes while
+    the launcher's calls (:meth:`replace`) change the membership."""
+
+    def __init__(self, host: str, port: int, run_prefix: str, *, backend: str = "gloo", timeout_s: float = 300.0,
+                 bucket_bytes: int = 64 << 20):
+        self.host, self.port, self.run_prefix = host, port, run_prefix
+        self.backend, self.timeout_s, self.bucket_bytes = backend, float(timeout_s), bucket_bytes
+        try:
+            self.store = bound_store(host, port, 2, timedelta(seconds=timeout_s))
+        except Exception as e:
+            raise SyncGroupError(f"could not bind the weight-sync store on {host}:{port}: {e}") from e
+        self._lock = threading.Lock()
+        self._members: dict[int, _Member] = {}
+        self._latest: Optional[tuple[list, int]] = None  # (snapshot, version) of the newest push
+        self.failures: list[str] = []  # one line per retired member: who, which version, why
+        self.late: list[str] = []  # members retired because they did not take a push within timeout_s
+        self._closing = False
+
+    # ------------------------------------------------------------------------------------------- membership
+    def add(self, worker_id: int, generation: int = 0) -> None:
+        """Start forming worker ``worker_id``'s group (generation ``generation``) in the background; a member of an
+        older generation is retired first."""
+        member = _Member(worker_id, generation)
+        with self._lock:
+            old = self._members.get(worker_id)
+            if old is not None:
+                old.state = "gone"
+                old.queue.put(None)
+            self._members[worker_id] = member
+        threading.Thread(target=self._form, args=(member,), name=f"sync-join-w{worker_id}g{generation}",
+                         daemon=True).start()
+
+    def remove(self, worker_id: int) -> None:
+        """Worker ``worker_id`` is gone: nothing more is pushed to it (its group is abandoned, not joined)."""
+        with self._lock:
+            member = self._members.pop(worker_id, None)
+            if member is not None:
+                member.state = "gone"
+                member.queue.put(None)
+
+    def replace(self, worker_id: int, generation: int) -> None:
+        """The launcher restarted worker ``worker_id`` as ``generation``: retire the old member, await the new."""
+        self.add(worker_id, generation)
+
+    def _form(self, member: _Member) -> None:
+        prefix = member_prefix(self.run_prefix, member.worker_id, member.generation)
+        try:
+            group = group_on_store(self.store, self.host, self.port, 0, 2, self.backend, self.timeout_s, prefix)
+        except Exception as e:
+            self._fail(member, f"worker {member.worker_id} (incarnation {member.generation}) did not join the "
+                               f"weight-sync group within {self.timeout_s:.0f}s (cluster.timeout_s): {e}")
+            return
+        with self._lock:
+            if member.state != "joining" or self._closing:
+                group.close()
+                return
+            member.sender = WeightSender(group, bucket_bytes=self.bucket_bytes)
+            member.state = "ready"
+            if self._latest is not None:
+                member.queue.put(self._latest)  # a late joiner gets the current weights before anything else
+        self._pusher(member, group)
+
+    def _pusher(self, member: _Member, group: SyncGroup) -> None:
+        try:
+            while True:
+                item = member.queue.get()
+                try:
+                    if item is None or member.state != "ready":
+                        return
+                    snap, version = item
+                    t0 = time.monotonic()
+                    try:
+                        member.sender.push(snap, version)
+                        member.last_version = version
+                    except Exception as e:
+                        # a dead peer fails the push at once (connection reset); a live one that never joins it
+                        # fails it only at the group timeout: that worker is late, not gone
+                        late = time.monotonic() - t0 >= 0.9 * self.timeout_s
+                        self._fail(member, f"rollout worker {member.worker_id} (incarnation {member.generation}) "
+                                           + (f"did not take weights v{version} within {self.timeout_s:.0f}s "
+                                              "(cluster.timeout_s)" if late else
+                                              f"failed weight push v{version}: {type(e).__name__}: {e}"), late)
+                        return
+                finally:
+                    member.queue.task_done()
+        finally:
+            group.close()
+
+    def _fail(self, member: _Member, why: str, late: bool = False) -> None:
+        with self._lock:
+            if member.state not in ("joining", "ready") or self._closing:
+                return
+            member.state = "failed"
+            self.failures.append(why)
+            if late:
+                self.late.append(why)
+        # drain whatever was queued, so wait() does not block on a member that will never take it
+        while True:
+            try:
+                member.queue.get_nowait()
+                member.queue.task_done()
+            except queue.Empty:
+                break
+        log.warning("%s; the member is retired", why)
+
+    # ------------------------------------------------------------------------------------------- pushes
+    def ready(self) -> list[int]:
+        with self._lock:
+            return sorted(w for w, m in self._members.items() if m.state == "ready")
+
+    def wait_joined(self, worker_ids: Iterable[int], timeout_s: Optional[float] = None) -> None:
+        """Block until every listed worker has joined; raise :class:`SyncGroupError` naming those that did not."""
+        want = set(worker_ids)
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            with self._lock:
+                missing = sorted(w for w in want if self._members.get(w) is None
+                                 or self._members[w].state != "ready")
+                failed = [self._members[w] for w in missing if w in self._members
+                          and self._members[w].state == "failed"]
+            if not missing:
+                return
+            if failed or time.monotonic() > deadline:
+                raise SyncGroupError(f"rollout worker(s) {missing} did not join the weight-sync group within "
+                                     f"{self.timeout_s:.0f}s (cluster.timeout_s)"
+                                     + (f": {self.failures[-1]}" if self.failures else ""))
+            time.sleep(0.05)
+
+    def push_async(self, tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                   version: int) -> None:
+        """Snapshot ``tensors`` once and queue them for every member; members joining later get the newest."""
+        named = _as_named_list(tensors)
+        with torch.no_grad():
+            snap = [(n, t.detach().to("cpu" if self.backend == "gloo" else t.device, copy=True)) for n, t in named]
+        with self._lock:
+            self._latest = (snap, int(version))
+            for m in self._members.values():
+                if m.state == "ready":
+                    m.queue.put(self._latest)
+
+    def wait(self, timeout_s: Optional[float] = None) -> None:
+        """Wait until every live member took every queued push. A member whose push failed at once (it died) is
+        retired, not raised (module docstring); one that did not take a push within ``timeout_s`` (default: the
+        group timeout) raises :class:`SyncGroupError` naming it."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            with self._lock:
+                busy = [m for m in self._members.values() if m.state == "ready" and m.queue.unfinished_tasks]
+            if self.late:
+                raise SyncGroupError(self.late[0])
+            if not busy:
+                return
+            if time.monotonic() > deadline:
+                names = ", ".join(str(m.worker_id) for m in busy)
+                raise SyncGroupError(f"rollout worker(s) {names} did not take the weights pushed to them within "
+                                     f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s (cluster.timeout_s)")
+            time.sleep(0.01)
+
+    def versions(self) -> dict[int, int]:
+        """The last version each live member took (-1: none yet)."""
+        with self._lock:
+            return {w: m.last_version for w, m in self._members.items() if m.state == "ready"}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+            members = list(self._members.values())
+            self._members.clear()
+        for m in members:
+            m.state = "gone"
+            m.queue.put(None)
+        self.store = None

@@ -1,0 +1,234 @@
+#!/usr/bin/env python
+"""asyncppo's embedded default against the peers a user would try instead, on the same task, model and box.
+
+Three contenders, run one after the other in one invocation (so they see the same machine load), all starting
+from the same cached built-in model (``builtin:tiny-addition``: 2-digit addition, 0.5M-parameter Qwen2 after the
+supervised warm start) with the same batch shape (16 prompts x 8 samples), learning rate and sampling temperature:
+
+* ``asyncppo``  - ``asyncppo launch`` with no arguments but the output directory (PPO: critic, GAE, vLLM CPU
+  engine, Ray, ZeroMQ stream, weight pushes); its training time is the learner's ``time/wall_s`` at the last step.
+* ``trl``       - TRL's ``GRPOTrainer`` (HF generation, one process), stopped after the same training time. Skipped
+  with a message when ``trl`` is not installed (it is not a dependency of asyncppo: ``pip install trl``).
+* ``reference`` - a plain single-process loop: sample 16 x 8 answers with the KV cache, exact-match reward,
+  group-baseline advantage ``(r - mean) / (std + 1e-6)``, token-mean REINFORCE loss, AdamW, grad clip 1; stopped
+  after the same training time.
+
+Every contender's final weights are scored here by the same probe the learner uses (256 held-out prompts, 4 sampled
+answers each at T=1, and greedy), so accuracies are comparable. Trained samples/s = samples trained / training time.
+
+    python scripts/bench_peer.py                  # asyncppo default, then TRL and the reference for as long
+    python scripts/bench_peer.py --seconds 120 --skip asyncppo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from asyncppo.data.rewards import exact_match
+from asyncppo.data.tasks import get_task
+from asyncppo.data.tiny import resolve_model_path
+from asyncppo.data.warmstart import answer_accuracy
+
+PROMPTS, GROUP, LR, MAX_NEW = 16, 8, 1e-4, 5
+
+
+def evaluate(model, tokenizer, rows) -> dict:
+    model.eval()
+    return {
+        "sampled": answer_accuracy(model, tokenizer, rows * 4, temperature=1.0, seed=0, max_new_tokens=MAX_NEW),
+        "greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0, max_new_tokens=MAX_NEW),
+    }
+
+
+def load(path: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return model, AutoTokenizer.from_pretrained(path)
+
+
+# ---------------------------------------------------------------------------------------------- asyncppo
+def run_asyncppo(args, root: str) -> dict:
+    out = os.path.join(root, "asyncppo")
+    cmd = [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", *args.overrides]
+    print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
+        raise SystemExit(f"[bench] asyncppo failed with exit code {proc.returncode}")
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    train = [r for r in records if "reward/mean" in r]
+    return {
+        "name": "asyncppo", "wall_s": wall, "train_s": train[-1]["time/wall_s"],
+        "samples": train[-1]["samples_trained"], "model_dir": os.path.join(out, "final"),
+        "learner_busy_s": sum(r["time/step_s"] - r["time/wait_s"] for r in train),
+    }
+
+
+# ---------------------------------------------------------------------------------------------- reference loop
+@torch.no_grad()
+def sample_group(model, prompt_ids: torch.Tensor, n: int, eos: int, pad: int, gen: torch.Generator):
+    """``n`` answers per prompt at T=1 with the KV cache (prompts of the addition task all have the same length).
+    Returns response ids (padded with ``pad``) and a mask covering each answer up to and including its eos."""
+    ids = prompt_ids.repeat_interleave(n, dim=0)
+    rows = ids.shape[0]
+    done = torch.zeros(rows, dtype=torch.bool)
+    out, past, step_ids = [], None, ids
+    for _ in range(MAX_NEW):
+        res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
+        past = res.past_key_values
+        nxt = torch.multinomial(torch.softmax(res.logits[:, -1].float(), -1), 1, generator=gen).squeeze(1)
+        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+        out.append(nxt)
+        done |= nxt == eos
+        if bool(done.all()):
+            break
+        step_ids = nxt[:, None]
+    resp = torch.stack(out, 1)
+    mask = torch.ones_like(resp, dtype=torch.bool)
+    seen_eos = torch.zeros(rows, dtype=torch.bool)
+    for t in range(resp.shape[1]):
+        mask[:, t] = ~seen_eos
+        seen_eos |= resp[:, t] == eos
+    return resp, mask
+
+
+def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) -> dict:
+    model, tok = load(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    gen = torch.Generator().manual_seed(0)
+    order = torch.randperm(len(rows_train), generator=gen).tolist()
+    eos, pad = tok.eos_token_id, tok.pad_token_id
+    samples, step, t0 = 0, 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        batch = [rows_train[order[(step * PROMPTS + i) % len(order)]] for i in range(PROMPTS)]
+        prompt_ids = torch.tensor([tok.encode(r["prompt"], add_special_tokens=False) for r in batch])
+        model.eval()
+        resp, mask = sample_group(model, prompt_ids, GROUP, eos, pad, gen)
+        texts = tok.batch_decode(torch.where(mask & (resp != eos), resp, pad), skip_special_tokens=True)
+        ended = (resp == eos).any(1)
+        reward = torch.tensor([exact_match(t, batch[i // GROUP]["answer"]) * float(ended[i])
+                               for i, t in enumerate(texts)])
+        r = reward.view(PROMPTS, GROUP)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+        model.train()
+        full = torch.cat([prompt_ids.repeat_interleave(GROUP, 0), resp], 1)
+        p = prompt_ids.shape[1]
+        logits = model(input_ids=full).logits[:, p - 1 : -1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, resp[..., None]).squeeze(-1)
+        m = mask.float()
+        loss = -(adv[:, None] * logp * m).sum() / m.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        samples += PROMPTS * GROUP
+        step += 1
+    train_s = time.perf_counter() - t0
+    return {"name": "reference", "train_s": train_s, "samples": samples, "model": model, "tokenizer": tok}
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: str) -> dict:
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as exc:
+        print(f"[bench] trl: SKIPPED ({exc}); `pip install trl` to include TRL's GRPOTrainer", flush=True)
+        return {}
+    model, tok = load(model_dir)
+
+    def reward(prompts, completions, answer, **kw):
+        return [exact_match(c, a) for c, a in zip(completions, answer)]
+
+    class StopAfter(TrainerCallback):
+        def __init__(self):
+            self.t0 = None
+            self.steps = 0
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, a, state, control, **kw):
+            self.steps = state.global_step
+            if time.perf_counter() - self.t0 >= seconds:
+                control.should_training_stop = True
+
+    stop = StopAfter()
+    config = GRPOConfig(
+        output_dir=os.path.join(root, "trl"), learning_rate=LR, per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP, max_completion_length=MAX_NEW, temperature=1.0, beta=0.0, max_steps=100_000,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=50, report_to=[],
+        save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows_train), callbacks=[stop])
+    t0 = time.perf_counter()
+    trainer.train()
+    train_s = time.perf_counter() - t0
+    return {"name": "trl", "train_s": train_s, "samples": stop.steps * PROMPTS * GROUP,
+            "model": trainer.model, "tokenizer": tok}
+
+
+# ---------------------------------------------------------------------------------------------- main
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=0.0,
+                   help="training time for trl/reference; 0: asyncppo's measured training time")
+    p.add_argument("--skip", default="", help="comma list of contenders to leave out: asyncppo,trl,reference")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process contenders")
+    p.add_argument("overrides", nargs="*", help="extra asyncppo overrides (the default run has none)")
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+    torch.set_num_threads(args.threads)
+    task = get_task("addition", seed=0, num_eval=256)
+    splits = task.splits()
+    model_dir = resolve_model_path("builtin:tiny-addition")
+    base, tok = load(model_dir)
+    before = evaluate(base, tok, splits.eval)
+    print(f"[bench] start: sampled {before['sampled']:.3f} greedy {before['greedy']:.3f}; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    results, seconds = [], args.seconds
+    with tempfile.TemporaryDirectory(prefix="bench_peer_") as root:
+        if "asyncppo" not in skip:
+            r = run_asyncppo(args, root)
+            m, t = load(r["model_dir"])
+            r.update(evaluate(m, t, splits.eval))
+            results.append(r)
+            seconds = seconds or r["train_s"]
+        seconds = seconds or 180.0
+        for name in ("trl", "reference"):
+            if name in skip:
+                continue
+            print(f"[bench] {name}: {seconds:.0f} s of training (load {os.getloadavg()[0]:.1f})", flush=True)
+            r = run_trl(args, model_dir, seconds, splits.train, root) if name == "trl" else \
+                run_reference(args, model_dir, seconds, splits.train)
+            if r:
+                r.update(evaluate(r.pop("model"), r.pop("tokenizer"), splits.eval))
+                results.append(r)
+    print(f"\nbefore: held-out sampled {before['sampled']:.3f}, greedy {before['greedy']:.3f} "
+          f"(256 prompts; sampled x4 at T=1); load average at the end {os.getloadavg()[0]:.1f}")
+    print(f"{'contender':<10} {'train s':>8} {'samples':>8} {'samples/s':>10} {'sampled':>8} {'greedy':>7} "
+          f"{'d sampled':>10} {'d greedy':>9}")
+    for r in results:
+        print(f"{r['name']:<10} {r['train_s']:8.1f} {r['samples']:8d} {r['samples'] / r['train_s']:10.1f} "
+              f"{r['sampled']:8.3f} {r['greedy']:7.3f} {r['sampled'] - before['sampled']:+10.3f} "
+              f"{r['greedy'] - before['greedy']:+9.3f}")
+    for r in results:
+        if "wall_s" in r:
+            print(f"asyncppo: whole launch {r['wall_s']:.1f} s, learner busy {r['learner_busy_s']:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Evaluation of data.eval_files on the rollout engine: the report codec and its checks, the learner-side sums, and
+the worker-side runner against the real vLLM engine (answers compared with the engine's own greedy generation)."""
+
+from __future__ import annotations
+
+import json
+import types
+
+import msgpack
+import pytest
+
+from asyncppo.rollout.evaluation import EvalRunner, eval_file_names, eval_points
+from asyncppo.stream.evals import (
+    EvalAggregator, EvalReceiver, EvalReport, EvalReportError, EvalSender, FileScores, decode_report, encode_report,
+)
+
+
+def _report(point=5, worker=0, **scores):
+    base = dict(prompts=4, greedy_reward=3.0, sampled=16, sampled_reward=8.0, tokens=60, answers=20)
+    base.update(scores)
+    return EvalReport(point=point, worker_id=worker, version_min=point, version_max=point,
+                      files={"test.jsonl": FileScores(**base)})
+
+
+def test_points_and_names():
+    assert eval_points(3, 10) == [0, 3, 6, 9, 10]
+    assert eval_points(0, 10) == [0, 10]
+    assert eval_points(5, 10) == [0, 5, 10]
+    assert eval_file_names(["/a/test.jsonl", "/b/test.jsonl", "x.parquet", "/c/test.jsonl"]) == \
+        ["test.jsonl", "test.jsonl#2", "x.parquet", "test.jsonl#3"]
+
+
+def test_report_round_trip_and_hand_computed_aggregate():
+    rep = decode_report(encode_report(_report()), num_workers=2)
+    assert rep.files["test.jsonl"] == _report().files["test.jsonl"]
+    agg = EvalAggregator(num_workers=2)
+    assert agg.add(rep) is None  # one of two workers
+    assert agg.add(rep) is None and agg.duplicates == 1  # the same worker again does not complete the point
+    other = _report(worker=1, prompts=6, greedy_reward=0.0, sampled=24, sampled_reward=12.0, tokens=90, answers=30)
+    other.version_max = 6
+    point, metrics = agg.add(other)
+    assert point == 5
+    # shards add exactly: greedy 3/10, sampled 20/40, length 150/50
+    assert metrics["eval/test.jsonl/accuracy_greedy"] == pytest.approx(0.3)
+    assert metrics["eval/test.jsonl/accuracy_sampled"] == pytest.approx(0.5)
+    assert metrics["eval/test.jsonl/length_mean"] == pytest.approx(3.0)
+    assert metrics["eval/test.jsonl/num_prompts"] == 10
+    assert (metrics["eval/version_min"], metrics["eval/version_max"], metrics["eval/workers"]) == (5, 6, 2)
+    assert agg.pending() == []
+
+
+@pytest.mark.parametrize("mutate", [
+    lambda m: m.update(kind="group"),
+    lambda m: m.update(point=-1),
+    lambda m: m.update(point=2 ** 63),
+    lambda m: m.update(worker_id=7),  # not one of the run's 2 workers
+    lambda m: m.update(version_min=9, version_max=3),
+    lambda m: m.update(extra=1),
+    lambda m: m["files"]["test.jsonl"].update(sampled_reward=float("nan")),
+    lambda m: m["files"]["test.jsonl"].update(greedy_reward=-1.0),
+    lambda m: m["files"]["test.jsonl"].update(prompts="4"),
+    lambda m: m["files"]["test.jsonl"].update(answers=19),  # inconsistent with prompts + sampled
+    lambda m: m["files"].update({"": m["files"]["test.jsonl"]}),
+    lambda m: m["files"].update({f"f{i}": m["files"]["test.jsonl"] for i in range(100)}),
+])
+def test_malformed_reports_are_refused(mutate):
+    msg = msgpack.unpackb(encode_report(_report()), raw=False)
+    mutate(msg)
+    with pytest.raises(EvalReportError):
+        decode_report(msgpack.packb(msg, use_bin_type=True), num_workers=2)
+
+
+def test_channel_counts_garbage_and_delivers_valid_reports():
+    receiver = EvalReceiver("tcp://127.0.0.1:0", num_workers=1)
+    sender = EvalSender(receiver.address)
+    raw = __import__("zmq").Context.instance().socket(__import__("zmq").PUSH)
+    raw.connect(receiver.address)
+    try:
+        raw.send(b"\x80\x04 pickle? no")
+        raw.send(b"x" * (200 << 10))  # over the report size limit
+        assert sender.send(_report())
+        got = []
+        for _ in range(50):
+            got += receiver.poll(0.1)
+            if got and receiver.rejected == 2:
+                break
+        assert [r.point for r in got] == [5] and receiver.rejected == 2
+    finally:
+        raw.close(linger=0)
+        sender.close()
+        receiver.close()
+
+
+class _Rows:
+    def __init__(self, items):
+        self.items = items
+
+
+def _runner(cfg_over, datasets, decode, resumed=False):
+    cfg = types.SimpleNamespace(
+        rollout=types.SimpleNamespace(max_num_seqs=cfg_over.get("max_num_seqs", 8), response_length=8,
+                                      sampling=types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, seed=3)),
+        data=types.SimpleNamespace(eval_samples=cfg_over.get("eval_samples", 2)),
+        trainer=types.SimpleNamespace(eval_every=cfg_over.get("eval_every", 2), total_steps=4),
+    )
+    from asyncppo.data.rewards import score_safely
+
+    def reward(text, answer, **_):  # the first digit: the briefly warm-started test model gets some right
+        return float(text.strip()[:1] == answer[:1])
+
+    return EvalRunner(cfg, datasets, 0, decode, reward, score_safely, resumed=resumed)
+
+
+def test_runner_against_vllm_greedy_answers(vllm_engine, tiny_tokenizer):
+    """Greedy accuracy equals what the engine's own greedy generation scores; the engine holds at most the
+    evaluation's share of max_num_seqs at once; the round reports exactly one greedy and eval_samples sampled
+    answers per prompt."""
+    from asyncppo.data.tasks import get_task
+    from asyncppo.rollout.engine import SamplingSpec
+
+    rows = get_task("addition", seed=0).splits().eval[:12]
+    items = [types.SimpleNamespace(index=i, prompt_ids=tiny_tokenizer.encode(r["prompt"]), answer=r["answer"])
+             for i, r in enumerate(rows)]
+    decode = vllm_engine.decode
+    # the expected greedy score, from the engine's own greedy generation
+    for it in items:
+        vllm_engine.add_group(f"ref-{it.index}", it.prompt_ids, SamplingSpec(n=1, max_tokens=8, temperature=0.0))
+    expected = 0.0
+    while vllm_engine.num_unfinished_seqs():
+        for done in vllm_engine.step():
+            it = items[int(done.key.split("-")[1])]
+            expected += float(decode(done.completions[0].token_ids).strip()[:1] == it.answer[:1])
+    runner = _runner({"max_num_seqs": 8, "eval_samples": 2}, {"add.jsonl": _Rows(items)}, decode)
+    assert runner.on_version(0, loaded=False) is None and runner.active
+    report, peak = None, 0
+    while report is None:
+        runner.admit(vllm_engine)
+        peak = max(peak, vllm_engine.num_unfinished_seqs())
+        for done in vllm_engine.step():
+            assert runner.owns(done.key)
+            report = runner.finished(done) or report
+    assert peak <= 4  # half of max_num_seqs=8
+    scores = report.files["add.jsonl"]
+    assert (report.point, scores.prompts, scores.sampled, scores.answers) == (0, 12, 24, 36)
+    assert scores.greedy_reward == expected
+    assert 0 < expected < 12  # the warm-started model gets some, not all, right: the comparison means something
+    assert not runner.active and vllm_engine.num_unfinished_seqs() == 0
+    # version 1 is not a point (eval_every=2); version 3 covers point 2; version 4 covers the final point
+    assert runner.on_version(1, loaded=True) is None and not runner.active
+    runner.on_version(3, loaded=True)
+    assert runner._round.point == 2
+    vllm_engine.abort_all()
+
+
+def test_empty_shard_reports_at_once_and_resume_skips_past_points():
+    runner = _runner({}, {"f": _Rows([])}, decode=str)
+    rep = runner.on_version(0, loaded=False)
+    assert rep is not None and rep.files["f"].prompts == 0 and not runner.active
+    resumed = _runner({}, {"f": _Rows([])}, decode=str, resumed=True)
+    assert resumed.on_version(0, loaded=False) is None  # the placeholder stamp before the checkpoint's push
+    rep = resumed.on_version(3, loaded=True)  # resumed at 3: points 0 and 2 are history, 4 is still to come
+    assert rep is None
+    rep = resumed.on_version(4, loaded=True)
+    assert rep is not None and rep.point == 4
+
+
+def test_summary_mentions_no_version_bookkeeping(tmp_path):
+    from asyncppo.launch.console import summary_table
+
+    records = [{"step": 0, "eval/t.jsonl/accuracy_greedy": 0.25, "eval/version_min": 0.0, "eval/workers": 1.0,
+                "eval/t.jsonl/num_prompts": 8.0},
+               {"step": 4, "eval/t.jsonl/accuracy_greedy": 0.5, "eval/version_min": 4.0, "eval/workers": 1.0}]
+    table = summary_table(records, {}, 1.0)
+    assert "eval/t.jsonl/accuracy_greedy | 0.250 -> 0.500" in table.replace("  ", " ").replace("  ", " ") or \
+        "0.250 -> 0.500" in table
+    assert "version_min" not in table and "workers" not in table and "num_prompts" not in table
+    json.dumps(table)
