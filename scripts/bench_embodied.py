@@ -77,10 +77,16 @@ def launched(overrides: list[str], k: int, workers: int) -> dict:
     total = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"launch failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+    return read_run(out, f"async k={k}, {workers} worker(s)", total)
+
+
+def read_run(out: Path, label: str, total: float = 0.0) -> dict:
+    """A finished ``asyncppo launch`` run directory as a result row (``--add-run`` reuses one)."""
+    out = Path(out)
     summary = json.loads((out / "summary.json").read_text())
     curve = [(r["env_steps"], 0.0, r["episode/return_recent"])
              for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "env_steps" in r]
-    return {"mode": f"async k={k}, {workers} worker(s)", "wall_s": summary["wall_s"], "launch_total_s": total,
+    return {"mode": label, "wall_s": summary["wall_s"], "launch_total_s": total,
             "env_steps": summary["env_steps"], "env_steps_per_s": summary["env_steps_per_s"],
             "return_recent": summary["return_recent"], "curve": curve, "run_dir": str(out),
             "lag_max": max((json.loads(line).get("staleness/max", 0) for line in
@@ -95,13 +101,21 @@ def main() -> None:
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--plot", default="")
     p.add_argument("--json", default="")
+    p.add_argument("--target", type=float, default=475.0, help="report the env steps at which return(100) first "
+                   "reaches this")
+    p.add_argument("--add-run", action="append", default=[], metavar="LABEL=DIR",
+                   help="also report (and plot) a finished run directory")
     args = p.parse_args()
     results = [] if args.skip_reference else [reference_loop(args.overrides)]
+    results += [read_run(Path(spec.split("=", 1)[1]), spec.split("=", 1)[0]) for spec in args.add_run]
     results += [launched(args.overrides, k, args.workers) for k in args.ks]
-    print(f"{'mode':<28} {'wall s':>8} {'env steps':>10} {'steps/s':>9} {'return(100)':>12}")
+    print(f"{'mode':<28} {'wall s':>8} {'env steps':>10} {'steps/s':>9} {'return(100)':>12} "
+          f"{'steps to ' + format(args.target, 'g'):>14}")
     for r in results:
+        hit = next((x for x, _, y in r["curve"] if y >= args.target), None)
+        r["steps_to_target"] = hit
         print(f"{r['mode']:<28} {r['wall_s']:>8.1f} {r['env_steps']:>10} {r['env_steps_per_s']:>9.0f} "
-              f"{r['return_recent']:>12.1f}")
+              f"{r['return_recent']:>12.1f} {str(hit or 'not reached'):>14}")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -35,24 +35,9 @@ import torch
 from asyncppo.data.rewards import exact_match
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import resolve_model_path
-from asyncppo.data.warmstart import answer_accuracy
+from inproc import GROUP, MAX_NEW, PROMPTS, Timers, evaluate, load, rewards, sample_group, sampled_batch
 
-PROMPTS, GROUP, LR, MAX_NEW = 16, 8, 1e-4, 5
-
-
-def evaluate(model, tokenizer, rows) -> dict:
-    model.eval()
-    return {
-        "sampled": answer_accuracy(model, tokenizer, rows * 4, temperature=1.0, seed=0, max_new_tokens=MAX_NEW),
-        "greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0, max_new_tokens=MAX_NEW),
-    }
-
-
-def load(path: str):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    return model, AutoTokenizer.from_pretrained(path)
+LR = 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- asyncppo
@@ -76,33 +61,6 @@ def run_asyncppo(args, root: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- reference loop
-@torch.no_grad()
-def sample_group(model, prompt_ids: torch.Tensor, n: int, eos: int, pad: int, gen: torch.Generator):
-    """``n`` answers per prompt at T=1 with the KV cache (prompts of the addition task all have the same length).
-    Returns response ids (padded with ``pad``) and a mask covering each answer up to and including its eos."""
-    ids = prompt_ids.repeat_interleave(n, dim=0)
-    rows = ids.shape[0]
-    done = torch.zeros(rows, dtype=torch.bool)
-    out, past, step_ids = [], None, ids
-    for _ in range(MAX_NEW):
-        res = model(input_ids=step_ids, past_key_values=past, use_cache=True)
-        past = res.past_key_values
-        nxt = torch.multinomial(torch.softmax(res.logits[:, -1].float(), -1), 1, generator=gen).squeeze(1)
-        nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-        out.append(nxt)
-        done |= nxt == eos
-        if bool(done.all()):
-            break
-        step_ids = nxt[:, None]
-    resp = torch.stack(out, 1)
-    mask = torch.ones_like(resp, dtype=torch.bool)
-    seen_eos = torch.zeros(rows, dtype=torch.bool)
-    for t in range(resp.shape[1]):
-        mask[:, t] = ~seen_eos
-        seen_eos |= resp[:, t] == eos
-    return resp, mask
-
-
 def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) -> dict:
     model, tok = load(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
@@ -113,13 +71,8 @@ def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) 
     while time.perf_counter() - t0 < seconds:
         batch = [rows_train[order[(step * PROMPTS + i) % len(order)]] for i in range(PROMPTS)]
         prompt_ids = torch.tensor([tok.encode(r["prompt"], add_special_tokens=False) for r in batch])
-        model.eval()
-        resp, mask = sample_group(model, prompt_ids, GROUP, eos, pad, gen)
-        texts = tok.batch_decode(torch.where(mask & (resp != eos), resp, pad), skip_special_tokens=True)
-        ended = (resp == eos).any(1)
-        reward = torch.tensor([exact_match(t, batch[i // GROUP]["answer"]) * float(ended[i])
-                               for i, t in enumerate(texts)])
-        r = reward.view(PROMPTS, GROUP)
+        resp, mask, _ = sample_group(model, prompt_ids, GROUP, eos, pad, gen)
+        r = rewards(tok, resp, mask, [x["answer"] for x in batch], GROUP).view(PROMPTS, GROUP)
         adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
         model.train()
         full = torch.cat([prompt_ids.repeat_interleave(GROUP, 0), resp], 1)
@@ -181,6 +134,79 @@ def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: 
             "model": trainer.model, "tokenizer": tok}
 
 
+# ---------------------------------------------------------------------------------------------- learner profile
+def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 20) -> None:
+    """Where the default PPO update spends its time per trained sample, in one process and one thread (as the
+    learner actor runs), on batches sampled from the model itself; next to it the reference loop's costs.
+    Exclusive wall time per part (scripts/inproc.py ``Timers``); fractions survive a loaded machine better than
+    absolute times."""
+    import asyncppo.algo as algo
+    import asyncppo.learner.ppo as ppo_mod
+    from asyncppo.config import load_config
+    from asyncppo.learner.models import load_actor, load_critic
+
+    cfg = load_config(args.overrides)
+    dev = torch.device("cpu")
+    actor, critic = load_actor(model_dir, torch.float32, dev), load_critic(model_dir, torch.float32, dev)
+    tok = load(model_dir)[1]
+    update = ppo_mod.PPOUpdate(cfg, actor, critic, None, dev)
+    gen = torch.Generator().manual_seed(0)
+    timers = Timers()
+    sample = timers.wrap("sampling 16x8 (HF, KV cache; not the vLLM engine)", sampled_batch)
+    targets = [
+        (ppo_mod, "chunked", "no-grad forwards: proximal log-probs + old values"),
+        (ppo_mod, "policy_forward", "actor forward with grad (+ entropy metric)"),
+        (ppo_mod, "value_forward", "critic forward with grad"),
+        (torch.Tensor, "backward", "backward, actor + critic"),
+        (update.actor_opt, "step", "AdamW step, actor"),
+        (update.critic_opt, "step", "AdamW step, critic"),
+        (torch.nn.utils, "clip_grad_norm_", "grad-norm clipping"),
+        (algo, "policy_loss", "policy loss + its metrics"),
+        (algo, "value_loss", "value loss + its metrics"),
+        (algo, "compute_advantages", "GAE + whitening"),
+        (algo, "rollout_correction", "rollout-correction weights + metrics"),
+        (ppo_mod, "mini_batches", "mini-batch slicing"),
+        (ppo_mod, "micro_batches", "micro-batch sort + slicing"),
+    ]
+    step = timers.wrap("PPOUpdate.step total", update.step)
+    update.step(sample(actor, tok, rows_train[:PROMPTS], gen))  # warm-up
+    timers.totals.clear()
+    with timers.patched(targets):
+        for i in range(1, steps + 1):
+            step(sample(actor, tok, rows_train[i * PROMPTS : (i + 1) * PROMPTS], gen))
+    n = steps * PROMPTS * GROUP
+    total = timers.totals.pop("PPOUpdate.step total")
+    inner = sum(v for k, v in timers.totals.items() if not k.startswith("sampling"))
+    timers.totals["other (metrics, batch moves, Python)"] = total - inner
+    print(f"\nlearner profile: {steps} PPO updates of {PROMPTS}x{GROUP} samples, {torch.get_num_threads()} "
+          f"thread(s), load average {os.getloadavg()[0]:.1f}: update {total / n * 1e6:.0f} us per trained sample "
+          f"({n / total:.0f} samples/s)")
+    for label, v in sorted(timers.totals.items(), key=lambda kv: -kv[1]):
+        share = "" if label.startswith("sampling") else f"{v / total:6.1%}"
+        print(f"  {label:<52} {share:>6} {v / n * 1e6:7.0f} us/sample")
+
+    # the reference loop's update on the same batches: one forward + backward of the actor, one AdamW step
+    model, _ = load(model_dir)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    upd = 0.0
+    for i in range(1, steps + 1):
+        b = sampled_batch(model, tok, rows_train[i * PROMPTS : (i + 1) * PROMPTS], gen)
+        t1 = time.perf_counter()
+        r = b.scores.view(PROMPTS, GROUP)
+        adv = ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + 1e-6)).view(-1)
+        logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits[:, b.prompt_len - 1 : -1]
+        labels = b.input_ids[:, b.prompt_len :]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, labels[..., None]).squeeze(-1)
+        loss = -(adv[:, None] * logp * b.response_mask).sum() / b.response_mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        upd += time.perf_counter() - t1  # the update only, not the sampling
+    print(f"  reference loop update (1 forward + backward, 1 AdamW): {upd / n * 1e6:.0f} us/sample; "
+          f"PPO update / reference update = {total / upd:.2f}x")
+
+
 # ---------------------------------------------------------------------------------------------- main
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -188,6 +214,7 @@ def main() -> None:
                    help="training time for trl/reference; 0: asyncppo's measured training time")
     p.add_argument("--skip", default="", help="comma list of contenders to leave out: asyncppo,trl,reference")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process contenders")
+    p.add_argument("--profile", action="store_true", help="profile the PPO update in-process, then exit")
     p.add_argument("overrides", nargs="*", help="extra asyncppo overrides (the default run has none)")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
@@ -196,6 +223,8 @@ def main() -> None:
     splits = task.splits()
     model_dir = resolve_model_path("builtin:tiny-addition")
     base, tok = load(model_dir)
+    if args.profile:
+        return profile_learner(args, model_dir, splits.train)
     before = evaluate(base, tok, splits.eval)
     print(f"[bench] start: sampled {before['sampled']:.3f} greedy {before['greedy']:.3f}; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)

@@ -175,3 +175,25 @@ def test_summary_mentions_no_version_bookkeeping(tmp_path):
         "0.250 -> 0.500" in table
     assert "version_min" not in table and "workers" not in table and "num_prompts" not in table
     json.dumps(table)
+
+
+def test_eval_channel_with_curve_keys_takes_reports_only_from_key_holders():
+    from asyncppo.stream.security import CurveKeys
+
+    keys = CurveKeys.generate()
+    receiver = EvalReceiver("tcp://127.0.0.1:0", num_workers=2, curve=keys)
+    stranger = EvalSender(receiver.address)  # no keys
+    impostor = EvalSender(receiver.address, curve=CurveKeys.generate().for_workers())  # another run's keys
+    worker = EvalSender(receiver.address, curve=keys.for_workers())
+    try:
+        stranger.send(_report(point=1), timeout_s=0.5)
+        impostor.send(_report(point=2), timeout_s=0.5)
+        assert worker.send(_report(point=3, worker=1))
+        got = []
+        for _ in range(20):
+            got += receiver.poll(0.1)
+        assert [r.point for r in got] == [3]
+    finally:
+        for s in (stranger, impostor, worker):
+            s._sock.close(linger=0)
+        receiver.close()

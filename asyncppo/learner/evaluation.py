@@ -18,8 +18,8 @@ log = logging.getLogger("asyncppo.learner")
 
 
 class EngineEvaluation:
-    def __init__(self, bind_address: str, num_workers: int):
-        self.receiver = EvalReceiver(bind_address, num_workers)
+    def __init__(self, bind_address: str, num_workers: int, curve=None):
+        self.receiver = EvalReceiver(bind_address, num_workers, curve=curve)
         self.aggregator = EvalAggregator(num_workers)
         self.address = self.receiver.address
         self.logged: dict[int, dict] = {}

@@ -94,7 +94,7 @@ class LearnerService:
         if self.cfg.data.eval_files:
             from asyncppo.learner.evaluation import EngineEvaluation
 
-            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), self.num_workers)
+            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), self.num_workers, curve=curve)
             self._closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)
         # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)

@@ -4,8 +4,8 @@ What is read, from the run's own metrics (first ``skip`` steps dropped: engine w
 
 * **generation**: per learner step, ``rollout/decode_step_s`` (engine seconds per decode step) against
   ``rollout/running_mean`` (sequences per decode step); older runs: derived from ``rollout/occupancy`` and
-  ``throughput/gen_tokens_per_s``. A line ``step = base + per_seq * running`` is fitted (least squares, medians
-  per occupancy bin so a few disturbed steps do not tilt it). When the run's occupancy barely varied the slope
+  ``throughput/gen_tokens_per_s``. A line ``step = base + per_seq * running`` is fitted by least squares weighted
+  by decode steps, so it reproduces the run's total engine time. When the run's occupancy barely varied the slope
   cannot be told from the intercept; then the whole step time is charged per sequence (``base = 0``), which is
   what a compute-bound CPU engine does, and :attr:`Rates.notes` says so.
 * **training**: learner work per step (``time/step_s - time/wait_s``: collate, update, starting the push) against
@@ -53,30 +53,28 @@ class Rates:
         return replace(self, lengths=capped(self.lengths, cap), response_length=cap)
 
 
-def _fit_line(xs: list[float], ys: list[float], what: str, notes: list[str], bins: int = 6) -> tuple[float, float]:
-    """(intercept, slope) of y against x through per-bin medians; slope-only when x hardly varies."""
-    pts = sorted(zip(xs, ys))
+def _fit_line(xs: list[float], ys: list[float], ws: list[float], what: str, notes: list[str]) -> tuple[float, float]:
+    """(intercept, slope) of y against x by least squares weighted by ``ws`` (how many events each point averages),
+    so the fitted line reproduces the *total* time, disturbed steps included: on a shared machine the run's own
+    throughput paid for them too. Proportional (ratio of sums) when x hardly varies or the line is unphysical."""
+    pts = [(x, y, w) for x, y, w in zip(xs, ys, ws) if w > 0 and x > 0]
     if not pts:
         raise ValueError(f"the run logged nothing to measure {what} from")
-    lo, hi = pts[0][0], pts[-1][0]
-    if hi <= 0:
-        raise ValueError(f"{what}: every measured x is 0")
-    if lo <= 0 or hi / lo < 1.5:
-        slope = statistics.median(y / x for x, y in pts if x > 0)
+    sw = sum(w for _, _, w in pts)
+    ratio = sum(w * y for _, y, w in pts) / sum(w * x for x, _, w in pts)
+    lo, hi = min(p[0] for p in pts), max(p[0] for p in pts)
+    if hi / lo < 1.5:
         notes.append(f"{what}: x varied only from {lo:.3g} to {hi:.3g}; fitted as proportional (no fixed cost)")
-        return 0.0, slope
-    size = max(1, len(pts) // bins)
-    chunks = [pts[i:i + size] for i in range(0, len(pts), size)]
-    mx = [statistics.median(p[0] for p in c) for c in chunks]
-    my = [statistics.median(p[1] for p in c) for c in chunks]
-    xbar, ybar = statistics.fmean(mx), statistics.fmean(my)
-    sxx = sum((x - xbar) ** 2 for x in mx)
-    slope = sum((x - xbar) * (y - ybar) for x, y in zip(mx, my)) / sxx if sxx > 0 else 0.0
+        return 0.0, ratio
+    xbar = sum(w * x for x, _, w in pts) / sw
+    ybar = sum(w * y for _, y, w in pts) / sw
+    sxx = sum(w * (x - xbar) ** 2 for x, _, w in pts)
+    slope = sum(w * (x - xbar) * (y - ybar) for x, y, w in pts) / sxx
     intercept = ybar - slope * xbar
     if slope < 0 or intercept < 0:  # noise: fall back to the proportional fit, which is never negative
         notes.append(f"{what}: the line fit was not physical (intercept {intercept:.3g}, slope {slope:.3g}); "
                      "fitted as proportional")
-        return 0.0, statistics.median(y / x for x, y in pts if x > 0)
+        return 0.0, ratio
     return intercept, slope
 
 
@@ -94,27 +92,31 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     ranks = max(1, int(run.cfg("cluster.train_gpus", 0) or 0))
     resp_len = int(run.cfg("rollout.response_length", 16))
 
-    running, step_s = [], []
+    running, step_s, steps = [], [], []  # per record: sequences per decode step, seconds per step, decode steps
     for r in recs:
+        tokens = float(r.get("response_length/mean") or 0.0) * B * n
         if isinstance(r.get("rollout/decode_step_s"), (int, float)) and r.get("rollout/running_mean"):
-            running.append(float(r["rollout/running_mean"]))
-            step_s.append(float(r["rollout/decode_step_s"]))
+            run_mean, dss = float(r["rollout/running_mean"]), float(r["rollout/decode_step_s"])
         elif r.get("rollout/occupancy") and r.get("throughput/gen_tokens_per_s"):
             run_mean = float(r["rollout/occupancy"]) * max_seqs
-            running.append(run_mean)
-            step_s.append(run_mean / float(r["throughput/gen_tokens_per_s"]))
+            dss = run_mean / float(r["throughput/gen_tokens_per_s"])
+        else:
+            continue
+        running.append(run_mean)
+        step_s.append(dss)
+        steps.append(tokens / run_mean)  # every running sequence gains a token per step
     if not running:
         raise ValueError(f"{run_dir}: no generation timing logged (rollout/decode_step_s or rollout/occupancy)")
-    base, per_seq = _fit_line(running, step_s, "decode step time vs running sequences", notes)
+    base, per_seq = _fit_line(running, step_s, steps, "decode step time vs running sequences", notes)
 
-    tokens, work = [], []
+    tokens_l, work = [], []
     for r in recs:
         if all(isinstance(r.get(k), (int, float)) for k in ("time/step_s", "time/wait_s", "response_length/mean")):
-            tokens.append(float(r["response_length/mean"]) * B * n)
+            tokens_l.append(float(r["response_length/mean"]) * B * n)
             work.append(float(r["time/step_s"]) - float(r["time/wait_s"]))
-    if not tokens:
+    if not tokens_l:
         raise ValueError(f"{run_dir}: no learner timing logged (time/step_s, time/wait_s)")
-    t_base, t_tok = _fit_line(tokens, work, "learner step time vs response tokens", notes)
+    t_base, t_tok = _fit_line(tokens_l, work, [1.0] * len(work), "learner step time vs response tokens", notes)
 
     pushes = [float(r["sync/push_s"]) for r in recs if isinstance(r.get("sync/push_s"), (int, float))
               and r["sync/push_s"] > 0]

@@ -164,7 +164,8 @@ class Simulator:
     def _schedule(self, e: _Engine) -> None:
         e.epoch += 1
         if e.heap:
-            heapq.heappush(self.events, (self._time_to(e, e.heap[0][0]), 0, self._seq(), ("finish", e.idx, e.epoch)))
+            target = e.heap[0][0]
+            heapq.heappush(self.events, (self._time_to(e, target), 0, self._seq(), ("finish", e.idx, e.epoch, target)))
 
     def _seq(self) -> int:
         self._counter += 1
@@ -255,6 +256,12 @@ class Simulator:
                 if ev[2] != e.epoch:
                     continue  # superseded by a later schedule of this engine
                 self._advance(e, now)
+                # the event was computed to reach this progress: snap to it, so float rounding of tiny step times
+                # (now + 1e-9 == now) can never leave the sequence unfinished and the event re-firing forever
+                if ev[3] > e.p:
+                    e.steps += ev[3] - e.p
+                    e.run_steps += e.n * (ev[3] - e.p)
+                    e.p = ev[3]
                 while e.heap and e.heap[0][0] <= e.p + 1e-9:
                     _, sid = heapq.heappop(e.heap)
                     ticket, p0, L = seqs.pop(sid)

@@ -149,7 +149,7 @@ class RolloutWorker:
         self.evaluator = build_eval_runner(cfg, self.worker_id, self.num_workers, tokenizer, self.engine.decode,
                                            reward_fn) if ep.eval else None
         if self.evaluator is not None:
-            self.eval_sender = EvalSender(ep.eval)
+            self.eval_sender = EvalSender(ep.eval, curve=ep.curve)
             self._closables.append(self.eval_sender)
         if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
             from asyncppo.sync.fanout import member_prefix

@@ -298,8 +298,12 @@ class AdmissionClient:
             return None
         self._req += 1
         req = self._req
-        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req))
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # A DEALER with no connected peer (the server is not up, or refused our CURVE handshake) blocks in send:
+        # wait for the socket to be writable within the deadline instead.
+        if deadline is not None and not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
+            return None
+        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req))
         while True:
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:

@@ -22,6 +22,7 @@ import msgpack
 import zmq
 
 from asyncppo.stream.endpoints import bind_socket
+from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
 
 KIND = "asyncppo-eval"
 MAX_REPORT_BYTES = 64 << 10
@@ -139,10 +140,11 @@ def decode_report(frame: bytes, max_bytes: int = MAX_REPORT_BYTES, num_workers: 
 class EvalSender:
     """Worker side (PUSH, connects)."""
 
-    def __init__(self, address: str, context: Optional[zmq.Context] = None):
+    def __init__(self, address: str, context: Optional[zmq.Context] = None, curve: Optional[CurveKeys] = None):
         self._sock = (context or zmq.Context.instance()).socket(zmq.PUSH)
         self._sock.setsockopt(zmq.LINGER, 2000)
         self._sock.setsockopt(zmq.SNDHWM, 16)
+        apply_client(self._sock, curve)
         self._sock.connect(address)
 
     def send(self, report: EvalReport, timeout_s: float = 5.0) -> bool:
@@ -164,10 +166,13 @@ class EvalSender:
 class EvalReceiver:
     """Learner side (PULL, binds). :meth:`poll` returns the valid reports waiting; bad ones are counted."""
 
-    def __init__(self, bind_address: str, num_workers: int, context: Optional[zmq.Context] = None):
+    def __init__(self, bind_address: str, num_workers: int, context: Optional[zmq.Context] = None,
+                 curve: Optional[CurveKeys] = None):
         self.num_workers = num_workers
         self._sock = (context or zmq.Context.instance()).socket(zmq.PULL)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._security = ServerSecurity(curve)  # the run's CURVE keys when the learner authenticates peers
+        self._security.apply(self._sock)
         # libzmq drops the *connection* of a peer over MAXMSGSIZE without telling us: keep it well above the counted
         # limit, so an oversized report is seen, counted and refused, while a flood still cannot exhaust memory
         self._sock.setsockopt(zmq.MAXMSGSIZE, 16 * MAX_REPORT_BYTES)
@@ -192,6 +197,7 @@ class EvalReceiver:
     def close(self) -> None:
         if not self._sock.closed:
             self._sock.close()
+            self._security.release()
 
 
 class EvalAggregator:

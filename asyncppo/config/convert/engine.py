@@ -137,7 +137,7 @@ class Context:
     """What a project's converter function works with: the input, the project's defaults, and the ledger."""
 
     def __init__(self, project: str, values: dict[str, Any], defaults: dict[str, Any],
-                 ignored: Iterable[tuple[str, str, bool]] = ()):
+                 ignored: Iterable[tuple] = ()):
         self.project = project
         self.values = values
         self.defaults = defaults
@@ -170,10 +170,15 @@ class Context:
         return tuple(getattr(choices, name, ()))
 
     def differs_from_default(self, key: str) -> bool:
-        """True when the file's value differs from the project default, or when that default is unknown."""
-        if key not in self.defaults:
-            return True
-        return self.values.get(key) != self.defaults[key]
+        """True when the file's value differs from the project default. Where that default is unknown, an 'off'
+        value (null, false, 0, empty, 'disabled') is taken as having no effect, anything else as a change."""
+        value = self.values.get(key)
+        if key in self.defaults:
+            return value != self.defaults[key]
+        if isinstance(value, (dict, list, str)) and not value:
+            return False
+        return not (value is None or value is False or (isinstance(value, (int, float)) and value == 0)
+                    or value in ("disabled", "disable", "none"))
 
     # ---- writing ---------------------------------------------------------------------------------------------
     def set(self, target: str, value: Any, sources: list[str] | str, status: str = "mapped", why: str = "") -> None:
@@ -219,7 +224,9 @@ class Context:
         """Record every matching key of the file as having no asyncppo equivalent."""
         for key in self.values:
             if fnmatch.fnmatchcase(key, key_or_pattern) and key not in self.entries:
-                self.record(key, "unsupported", why, flag=self.differs_from_default(key))
+                marker = key.endswith("._target_")  # Hydra's instantiate marker: never a setting
+                self.record(key, "unsupported", "Hydra class marker" if marker else why,
+                            flag=not marker and self.differs_from_default(key))
 
     def consumed(self, key: str, status: str, why: str, targets: Optional[list[str]] = None,
                  flag: Optional[bool] = None) -> None:
@@ -251,9 +258,11 @@ class Context:
         for key in self.values:
             if key in self.entries:
                 continue
-            for pattern, why, changes_behaviour in self.ignored:
+            for pattern, why, changes_behaviour, *gate in self.ignored:
                 if fnmatch.fnmatchcase(key, pattern):
-                    self.record(key, "unsupported", why, flag=changes_behaviour and self.differs_from_default(key))
+                    active = not gate or (gate[0](self) if callable(gate[0]) else bool(self.get(gate[0])))
+                    flag = changes_behaviour and active and self.differs_from_default(key)
+                    self.record(key, "unsupported", why if active else f"{why} (switched off here)", flag=flag)
                     break
             else:
                 self.record(key, "unknown", f"no rule for this {self.project} key; not converted", flag=True)

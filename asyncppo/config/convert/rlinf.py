@@ -105,8 +105,12 @@ def convert(ctx: Context) -> None:
 
 
 def _algorithm(ctx: Context) -> None:
-    ctx.map(AL + "adv_type", "algorithm.adv_estimator", choose({"gae": "gae", "grpo": "grpo",
-                                                               "reinpp": "reinforce_plus_plus"}))
+    baseline = as_bool(ctx.get(AL + "use_reinpp_baseline", False))
+    ctx.map(AL + "adv_type", "algorithm.adv_estimator", choose({
+        "gae": "gae", "grpo": "grpo",
+        "reinpp": "reinforce_plus_plus_baseline" if baseline else "reinforce_plus_plus"}))
+    ctx.consumed(AL + "use_reinpp_baseline", "mapped", "group-mean baseline: reinforce_plus_plus_baseline",
+                 ["algorithm.adv_estimator"])
     ctx.map(AL + "gamma", "algorithm.gamma", float)
     ctx.map(AL + "gae_lambda", "algorithm.lambd", float)
     ctx.map(AL + "normalize_advantages", "algorithm.whiten_advantages", as_bool)

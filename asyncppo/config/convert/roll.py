@@ -44,6 +44,12 @@ DEFAULTS = {
     TIC + "is_weight.enabled": False, TIC + "is_weight.weight_type": "token", TIC + "is_weight.upper_bound": 1.2,
     TIC + "is_weight.detach": True, TIC + "filters": [],
     TR + "model_update_frequency": 1, TR + "use_dynamic_batching_in_train": False,
+    # RLVRConfig (roll/pipeline/rlvr/rlvr_config.py)
+    "max_len_mask": False, "difficulty_mask": False, "difficulty_low_threshold": 0.0,
+    "difficulty_high_threshold": 1.0, "error_max_len_clip": False, "difficulty_loss_weight": False,
+    "length_loss_weight": False, "use_policy_loss_type": "PPO", "use_topr_loss": False, "rl_loss_coef": 1.0,
+    "importance_sampling": "token", "val_greedy": False, "val_n_sample": 1, "mask_type": "loss",
+    "balance_length": False, "minibatch_data_iter_num": 1,
     TA + "learning_rate": 5e-5, TA + "lr_scheduler_type": "linear", TA + "weight_decay": 0.0,
     TA + "adam_beta1": 0.9, TA + "adam_beta2": 0.999, TA + "per_device_train_batch_size": 8,
     TA + "gradient_accumulation_steps": 1, TA + "warmup_steps": 0, TA + "warmup_ratio": 0.0,
@@ -53,6 +59,19 @@ DEFAULTS = {
 _PERF = "memory/speed setting of ROLL's workers; no asyncppo equivalent and no effect on what is learned"
 _PLACE = "placement is set with --rollout-gpus / --train-gpus"
 IGNORED = [
+    ("max_len_mask", "samples that hit the length limit stay in the loss (see algorithm.overlong_buffer_len)", True),
+    ("difficulty_mask", "groups are not masked by mean score (see algorithm.dynamic_sampling)", True),
+    ("difficulty_*_threshold", "groups are not masked by mean score", True, "difficulty_mask"),
+    ("error_max_len_*", "no length-error clipping", True), ("*_loss_weight", "no per-sample loss weights", True),
+    ("use_policy_loss_type", "the policy loss is algorithm.policy_loss", True), ("use_topr*", "TOPR is not "
+     "supported", True), ("postive_loss_coef", "TOPR is not supported", True), ("rl_loss_coef", "no loss scale", True),
+    ("importance_sampling", "per-token ratios (see algorithm.off_policy_level)", True),
+    ("val_greedy", "evaluation scores one greedy answer per prompt", False), ("val_n_sample", "see data.eval_samples",
+     False), ("mask_type", "ROLL's masking scope", True), ("balance_length", _PERF, False),
+    ("minibatch_data_iter_num", "no mini-batch repetition (see algorithm.ppo_epochs)", True),
+    ("global_template", "the tokenizer's chat template is used", True), ("tag_to_template", "the tokenizer's chat "
+     "template is used", True), ("dataset_filter.*", "no difficulty-based dataset filter", True),
+    ("save_logging_board_dir", "logs go to trainer.output_dir", False),
     ("hydra.*", "Hydra run settings", False),
     ("defaults", "Hydra defaults list: only this file's values are read", False),
     ("*.strategy_args.*", _PERF, False),
@@ -122,10 +141,10 @@ def _algorithm(ctx: Context) -> None:
     ctx.map("advantage_clip", "algorithm.advantage_clip", lambda v: None if v is None else float(v))
     ctx.unsupported("whiten_rewards", "token-level reward whitening is not supported")
     ctx.unsupported("critic_warmup", "the critic and the policy always train together")
-    variant = ctx.get(TR + "pg_variant")
-    if variant is not None:
-        names = {v: v for v in ("ppo", "cispo") if v in ctx.choices("POLICY_LOSSES")}
-        ctx.map(TR + "pg_variant", "algorithm.policy_loss", choose(names))
+    names = {v: v for v in ("ppo", "cispo") if v in ctx.choices("POLICY_LOSSES")}
+    for key in ("pg_variant", TR + "pg_variant"):
+        if ctx.get(key) is not None:
+            ctx.map(key, "algorithm.policy_loss", choose(names))
     ctx.map("ppo_epochs", "algorithm.ppo_epochs", as_int)
 
 
