@@ -30,6 +30,7 @@ VARIANTS = {
     "default": [],  # lr 1e-4, one optimizer step per batch
     "collapse": COLLAPSE,
     "early-stop": COLLAPSE + ["algorithm.early_stop_kl=0.02"],
+    "early-stop-tight": COLLAPSE + ["algorithm.early_stop_kl=0.005"],
     "warmup": COLLAPSE + ["trainer.warmup_steps=50"],
     "no-whiten": COLLAPSE + ["algorithm.whiten_advantages=false"],
     "critic-lr": COLLAPSE + ["trainer.critic_lr=1e-4"],
@@ -142,19 +143,19 @@ def report(names: list[str], root: str, window: int) -> None:
             results[name] = [json.loads(line) for line in open(path)]
     print("\nheld-out accuracy, sampled (T=1, 256 prompts x 4) / greedy")
     steps = sorted({r["step"] for recs in results.values() for r in recs if "eval" in r})
-    print(f"{'variant':<11}" + "".join(f"{'step ' + str(s):>14}" for s in steps))
+    print(f"{'variant':<17}" + "".join(f"{'step ' + str(s):>14}" for s in steps))
     for name, recs in results.items():
         ev = {r["step"]: r["eval"] for r in recs if "eval" in r}
-        print(f"{name:<11}" + "".join(f"{ev[s]['sampled']:>8.3f}/{ev[s]['greedy']:.3f}" if s in ev else f"{'-':>14}"
+        print(f"{name:<17}" + "".join(f"{ev[s]['sampled']:>8.3f}/{ev[s]['greedy']:.3f}" if s in ev else f"{'-':>14}"
                                       for s in steps))
     print(f"\nupdate statistics, mean per {window} learner steps")
-    print(f"{'variant':<11} {'steps':>8} " + " ".join(f"{short:>7}" for _, short in KEYS))
+    print(f"{'variant':<17} {'steps':>8} " + " ".join(f"{short:>7}" for _, short in KEYS))
     for name, recs in results.items():
         train = [r for r in recs if "eval" not in r]
         for lo in range(0, len(train), window):
             rows = train[lo : lo + window]
             span = f"{rows[0]['step']}-{rows[-1]['step']}"
-            print(f"{name:<11} {span:>8} " + " ".join(f"{_mean([r.get(k) for r in rows]):7.4f}" for k, _ in KEYS))
+            print(f"{name:<17} {span:>8} " + " ".join(f"{_mean([r.get(k) for r in rows]):7.4f}" for k, _ in KEYS))
 
 
 if __name__ == "__main__":

@@ -96,7 +96,7 @@ def read_run(out: Path, label: str, total: float = 0.0) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("overrides", nargs="*", default=["env=cartpole"])
-    p.add_argument("--ks", type=int, nargs="+", default=[1])
+    p.add_argument("--ks", type=int, nargs="*", default=[1], help="staleness bounds to launch (none: only the reference)")
     p.add_argument("--workers", type=int, default=1)
     p.add_argument("--skip-reference", action="store_true")
     p.add_argument("--plot", default="")
@@ -106,9 +106,13 @@ def main() -> None:
     p.add_argument("--add-run", action="append", default=[], metavar="LABEL=DIR",
                    help="also report (and plot) a finished run directory")
     args = p.parse_args()
-    results = [] if args.skip_reference else [reference_loop(args.overrides)]
-    results += [read_run(Path(spec.split("=", 1)[1]), spec.split("=", 1)[0]) for spec in args.add_run]
-    results += [launched(args.overrides, k, args.workers) for k in args.ks]
+    results = [read_run(Path(spec.rsplit("=", 1)[1]), spec.rsplit("=", 1)[0]) for spec in args.add_run]
+    jobs = ([] if args.skip_reference else [lambda: reference_loop(args.overrides)])
+    jobs += [lambda k=k: launched(args.overrides, k, args.workers) for k in args.ks]
+    for job in jobs:
+        results.append(job())
+        if args.json:  # after every job: a long benchmark loses nothing to a later failure
+            Path(args.json).write_text(json.dumps(results, indent=1))
     print(f"{'mode':<28} {'wall s':>8} {'env steps':>10} {'steps/s':>9} {'return(100)':>12} "
           f"{'steps to ' + format(args.target, 'g'):>14}")
     for r in results:

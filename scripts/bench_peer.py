@@ -153,10 +153,12 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
     gen = torch.Generator().manual_seed(0)
     timers = Timers()
     sample = timers.wrap("sampling 16x8 (HF, KV cache; not the vLLM engine)", sampled_batch)
+    def grad(what):
+        return lambda: f"{what} forward, " + ("with grad" if torch.is_grad_enabled() else "no grad (proximal/old)")
+
     targets = [
-        (ppo_mod, "chunked", "no-grad forwards: proximal log-probs + old values"),
-        (ppo_mod, "policy_forward", "actor forward with grad (+ entropy metric)"),
-        (ppo_mod, "value_forward", "critic forward with grad"),
+        (ppo_mod, "policy_forward", grad("actor")),
+        (ppo_mod, "value_forward", grad("critic")),
         (torch.Tensor, "backward", "backward, actor + critic"),
         (update.actor_opt, "step", "AdamW step, actor"),
         (update.critic_opt, "step", "AdamW step, critic"),
@@ -165,19 +167,18 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
         (algo, "value_loss", "value loss + its metrics"),
         (algo, "compute_advantages", "GAE + whitening"),
         (algo, "rollout_correction", "rollout-correction weights + metrics"),
-        (ppo_mod, "mini_batches", "mini-batch slicing"),
         (ppo_mod, "micro_batches", "micro-batch sort + slicing"),
     ]
     step = timers.wrap("PPOUpdate.step total", update.step)
     update.step(sample(actor, tok, rows_train[:PROMPTS], gen))  # warm-up
     timers.totals.clear()
+    timers.inclusive.clear()
     with timers.patched(targets):
         for i in range(1, steps + 1):
             step(sample(actor, tok, rows_train[i * PROMPTS : (i + 1) * PROMPTS], gen))
     n = steps * PROMPTS * GROUP
-    total = timers.totals.pop("PPOUpdate.step total")
-    inner = sum(v for k, v in timers.totals.items() if not k.startswith("sampling"))
-    timers.totals["other (metrics, batch moves, Python)"] = total - inner
+    total = timers.inclusive["PPOUpdate.step total"]
+    timers.totals["other (metrics, batch moves, Python)"] = timers.totals.pop("PPOUpdate.step total")
     print(f"\nlearner profile: {steps} PPO updates of {PROMPTS}x{GROUP} samples, {torch.get_num_threads()} "
           f"thread(s), load average {os.getloadavg()[0]:.1f}: update {total / n * 1e6:.0f} us per trained sample "
           f"({n / total:.0f} samples/s)")

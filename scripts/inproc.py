@@ -100,19 +100,24 @@ class Timers:
     """Exclusive wall time per label: a timed call inside another timed call counts only for the inner one."""
 
     def __init__(self) -> None:
-        self.totals: dict[str, float] = {}
+        self.totals: dict[str, float] = {}  # exclusive
+        self.inclusive: dict[str, float] = {}
         self._stack: list[list] = []
 
-    def wrap(self, label: str, fn):
+    def wrap(self, label, fn):
+        """``label``: a string, or a callable returning one at call time (e.g. to tell grad from no-grad)."""
+
         def timed(*a, **kw):
             t0 = time.perf_counter()
-            self._stack.append([label, 0.0])
+            name = label() if callable(label) else label
+            self._stack.append([name, 0.0])
             try:
                 return fn(*a, **kw)
             finally:
                 _, inner = self._stack.pop()
                 spent = time.perf_counter() - t0
-                self.totals[label] = self.totals.get(label, 0.0) + spent - inner
+                self.totals[name] = self.totals.get(name, 0.0) + spent - inner
+                self.inclusive[name] = self.inclusive.get(name, 0.0) + spent
                 if self._stack:
                     self._stack[-1][1] += spent
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_e2e_launch import ASYNCPPO, REPO, _assert_no_leftovers, _train_records
+from test_e2e_launch import ASYNCPPO, REPO, _train_records
 
 pytestmark = pytest.mark.slow
 
@@ -26,10 +26,56 @@ SMALL = ("trainer.logger.wandb=false", "rollout.rollout_batch_size=4", "data.num
          "trainer.eval_every=0", "cluster.rollout_workers=2")
 
 
-def _start(out_dir: Path, *overrides: str) -> subprocess.Popen:
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", *SMALL, *overrides], cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+class Run:
+    """One ``asyncppo launch`` in the background. Output goes to files (no pipe to fill up); every process under the
+    launcher seen while it runs is remembered, so the test can check that exactly those are gone afterwards (other
+    Ray clusters on the machine are none of its business)."""
+
+    def __init__(self, out_dir: Path, *overrides: str):
+        env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = out_dir
+        self._stdout, self._stderr = open(out_dir.parent / f"{out_dir.name}.out", "w+"), \
+            open(out_dir.parent / f"{out_dir.name}.err", "w+")
+        self.proc = subprocess.Popen([*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", *SMALL, *overrides],
+                                     cwd=REPO, env=env, stdout=self._stdout, stderr=self._stderr, text=True)
+        self.seen: set[int] = set()
+
+    def poll(self):
+        self.seen.update(_descendant_pids(self.proc.pid, ""))
+        return self.proc.poll()
+
+    def output(self) -> tuple[str, str]:
+        self._stdout.seek(0)
+        self._stderr.seek(0)
+        return self._stdout.read(), self._stderr.read()
+
+    def finish(self, timeout_s: float) -> tuple[int, str, str]:
+        deadline = time.time() + timeout_s
+        while self.poll() is None and time.time() < deadline:
+            time.sleep(0.5)
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        return self.proc.returncode, *self.output()
+
+    def assert_no_leftovers(self) -> None:
+        def running(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            except OSError:
+                return False
+
+        alive = lambda: [p for p in self.seen if running(p)]
+        deadline = time.time() + 30
+        while alive() and time.time() < deadline:
+            time.sleep(1)
+        assert not alive(), f"processes of the run left behind: {alive()}"
+
+
+def _start(out_dir: Path, *overrides: str) -> Run:
+    return Run(out_dir, *overrides)
 
 
 def _records(out_dir: Path) -> list[dict]:
@@ -48,12 +94,12 @@ def _worker_pids(out_dir: Path) -> dict[int, int]:
     return pids
 
 
-def _wait_for_step(proc: subprocess.Popen, out_dir: Path, step: int, timeout_s: float = 600) -> None:
+def _wait_for_step(run: Run, out_dir: Path, step: int, timeout_s: float = 900) -> None:
     deadline = time.time() + timeout_s
     while time.time() < deadline:
-        if proc.poll() is not None:
-            out, err = proc.communicate()
-            raise AssertionError(f"run ended early ({proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
+        if run.poll() is not None:
+            out, err = run.output()
+            raise AssertionError(f"run ended early ({run.proc.returncode}):\n{out[-3000:]}\n{err[-3000:]}")
         if len(_train_records(_records(out_dir))) >= step:
             return
         time.sleep(0.5)
@@ -68,34 +114,37 @@ def _trained(out_dir: Path) -> list[list]:
 def test_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     k, steps = 1, 40
     out = tmp_path / "run"
-    proc = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", "cluster.max_worker_restarts=2",
-                  "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
+    # max_num_seqs=16: each worker asks for 2 groups at a time, so both hold tickets and train groups
+    run = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", "cluster.max_worker_restarts=2",
+                 "rollout.max_num_seqs=16", "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
     try:
-        _wait_for_step(proc, out, 5)
+        _wait_for_step(run, out, 5)
         pids = _worker_pids(out)
         assert sorted(pids) == [0, 1], pids
         # the survivor slows down until the replacement is up, so the replacement has steps left to take part in
         (out / "SLOW").touch()
         os.kill(pids[1], signal.SIGKILL)
         deadline = time.time() + 600
-        while _worker_pids(out).get(1) == pids[1] and time.time() < deadline and proc.poll() is None:
+        while _worker_pids(out).get(1) == pids[1] and time.time() < deadline and run.poll() is None:
             time.sleep(0.5)
         (out / "SLOW").unlink()
-        stdout, stderr = proc.communicate(timeout=900)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+        code, stdout, stderr = run.finish(900)
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
     assert "rollout worker 1 died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
     train = _train_records(_records(out))
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert train[-1]["workers/restarts"] == 1 and train[0]["workers/restarts"] == 0
+    print("tickets returned:", train[-1]["workers/tickets_returned"], "sync members retired:",
+          train[-1]["workers/sync_failures"])
     assert max(r["staleness/max"] for r in train) <= k
-    # No group trained twice: every trained group id and every trained ticket is unique, B per step.
+    # No group trained twice: every trained group id and every trained ticket is unique, B per step. (Training
+    # consumes tickets in order, so a ticket of the dead worker that never came back would have stalled the run.)
     groups = _trained(out)
     assert len(groups) == steps * 4
     assert len({g[0] for g in groups}) == len(groups), "a group id was trained twice"
     assert len({g[1] for g in groups}) == len(groups), "a ticket was trained twice"
+    assert any(g[0].startswith("1-") for g in groups)  # the first incarnation of worker 1 did take part
     # The replacement (incarnation 1 of worker 1) joined the weight sync, resumed the worker's prompt sequence and
     # its groups were trained (group ids "1.1-<draw>"), within the staleness bound like every other group.
     log = (out / "logs" / "worker-1.log").read_text()
@@ -104,21 +153,24 @@ def test_killed_worker_is_replaced_and_the_run_completes(tmp_path):
     assert replaced, "no group of the replacement was trained"
     first_draw = int(re.search(r"incarnation 1, from draw (\d+)", log).group(1))
     assert min(int(g[0].split("-")[1]) for g in replaced) >= first_draw
-    _assert_no_leftovers()
+    draws_0 = {int(g[0].split("-")[1]) for g in groups if g[0].startswith("1-")}
+    assert not draws_0 & {int(g[0].split("-")[1]) for g in replaced}  # no prompt of worker 1 trained twice
+    run.assert_no_leftovers()
 
 
 def test_stopped_worker_is_named_within_the_timeout(tmp_path):
-    timeout = 60
+    timeout = 90  # also the start-up deadline (workers joining the weight sync): room for a loaded machine
     out = tmp_path / "run"
-    proc = _start(out, "trainer.total_steps=400", "rollout.max_staleness=1", f"cluster.timeout_s={timeout}")
+    run = _start(out, "trainer.total_steps=400", "rollout.max_staleness=1", "rollout.max_num_seqs=16",
+                 f"cluster.timeout_s={timeout}")
     stopped = None
     try:
-        _wait_for_step(proc, out, 3)
-        pids = _worker_pids(out)
-        stopped = pids[1]
+        _wait_for_step(run, out, 3)
+        stopped = _worker_pids(out)[1]
         os.kill(stopped, signal.SIGSTOP)
         t_stop = time.time()
-        stdout, stderr = proc.communicate(timeout=4 * timeout + 120)
+        while run.poll() is None and time.time() < t_stop + 4 * timeout + 120:
+            time.sleep(0.5)
         elapsed = time.time() - t_stop
     finally:
         if stopped is not None:
@@ -126,17 +178,17 @@ def test_stopped_worker_is_named_within_the_timeout(tmp_path):
                 os.kill(stopped, signal.SIGCONT)
             except ProcessLookupError:
                 pass
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, stderr[-3000:]
+        code, stdout, stderr = run.finish(120)
+    assert code == 1, stderr[-3000:]
     # The learner names the late worker and what it waited for: its tickets, or the weights pushed to it.
     assert re.search(r"rollout worker(\(s\))? \[?1\]?( \(incarnation \d+\))? (late|did not take)", stderr), \
         stderr[-3000:]
     assert "cluster.timeout_s" in stderr
+    print(f"reported {elapsed:.0f}s after SIGSTOP (timeout {timeout}s)")
     # Reported within the deadline (plus the shutdown): not the 10-minute default, not a hang.
     assert elapsed < timeout + 60, elapsed
     assert len(_train_records(_records(out))) < 400
-    _assert_no_leftovers()
+    run.assert_no_leftovers()
 
 
 def _descendant_pids(root: int, marker: str) -> list[int]:
@@ -174,28 +226,27 @@ def test_killed_learner_resumes_exactly(tmp_path):
     """k=0, one worker: a run whose learner is SIGKILLed after its step-3 checkpoint, resumed from it, trains the
     prompt sequence of a run that never stopped, and ends with bit-identical weights."""
     ref_dir, cut_dir, res_dir = tmp_path / "ref", tmp_path / "cut", tmp_path / "res"
-    proc = _start(ref_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact")
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    run = _start(ref_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact")
+    code, out, err = run.finish(900)
+    assert code == 0, out[-3000:] + err[-3000:]
+    run.assert_no_leftovers()
 
-    proc = _start(cut_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact_then_hang")
+    run = _start(cut_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact_then_hang")
     try:
-        _wait_for_step(proc, cut_dir, 4)  # step 4 is trained; the worker hangs in step 5's first group
+        _wait_for_step(run, cut_dir, 4)  # step 4 is trained; the worker hangs in step 5's first group
         assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
-        (learner,) = _descendant_pids(proc.pid, "LearnerActor")
+        (learner,) = _descendant_pids(run.proc.pid, "LearnerActor")
         os.kill(learner, signal.SIGKILL)
-        out, err = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 1, err[-3000:]
-    _assert_no_leftovers()
+        code, out, err = run.finish(300)
+    assert code == 1, err[-3000:]
+    run.assert_no_leftovers()
 
-    proc = _start(res_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact",
-                  f"trainer.resume_from={cut_dir}")
-    out, err = proc.communicate(timeout=900)
-    assert proc.returncode == 0, out[-3000:] + err[-3000:]
-    steps = lambda run: [json.loads(line) for line in (run / "trained_groups.jsonl").read_text().splitlines()]
+    run = _start(res_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact",
+                 f"trainer.resume_from={cut_dir}")
+    code, out, err = run.finish(900)
+    assert code == 0, out[-3000:] + err[-3000:]
+    steps = lambda d: [json.loads(line) for line in (d / "trained_groups.jsonl").read_text().splitlines()]
     ref, cut, res = steps(ref_dir), steps(cut_dir), steps(res_dir)
     assert [s["step"] for s in res] == [4, 5, 6]
     # the same groups (ids name the worker's draw numbers), tickets and prompts, step by step
@@ -208,4 +259,4 @@ def test_killed_learner_resumes_exactly(tmp_path):
     assert any(not torch.equal(step3[name], t) for name, t in want.items())  # steps 4-6 did change the weights
     for name, tensor in want.items():
         assert torch.equal(tensor, got[name]), f"{name} differs after resuming"
-    _assert_no_leftovers()
+    run.assert_no_leftovers()

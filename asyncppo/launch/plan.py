@@ -106,12 +106,13 @@ def format_plan(plan: PlacementPlan) -> str:
             notes = "trajectory sink, admission, control, weight-sync rank 0" if r.rank == 0 else "data-parallel rank"
         else:
             notes = (f"{plan.engine} engine ({plan.generation}, up to {plan.max_num_seqs} sequences, in-flight "
-                     f"update {plan.inflight_update}), weight-sync rank {1 + r.rank}")
+                     f"update {plan.inflight_update}), own weight-sync group")
             if plan.engine.startswith("env:"):
-                notes = f"{plan.engine[4:]} env worker (gymnasium vector env), weight-sync rank {1 + r.rank}"
+                notes = f"{plan.engine[4:]} env worker (gymnasium vector env), own weight-sync group"
         lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
     ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
     lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")
-    lines.append(f"  weight-sync group: world size {plan.weight_sync_world_size}")
+    # sync/fanout.py: one group per worker (LLM engines and env workers alike), so one worker's death breaks nobody
+    lines.append(f"  weight sync: {len(plan.rollouts)} two-rank group(s), learner rank 0 + one worker each")
     lines.append(f"  ray: {plan.ray_address or 'local instance started by the launcher'}")
     return "\n".join(lines)

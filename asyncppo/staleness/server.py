@@ -307,7 +307,7 @@ class AdmissionClient:
         while True:
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
-                self._sock.send(encode_message("cancel", worker_id=self.worker_id, req=req))
+                self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
                 return None
             if not self._sock.poll(min(left_ms, 1000)):
                 continue
@@ -385,15 +385,24 @@ class AdmissionClient:
             return None
 
     def _give_back(self, index: int) -> None:
-        self._sock.send(encode_message("release", worker_id=self.worker_id, index=index))
+        self._send_nowait(encode_message("release", worker_id=self.worker_id, index=index))
         self.returned += 1
+
+    def _send_nowait(self, msg: bytes) -> bool:
+        """Cancels and releases never block: with no connected server (gone, or our handshake refused) there is
+        nothing to cancel, and a grant the server cannot deliver is released on its side."""
+        try:
+            self._sock.send(msg, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
 
     def close(self) -> None:
         """Return any grant that arrived after its request was abandoned, then close."""
         if self._sock.closed:
             return
         for req in sorted(self._open):
-            self._sock.send(encode_message("cancel", worker_id=self.worker_id, req=req))
+            self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
         self._open.clear()
         for ticket in self._early:
             self._give_back(ticket.index)

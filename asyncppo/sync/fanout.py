@@ -73,6 +73,7 @@ class WeightFanout:
         self.failures: list[str] = []  # one line per retired member: who, which version, why
         self.late: list[str] = []  # members retired because they did not take a push within timeout_s
         self._closing = False
+        self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------- membership
     def add(self, worker_id: int, generation: int = 0) -> None:
@@ -85,8 +86,10 @@ class WeightFanout:
                 old.state = "gone"
                 old.queue.put(None)
             self._members[worker_id] = member
-        threading.Thread(target=self._form, args=(member,), name=f"sync-join-w{worker_id}g{generation}",
-                         daemon=True).start()
+        thread = threading.Thread(target=self._form, args=(member,), name=f"sync-join-w{worker_id}g{generation}",
+                                  daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     def remove(self, worker_id: int) -> None:
         """Worker ``worker_id`` is gone: nothing more is pushed to it (its group is abandoned, not joined)."""
@@ -219,7 +222,9 @@ class WeightFanout:
         with self._lock:
             return {w: m.last_version for w, m in self._members.items() if m.state == "ready"}
 
-    def close(self) -> None:
+    def close(self, join_s: float = 5.0) -> None:
+        """Retire every member; give their threads ``join_s`` to leave (a thread blocked in a broadcast to a peer
+        that is gone leaves when the broadcast fails; one still blocked after that is left to its timeout)."""
         with self._lock:
             self._closing = True
             members = list(self._members.values())
@@ -227,4 +232,6 @@ class WeightFanout:
         for m in members:
             m.state = "gone"
             m.queue.put(None)
-        self.store = None
+        deadline = time.monotonic() + join_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))

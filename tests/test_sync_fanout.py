@@ -1,0 +1,125 @@
+"""One weight-sync group per worker (sync/fanout.py), with real gloo groups in separate processes: a worker killed
+with SIGKILL breaks nobody else's pushes, its replacement receives the current weights before anything else, and a
+worker that does not take a push is named within the timeout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from asyncppo.sync import SyncGroupError, WeightReceiver, find_free_port, make_sync_group
+from asyncppo.sync.fanout import WeightFanout, member_prefix
+
+PREFIX = "test-run"
+
+
+def _receiver(worker: int, generation: int, port: int, versions: int, out, hang: bool = False) -> None:
+    """Join as worker ``worker`` (incarnation ``generation``), receive ``versions`` pushes, report what arrived."""
+    torch.set_num_threads(1)
+    out.put(("ready", worker))  # imports done: the test forms rank 0's side only now (short timeouts)
+    group = make_sync_group("127.0.0.1", port, 1, 2, timeout_s=60,
+                            store_prefix=member_prefix(PREFIX, worker, generation))
+    receiver = WeightReceiver(group)
+    for _ in range(versions):
+        version, tensors = receiver.receive()
+        out.put((worker, generation, version, float(dict(tensors)["w"][0])))
+        if hang:
+            time.sleep(3600)
+    group.close()
+
+
+def _weights(version: int) -> dict[str, torch.Tensor]:
+    return {"w": torch.full((1000,), float(version)), "b": torch.arange(10, dtype=torch.float64) * version}
+
+
+def _got(out, n: int, timeout: float = 60.0) -> list[tuple]:
+    return sorted(out.get(timeout=timeout) for _ in range(n))
+
+
+def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weights():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
+    procs = {}
+    try:
+        for w in (0, 1):
+            fanout.add(w, 0)
+            procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
+            procs[w].start()
+        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+        fanout.wait_joined([0, 1])
+        fanout.push_async(_weights(1), 1)
+        fanout.wait()
+        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        os.kill(procs[1].pid, signal.SIGKILL)
+        procs[1].join()
+        t0 = time.monotonic()
+        fanout.push_async(_weights(2), 2)
+        fanout.wait()  # the dead member's push fails at once and retires it: no error, no timeout
+        assert time.monotonic() - t0 < 30
+        assert _got(out, 1) == [(0, 0, 2, 2.0)]
+        assert len(fanout.failures) == 1 and "rollout worker 1 (incarnation 0)" in fanout.failures[0]
+        assert not fanout.late and fanout.ready() == [0]
+        # the replacement (incarnation 1) joins later and is handed the newest weights first, then later pushes
+        fanout.replace(1, 1)
+        procs[1] = ctx.Process(target=_receiver, args=(1, 1, port, 2, out))
+        procs[1].start()
+        assert out.get(timeout=120) == ("ready", 1)
+        fanout.wait_joined([1])
+        assert _got(out, 1) == [(1, 1, 2, 2.0)]
+        fanout.push_async(_weights(3), 3)
+        fanout.wait()
+        assert _got(out, 2) == [(0, 0, 3, 3.0), (1, 1, 3, 3.0)]
+        assert fanout.versions() == {0: 3, 1: 3}
+    finally:
+        fanout.close()
+        for p in procs.values():
+            if p.is_alive():
+                p.kill()
+            p.join()
+
+
+def test_a_member_that_does_not_take_a_push_is_named_within_the_timeout():
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=5)
+    procs = []
+    try:
+        for w, hang in ((0, False), (1, True)):  # worker 1 takes version 1, then stops taking anything
+            procs.append(ctx.Process(target=_receiver, args=(w, 0, port, 2, out, hang)))
+            procs[-1].start()
+        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+        for w in (0, 1):
+            fanout.add(w, 0)
+        fanout.wait_joined([0, 1], timeout_s=60)
+        fanout.push_async(_weights(1), 1)
+        fanout.wait()
+        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        fanout.push_async(_weights(2), 2)
+        t0 = time.monotonic()
+        with pytest.raises(SyncGroupError, match=r"rollout worker.* 1 .*cluster.timeout_s"):
+            fanout.wait()
+        assert 4 < time.monotonic() - t0 < 20
+        assert _got(out, 1) == [(0, 0, 2, 2.0)]  # the prompt member was served meanwhile
+    finally:
+        fanout.close()
+        for p in procs:
+            p.kill()
+            p.join()
+
+
+def test_a_worker_that_never_joins_is_named():
+    fanout = WeightFanout("127.0.0.1", find_free_port(), PREFIX, timeout_s=2)
+    try:
+        fanout.add(0, 0)
+        with pytest.raises(SyncGroupError, match=r"rollout worker\(s\) \[0\] did not join"):
+            fanout.wait_joined([0], timeout_s=10)
+    finally:
+        fanout.close()
