@@ -104,7 +104,7 @@ class LearnerService:
         self.fanout = WeightFanout(host, self.sync_port, self.sync_prefix, backend=self._sync_backend(),
                                    timeout_s=cl.timeout_s, bucket_bytes=ro.weight_bucket_mb << 20)
         for w in range(self.num_workers):
-            self.fanout.add(w, 0)
+            self.fanout.add(w, 0, join=False)  # the wait (and its deadline) starts in _run, as workers come up
         self._closables.append(self.fanout)
         saved = {}
         if self.resume is not None:  # the prompts each worker had trained (data/position.py)
@@ -280,6 +280,7 @@ class LearnerService:
 
         logger.message(f"waiting for {self.num_workers} rollout worker(s) to join the weight-sync group")
         sender = self.fanout  # pushes to every worker's own group (sync/fanout.py); raises naming who is missing
+        sender.start()
         sender.wait_joined(range(self.num_workers), timeout_s=cfg.cluster.timeout_s)
         self._state["sender"] = sender
         al = cfg.algorithm

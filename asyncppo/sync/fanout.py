@@ -48,7 +48,7 @@ def member_prefix(run_prefix: str, worker_id: int, generation: int) -> str:
 class _Member:
     worker_id: int
     generation: int
-    state: str = "joining"  # joining -> ready -> failed | gone
+    state: str = "joining"  # (pending ->) joining -> ready -> failed | gone
     sender: Optional[WeightSender] = None
     queue: "queue.Queue" = field(default_factory=queue.Queue)
     error: str = ""
@@ -76,18 +76,32 @@ class WeightFanout:
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------- membership
-    def add(self, worker_id: int, generation: int = 0) -> None:
+    def add(self, worker_id: int, generation: int = 0, join: bool = True) -> None:
         """Start forming worker ``worker_id``'s group (generation ``generation``) in the background; a member of an
-        older generation is retired first."""
-        member = _Member(worker_id, generation)
+        older generation is retired first. ``join=False`` only registers it: :meth:`start` begins the wait, so the
+        ``timeout_s`` deadline counts from when the learner is ready for its workers, not from its own start-up."""
+        member = _Member(worker_id, generation, state="joining" if join else "pending")
         with self._lock:
             old = self._members.get(worker_id)
             if old is not None:
                 old.state = "gone"
                 old.queue.put(None)
             self._members[worker_id] = member
-        thread = threading.Thread(target=self._form, args=(member,), name=f"sync-join-w{worker_id}g{generation}",
-                                  daemon=True)
+        if join:
+            self._join(member)
+
+    def start(self) -> None:
+        """Begin forming the groups of every member added with ``join=False``."""
+        with self._lock:
+            pending = [m for m in self._members.values() if m.state == "pending"]
+            for m in pending:
+                m.state = "joining"
+        for m in pending:
+            self._join(m)
+
+    def _join(self, member: _Member) -> None:
+        thread = threading.Thread(target=self._form, args=(member,), daemon=True,
+                                  name=f"sync-join-w{member.worker_id}g{member.generation}")
         self._threads.append(thread)
         thread.start()
 
