@@ -36,6 +36,9 @@ VARIANTS = {
     "critic-lr": COLLAPSE + ["trainer.critic_lr=1e-4"],
     "grpo": COLLAPSE + ["algorithm=grpo", "algorithm.use_kl_loss=false"],
     "lr-1e-4": COLLAPSE + ["trainer.lr=1e-4"],
+    "lr-5e-5": COLLAPSE + ["trainer.lr=5e-5"],
+    "big-batch": COLLAPSE + ["rollout.rollout_batch_size=64", "algorithm.ppo_mini_batch_size=32"],
+    "kl-anchor": COLLAPSE + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "1-epoch": COLLAPSE + ["algorithm.ppo_epochs=1"],
 }
 KEYS = [("actor/approx_kl", "kl"), ("actor/clipfrac", "clip"), ("actor/entropy", "ent"),
@@ -49,9 +52,9 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     from asyncppo.config import load_config
     from asyncppo.data.tasks import get_task
     from asyncppo.data.tiny import resolve_model_path
-    from asyncppo.learner.models import load_actor, load_critic
-    from asyncppo.learner.ppo import PPOUpdate, needs_critic
-    from inproc import PROMPTS, evaluate, load, sampled_batch
+    from asyncppo.learner.models import load_actor, load_critic, load_reference
+    from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+    from inproc import evaluate, load, sampled_batch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -62,7 +65,8 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     actor = load_actor(path, torch.float32, dev)
     critic = load_critic(path, torch.float32, dev) if needs_critic(cfg) else None
     tok = load(path)[1]
-    update = PPOUpdate(cfg, actor, critic, None, dev)
+    reference = load_reference(path, torch.float32, dev) if needs_reference(cfg) else None
+    update = PPOUpdate(cfg, actor, critic, reference, dev)
     import asyncppo.algo as algo
 
     seen = {}  # the advantages of the last update (not among the learner's metrics): their scale after whitening
@@ -86,7 +90,8 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
                 f.flush()
             if step == steps:
                 break
-            rows = [splits.train[order[(step * PROMPTS + i) % len(order)]] for i in range(PROMPTS)]
+            n = cfg.rollout.rollout_batch_size
+            rows = [splits.train[order[(step * n + i) % len(order)]] for i in range(n)]
             batch = sampled_batch(actor, tok, rows, gen)
             m = update.step(batch)
             m["adv_abs"] = seen["adv_abs"]

@@ -18,10 +18,22 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _env_actors() -> list[str]:
-    """This run's actor processes (other runs on a shared machine have LLM actors, not these)."""
+def _env_actors(run_dir: Path) -> list[str]:
+    """Actor processes of *this* run: Ray actors whose stdout is a log file under ``run_dir`` (launch/console.py
+    redirects every actor's output there), so other runs on a shared machine do not count."""
     out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
-    return [line for line in out.splitlines() if "ray::EnvLearnerActor" in line or "ray::EnvRolloutActor" in line]
+    mine = []
+    for line in out.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if not args.startswith("ray::"):
+            continue
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/1")
+        except OSError:
+            continue
+        if target.startswith(str(run_dir)):
+            mine.append(line.strip())
+    return mine
 
 
 def test_cartpole_learns_through_the_asynchronous_machinery(tmp_path):
@@ -54,6 +66,6 @@ def test_cartpole_learns_through_the_asynchronous_machinery(tmp_path):
     assert summary["buffer"]["dropped_stale"] == 0
     assert sum(summary["rejected"].values()) == 0
     deadline = time.time() + 20
-    while _env_actors() and time.time() < deadline:
+    while _env_actors(out) and time.time() < deadline:
         time.sleep(1)
-    assert not _env_actors(), f"processes left behind: {_env_actors()}"
+    assert not _env_actors(out), f"processes left behind: {_env_actors(out)}"

@@ -7,8 +7,8 @@ starts the rollout workers with those addresses. The driver then waits: the lear
 worker that dies is replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back
 its tickets and awaits the replacement in the weight sync (``LearnerService.replace_worker``), then a new actor of
 the next incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor
-dying, or one worker death too many, ends the run with the actor's error. Ctrl-C, an error or a normal end all go through ``ray.shutdown()`` (which
-also stops a local Ray cluster's processes), so nothing is left behind.
+dying, or one worker death too many, ends the run with the actor's error. Ctrl-C, an error or a normal end all go
+through ``ray.shutdown()`` (which also stops a local Ray cluster's processes), so nothing is left behind.
 """
 
 from __future__ import annotations
@@ -128,6 +128,18 @@ def _local_ray_on_loopback(cfg: AsyncPPOConfig) -> None:
     starts inherit it. Joining an existing cluster leaves Ray's own choice alone."""
     if not cfg.cluster.address:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _write_report(output_dir: str) -> None:
+    """The run report (report.png and one PNG per panel); a plotting problem never fails a finished run."""
+    try:
+        from asyncppo.report import write_report
+
+        paths = write_report(output_dir)
+        shown = paths.get("report") if isinstance(paths, dict) else None
+        print(f"[asyncppo] run report: {shown or os.path.join(output_dir, 'report.png')}", flush=True)
+    except Exception as exc:
+        print(f"[asyncppo] warning: the run report could not be written: {exc!r}", file=sys.stderr, flush=True)
 
 
 def run(cfg: AsyncPPOConfig) -> int:
@@ -269,6 +281,7 @@ def run(cfg: AsyncPPOConfig) -> int:
                     code = 0
                     console.poll()
                     print(console.summary(time.time() - t0), flush=True)
+                    _write_report(output_dir)
                 # A worker returns normally only when the learner told it to stop: keep waiting for the learner.
         return code
     except KeyboardInterrupt:

@@ -120,6 +120,7 @@ class EmbodiedLearner(LearnerService):
         logger.message(f"waiting for {self.num_workers} env worker(s) to join the weight-sync group")
         sender = self.fanout  # the LLM learner's weight sync: one pair group per worker (sync/fanout.py)
         self._state["sender"] = sender
+        sender.start()  # the join deadline counts from here, not from the learner's own start-up
         sender.wait_joined(range(self.num_workers), timeout_s=cfg.cluster.timeout_s)
         B = ro.rollout_batch_size
         buffer = StalenessBuffer(ro.max_staleness, capacity_groups=max((ro.max_staleness + 2) * B, 64),

@@ -98,7 +98,6 @@ class LearnerService:
             self._closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)
         # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)
-        from asyncppo.data.position import DataPosition
         from asyncppo.sync.fanout import WeightFanout
 
         self.fanout = WeightFanout(host, self.sync_port, self.sync_prefix, backend=self._sync_backend(),
@@ -111,9 +110,9 @@ class LearnerService:
             from asyncppo.learner.checkpoint import load_trainer_state
 
             saved = load_trainer_state(self.resume.state_file).get("extra", {}).get("data_position", {})
-        self.position = DataPosition(saved)
-        self.restarts: dict[int, int] = {}
-        self.tickets_returned = 0
+        from asyncppo.learner.membership import WorkerLedger
+
+        self.ledger = WorkerLedger(self.output_dir, saved)  # data positions, restarts (learner/membership.py)
         return Endpoints(
             trajectory=connect_endpoint(self.receiver.address, public),
             control=connect_endpoint(self.control.address, public),
@@ -297,7 +296,7 @@ class LearnerService:
             response_length=ro.response_length,
         )
         self.validator, rejections = self._door(plain_actor, tokenizer)
-        feeder = Feeder(self.receiver, buffer, validator=self.validator, summary=rejections)
+        feeder = Feeder(self.receiver, buffer, validator=self.ledger.door(self.validator), summary=rejections)
         self._closables.insert(0, feeder)
         self._feeder = feeder
         start = self.version
@@ -320,7 +319,7 @@ class LearnerService:
                                    updater=updater, critic=critic, keep=tr.keep_checkpoints,
                                    sharded=sharded if multi else None,
                                    extra={"samples_trained": samples_trained,
-                                          "data_position": self.position.state_dict()})
+                                          "data_position": self.ledger.trained.state_dict()})
             logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
         train_tokens, rollout_busy, train_busy = RateMeter(), BusyMeter(), BusyMeter()
@@ -368,7 +367,7 @@ class LearnerService:
                 train_tokens.add(n_tokens)
                 rollout_busy.add(sum(g.timings.get("busy_s", 0.0) for g in groups))
                 samples_trained += batch.size
-                self._record_trained(step, groups)
+                self.ledger.record_trained(step, groups)
                 stats = buffer.stats()
                 metrics.update(
                     {
@@ -391,9 +390,7 @@ class LearnerService:
                         "stream/rejected_content": self.validator.num_rejected,
                         "samples_trained": samples_trained,
                         "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
-                        "workers/restarts": sum(self.restarts.values()),
-                        "workers/tickets_returned": self.tickets_returned,
-                        "workers/sync_failures": len(self.fanout.failures),
+                        **self.ledger.metrics(self.fanout),
                     }
                 )
                 for meter in (train_tokens, rollout_busy, train_busy):
@@ -427,7 +424,9 @@ class LearnerService:
                            rollout=engine_totals.summary())
             with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1, default=str)
-            logger.message(f"done: {summary}")
+            # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
+            shown = dict(summary, rollout={k: v for k, v in summary["rollout"].items() if k != "group_lengths"})
+            logger.message(f"done: {shown}")
             return summary
         finally:
             self._state["pushed_version"] = pushed_version
@@ -456,34 +455,16 @@ class LearnerService:
         return out
 
     # ------------------------------------------------------------------------------------------------------------
-    # worker restarts (launch/runner.py supervises; docs/reliability.md)
-    def _record_trained(self, step: int, groups) -> None:
-        """The data position (what each worker's prompt sequence has trained) and one line per step in
-        ``trained_groups.jsonl``: the group ids, tickets and prompts of the batch, so a run can show that no group
-        was trained twice and a resume trained the prompt sequence of a run that never stopped."""
-        for g in groups:
-            self.position.record(g.group_id)
-        with open(os.path.join(self.output_dir, "trained_groups.jsonl"), "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, "groups": [[g.group_id, g.ticket, g.prompt_index] for g in groups]})
-                    + "\n")
-
+    # worker restarts (launch/runner.py supervises; learner/membership.py keeps the record; docs/reliability.md)
     def data_position(self, worker_id: int) -> dict:
         """Where worker ``worker_id``'s prompt sequence starts (a resumed run's workers; data/position.py)."""
-        return self.position.of(worker_id)
+        return self.ledger.trained.of(worker_id)
 
     def replace_worker(self, worker_id: int, generation: int) -> dict:
-        """The launcher saw worker ``worker_id`` die and starts incarnation ``generation``: its tickets come back
-        to the pool (groups of it still on the way are then refused at the door: their tickets are no longer its),
-        its weight-sync member is retired and a new one awaited (the replacement receives the current weights when
-        it joins). Returns where the replacement's prompt sequence resumes. Called from the launcher's thread while
-        :meth:`run` trains (the actor is threaded); every structure touched here is locked."""
-        returned = self.admission_server.retire(worker_id, timeout_s=self.cfg.cluster.timeout_s)
-        self.tickets_returned += len(returned)
-        self.fanout.replace(worker_id, generation)
-        self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
-        log.warning("rollout worker %d died: %d ticket(s) %s returned to the pool; starting incarnation %d",
-                    worker_id, len(returned), returned[:8], generation)
-        return self.position.of(worker_id)
+        """The launcher saw worker ``worker_id`` die and starts incarnation ``generation`` (WorkerLedger.replace).
+        Called from the launcher's thread while :meth:`run` trains (the actor is threaded; all of it is locked)."""
+        return self.ledger.replace(worker_id, generation, self.admission_server, self.fanout,
+                                   self.cfg.cluster.timeout_s)
 
     def _release_dropped(self, group) -> None:
         """A group the lag guard dropped gives its ticket back, so the slot is generated again (a group whose
