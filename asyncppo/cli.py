@@ -44,8 +44,9 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. algorithm.pg_clip=0.28 or algorithm=grpo")
     p.add_argument("--rollout-gpus", type=int, metavar="N", default=None,
-                   help="GPUs for rollout: N engines with one GPU each; 0 runs cluster.rollout_workers CPU rollout "
-                   "actors (same as cluster.rollout_gpus=N; the flag wins over an override)")
+                   help="GPUs for rollout: N / rollout.tensor_parallel_size engines of that many GPUs each (default "
+                   "1 GPU each); 0 runs cluster.rollout_workers CPU rollout actors (same as cluster.rollout_gpus=N; "
+                   "the flag wins over an override)")
     p.add_argument("--train-gpus", type=int, metavar="M", default=None,
                    help="GPUs for training: M learner ranks with one GPU each; 0 runs one CPU learner "
                    "(same as cluster.train_gpus=M; the flag wins over an override)")

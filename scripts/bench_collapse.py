@@ -40,6 +40,18 @@ VARIANTS = {
     "big-batch": COLLAPSE + ["rollout.rollout_batch_size=64", "algorithm.ppo_mini_batch_size=32"],
     "kl-anchor": COLLAPSE + ["algorithm.use_kl_loss=true", "algorithm.kl_loss_coef=0.1"],
     "1-epoch": COLLAPSE + ["algorithm.ppo_epochs=1"],
+    "shared": ["model.shared_backbone=true"],  # the default with the critic as a value head on the actor
+    "shared-big": ["model.shared_backbone=true", "rollout.rollout_batch_size=64", "algorithm.ppo_mini_batch_size=32",
+                   "trainer.lr=2e-4", "algorithm.ppo_epochs=2"],
+    "shared-critic-lr": ["model.shared_backbone=true", "trainer.critic_lr=1e-2"],
+    "shared-big-3e-4": ["model.shared_backbone=true", "rollout.rollout_batch_size=64",
+                        "algorithm.ppo_mini_batch_size=32", "trainer.lr=3e-4", "algorithm.ppo_epochs=2"],
+    "shared-64x16-1ep": ["model.shared_backbone=true", "rollout.rollout_batch_size=64",
+                         "algorithm.ppo_mini_batch_size=16", "trainer.lr=2e-4"],
+    "shared-128x32-1ep": ["model.shared_backbone=true", "rollout.rollout_batch_size=128",
+                          "algorithm.ppo_mini_batch_size=32", "trainer.lr=2e-4"],
+    "shared-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4"],
+    "shared-32-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4", "rollout.rollout_batch_size=32"],
 }
 KEYS = [("actor/approx_kl", "kl"), ("actor/clipfrac", "clip"), ("actor/entropy", "ent"),
         ("actor/grad_norm", "gnorm"), ("critic/explained_variance", "ev"), ("adv_abs", "|adv|"),
@@ -52,7 +64,8 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     from asyncppo.config import load_config
     from asyncppo.data.tasks import get_task
     from asyncppo.data.tiny import resolve_model_path
-    from asyncppo.learner.models import load_actor, load_critic, load_reference
+    from asyncppo.learner.models import load_actor, load_reference
+    from asyncppo.learner.value_head import build_critic
     from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
     from inproc import evaluate, load, sampled_batch
 
@@ -63,7 +76,7 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     path = resolve_model_path("builtin:tiny-addition")
     dev = torch.device("cpu")
     actor = load_actor(path, torch.float32, dev)
-    critic = load_critic(path, torch.float32, dev) if needs_critic(cfg) else None
+    critic = build_critic(cfg, path, torch.float32, dev, False) if needs_critic(cfg) else None
     tok = load(path)[1]
     reference = load_reference(path, torch.float32, dev) if needs_reference(cfg) else None
     update = PPOUpdate(cfg, actor, critic, reference, dev)

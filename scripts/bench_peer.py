@@ -143,11 +143,12 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
     import asyncppo.algo as algo
     import asyncppo.learner.ppo as ppo_mod
     from asyncppo.config import load_config
-    from asyncppo.learner.models import load_actor, load_critic
+    from asyncppo.learner.models import load_actor
+    from asyncppo.learner.value_head import build_critic
 
     cfg = load_config(args.overrides)
     dev = torch.device("cpu")
-    actor, critic = load_actor(model_dir, torch.float32, dev), load_critic(model_dir, torch.float32, dev)
+    actor, critic = load_actor(model_dir, torch.float32, dev), build_critic(cfg, model_dir, torch.float32, dev, False)
     tok = load(model_dir)[1]
     update = ppo_mod.PPOUpdate(cfg, actor, critic, None, dev)
     gen = torch.Generator().manual_seed(0)
@@ -159,6 +160,7 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
     targets = [
         (ppo_mod, "policy_forward", grad("actor")),
         (ppo_mod, "value_forward", grad("critic")),
+        (ppo_mod, "policy_value_forward", grad("actor + value head")),
         (torch.Tensor, "backward", "backward, actor + critic"),
         (update.actor_opt, "step", "AdamW step, actor"),
         (update.critic_opt, "step", "AdamW step, critic"),

@@ -13,8 +13,9 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner.batch import collate_groups, micro_batches
 from asyncppo.learner.forward import policy_forward
-from asyncppo.learner.models import load_actor, load_critic, load_reference
+from asyncppo.learner.models import load_actor, load_reference
 from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.learner.value_head import SharedValueHead, build_critic
 from asyncppo.stream.records import Sample, TrajectoryGroup
 
 
@@ -57,7 +58,7 @@ def _updater(cfg, model_dir):
     dev = torch.device("cpu")
     torch.manual_seed(0)
     actor = load_actor(model_dir, torch.float64, dev)
-    critic = load_critic(model_dir, torch.float64, dev) if needs_critic(cfg) else None
+    critic = build_critic(cfg, model_dir, torch.float64, dev, False) if needs_critic(cfg) else None
     ref = load_reference(model_dir, torch.float64, dev) if needs_reference(cfg) else None
     if ref is not None:  # make the reference differ so that KL terms are non-zero
         with torch.no_grad():
@@ -259,3 +260,89 @@ def test_explained_variance_is_undefined_when_every_reward_is_equal(model_dir):
     metrics = _updater(_cfg(adv_estimator="gae"), model_dir).step(collate_groups(groups, pad_token_id=0))
     assert np.isnan(metrics["critic/explained_variance"])
     assert "critic/vf_explained_var" not in metrics  # left out of the micro-batch means, not averaged as NaN
+
+
+@pytest.mark.parametrize("options", [
+    dict(adv_estimator="gae", value_clip=0.2, entropy_coef=0.01),
+    dict(adv_estimator="gae", off_policy_normalize=True, rejection="token", rejection_stat="k3",
+         rejection_low=0.0, rejection_high=0.5),
+    dict(adv_estimator="grpo", use_kl_loss=True, kl_penalty="full", policy_loss="clip_cov", clip_cov_ratio=0.2,
+         clip_cov_lb=-10.0, clip_cov_ub=10.0),
+    dict(adv_estimator="gae", add_token_level_kl=True, kl_penalty="k3", off_policy_correction="tis"),
+    dict(adv_estimator="gae", shared_backbone=True, entropy_coef=0.01),
+])
+def test_single_pass_step_equals_the_separate_passes(model_dir, options):
+    """One optimizer step over one micro-batch takes the proximal log-probs and old values from its own training
+    forward: the same update as separate no-grad passes (forced here by splitting the batch into micro-batches)."""
+    shared = options.pop("shared_backbone", False)
+    base = _cfg(**options)
+    base.model.shared_backbone = shared
+    split_cfg = copy.deepcopy(base)
+    split_cfg.algorithm.micro_batch_size = 5
+    fused, separate = _updater(base, model_dir), _updater(split_cfg, model_dir)
+    batch = collate_groups(_groups(seed=11), pad_token_id=0)
+    m1, m2 = fused.step(batch), separate.step(batch)
+    assert (m1["actor/single_pass"], m2["actor/single_pass"]) == (1.0, 0.0)
+    torch.testing.assert_close(_params(fused.actor), _params(separate.actor), rtol=1e-9, atol=1e-10)
+    if fused.critic is not None:
+        torch.testing.assert_close(_params(fused.critic), _params(separate.critic), rtol=1e-9, atol=1e-10)
+    for key in ("actor/mismatch_kl", "actor/pg_loss", "reward/mean", "actor/advantages_mean"):
+        assert m1[key] == pytest.approx(m2[key], rel=1e-6, abs=1e-9), key
+    # a second step starts from the same weights, so it must agree as well (nothing stale was kept)
+    m1, m2 = fused.step(collate_groups(_groups(seed=12), pad_token_id=0)), separate.step(
+        collate_groups(_groups(seed=12), pad_token_id=0))
+    torch.testing.assert_close(_params(fused.actor), _params(separate.actor), rtol=1e-9, atol=1e-10)
+
+
+def _shared_updater(model_dir, **options):
+    cfg = _cfg(adv_estimator="gae", **options)
+    cfg.model.shared_backbone = True
+    return _updater(cfg, model_dir)
+
+
+def test_shared_value_head_lives_beside_the_actor_and_couples_through_its_body(model_dir):
+    """model.shared_backbone: the critic is a linear head on the actor's final hidden states. Its values are the
+    head applied to the hidden state before each response token; the value loss moves the actor's body (vf_coef
+    > 0 changes the actor's update), and the head is not part of the actor's state dict (pushes are unchanged)."""
+    upd = _shared_updater(model_dir)
+    assert isinstance(upd.critic, SharedValueHead) and upd.shared_critic
+    assert not any("value_head" in k for k in upd.actor.state_dict())
+    batch = collate_groups(_groups(seed=3), pad_token_id=0)
+    with torch.no_grad():  # hand-check the head on the hidden states transformers reports
+        upd.critic.value_head.weight.normal_()
+        upd.critic.value_head.bias.fill_(0.25)
+        from asyncppo.learner.forward import policy_value_forward
+
+        values = policy_value_forward(upd.actor, upd.critic, batch, 1.0, False)[3]
+        out = upd.actor(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                        position_ids=batch.position_ids, output_hidden_states=True)
+        P, T = batch.prompt_len, batch.response_len
+        expect = (out.hidden_states[-1][:, P - 1 : P - 1 + T] @ upd.critic.value_head.weight[0] + 0.25)
+        expect = expect * batch.response_mask
+    torch.testing.assert_close(values.double(), expect.double(), rtol=1e-5, atol=1e-6)
+
+    moved = []
+    for vf_coef in (0.0, 0.5):
+        u = _shared_updater(model_dir, vf_coef=vf_coef)
+        with torch.no_grad():
+            # a non-zero head (the zero-initialised one passes no gradient to the body until its weight moves)
+            u.critic.value_head.weight.copy_(torch.linspace(-1, 1, u.critic.value_head.weight.numel()).view(1, -1))
+            u.critic.value_head.bias.fill_(0.7)
+        u.step(collate_groups(_groups(seed=3), pad_token_id=0))
+        moved.append(_params(u.actor))
+    assert not torch.allclose(moved[0], moved[1], rtol=0, atol=1e-9), "the value loss did not reach the shared body"
+
+
+def test_shared_value_head_learns_the_returns(model_dir):
+    """With the actor frozen (lr 0) the head alone is fitted: its value loss on a fixed batch falls steadily."""
+    upd = _shared_updater(model_dir, value_clip=None)
+    upd.cfg.trainer.lr = 0.0
+    for group in upd.actor_opt.param_groups:
+        group["lr"] = 0.0
+    for group in upd.critic_opt.param_groups:
+        group["lr"] = 0.05
+    upd.actor_sched.base_lrs = [0.0]
+    upd.critic_sched.base_lrs = [0.05]
+    groups = _groups(seed=4, num_groups=8)
+    losses = [upd.step(collate_groups(groups, pad_token_id=0))["critic/vf_loss"] for _ in range(30)]
+    assert losses[-1] < 0.5 * losses[0], losses

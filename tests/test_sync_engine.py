@@ -14,6 +14,8 @@ import os
 import pytest
 import torch
 
+import engine_reference
+
 from asyncppo.sync import UnsupportedWeightSync, WeightSender, find_free_port, make_sync_group, tied_alias_name
 
 PROMPTS = ["12+34=", "7+8=", "99+1=", "5+55="]
@@ -46,17 +48,7 @@ def build_model(out_dir: str, tie: bool) -> str:
 
 
 def hf_greedy(model, tokenizer) -> list[list[int]]:
-    """Greedy continuation by plain argmax over full forwards, ending after EOS as an engine does."""
-    outs = []
-    with torch.no_grad():
-        for p in PROMPTS:
-            ids = tokenizer(p, add_special_tokens=False).input_ids
-            new = []
-            while len(new) < NEW_TOKENS and (not new or new[-1] != tokenizer.eos_token_id):
-                logits = model(torch.tensor([ids + new])).logits[0, -1]
-                new.append(int(logits.argmax()))
-            outs.append(new)
-    return outs
+    return engine_reference.hf_greedy(model, tokenizer, PROMPTS, NEW_TOKENS)
 
 
 class _Engine:
@@ -136,13 +128,7 @@ def _push_and_compare(tmp_path, tie: bool, push_items):
     try:
         tok = AutoTokenizer.from_pretrained(model_dir)
         model = Qwen2ForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-        old = hf_greedy(model, tok)
-        g = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.3 * torch.randn(p.shape, generator=g))
-        new = hf_greedy(model, tok)
-        assert new != old, "the perturbation must change greedy output, or the test proves nothing"
+        old, new = engine_reference.perturb_changing_greedy(model, tok, PROMPTS, NEW_TOKENS)
         group = make_sync_group("127.0.0.1", port, 0, 2, timeout_s=120)
         sender = WeightSender(group, bucket_bytes=64 << 10)
         stats = sender.push(push_items(model), version=1)

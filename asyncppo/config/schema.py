@@ -83,6 +83,7 @@ class AlgorithmConfig:
     # --- optimisation schedule ------------------------------------------------------------
     ppo_epochs: int = 1
     ppo_mini_batch_size: int = 0  # prompts (groups) per mini-batch, as in verl; 0 = the whole batch
+    ppo_num_mini_batches: int = 0  # with ppo_mini_batch_size 0: split each batch into this many; 0 = one
     micro_batch_size: int = 0  # samples per micro-batch; 0 = whole mini-batch
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (overrides micro_batch_size when > 0)
     # --- off-policy correction ------------------------------------------------------------
@@ -131,6 +132,9 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0  # CPU engines: VLLM_CPU_KVCACHE_SPACE
     enforce_eager: bool = True
+    # --- engine parallelism (launch/plan.py): --rollout-gpus N gives N / (TP x PP) engines of TP x PP GPUs each ---
+    tensor_parallel_size: int = 1  # vLLM tensor parallelism per engine (TP ranks = processes; rollout/tp_load.py)
+    pipeline_parallel_size: int = 1  # vLLM pipeline parallelism per engine: only 1 is supported (validate.py says why)
     # --- how the engine is kept busy (docs/staleness.md, "Weight swaps during generation") ---------------
     generation: str = "continuous"  # continuous: admit a group whenever a slot frees | batch: drain between batches
     max_num_seqs: int = 256  # sequences decoded at once per engine (vLLM max_num_seqs); admission keeps it full
@@ -205,6 +209,10 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept under <output_dir>/checkpoints/
     resume_from: Optional[str] = None  # a checkpoint dir or a run dir (its checkpoints/latest); None: start fresh
     sft_warmup_steps: int = 300  # supervised warm start of builtin models (cached)
+    # A push from several (FSDP2) learner ranks: layer_groups gathers and streams one layer group at a time within
+    # weight_push_budget_mb on rank 0; whole gathers the model first and snapshots it (late joiners catch up at once)
+    weight_push_gather: str = "layer_groups"  # layer_groups | whole
+    weight_push_budget_mb: int = 512
     logger: LoggerConfig = field(default_factory=LoggerConfig)
 
 
@@ -216,9 +224,11 @@ class ClusterConfig:
     train_gpus: int = 0
     rollout_workers: int = 1  # CPU rollout actors when rollout_gpus == 0
     cpus_per_worker: float = 1.0
+    gpus_per_node: int = 0  # GPUs per machine, for the plan's checks (a TP engine stays on one node); 0: unknown
     address: Optional[str] = None  # join an existing Ray cluster ("auto" or "host:port"); None: start a local one
-    bind_address: str = "127.0.0.1"
-    advertise_address: Optional[str] = None  # what workers connect to; defaults to bind_address
+    # auto: loopback while every Ray node is this machine, else the learner node's address (launch/addresses.py)
+    bind_address: str = "auto"
+    advertise_address: Optional[str] = None  # what workers connect to; null/auto: the bind address (node's if wildcard)
     trajectory_port: int = 0  # 0: pick a free port
     control_port: int = 0
     admission_port: int = 0
@@ -230,6 +240,9 @@ class ClusterConfig:
     max_tickets_per_worker: int = 0  # tickets one worker connection may hold; 0: 2 * (groups it asks for) + 2
     logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
     max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
+    # extra Ray resources every learner / rollout bundle asks for (e.g. {learner_node: 1}): pins roles to nodes
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass

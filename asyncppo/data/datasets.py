@@ -26,6 +26,7 @@ class DatasetStats:
     bad_rows: int = 0  # unreadable rows skipped
     truncated: int = 0  # prompts cut (from the left) to prompt_length tokens
     skipped_overlong: int = 0  # prompts longer than prompt_length dropped (overlong="skip")
+    templated: int = 0  # prompts formatted with the tokenizer's chat template (data.apply_chat_template)
     bad_examples: list[str] = field(default_factory=list)  # first few "file:line: reason" messages
 
     def as_dict(self) -> dict:
@@ -168,6 +169,7 @@ class PromptDataset:
                     [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
                 )
                 ids = tokenizer.encode(text, add_special_tokens=False)  # the template holds the specials
+                self.stats.templated += 1
             else:
                 ids = tokenizer.encode(text)
             if prompt_length is not None and len(ids) > prompt_length:

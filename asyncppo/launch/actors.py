@@ -53,6 +53,10 @@ class LearnerActor:
     def setup(self):
         return self.service.setup()
 
+    def addresses(self) -> dict:
+        """What setup() bound and advertised, why, and this actor's Ray node (launch/addresses.py)."""
+        return self.service.addresses.as_dict()
+
     def group_address(self):
         return self.service.group_address()
 

@@ -33,6 +33,10 @@ class EnvLearnerActor:
     def setup(self):
         return self.service.setup()
 
+    def addresses(self) -> dict:
+        """What setup() bound and advertised, why, and this actor's Ray node (launch/addresses.py)."""
+        return self.service.addresses.as_dict()
+
     def run(self, master_addr=None, master_port=None) -> dict:
         return self.service.run(master_addr, master_port)
 

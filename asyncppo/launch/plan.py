@@ -6,8 +6,11 @@ runner's check, not this module's.
 
 Rules:
 
-* ``cluster.rollout_gpus = N > 0``: N rollout engines, one GPU each; ``N = 0``: ``cluster.rollout_workers`` CPU
-  rollout actors.
+* ``cluster.rollout_gpus = N > 0``: N / (TP x PP) rollout engines of TP x PP GPUs each (``rollout.tensor_parallel_size``,
+  ``rollout.pipeline_parallel_size``; validate.py refuses splits that leave GPUs idle). One engine is one rollout
+  actor and one Ray bundle holding all its GPUs, so an engine's ranks never straddle two nodes (they talk over the
+  node's links on every layer). ``N = 0``: ``cluster.rollout_workers`` CPU rollout actors; with TP > 1 each one's
+  engine runs TP worker processes, so the actor reserves TP x ``cluster.cpus_per_worker`` CPUs.
 * ``cluster.train_gpus = M > 0``: M learner ranks, one GPU each; ``M = 0``: one CPU learner.
 * Every role asks for ``cluster.cpus_per_worker`` CPUs.
 * Learner rank 0 also hosts the trajectory sink, the admission controller, the control publisher and rank 0 of
@@ -31,8 +34,10 @@ class RolePlacement:
     kind: str  # "learner" | "rollout"
     rank: int  # index among roles of the same kind
     device: str  # "gpu" | "cpu"
-    gpus: int  # GPUs this role reserves (0 or 1)
+    gpus: int  # GPUs this role reserves (0, 1, or TP x PP for a rollout engine)
     cpus: float  # CPUs this role reserves
+    gpu_ids: tuple[int, ...] = ()  # positions in its pool (learner or rollout GPUs); Ray picks the physical devices
+    tp: int = 1  # tensor-parallel ranks of a rollout engine (processes on CPU)
 
 
 @dataclass
@@ -69,18 +74,51 @@ class PlacementPlan:
         return 1 + len(self.rollouts)
 
 
+def engine_width(cfg: AsyncPPOConfig) -> int:
+    """Devices one rollout engine spans: TP x PP."""
+    return max(1, int(cfg.rollout.tensor_parallel_size)) * max(1, int(cfg.rollout.pipeline_parallel_size))
+
+
+def num_rollout_engines(cfg: AsyncPPOConfig) -> int:
+    """Rollout actors to start: one per engine."""
+    cl = cfg.cluster
+    return cl.rollout_gpus // engine_width(cfg) if cl.rollout_gpus > 0 else cl.rollout_workers
+
+
+def rollout_bundle(cfg: AsyncPPOConfig) -> dict[str, float]:
+    """The Ray resources of one rollout engine's bundle: all its GPUs together (Ray keeps a bundle on one node)."""
+    cl, width = cfg.cluster, engine_width(cfg)
+    if cl.rollout_gpus > 0:
+        return {"CPU": float(cl.cpus_per_worker), "GPU": float(width)}
+    return {"CPU": float(cl.cpus_per_worker) * width}
+
+
+def check_engine_fits(cfg: AsyncPPOConfig, node_gpus: list[float]) -> None:
+    """Refuse, before anything starts, an engine wider than the largest node's GPU count (``node_gpus``: the GPUs
+    of each alive Ray node). Without this Ray would wait forever for a bundle no node can hold."""
+    width = engine_width(cfg)
+    if cfg.cluster.rollout_gpus > 0 and node_gpus and width > max(node_gpus):
+        raise ValueError(
+            f"rollout.tensor_parallel_size x pipeline_parallel_size = {width} GPUs per engine, but the largest Ray "
+            f"node has {max(node_gpus):g} GPU(s): an engine's ranks must share a node; lower "
+            "rollout.tensor_parallel_size")
+
+
 def make_placement_plan(cfg: AsyncPPOConfig) -> PlacementPlan:
     cl = cfg.cluster
     cpus = float(cl.cpus_per_worker)
     roles: list[RolePlacement] = []
     if cl.train_gpus > 0:
-        roles += [RolePlacement(f"learner-{i}", "learner", i, "gpu", 1, cpus) for i in range(cl.train_gpus)]
+        roles += [RolePlacement(f"learner-{i}", "learner", i, "gpu", 1, cpus, (i,)) for i in range(cl.train_gpus)]
     else:
         roles.append(RolePlacement("learner-0", "learner", 0, "cpu", 0, cpus))
-    if cl.rollout_gpus > 0:
-        roles += [RolePlacement(f"rollout-{i}", "rollout", i, "gpu", 1, cpus) for i in range(cl.rollout_gpus)]
-    else:
-        roles += [RolePlacement(f"rollout-{i}", "rollout", i, "cpu", 0, cpus) for i in range(cl.rollout_workers)]
+    width, tp = engine_width(cfg), max(1, int(cfg.rollout.tensor_parallel_size))
+    for i in range(num_rollout_engines(cfg)):
+        if cl.rollout_gpus > 0:
+            ids = tuple(range(i * width, (i + 1) * width))
+            roles.append(RolePlacement(f"rollout-{i}", "rollout", i, "gpu", width, cpus, ids, tp))
+        else:
+            roles.append(RolePlacement(f"rollout-{i}", "rollout", i, "cpu", 0, cpus * width, (), tp))
     return PlacementPlan(
         roles=roles,
         engine=cfg.rollout.engine if not cfg.env.id else f"env:{cfg.env.id}",
@@ -109,6 +147,12 @@ def format_plan(plan: PlacementPlan) -> str:
                      f"update {plan.inflight_update}), own weight-sync group")
             if plan.engine.startswith("env:"):
                 notes = f"{plan.engine[4:]} env worker (gymnasium vector env), own weight-sync group"
+            if r.device == "gpu":
+                notes = (f"engine {r.rank}: GPU{'s' if len(r.gpu_ids) > 1 else ''} "
+                         f"{','.join(map(str, r.gpu_ids))}" + (f" (TP={r.tp}, one bundle, one node)" if r.tp > 1
+                                                               else "") + "; " + notes)
+            elif r.tp > 1:
+                notes = f"engine {r.rank}: TP={r.tp} engine processes on CPU; " + notes
         lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
     ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
     lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")

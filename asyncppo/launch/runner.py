@@ -2,8 +2,10 @@
 
 Order of start-up: the driver resolves the model (building the built-in one once, so the actors do not race to build
 it), starts Ray, checks the requested GPUs against what Ray sees, reserves a placement group with one bundle per role,
-starts the learner actor (which binds the stream, control and admission sockets and returns their addresses), then
-starts the rollout workers with those addresses. The driver then waits: the learner finishing ends the run. A rollout
+starts the learner actor (which decides where to listen from the node Ray placed it on, binds the stream, control
+and admission sockets and returns their addresses: launch/addresses.py), checks that every other bundle's node can
+reach them (else fails at once), records it all in ``<run_dir>/placement.json``, then starts the rollout workers with
+those addresses. The driver then waits: the learner finishing ends the run. A rollout
 worker that dies is replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back
 its tickets and awaits the replacement in the weight sync (``LearnerService.replace_worker``), then a new actor of
 the next incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor
@@ -95,6 +97,13 @@ def _check_resources(cfg: AsyncPPOConfig, resources: dict[str, float]) -> None:
             f"but the Ray cluster has {have_gpus} GPU(s). Lower --rollout-gpus/--train-gpus "
             "(0 and 0 run everything on CPU) or join a bigger cluster with cluster.address=HOST:PORT."
         )
+    for key in ("learner_resources", "rollout_resources"):
+        for name, amount in getattr(cfg.cluster, key).items():
+            if resources.get(name, 0) < amount:
+                raise LaunchError(
+                    f"cluster.{key} asks for {amount:g} of the Ray resource {name!r} per bundle, but the Ray cluster "
+                    f"has {resources.get(name, 0):g}; start the nodes with --resources='{{\"{name}\": ...}}' or "
+                    f"remove the key")
 
 
 def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> str:
@@ -125,8 +134,13 @@ def _local_ray_on_loopback(cfg: AsyncPPOConfig) -> None:
     Ray otherwise advertises this machine's outward-facing address for its control plane (GCS, raylet, workers) and
     connects to it even on one machine. Ray reads ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` as "single-node: use the
     loopback address" (the name is historical); it must be set before ``ray`` is imported, and the processes Ray
-    starts inherit it. Joining an existing cluster leaves Ray's own choice alone."""
-    if not cfg.cluster.address:
+    starts inherit it. Joining a cluster whose address is on loopback (``cluster.address=127.0.0.1:PORT``, e.g. Ray's
+    ``cluster_utils`` simulator) means every node is this machine, so the same holds; any other address leaves Ray's
+    own choice alone."""
+    from asyncppo.stream.security import is_loopback
+
+    address = cfg.cluster.address
+    if not address or (address != "auto" and is_loopback(address.rsplit(":", 1)[0])):
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
@@ -149,6 +163,9 @@ def run(cfg: AsyncPPOConfig) -> int:
 
     from asyncppo.config import config_to_yaml
     from asyncppo.launch.actors import LearnerActor, RolloutActor
+    from asyncppo.launch.addresses import (
+        LearnerAddresses, PlacementRecord, UnreachableLearner, bundle_nodes, check_reachable,
+    )
     if cfg.env.id:  # embodied run: env workers and the embodied learner (docs/embodied.md)
         from asyncppo.launch.env_actors import EnvLearnerActor as LearnerActor, EnvRolloutActor as RolloutActor
     from asyncppo.launch.console import RunConsole
@@ -170,13 +187,15 @@ def run(cfg: AsyncPPOConfig) -> int:
         return 2
 
     cl = cfg.cluster
-    num_workers = cl.rollout_gpus if cl.rollout_gpus > 0 else cl.rollout_workers
+    from asyncppo.launch.plan import check_engine_fits, num_rollout_engines, rollout_bundle
+
+    num_workers = num_rollout_engines(cfg)  # one actor per engine: rollout_gpus / (TP x PP) on GPUs (launch/plan.py)
     # Actors write their output to <run_dir>/logs/ (launch/console.py); the driver prints clean lines from there.
     init_kwargs: dict[str, Any] = dict(include_dashboard=False, log_to_driver=False, logging_level="WARNING")
     if cl.address:
         init_kwargs["address"] = cl.address
     else:
-        needed = max(1, cl.train_gpus) + cl.cpus_per_worker * num_workers  # the placement group's CPU bundles
+        needed = max(1, cl.train_gpus) + rollout_bundle(cfg)["CPU"] * num_workers  # the placement group's CPU bundles
         init_kwargs["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(needed)))
     init_kwargs["runtime_env"] = {"env_vars": _actor_env(cfg)}
     t0 = time.time()
@@ -187,13 +206,19 @@ def run(cfg: AsyncPPOConfig) -> int:
     try:
         ray.init(**init_kwargs)
         _check_resources(cfg, ray.cluster_resources())
+        try:  # an engine's TP x PP GPUs are one bundle, which Ray keeps on one node
+            check_engine_fits(cfg, [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")])
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         num_learners = max(1, cl.train_gpus)
         learner_bundle = {"CPU": 1.0, "GPU": 1.0} if cl.train_gpus > 0 else {"CPU": 1.0}
-        worker_cpus = float(cl.cpus_per_worker)
-        worker_bundle = {"CPU": worker_cpus, "GPU": 1.0} if cl.rollout_gpus > 0 else {"CPU": worker_cpus}
+        worker_bundle = rollout_bundle(cfg)  # one bundle per engine with all its GPUs (TP x PP)
+        # custom Ray resources pin roles to nodes (cluster.learner_resources / rollout_resources)
+        learner_bundle = {**learner_bundle, **{k: float(v) for k, v in cl.learner_resources.items()}}
+        worker_bundle = {**worker_bundle, **{k: float(v) for k, v in cl.rollout_resources.items()}}
         bundles = [learner_bundle] * num_learners + [worker_bundle] * num_workers
         pg = placement_group(bundles, strategy="PACK")
         if not pg.wait(timeout_seconds=60):
@@ -217,6 +242,22 @@ def run(cfg: AsyncPPOConfig) -> int:
         actors += learners
         learner = learners[0]
         endpoints = ray.get(learner.setup.remote(), timeout=cl.timeout_s)
+        addresses = LearnerAddresses(**ray.get(learner.addresses.remote(), timeout=cl.timeout_s))
+        print(f"[asyncppo] learner sockets: bind {addresses.bind}, advertise {addresses.advertise} "
+              f"({addresses.reason})", flush=True)
+        nodes = bundle_nodes(pg)
+        roles = {f"learner-{r}": r for r in range(num_learners)}
+        roles.update({f"rollout-{i}": num_learners + i for i in range(num_workers)})
+        PlacementRecord(
+            learner=addresses.as_dict(),
+            roles={role: dataclasses.asdict(nodes[index]) for role, index in roles.items()},
+            endpoints={"trajectory": endpoints.trajectory, "control": endpoints.control,
+                       "admission": endpoints.admission, "eval": endpoints.eval, "sync_host": endpoints.sync_host,
+                       "sync_port": endpoints.sync_port, "auth": endpoints.curve is not None},
+        ).write(output_dir)
+        for role, index in roles.items():  # fail now, not after cluster.timeout_s, if a role cannot reach them
+            if role != "learner-0":
+                check_reachable(addresses, role, nodes[index], cl.timeout_s)
         master = ray.get(learner.group_address.remote()) if num_learners > 1 else (None, None)
         # LLM runs replace a dead rollout worker (cluster.max_worker_restarts); embodied runs end on any death
         supervise = not cfg.env.id and cl.max_worker_restarts > 0
@@ -226,6 +267,8 @@ def run(cfg: AsyncPPOConfig) -> int:
         worker_refs: dict = {}
 
         def start_worker(i: int, generation: int, position) -> Any:
+            if generation:  # a bundle whose node died may have been re-placed elsewhere
+                check_reachable(addresses, f"rollout-{i}", bundle_nodes(pg)[num_learners + i], cl.timeout_s)
             extra = (generation, position) if not cfg.env.id else ()
             actor = placed(RolloutActor, num_learners + i, worker_bundle).remote(
                 cfg_dict, i, num_workers, endpoints, worker_model_path, *extra)
@@ -287,7 +330,7 @@ def run(cfg: AsyncPPOConfig) -> int:
     except KeyboardInterrupt:
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)
         return 130
-    except LaunchError as exc:
+    except (LaunchError, UnreachableLearner) as exc:
         print(f"[asyncppo] error: {exc}", file=sys.stderr)
         return 2
     except WorkerFailed as exc:

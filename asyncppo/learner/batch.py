@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields, replace
 from typing import Iterator, Optional
 
+import numpy as np
 import torch
 
 from asyncppo.stream.records import TrajectoryGroup
@@ -68,39 +69,39 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
     P = max(int(g.prompt_ids.shape[0]) for g in groups)
     T = max(1, max(s.num_tokens for _, _, s in rows))
     B = len(rows)
-    input_ids = torch.full((B, P + T), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((B, P + T), dtype=torch.long)
-    response_mask = torch.zeros((B, T), dtype=torch.float32)
-    behavior = torch.zeros((B, T), dtype=torch.float32)
-    scores = torch.zeros(B, dtype=torch.float32)
-    group_index = torch.zeros(B, dtype=torch.long)
-    version_min = torch.zeros(B, dtype=torch.long)
-    token_versions = torch.zeros((B, T), dtype=torch.long)
+    # filled row by row in numpy and converted once: per-row torch tensors cost more than the copies themselves
+    input_ids = np.full((B, P + T), pad_token_id, dtype=np.int64)
+    attention_mask = np.zeros((B, P + T), dtype=np.int64)
+    response_mask = np.zeros((B, T), dtype=np.float32)
+    behavior = np.zeros((B, T), dtype=np.float32)
+    scores = np.zeros(B, dtype=np.float32)
+    group_index = np.zeros(B, dtype=np.int64)
+    version_min = np.zeros(B, dtype=np.int64)
+    token_versions = np.zeros((B, T), dtype=np.int64)
     for i, (g_idx, group, sample) in enumerate(rows):
-        prompt = torch.tensor(group.prompt_ids, dtype=torch.long)
-        n_prompt, n_resp = prompt.shape[0], sample.num_tokens
-        input_ids[i, P - n_prompt : P] = prompt
+        n_prompt, n_resp = int(group.prompt_ids.shape[0]), sample.num_tokens
+        input_ids[i, P - n_prompt : P] = group.prompt_ids
         attention_mask[i, P - n_prompt : P + n_resp] = 1
         if n_resp:
-            input_ids[i, P : P + n_resp] = torch.tensor(sample.response_ids, dtype=torch.long)
-            behavior[i, :n_resp] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+            input_ids[i, P : P + n_resp] = sample.response_ids
+            behavior[i, :n_resp] = sample.behavior_logprobs
             response_mask[i, :n_resp] = 1.0
-            token_versions[i, :n_resp] = torch.from_numpy(sample.token_versions())
+            token_versions[i, :n_resp] = sample.token_versions()
         scores[i] = float(sample.reward)
         group_index[i] = g_idx
         version_min[i] = sample.version_min
-    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    attention = torch.from_numpy(attention_mask)
     return TrainBatch(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        response_mask=response_mask,
-        behavior_logprobs=behavior,
-        scores=scores,
-        group_index=group_index,
-        version_min=version_min,
+        input_ids=torch.from_numpy(input_ids),
+        attention_mask=attention,
+        position_ids=(attention.cumsum(dim=1) - 1).clamp(min=0),
+        response_mask=torch.from_numpy(response_mask),
+        behavior_logprobs=torch.from_numpy(behavior),
+        scores=torch.from_numpy(scores),
+        group_index=torch.from_numpy(group_index),
+        version_min=torch.from_numpy(version_min),
         prompt_len=P,
-        token_versions=token_versions,
+        token_versions=torch.from_numpy(token_versions),
     )
 
 

@@ -240,6 +240,9 @@ def gather_full_state_dict(model: nn.Module, rank: int) -> Optional[dict[str, to
     """The unsharded state dict on rank 0, ``None`` elsewhere. Collective: every rank must call it, in step.
 
     Tensors are gathered one at a time and dropped at once on other ranks, so no rank but 0 ever holds a full copy.
+    It issues the same collectives in the same order (one ``full_tensor`` per state-dict entry) as
+    :func:`asyncppo.learner.gather.iter_full_groups`, so a follower answers a layer-group gather or push of rank 0
+    with it (``OP_GATHER``) without knowing which one rank 0 runs.
     """
     out: Optional[dict[str, torch.Tensor]] = {} if rank == 0 else None
     for name, tensor in model.state_dict().items():

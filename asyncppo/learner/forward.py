@@ -39,19 +39,27 @@ def _pad_back(x: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
 
 
-def response_logits(model: nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """Logits that predict each response token, divided by the sampling temperature: [B, T, V] (zeros at padded
-    response positions)."""
+def _response_outputs(model: nn.Module, batch: TrainBatch, temperature: float, hidden: bool):
     lo, hi = used_columns(batch)
     out = model(
         input_ids=batch.input_ids[:, lo:hi],
         attention_mask=batch.attention_mask[:, lo:hi],
         position_ids=batch.position_ids[:, lo:hi],
         use_cache=False,
+        output_hidden_states=hidden,
     )
     P = batch.prompt_len
-    logits = out.logits[:, P - 1 - lo : hi - 1 - lo, :].float()
-    return _pad_back(logits / temperature, batch)
+    logits = _pad_back(out.logits[:, P - 1 - lo : hi - 1 - lo, :].float() / temperature, batch)
+    if not hidden:
+        return logits, None
+    # the last entry is the final (normalised) hidden state the LM head reads: the state before each response token
+    return logits, _pad_back(out.hidden_states[-1][:, P - 1 - lo : hi - 1 - lo, :], batch)
+
+
+def response_logits(model: nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
+    """Logits that predict each response token, divided by the sampling temperature: [B, T, V] (zeros at padded
+    response positions)."""
+    return _response_outputs(model, batch, temperature, hidden=False)[0]
 
 
 def policy_forward(
@@ -63,6 +71,18 @@ def policy_forward(
     logprobs = logprobs_from_logits(logits, labels)
     entropy = entropy_from_logits(logits) if with_entropy else None
     return logprobs, entropy, logits
+
+
+def policy_value_forward(
+    model: nn.Module, head: nn.Module, batch: TrainBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """One actor forward for a critic that shares the actor's body (:class:`~asyncppo.learner.value_head.
+    SharedValueHead`): (logprobs, entropy or None, logits, values), values read from the same hidden states."""
+    labels = batch.input_ids[:, batch.prompt_len : batch.prompt_len + batch.response_len]
+    logits, hidden = _response_outputs(model, batch, temperature, hidden=True)
+    logprobs = logprobs_from_logits(logits, labels)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return logprobs, entropy, logits, _pad_back(head(hidden), batch)
 
 
 def value_forward(critic: nn.Module, batch: TrainBatch) -> torch.Tensor:

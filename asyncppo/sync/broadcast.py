@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +22,7 @@ import torch
 from asyncppo.sync.group import SyncGroup
 from asyncppo.sync.layout import (
     Header,
+    TensorMeta,
     WeightSyncProtocolError,
     check_preamble,
     decode_header,
@@ -158,11 +159,27 @@ class WeightSender:
             raise ValueError(f"version={version!r} must be an int >= 0")
         return version
 
-    def _push(self, named: NamedTensors, version: int, snapshot_s: float) -> TransferStats:
+    def push_lazy(self, metas: Sequence[TensorMeta], get: Callable[[int], torch.Tensor],
+                  sent: Callable[[int], None] | None = None, version: int = 0) -> TransferStats:
+        """Broadcast tensors that need not exist yet: the header comes from ``metas``; ``get(i)`` returns tensor
+        ``i`` when its first byte is packed (indices rise; it may block until the tensor exists), and ``sent(i)``
+        is called once every byte of tensor ``i`` is copied into the staging bucket, so the caller may free it.
+        Why at packing, not after the broadcast: a bucket may hold the tail of one layer group and the head of the
+        next, and a producer that frees a group only after its broadcast would wait for a bucket that waits for
+        it. This is how a layer-group gather streams without holding the whole model (learner/gather.py)."""
+        self.wait()
+        with torch.no_grad():
+            return self._push(None, self._check_version(version), 0.0, tuple(metas), get, sent)
+
+    def _push(self, named: NamedTensors | None, version: int, snapshot_s: float,
+              metas: tuple[TensorMeta, ...] | None = None, get: Callable[[int], torch.Tensor] | None = None,
+              sent: Callable[[int], None] | None = None) -> TransferStats:
+        if named is not None:
+            metas = tuple(meta_of(n, t) for n, t in named)
+            get = lambda i: named[i][1]  # noqa: E731
         with self._lock:
             g = self.group
-            header = Header(version=version, bucket_bytes=self.bucket_bytes,
-                            tensors=tuple(meta_of(n, t) for n, t in named))
+            header = Header(version=version, bucket_bytes=self.bucket_bytes, tensors=metas)
             plan = plan_buckets(header.tensors, self.bucket_bytes)
             raw = encode_header(header)
             t0 = time.perf_counter()
@@ -178,15 +195,18 @@ class WeightSender:
                 for p in bucket.pieces:
                     src = views.get(p.index)
                     if src is None:
-                        src = _byte_view(named[p.index][1])
+                        src = _byte_view(get(p.index))
                         if bucket.chunk:
                             views[p.index] = src
                     buf[p.offset:p.offset + p.nbytes].copy_(src[p.src_start:p.src_start + p.nbytes])
-                for i in bucket.complete:
-                    views.pop(i, None)
+                    if p.index in bucket.complete:
+                        views.pop(p.index, None)
+                        src = None
+                        if sent is not None:  # its bytes are in the staging bucket: the source may go now
+                            sent(p.index)
                 g.broadcast(buf[:bucket.nbytes])
                 wire += bucket.nbytes
-            stats = TransferStats(version=version, num_tensors=len(named), num_buckets=len(plan),
+            stats = TransferStats(version=version, num_tensors=len(metas), num_buckets=len(plan),
                                   payload_bytes=header.payload_bytes, wire_bytes=wire, max_bucket_bytes=max_bucket,
                                   header_bytes=len(raw), seconds=time.perf_counter() - t0,
                                   snapshot_seconds=snapshot_s)

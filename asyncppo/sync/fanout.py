@@ -15,6 +15,11 @@ holds the current weights before it generates. A push that fails (the peer died,
 within ``timeout_s``) retires that member and is recorded in :attr:`WeightFanout.failures` with the worker's
 name; it is never raised into the learner, whose own deadlines (tickets, trajectories) name a worker that is late.
 
+Streamed pushes (:meth:`WeightFanout.push_groups`): when the tensors are made group by group (a gather of an FSDP2
+learner), each group goes to every member as soon as it exists and is freed once all took it, within a byte budget
+(sync/group_stream.py); no snapshot is kept, so a member that joins later is :meth:`WeightFanout.behind` and the
+learner pushes again at its next step.
+
 Cost (measured in docs/benchmarks.md, "Weight sync fan-out"): the learner sends the bytes once per worker instead of
 once per broadcast tree; with gloo on one machine, N pair groups pushed in parallel cost about what the shared
 group's broadcast costs, because gloo's broadcast also sends the whole buffer to every peer.
@@ -34,6 +39,7 @@ from typing import Optional
 import torch
 
 from asyncppo.sync.broadcast import WeightSender, _as_named_list
+from asyncppo.sync.group_stream import GroupStream
 from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on_store
 
 log = logging.getLogger("asyncppo.sync")
@@ -70,6 +76,7 @@ class WeightFanout:
         self._lock = threading.Lock()
         self._members: dict[int, _Member] = {}
         self._latest: Optional[tuple[list, int]] = None  # (snapshot, version) of the newest push
+        self._streamed_version: Optional[int] = None  # version of the newest push_groups (no snapshot kept)
         self.failures: list[str] = []  # one line per retired member: who, which version, why
         self.late: list[str] = []  # members retired because they did not take a push within timeout_s
         self._closing = False
@@ -145,9 +152,15 @@ class WeightFanout:
                     snap, version = item
                     t0 = time.monotonic()
                     try:
-                        member.sender.push(snap, version)
+                        if isinstance(snap, GroupStream):  # layer groups handed over while they are gathered
+                            member.sender.push_lazy(snap.metas, lambda i, s=snap: s.get(id(member), i),
+                                                    lambda i, s=snap: s.sent(id(member), i), version)
+                        else:
+                            member.sender.push(snap, version)
                         member.last_version = version
                     except Exception as e:
+                        if isinstance(snap, GroupStream):
+                            snap.drop(id(member))
                         # a dead peer fails the push at once (connection reset); a live one that never joins it
                         # fails it only at the group timeout: that worker is late, not gone
                         late = time.monotonic() - t0 >= 0.9 * self.timeout_s
@@ -212,6 +225,43 @@ class WeightFanout:
             for m in self._members.values():
                 if m.state == "ready":
                     m.queue.put(self._latest)
+
+    def push_groups(self, metas: list, groups: list[list[int]], produce: Iterable[list[tuple[int, torch.Tensor]]],
+                    version: int, budget_bytes: int, on_release=None) -> GroupStream:
+        """Stream a push whose tensors are made group by group (asyncppo/sync/group_stream.py) to every ready member.
+
+        ``produce`` yields the groups in order, each as ``(index, tensor)`` pairs; it is advanced only when the
+        group fits ``budget_bytes`` (so the producer, e.g. a collective gather, runs in the caller's thread and
+        blocks there). Returns once every group was produced; members send the rest in the background
+        (:meth:`wait`). No snapshot is kept: a member joining later is :meth:`behind` until the next push.
+        """
+        with self._lock:
+            ready = [m for m in self._members.values() if m.state == "ready"]
+            by_id = {id(m): m for m in ready}  # members are unhashable dataclasses: key them by identity
+            stream = GroupStream(metas, groups, by_id, budget_bytes, alive=lambda c: by_id[c].state == "ready",
+                                 on_release=on_release)
+            self._latest = None  # an older snapshot must never reach a late joiner as if it were current
+            self._streamed_version = int(version)
+            for m in ready:
+                m.queue.put((stream, int(version)))
+        it = iter(produce)
+        try:
+            for _ in groups:
+                stream.wait_room()
+                stream.put(next(it))
+        except BaseException as e:
+            stream.abort(e)
+            raise
+        return stream
+
+    def behind(self) -> list[int]:
+        """Ready members that missed the last streamed push (they joined after it) and have nothing queued."""
+        with self._lock:
+            v = self._streamed_version
+            if v is None or self._latest is not None:
+                return []
+            return sorted(w for w, m in self._members.items()
+                          if m.state == "ready" and m.last_version < v and not m.queue.unfinished_tasks)
 
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every live member took every queued push. A member whose push failed at once (it died) is

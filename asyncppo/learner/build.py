@@ -1,0 +1,64 @@
+"""The learner's models and its PPO update, as this rank holds them.
+
+Why a module of its own: which models a run needs (a critic only for value-based estimators, a reference only
+for a KL term), where each comes from (only the actor resumes from a checkpoint; the reference and a fresh critic
+body always come from the configured model) and how they are sharded over the learner ranks are decided together,
+once, before any training; the learner loop only uses the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+
+@dataclasses.dataclass
+class LearnerModels:
+    actor: torch.nn.Module  # sharded over the learner ranks when there are several (FSDP2)
+    critic: Optional[torch.nn.Module]
+    reference: Optional[torch.nn.Module]
+    updater: Any  # PPOUpdate, or distributed.ShardedPPOUpdate with several ranks
+    actor_path: str
+    dtype: torch.dtype
+    device: torch.device
+    sharded: bool
+    trust_remote_code: bool
+
+    def unsharded_actor(self) -> torch.nn.Module:
+        """The actor rank 0 evaluates and saves: a second, plain copy when the trained one is sharded (kept current
+        by learner/push.py), else the actor itself."""
+        from asyncppo.learner.models import load_actor
+
+        if not self.sharded:
+            return self.actor
+        return load_actor(self.actor_path, self.dtype, self.device, self.trust_remote_code)
+
+
+def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, world_size: int) -> LearnerModels:
+    """Load (and shard, for ``world_size > 1``) the actor, the critic and the reference, and wrap them in the
+    update; ``resume`` is the checkpoint being resumed from, or ``None``."""
+    from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
+    from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+    from asyncppo.learner.value_head import build_critic
+
+    dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
+    remote = cfg.model.trust_remote_code
+    actor_path = resume.actor_dir if resume is not None else model_path
+    actor = maybe_shard(load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing), world_size,
+                        device)
+    critic = (
+        maybe_shard(build_critic(cfg, model_path, dtype, device, remote), world_size, device)
+        if needs_critic(cfg)
+        else None
+    )
+    reference = load_reference(cfg.model.ref_path or model_path, dtype, device, remote) if needs_reference(cfg) else None
+    if world_size > 1:
+        from asyncppo.learner import distributed as D
+
+        updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
+    else:
+        updater = PPOUpdate(cfg, actor, critic, reference, device)
+    return LearnerModels(actor=actor, critic=critic, reference=reference, updater=updater, actor_path=actor_path,
+                         dtype=dtype, device=device, sharded=world_size > 1, trust_remote_code=remote)
