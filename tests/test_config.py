@@ -86,7 +86,7 @@ def test_derived_defaults_resolved():
     a = cfg.algorithm
     assert (a.clip_ratio_low, a.clip_ratio_high) == (0.3, 0.3)
     assert a.loss_agg_norm_length == 20
-    assert a.ppo_mini_batch_size == 8 and cfg.rollout.prompts_per_call == 16  # the built-in recipe: 2 mini-batches
+    assert a.ppo_mini_batch_size == 4 and cfg.rollout.prompts_per_call == 16  # the built-in recipe: 4 mini-batches
     assert cfg.cluster.advertise_address == cfg.cluster.bind_address
     cfg = load_config(["algorithm.clip_ratio_high=0.28", "algorithm.ppo_mini_batch_size=8"])
     assert (cfg.algorithm.clip_ratio_low, cfg.algorithm.clip_ratio_high) == (0.2, 0.28)
@@ -265,12 +265,13 @@ def test_shared_value_head_is_refused_where_it_cannot_work():
     assert not errors
 
 
-@pytest.mark.parametrize("batch, expect", [(64, 32), (8, 4), (4, 2)])
+@pytest.mark.parametrize("batch, expect", [(128, 32), (64, 16), (8, 2), (4, 1), (2, 1), (1, 1)])
 def test_num_mini_batches_splits_whatever_batch_size(batch, expect):
-    """The built-in recipe asks for 2 mini-batches, so overriding only the batch size keeps a valid split; an
-    explicit ppo_mini_batch_size wins, and a split that does not divide the batch is refused."""
+    """The built-in recipe asks for 4 mini-batches, so overriding only the batch size keeps a valid split (a batch
+    of fewer prompts gets one per mini-batch); an explicit ppo_mini_batch_size wins, and a split that does not
+    divide the batch is refused."""
     cfg = load_config([f"rollout.rollout_batch_size={batch}"])
-    assert cfg.algorithm.ppo_num_mini_batches == 2 and cfg.algorithm.ppo_mini_batch_size == expect
+    assert cfg.algorithm.ppo_num_mini_batches == 4 and cfg.algorithm.ppo_mini_batch_size == expect
     assert load_config(["rollout.rollout_batch_size=8", "algorithm.ppo_mini_batch_size=8"]
                        ).algorithm.ppo_mini_batch_size == 8
-    assert "algorithm.ppo_num_mini_batches" in str(_error(["rollout.rollout_batch_size=5"]))
+    assert "algorithm.ppo_num_mini_batches" in str(_error(["rollout.rollout_batch_size=6"]))

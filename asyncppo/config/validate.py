@@ -78,8 +78,9 @@ def _mini_batch_prompts(cfg: AsyncPPOConfig) -> int:
     a, B = cfg.algorithm, cfg.rollout.rollout_batch_size
     if a.ppo_mini_batch_size:
         return a.ppo_mini_batch_size
-    if a.ppo_num_mini_batches > 0 and B > 0 and B % a.ppo_num_mini_batches == 0:
-        return B // a.ppo_num_mini_batches
+    n = min(a.ppo_num_mini_batches, B)  # a batch smaller than the count: one prompt per mini-batch
+    if n > 0 and B % n == 0:
+        return B // n
     return B
 
 
@@ -154,7 +155,7 @@ def _check_algorithm(cfg: AsyncPPOConfig, c: _Checks) -> None:
     if a.ppo_mini_batch_size > 0 and B > 0 and B % a.ppo_mini_batch_size:
         c.error("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size,
                 f"must divide rollout.rollout_batch_size={B} (prompts per mini-batch), or be 0 for the whole batch")
-    N = a.ppo_num_mini_batches
+    N = min(a.ppo_num_mini_batches, B)
     if a.ppo_mini_batch_size == 0 and N > 1 and B > 0 and B % N and cfg.env.id is None:
         c.error("algorithm.ppo_num_mini_batches", N, f"must divide rollout.rollout_batch_size={B} (whole prompt "
                 "groups per mini-batch); or set algorithm.ppo_mini_batch_size, which takes precedence")
