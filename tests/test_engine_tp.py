@@ -127,7 +127,6 @@ def test_check_staged_rules():
     assert "non-finite" in check_staged([("a.weight", inf), named[1]], manifest)
 
 
-@pytest.mark.slow  # ~1.5-5 min on 2 busy cores, nearly all of it the TP=2 engine's start
 def test_stage_file_round_trip_with_shared_storage(monkeypatch, tmp_path):
     from safetensors.torch import load_file
 
@@ -144,6 +143,7 @@ def test_stage_file_round_trip_with_shared_storage(monkeypatch, tmp_path):
     assert _write_stage_file(named) is None  # cannot write: the caller sends through vLLM's queue instead
 
 
+@pytest.mark.slow  # ~1.5-5 min on 2 busy cores, nearly all of it the TP=2 engine's start
 def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_dir):
     pytest.importorskip("vllm")
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -292,6 +292,8 @@ def test_single_pass_step_equals_the_separate_passes(model_dir, options):
     m1, m2 = fused.step(collate_groups(_groups(seed=12), pad_token_id=0)), separate.step(
         collate_groups(_groups(seed=12), pad_token_id=0))
     torch.testing.assert_close(_params(fused.actor), _params(separate.actor), rtol=1e-9, atol=1e-10)
+    if fused.critic is not None:
+        torch.testing.assert_close(_params(fused.critic), _params(separate.critic), rtol=1e-9, atol=1e-10)
 
 
 def _shared_updater(model_dir, **options):

@@ -1,8 +1,9 @@
 """The PPO update, top to bottom: one call of :meth:`PPOUpdate.step` consumes one batch and advances the policy.
 
 1. Recompute the proximal policy's log-probs (the learner's weights before this update), the critic's values and the
-   reference log-probs (when a KL term is on). A step of one optimizer step over one micro-batch (the default) takes
-   the first two from its own training forward instead of extra no-grad passes. With ``model.shared_backbone`` the
+   reference log-probs (when a KL term is on). A step of one optimizer step over one micro-batch (the schema's
+   default; the built-in task's recipe makes 4) takes the first two from its own training forward instead of extra
+   no-grad passes. With ``model.shared_backbone`` the
    values come from the actor's forward through a value head (:mod:`asyncppo.learner.value_head`).
 2. Shape the outcome rewards (clip, normalise), place them on the last response token, optionally subtract the KL
    penalty per token (KL in reward).
@@ -78,6 +79,10 @@ class PPOUpdate:
         self.device = device
         self.world_size = world_size
         self.shared_critic = shares_actor_body(critic)  # values come from the actor's forward (learner/value_head.py)
+        # a training forward with active dropout is a sample, not the proximal policy: no single pass then
+        self._has_dropout = any(
+            isinstance(m, nn.Dropout) and m.p > 0 for model in (actor, critic) if model is not None for m in model.modules()
+        )
         t = cfg.trainer
         self.actor_opt = torch.optim.AdamW(
             actor.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
@@ -108,17 +113,17 @@ class PPOUpdate:
         # 1. proximal log-probs, values, reference log-probs (no grad). A step that makes one optimizer step over
         # one micro-batch takes them from its own training forward instead (see _single_pass).
         rows = max(self.cfg.algorithm.micro_batch_size, 64) if self.cfg.algorithm.micro_batch_size else 256
-        first_pass: Optional[_FirstPass] = None
-        if self._single_pass(batch):
+        single = self._single_pass(batch)
+        if single:
             batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as below
-            first_pass = self._first_pass(batch)
-        self.actor.eval()
-        proximal, batch.old_values = self._proximal_and_values(batch, first_pass, rows)
-        batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
-        if self.reference is not None:
+        if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward
             batch.ref_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
             )
+        first_pass = self._first_pass(batch) if single else None
+        self.actor.eval()
+        proximal, batch.old_values = self._proximal_and_values(batch, first_pass, rows)
+        batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
         mask = batch.response_mask
         # KL(behaviour || proximal), estimated on the behaviour policy's own samples (the same as algo.policy_loss reports)
         metrics["actor/mismatch_kl"] = float(
@@ -243,7 +248,7 @@ class PPOUpdate:
         mini-batches, epochs or micro-batches keep the separate passes: statistics over the whole batch
         (whitening, weight normalisation) are needed before any micro-batch's loss."""
         alg = self.alg
-        if self.world_size != 1 or alg.ppo_epochs != 1:
+        if self.world_size != 1 or alg.ppo_epochs != 1 or self._has_dropout:
             return False
         num_groups = int(batch.group_index.max().item()) + 1
         if 0 < alg.ppo_mini_batch_size < num_groups:

@@ -6,7 +6,8 @@ that happens depends on whether the actor is sharded over several learner ranks 
 
 * one rank: the actor's full ``state_dict`` goes to the fan-out (sync/fanout.py), which snapshots it and pushes in
   the background;
-* several ranks, ``full``: the shards are gathered (collective) into ``plain_actor`` and that is pushed;
+* several ranks, ``whole`` (``trainer.weight_push_gather``): the shards are gathered (collective) into
+  ``plain_actor`` and that is pushed;
 * several ranks, ``layer_groups``: layer groups are streamed as they are gathered (learner/gather.py), so rank 0 holds
   at most ``trainer.weight_push_budget_mb`` of them besides ``plain_actor`` instead of the gathered model plus a
   snapshot; the fan-out then keeps no snapshot, so a worker joining later is pushed at the next step.

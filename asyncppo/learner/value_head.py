@@ -2,7 +2,7 @@
 
 Why: on small models the learner's cost is counted in forward and backward passes, and a separate value model
 (:class:`~asyncppo.learner.models.ValueModel`, verl's and OpenRLHF's choice) doubles them; measured on the built-in
-task it is half of every update (docs/benchmarks.md, "Profile of the default PPO update"). With ``model.critic=shared``
+task it is half of every update (docs/benchmarks.md, "Profile of the default PPO update"). With ``model.shared_backbone=true``
 the values come out of the actor's own forward, and the value loss (times ``algorithm.vf_coef``) is added to the
 actor's loss before the one backward, as in the shared-trunk actor-critics of Atari PPO and the first RLHF value heads.
 The price is coupling: the value loss's gradient moves the policy's body too, and the body's learning rate is the
@@ -37,7 +37,7 @@ def shares_actor_body(critic: nn.Module | None) -> bool:
 
 def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> nn.Module:
     """The run's critic: a value head on the actor (``model.shared_backbone``, one learner rank) or a separate value
-    model (several ranks: validation warns that the flag is ignored)."""
+    model (several ranks: the flag has no effect there, as documented)."""
     if cfg.model.shared_backbone and cfg.cluster.train_gpus <= 1:
         from transformers import AutoConfig
 
