@@ -14,6 +14,7 @@ from asyncppo.learner import checkpoint as C
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.models import load_actor, load_critic, load_reference
 from asyncppo.learner.ppo import PPOUpdate
+from asyncppo.learner.value_head import SharedValueHead
 from asyncppo.staleness import AdmissionController
 
 from test_learner import _groups  # the random prompt groups the learner tests use
@@ -185,6 +186,17 @@ def test_missing_or_incompatible_checkpoint_is_a_clear_error(model_dir, tmp_path
     other = build_tiny_model(str(tmp_path / "other"), hidden=128, heads=2, intermediate=128)
     with pytest.raises(C.CheckpointError, match="hidden_size: checkpoint 64 vs model 128"):
         C.check_compatible(ckpt, other, needs_critic=True)
+    # the kind of critic is recorded: resuming a value model's checkpoint into a value-head run (or back) is refused
+    assert ckpt.critic_kind == "model"
+    C.check_compatible(ckpt, model_dir, needs_critic=True, wanted_critic="model")
+    with pytest.raises(C.CheckpointError, match="holds a separate value model as its critic, but this run trains a "
+                                                 "value head on the actor"):
+        C.check_compatible(ckpt, model_dir, needs_critic=True, wanted_critic="head")
+    head_updater = PPOUpdate(cfg, load_actor(model_dir, torch.float32, CPU), SharedValueHead(64), None, CPU)
+    head_ckpt = _save(str(tmp_path / "run-head"), 1, head_updater, model_dir)
+    assert head_ckpt.critic_kind == "head"
+    with pytest.raises(C.CheckpointError, match="model.shared_backbone=True that wrote it"):
+        C.check_compatible(head_ckpt, model_dir, needs_critic=True, wanted_critic="model")
     os.remove(ckpt.critic_file)
     with pytest.raises(C.CheckpointError, match="no critic"):
         C.check_compatible(ckpt, model_dir, needs_critic=True)

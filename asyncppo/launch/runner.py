@@ -97,13 +97,17 @@ def _check_resources(cfg: AsyncPPOConfig, resources: dict[str, float]) -> None:
             f"but the Ray cluster has {have_gpus} GPU(s). Lower --rollout-gpus/--train-gpus "
             "(0 and 0 run everything on CPU) or join a bigger cluster with cluster.address=HOST:PORT."
         )
-    for key in ("learner_resources", "rollout_resources"):
+    from asyncppo.launch.plan import num_rollout_engines
+
+    # every learner rank and every rollout engine is one bundle asking for the role's custom resources
+    bundles = {"learner_resources": max(1, cfg.cluster.train_gpus), "rollout_resources": num_rollout_engines(cfg)}
+    for key, count in bundles.items():
         for name, amount in getattr(cfg.cluster, key).items():
-            if resources.get(name, 0) < amount:
+            if resources.get(name, 0) < amount * count:
                 raise LaunchError(
-                    f"cluster.{key} asks for {amount:g} of the Ray resource {name!r} per bundle, but the Ray cluster "
-                    f"has {resources.get(name, 0):g}; start the nodes with --resources='{{\"{name}\": ...}}' or "
-                    f"remove the key")
+                    f"cluster.{key} asks for {amount:g} of the Ray resource {name!r} per bundle, {amount * count:g} "
+                    f"for its {count} bundle(s), but the Ray cluster has {resources.get(name, 0):g}; start the nodes "
+                    f"with --resources='{{\"{name}\": ...}}' or remove the key")
 
 
 def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> str:

@@ -81,6 +81,16 @@ class Checkpoint:
         except (OSError, ValueError):
             return False
 
+    @property
+    def critic_kind(self) -> Optional[str]:
+        """``head`` (a value head on the actor, ``model.shared_backbone``) or ``model`` (a value model); None when
+        the checkpoint predates the record (those hold value models) or has no critic."""
+        try:
+            with open(os.path.join(self.path, META_FILE), encoding="utf-8") as f:
+                return json.load(f).get("critic_kind")
+        except (OSError, ValueError):
+            return None
+
 
 def checkpoints_root(output_dir: str) -> str:
     return os.path.join(output_dir, CHECKPOINTS_DIR)
@@ -159,6 +169,7 @@ def save_checkpoint(
         "format": FORMAT,
         "version": int(version),
         "has_critic": critic is not None,
+        "critic_kind": critic_kind(critic),
         "arch": _arch_summary(os.path.join(actor_dir, "config.json")),
         "saved_at": time.time(),
     }
@@ -257,9 +268,17 @@ def _open(path: str) -> Checkpoint:
     return Checkpoint(path, int(meta["version"]))
 
 
-def check_compatible(ckpt: Checkpoint, model_path: str, *, needs_critic: bool) -> None:
+def critic_kind(critic: Optional[nn.Module]) -> Optional[str]:
+    if critic is None:
+        return None
+    return "head" if getattr(critic, "shares_actor_body", False) else "model"
+
+
+def check_compatible(ckpt: Checkpoint, model_path: str, *, needs_critic: bool, wanted_critic: Optional[str] = None) \
+        -> None:
     """The checkpoint's actor must have the architecture of ``model_path`` (the run's configured model), and hold a
-    critic when the run trains one. Raises :class:`CheckpointError` listing every difference."""
+    critic when the run trains one, of the kind it trains (``wanted_critic``: ``head`` or ``model``). Raises
+    :class:`CheckpointError` listing every difference."""
     have = _arch_summary(os.path.join(ckpt.actor_dir, "config.json"))
     want_file = os.path.join(model_path, "config.json")
     if os.path.isfile(want_file):
@@ -274,6 +293,14 @@ def check_compatible(ckpt: Checkpoint, model_path: str, *, needs_critic: bool) -
         raise CheckpointError(
             f"checkpoint {ckpt.path!r} has no critic, but this run trains one (algorithm.adv_estimator / use_critic); "
             "resume with the configuration that wrote it"
+        )
+    have_critic = ckpt.critic_kind or ("model" if ckpt.has_critic else None)
+    if needs_critic and wanted_critic and have_critic and have_critic != wanted_critic:
+        names = {"head": "a value head on the actor", "model": "a separate value model"}
+        raise CheckpointError(
+            f"checkpoint {ckpt.path!r} holds {names[have_critic]} as its critic, but this run trains "
+            f"{names[wanted_critic]} (model.shared_backbone, which one learner rank honours); resume with the "
+            f"model.shared_backbone={have_critic == 'head'} that wrote it"
         )
 
 

@@ -173,7 +173,8 @@ class LearnerService:
 
             self.resume = resolve_checkpoint(tr.resume_from)
         if self.resume is not None:
-            check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg))
+            wanted = "head" if cfg.model.shared_backbone and cfg.cluster.train_gpus <= 1 else "model"
+            check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg), wanted_critic=wanted)
         # the actor resumes from the checkpoint; the reference and a fresh critic body from the model (build.py)
         models = build_models(cfg, self.model_path, self.resume, device, self.rank, self.world_size)
         actor, critic, updater = models.actor, models.critic, models.updater
