@@ -182,12 +182,19 @@ def test_learner_and_worker_on_different_ray_nodes(tmp_path, monkeypatch):
     finally:
         if cluster is not None:
             cluster.shutdown()
-        deadline = time.time() + 20
-        while _processes_under(ray_tmp) and time.time() < deadline:
-            time.sleep(1)
-        left = _processes_under(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        left = _release(ray_tmp)
     assert not left, f"processes left behind: {left}"
+
+
+def _release(ray_tmp: str) -> list[str]:
+    """Wait up to 20 s for the processes of the Ray session under ``ray_tmp`` to exit, remove the directory, and
+    return those still alive."""
+    deadline = time.time() + 20
+    while _processes_under(ray_tmp) and time.time() < deadline:
+        time.sleep(1)
+    left = _processes_under(ray_tmp)
+    shutil.rmtree(ray_tmp, ignore_errors=True)
+    return left
 
 
 @pytest.mark.slow
@@ -204,11 +211,7 @@ def test_missing_custom_resource_fails_before_any_actor_starts(tmp_path):
         assert "cluster.learner_resources" in proc.stderr and "'learner_node'" in proc.stderr, proc.stderr[-3000:]
         assert not (tmp_path / "run" / "logs").exists()  # no actor was started
     finally:
-        deadline = time.time() + 20
-        while _processes_under(ray_tmp) and time.time() < deadline:
-            time.sleep(1)
-        left = _processes_under(ray_tmp)
-        shutil.rmtree(ray_tmp, ignore_errors=True)
+        left = _release(ray_tmp)
     assert not left, f"processes left behind: {left}"
 
 

@@ -151,6 +151,7 @@ class LearnerService:
         from asyncppo.learner.batch import collate_groups
         from asyncppo.learner.build import build_models
         from asyncppo.learner.checkpoint import check_compatible, restore, save_checkpoint
+        from asyncppo.learner.value_head import uses_shared_head
         from asyncppo.learner.dynamic_sampling import GroupFilter
         from asyncppo.learner.ppo import needs_critic
         from asyncppo.staleness import Feeder, StalenessBuffer
@@ -173,7 +174,7 @@ class LearnerService:
 
             self.resume = resolve_checkpoint(tr.resume_from)
         if self.resume is not None:
-            wanted = "head" if cfg.model.shared_backbone and cfg.cluster.train_gpus <= 1 else "model"
+            wanted = "head" if uses_shared_head(cfg) else "model"
             check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg), wanted_critic=wanted)
         # the actor resumes from the checkpoint; the reference and a fresh critic body from the model (build.py)
         models = build_models(cfg, self.model_path, self.resume, device, self.rank, self.world_size)

@@ -35,10 +35,15 @@ def shares_actor_body(critic: nn.Module | None) -> bool:
     return bool(getattr(critic, "shares_actor_body", False))
 
 
+def uses_shared_head(cfg) -> bool:
+    """Whether this run's critic is a value head on the actor: ``model.shared_backbone`` on one learner rank."""
+    return bool(cfg.model.shared_backbone) and cfg.cluster.train_gpus <= 1
+
+
 def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> nn.Module:
     """The run's critic: a value head on the actor (``model.shared_backbone``, one learner rank) or a separate value
     model (several ranks: the flag has no effect there, as documented)."""
-    if cfg.model.shared_backbone and cfg.cluster.train_gpus <= 1:
+    if uses_shared_head(cfg):
         from transformers import AutoConfig
 
         hidden = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).hidden_size
