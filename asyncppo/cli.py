@@ -10,6 +10,7 @@ no traceback), anything else comes from the runner.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import warnings
 from typing import Callable, Optional, Sequence
@@ -239,6 +240,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if not hasattr(args, "overrides"):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
+    # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so a second torch thread (the
+    # built-in recipe's learner) cannot starve a process that shares its core (measured in docs/benchmarks.md).
+    # Ray actors get the same setting from launch/runner.py.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return args.func(args)
 
 

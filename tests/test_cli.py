@@ -57,7 +57,7 @@ def test_dry_run_prints_round_tripping_yaml_and_plan(module):
     expected = load_config(overrides + ["cluster.rollout_gpus=2"])
     expected.trainer.output_dir = printed.trainer.output_dir  # a timestamp taken in the other process
     assert printed == expected
-    assert "# placement plan: 1 learner rank(s), 2 rollout worker(s) [engine=vllm], 2 GPU(s)" in res.stdout
+    assert "# placement plan: 1 learner rank(s), 2 rollout worker(s) [engine=hf], 2 GPU(s)" in res.stdout
     assert "rollout-1" in res.stdout and "learner-0" in res.stdout
 
 

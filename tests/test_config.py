@@ -152,6 +152,7 @@ INVALID = [
     (["algorithm.reward_norm=global"], "algorithm.reward_norm='global'"),
     (["algorithm.off_policy_correction=vtrace"], "algorithm.off_policy_correction='vtrace'"),
     (["rollout.engine=sglang"], "rollout.engine='sglang'"),
+    (["trainer.cpu_threads=0"], "trainer.cpu_threads=0"),
     (["rollout.dtype=int8"], "rollout.dtype='int8'"),
     (["model.dtype=float16"], "model.dtype='float16'"),
     (["algorithm.clip_ratio_c=1.0"], "algorithm.clip_ratio_c=1.0"),

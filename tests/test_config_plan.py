@@ -16,7 +16,7 @@ def test_cpu_only_plan():
     ]
     assert plan.total_gpus == 0 and plan.total_cpus == 2.0
     assert plan.weight_sync_world_size == 4
-    assert plan.engine == "vllm"
+    assert plan.engine == "hf"  # the built-in task's preset (configs/data/addition.yaml)
 
 
 def test_gpu_plan_one_gpu_per_role():

@@ -14,12 +14,15 @@ from asyncppo.launch.plan import (check_engine_fits, format_plan, make_placement
 SEPARATE_CRITIC = ["model.shared_backbone=false"]
 
 
+VLLM = "rollout.engine=vllm"  # TP is a vLLM feature; the built-in task's preset generates with transformers
+
+
 def _plan(*overrides):
-    return make_placement_plan(load_config(list(overrides)))
+    return make_placement_plan(load_config([VLLM, *overrides]))
 
 
 def test_rollout_8_gpus_tp2_with_4_learners():
-    cfg = load_config(["cluster.rollout_gpus=8", "rollout.tensor_parallel_size=2", "cluster.train_gpus=4",
+    cfg = load_config([VLLM, "cluster.rollout_gpus=8", "rollout.tensor_parallel_size=2", "cluster.train_gpus=4",
                        "cluster.cpus_per_worker=2", *SEPARATE_CRITIC])
     plan = make_placement_plan(cfg)
     assert [(r.name, r.gpus, r.gpu_ids, r.tp) for r in plan.rollouts] == [
@@ -38,7 +41,7 @@ def test_rollout_8_gpus_tp2_with_4_learners():
 
 
 def test_rollout_4_gpus_tp4_is_one_engine():
-    cfg = load_config(["cluster.rollout_gpus=4", "rollout.tensor_parallel_size=4", "cluster.train_gpus=2",
+    cfg = load_config([VLLM, "cluster.rollout_gpus=4", "rollout.tensor_parallel_size=4", "cluster.train_gpus=2",
                        *SEPARATE_CRITIC])
     plan = make_placement_plan(cfg)
     assert [(r.name, r.gpus, r.gpu_ids) for r in plan.rollouts] == [("rollout-0", 4, (0, 1, 2, 3))]
@@ -54,7 +57,7 @@ def test_tp1_plan_is_unchanged():
 
 
 def test_cpu_tp_reserves_tp_cpus_per_worker():
-    cfg = load_config(["rollout.tensor_parallel_size=2", "cluster.rollout_workers=2", "cluster.cpus_per_worker=1.5"])
+    cfg = load_config([VLLM, "rollout.tensor_parallel_size=2", "cluster.rollout_workers=2", "cluster.cpus_per_worker=1.5"])
     plan = make_placement_plan(cfg)
     assert [(r.device, r.gpus, r.cpus, r.tp) for r in plan.rollouts] == [("cpu", 0, 3.0, 2), ("cpu", 0, 3.0, 2)]
     assert rollout_bundle(cfg) == {"CPU": 3.0} and num_rollout_engines(cfg) == 2
@@ -76,14 +79,14 @@ def test_cpu_tp_reserves_tp_cpus_per_worker():
 ])
 def test_invalid_splits_are_refused_before_anything_starts(overrides, key, words):
     with pytest.raises(ConfigError) as info:
-        load_config(overrides)
+        load_config([VLLM, *overrides])
     line = next((p for p in info.value.problems if p.startswith(key)), None)
     assert line is not None and words in line, info.value.problems
 
 
 def test_engine_wider_than_any_ray_node_is_refused_at_launch():
-    cfg = load_config(["cluster.rollout_gpus=16", "rollout.tensor_parallel_size=16"])  # gpus_per_node unknown
+    cfg = load_config([VLLM, "cluster.rollout_gpus=16", "rollout.tensor_parallel_size=16"])  # gpus_per_node unknown
     with pytest.raises(ValueError, match="16 GPUs per engine, but the largest Ray node has 8 GPU"):
         check_engine_fits(cfg, [8.0, 8.0])
     check_engine_fits(cfg, [16.0, 8.0])  # fits on the big node
-    check_engine_fits(load_config(["rollout.tensor_parallel_size=2"]), [0.0])  # CPU rollout: no GPU check
+    check_engine_fits(load_config([VLLM, "rollout.tensor_parallel_size=2"]), [0.0])  # CPU rollout: no GPU check

@@ -22,7 +22,7 @@ from test_e2e_launch import ASYNCPPO, REPO, _train_records
 
 pytestmark = pytest.mark.slow
 
-SMALL = ("trainer.logger.wandb=false", "rollout.rollout_batch_size=4", "data.num_eval_prompts=16",
+SMALL = ("trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4", "data.num_eval_prompts=16",
          "trainer.eval_every=0", "cluster.rollout_workers=2")
 
 

@@ -149,7 +149,7 @@ def test_learner_and_worker_on_different_ray_nodes(tmp_path, monkeypatch):
         t0 = time.time()
         proc = subprocess.run(
             [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false",
-             f"cluster.address={cluster.address}", "+cluster.learner_resources.learner_node=1",
+             "rollout.engine=vllm", f"cluster.address={cluster.address}", "+cluster.learner_resources.learner_node=1",
              "+cluster.rollout_resources.rollout_node=1", "trainer.total_steps=3", "rollout.rollout_batch_size=8",
              "rollout.max_staleness=1", "cluster.timeout_s=120", "data.num_eval_prompts=16"],
             cwd=REPO, env=env, capture_output=True, text=True, timeout=420,

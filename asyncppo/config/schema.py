@@ -209,6 +209,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # newest checkpoints kept under <output_dir>/checkpoints/
     resume_from: Optional[str] = None  # a checkpoint dir or a run dir (its checkpoints/latest); None: start fresh
     sft_warmup_steps: int = 300  # supervised warm start of builtin models (cached)
+    # torch intra-op threads of each learner rank on CPU (no effect on GPU); ASYNCPPO_LEARNER_THREADS overrides it.
+    # 1 leaves the other cores to the engines; the built-in task's recipe takes 2 (its engine needs ~half a core)
+    cpu_threads: int = 1
     # A push from several (FSDP2) learner ranks: layer_groups gathers and streams one layer group at a time within
     # weight_push_budget_mb on rank 0; whole gathers the model first and snapshots it (late joiners catch up at once)
     weight_push_gather: str = "layer_groups"  # layer_groups | whole

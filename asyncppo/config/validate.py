@@ -295,6 +295,8 @@ def _check_trainer(cfg: AsyncPPOConfig, c: _Checks) -> None:
     if t.resume_from is not None:
         c.non_empty("trainer.resume_from", t.resume_from)
     c.non_negative("trainer.sft_warmup_steps", t.sft_warmup_steps)
+    if t.cpu_threads < 1:
+        c.error("trainer.cpu_threads", t.cpu_threads, "must be >= 1 (torch threads of each learner rank on CPU)")
     c.choice("trainer.weight_push_gather", t.weight_push_gather, ("layer_groups", "whole"))
     c.positive("trainer.weight_push_budget_mb", t.weight_push_budget_mb)
     c.choice("trainer.logger.wandb_mode", lg.wandb_mode, C.WANDB_MODES)

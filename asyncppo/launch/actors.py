@@ -23,6 +23,18 @@ def pin_cpus(env_var: str) -> None:
         os.sched_setaffinity(0, {int(c) for c in spec.split(",") if c.strip()})
 
 
+def set_learner_threads(cfg_dict: dict) -> None:
+    """torch intra-op threads of a learner rank on CPU: ``trainer.cpu_threads``, or ``$ASYNCPPO_LEARNER_THREADS``
+    when set (benchmarks). No effect on GPU, where the kernels do not run on these threads."""
+    import os
+
+    import torch
+
+    if not torch.cuda.is_available():
+        threads = os.environ.get("ASYNCPPO_LEARNER_THREADS") or cfg_dict["trainer"].get("cpu_threads", 1)
+        torch.set_num_threads(int(threads))
+
+
 def _config(cfg_dict: dict) -> AsyncPPOConfig:
     from omegaconf import OmegaConf
 
@@ -35,8 +47,6 @@ class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
         import logging
 
-        import torch
-
         from asyncppo.learner.service import LearnerService
 
         from asyncppo.launch.console import redirect_output
@@ -44,10 +54,7 @@ class LearnerActor:
         redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
-        if not torch.cuda.is_available():
-            import os
-
-            torch.set_num_threads(int(os.environ.get("ASYNCPPO_LEARNER_THREADS", "1")))
+        set_learner_threads(cfg_dict)
         self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
 
     def setup(self):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ray
 
-from asyncppo.launch.actors import _config, pin_cpus
+from asyncppo.launch.actors import _config, pin_cpus, set_learner_threads
 
 
 @ray.remote(max_restarts=0)
@@ -16,9 +16,6 @@ class EnvLearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                  world_size: int = 1, keys=None):
         import logging
-        import os
-
-        import torch
 
         from asyncppo.launch.console import redirect_output
         from asyncppo.learner.embodied import EmbodiedLearner
@@ -26,8 +23,7 @@ class EnvLearnerActor:
         redirect_output(output_dir, "learner")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
-        if not torch.cuda.is_available():
-            torch.set_num_threads(int(os.environ.get("ASYNCPPO_LEARNER_THREADS", "1")))
+        set_learner_threads(cfg_dict)
         self.service = EmbodiedLearner(_config(cfg_dict), num_workers, output_dir, keys=keys)
 
     def setup(self):

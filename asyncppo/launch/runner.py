@@ -43,6 +43,7 @@ def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
     env = {
         "OMP_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
         "MKL_NUM_THREADS": os.environ.get("ASYNCPPO_THREADS", "1"),
+        "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),  # threads sleep, not spin (cli.py)
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
