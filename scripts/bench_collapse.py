@@ -51,6 +51,7 @@ VARIANTS = {
     "shared-128x32-1ep": ["model.shared_backbone=true", "rollout.rollout_batch_size=128",
                           "algorithm.ppo_mini_batch_size=32", "trainer.lr=2e-4"],
     "shared-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4"],
+    "recipe-linear-lr": ["trainer.lr_schedule=linear"],  # the built-in recipe, lr annealed to 0 at total_steps
     "shared-32-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4", "rollout.rollout_batch_size=32"],
 }
 KEYS = [("actor/approx_kl", "kl"), ("actor/clipfrac", "clip"), ("actor/entropy", "ent"),

@@ -107,7 +107,8 @@ def test_observation_statistics_travel_with_the_weights():
 
 
 def test_return_scaler_and_learning_rate_schedule():
-    from asyncppo.learner.embodied_update import ReturnScaler, _lr_lambda
+    from asyncppo.learner.embodied_update import ReturnScaler
+    from asyncppo.learner.schedule import lr_lambda as _lr_lambda
     from asyncppo.stream.segments import EnvSegment
 
     z = np.zeros((1, 3))

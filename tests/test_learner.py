@@ -252,6 +252,21 @@ def test_early_stop_kl_counts_the_updates_that_ran(model_dir, threshold, steps):
     assert metrics["actor/early_stopped"] == float(steps < 4)
 
 
+@pytest.mark.parametrize("schedule, factors", [("linear", [0.75, 0.5, 0.25, 0.0]), ("constant", [1.0] * 4)])
+def test_lr_schedule_steps_once_per_version_for_every_optimizer(model_dir, schedule, factors):
+    # 2 mini-batches per step: the schedule counts learner versions, not optimizer steps; the critic follows it too
+    cfg = _cfg(adv_estimator="gae", ppo_mini_batch_size=2)
+    cfg.trainer.lr_schedule, cfg.trainer.total_steps = schedule, 4
+    update = _updater(cfg, model_dir)
+    seen = []
+    for step in range(4):
+        metrics = update.step(collate_groups(_groups(seed=step), pad_token_id=0))
+        assert metrics["actor/optimizer_steps"] == 2
+        seen += [metrics["actor/lr"], update.critic_opt.param_groups[0]["lr"]]
+    t = cfg.trainer
+    assert seen == pytest.approx([x for f in factors for x in (t.lr * f, t.critic_lr * f)])
+
+
 def test_explained_variance_is_undefined_when_every_reward_is_equal(model_dir):
     groups = _groups()
     for g in groups:

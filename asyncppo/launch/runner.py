@@ -61,6 +61,20 @@ def _actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
     return env
 
 
+def _check_output_dir(cfg: AsyncPPOConfig, output_dir: str) -> None:
+    """Refuse a directory that already holds a run's records: a second run there would append its metrics to the
+    first one's ``metrics.jsonl`` (and the console, which follows that file, would print both runs' lines), and its
+    checkpoints would prune the first one's. Resuming in place (``trainer.resume_from`` inside it) continues it."""
+    if not os.path.exists(os.path.join(output_dir, "metrics.jsonl")):
+        return
+    resume = cfg.trainer.resume_from and os.path.abspath(cfg.trainer.resume_from)
+    if resume and (resume == output_dir or resume.startswith(output_dir + os.sep)):
+        return
+    raise LaunchError(
+        f"trainer.output_dir={output_dir!r} already holds a run (metrics.jsonl): choose a new directory, or continue "
+        f"that run with trainer.resume_from={output_dir}")
+
+
 def _resolve_model(cfg: AsyncPPOConfig) -> str:
     from asyncppo.data.tiny import resolve_model_path
 
@@ -176,6 +190,11 @@ def run(cfg: AsyncPPOConfig) -> int:
     from asyncppo.launch.console import RunConsole
 
     output_dir = os.path.abspath(cfg.trainer.output_dir)
+    try:
+        _check_output_dir(cfg, output_dir)
+    except LaunchError as exc:
+        print(f"[asyncppo] error: {exc}", file=sys.stderr)
+        return 2
     os.makedirs(output_dir, exist_ok=True)
     with open(os.path.join(output_dir, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(config_to_yaml(cfg))

@@ -34,6 +34,7 @@ import torch
 from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
 from asyncppo.envs.policy import ActorCritic
+from asyncppo.learner.schedule import lr_lambda
 from asyncppo.stream.segments import EnvSegment
 
 
@@ -63,20 +64,12 @@ class ReturnScaler:
         return {"rms": self.rms.state_dict(), "returns": {k: v.tolist() for k, v in self._ret.items()}}
 
 
-def _lr_lambda(warmup: int, total: int, schedule: str):
-    def factor(step: int) -> float:  # step = optimiser-schedule steps taken (learner versions)
-        warm = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
-        anneal = max(0.0, 1.0 - step / max(total, 1)) if schedule == "linear" else 1.0
-        return warm * anneal
-    return factor
-
-
 class EmbodiedPPO:
     def __init__(self, cfg, policy: ActorCritic, device: torch.device):
         self.cfg, self.policy, self.device = cfg, policy, device
         a, t = cfg.algorithm, cfg.trainer
         self.actor_critic = a.loss_type == "actor_critic"
-        lam = _lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
+        lam = lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
         kw = dict(betas=tuple(t.betas), eps=1e-5, weight_decay=t.weight_decay)
         if self.actor_critic:
             self.opts = [torch.optim.AdamW(policy.parameters(), lr=t.lr, **kw)]

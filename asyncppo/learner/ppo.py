@@ -33,6 +33,7 @@ from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
 from asyncppo.learner.metric_mean import MetricMean
+from asyncppo.learner.schedule import lr_lambda
 from asyncppo.learner.forward import chunked, policy_forward, policy_value_forward, response_logits, value_forward
 from asyncppo.learner.value_head import shares_actor_body
 
@@ -47,10 +48,6 @@ def needs_critic(cfg: AsyncPPOConfig) -> bool:
 
 def needs_reference(cfg: AsyncPPOConfig) -> bool:
     return cfg.algorithm.use_kl_loss or cfg.algorithm.add_token_level_kl
-
-
-def _warmup_lambda(warmup_steps: int):
-    return lambda step: min(1.0, (step + 1) / warmup_steps) if warmup_steps > 0 else 1.0
 
 
 @dataclass
@@ -87,13 +84,14 @@ class PPOUpdate:
         self.actor_opt = torch.optim.AdamW(
             actor.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, _warmup_lambda(t.warmup_steps))
+        schedule = lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
+        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, schedule)
         self.critic_opt = self.critic_sched = None
         if critic is not None:
             self.critic_opt = torch.optim.AdamW(
                 critic.parameters(), lr=t.critic_lr, betas=tuple(t.betas), weight_decay=t.weight_decay
             )
-            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, _warmup_lambda(t.warmup_steps))
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, schedule)
         kc = self.alg.kl_ctrl
         self.kl_ctrl = algo.get_kl_controller(
             kc.type, init_kl_coef=kc.init_kl_coef, target_kl=kc.target_kl, horizon=kc.kl_horizon

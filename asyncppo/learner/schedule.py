@@ -1,0 +1,18 @@
+"""The learning-rate schedule shared by the LLM and the embodied learners: linear warm-up, then constant or a linear
+anneal to 0 at ``trainer.total_steps`` (CleanRL's ``anneal_lr``; ROLL's default ``lr_scheduler_type``).
+
+One schedule step per learner version, not per optimizer step: the rate a version trains at does not depend on how
+many mini-batches it is split into."""
+
+from __future__ import annotations
+
+
+def lr_lambda(warmup: int, total: int, schedule: str):
+    """The factor on ``trainer.lr`` after ``step`` learner versions, for ``torch.optim.lr_scheduler.LambdaLR``."""
+
+    def factor(step: int) -> float:
+        warm = min(1.0, (step + 1) / warmup) if warmup > 0 else 1.0
+        anneal = max(0.0, 1.0 - step / max(total, 1)) if schedule == "linear" else 1.0
+        return warm * anneal
+
+    return factor
