@@ -51,7 +51,8 @@ VARIANTS = {
     "shared-128x32-1ep": ["model.shared_backbone=true", "rollout.rollout_batch_size=128",
                           "algorithm.ppo_mini_batch_size=32", "trainer.lr=2e-4"],
     "shared-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4"],
-    "recipe-linear-lr": ["trainer.lr_schedule=linear"],  # the built-in recipe, lr annealed to 0 at total_steps
+    "recipe-constant-lr": ["trainer.lr_schedule=constant"],  # the built-in recipe before the anneal
+    "recipe-3e-4": ["trainer.lr=3e-4"],  # the built-in recipe (annealed) from a larger rate
     "shared-32-lr-2e-4": ["model.shared_backbone=true", "trainer.lr=2e-4", "rollout.rollout_batch_size=32"],
 }
 KEYS = [("actor/approx_kl", "kl"), ("actor/clipfrac", "clip"), ("actor/entropy", "ent"),

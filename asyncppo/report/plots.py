@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 from typing import Callable, Optional, Sequence
 
+import numpy as np
+
 from asyncppo.report.runs import Run, load_run
+
+PAGE_DPI = 80  # report.png; each panel's PNG is cut out of it
 
 _STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
 _SMOOTH_OVER = 25  # more points than this: draw a moving average over the faint raw curve
@@ -151,17 +155,11 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
     panel_dir = os.path.join(out_dir, "report")
     os.makedirs(panel_dir, exist_ok=True)
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
-    paths: dict[str, str] = {}
-    for name, title, xlabel, fn in PANELS:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        _draw(ax, runs, colors, title, xlabel, fn)
-        fig.tight_layout()
-        paths[name] = os.path.join(panel_dir, f"{name}.png")
-        fig.savefig(paths[name], dpi=90)
-        plt.close(fig)
+    # One drawing: the page is rendered once and each panel's PNG is cut out of its pixels (drawing every panel a
+    # second time on its own figure doubled the time, ~11 s -> ~5 s at the end of every run on two CPU cores).
     cols = 2
     rows = (len(PANELS) + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows))
+    fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), dpi=PAGE_DPI)
     flat = list(axes.flat)
     for ax, (name, title, xlabel, fn) in zip(flat, PANELS):
         _draw(ax, runs, colors, title, xlabel, fn)
@@ -169,10 +167,29 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
         _summary_text(ax, runs)
     fig.suptitle("asyncppo run report: " + ", ".join(r.name for r in runs), fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
-    paths["report"] = os.path.join(out_dir, "report.png")
-    fig.savefig(paths["report"], dpi=80)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    page = np.asarray(fig.canvas.buffer_rgba())
+    paths: dict[str, str] = {"report": os.path.join(out_dir, "report.png")}
+    _save_png(page, paths["report"])
+    height = page.shape[0]
+    for ax, (name, *_) in zip(flat, PANELS):
+        boxes = [a.get_tightbbox(renderer) for a in (ax, getattr(ax, "asyncppo_twin", None)) if a is not None]
+        x0, y0 = min(b.x0 for b in boxes), min(b.y0 for b in boxes)
+        x1, y1 = max(b.x1 for b in boxes), max(b.y1 for b in boxes)
+        pad = 4  # display y grows upwards, image rows downwards
+        top, bottom = max(0, int(height - y1) - pad), min(height, int(height - y0) + pad)
+        left, right = max(0, int(x0) - pad), min(page.shape[1], int(x1) + pad)
+        paths[name] = os.path.join(panel_dir, f"{name}.png")
+        _save_png(page[top:bottom, left:right], paths[name])
     plt.close(fig)
-    return paths
+    return {**{name: paths[name] for name, *_ in PANELS}, "report": paths["report"]}
+
+
+def _save_png(rgba, path: str) -> None:
+    from PIL import Image
+
+    Image.fromarray(np.ascontiguousarray(rgba)).save(path)
 
 
 def _summary_text(ax, runs: Sequence[Run]) -> None:
