@@ -143,6 +143,26 @@ def test_stage_file_round_trip_with_shared_storage(monkeypatch, tmp_path):
     assert _write_stage_file(named) is None  # cannot write: the caller sends through vLLM's queue instead
 
 
+def test_a_dead_pushers_stage_directory_is_swept_and_a_live_ones_kept(monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    from asyncppo.rollout.tp_load import STAGE_PREFIX, _write_stage_file
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(gone.stdout)  # exited: its stage directory is a leftover of a push it never finished
+    stale = tmp_path / f"{STAGE_PREFIX}{dead_pid}-abc"
+    live = tmp_path / f"{STAGE_PREFIX}{os.getpid()}-def"  # a push in flight in a live process
+    other = tmp_path / "unrelated-dir"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "push.safetensors").write_bytes(b"x")
+    monkeypatch.setenv("ASYNCPPO_TP_STAGE_DIR", str(tmp_path))
+    path = _write_stage_file([("w", torch.ones(2))])
+    assert not stale.exists() and live.exists() and other.exists()
+    assert os.path.basename(os.path.dirname(path)).startswith(f"{STAGE_PREFIX}{os.getpid()}-")
+
+
 @pytest.mark.slow  # ~1.5-5 min on 2 busy cores, nearly all of it the TP=2 engine's start
 def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_dir):
     pytest.importorskip("vllm")

@@ -134,14 +134,38 @@ def _failures(replies: Iterable[dict]) -> list[str]:
     return [f"rank {r.get('rank', '?')}: {r.get('error')}" for r in replies if not r.get("ok")]
 
 
+STAGE_PREFIX = "asyncppo-tp-"
+
+
+def _sweep_stale_stages(root: str | None) -> None:
+    """Remove stage directories left by processes that died mid-push (killed between writing the file and the
+    ``finally`` that deletes it): in ``/dev/shm`` they would hold memory until reboot. A directory is named
+    ``asyncppo-tp-<pid>-...`` after the process that wrote it, so only dead writers' directories are touched."""
+    if not root or not os.path.isdir(root):
+        return
+    for entry in os.listdir(root):
+        if not entry.startswith(STAGE_PREFIX):
+            continue
+        pid = entry[len(STAGE_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
+
+
 def _write_stage_file(named: list[tuple[str, torch.Tensor]]) -> str | None:
     """One safetensors file with ``named`` in a fresh directory (its path), or None when it cannot be written."""
     from safetensors.torch import save_file
 
     root = os.environ.get("ASYNCPPO_TP_STAGE_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    _sweep_stale_stages(root)
     d = None
     try:
-        d = tempfile.mkdtemp(prefix="asyncppo-tp-", dir=root)
+        d = tempfile.mkdtemp(prefix=f"{STAGE_PREFIX}{os.getpid()}-", dir=root)
         seen: set[int] = set()
         tensors = {}
         for n, t in named:  # safetensors refuses shared storage (a tied lm_head is the embedding itself)
