@@ -32,6 +32,8 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from asyncppo.learner.value_head import shares_actor_body
+
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
 ACTOR_DIR = "actor"
@@ -271,7 +273,7 @@ def _open(path: str) -> Checkpoint:
 def critic_kind(critic: Optional[nn.Module]) -> Optional[str]:
     if critic is None:
         return None
-    return "head" if getattr(critic, "shares_actor_body", False) else "model"
+    return "head" if shares_actor_body(critic) else "model"
 
 
 def check_compatible(ckpt: Checkpoint, model_path: str, *, needs_critic: bool, wanted_critic: Optional[str] = None) \

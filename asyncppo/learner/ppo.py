@@ -3,8 +3,8 @@
 1. Recompute the proximal policy's log-probs (the learner's weights before this update), the critic's values and the
    reference log-probs (when a KL term is on). A step of one optimizer step over one micro-batch (the schema's
    default; the built-in task's recipe makes 4) takes the first two from its own training forward instead of extra
-   no-grad passes. With ``model.shared_backbone`` the
-   values come from the actor's forward through a value head (:mod:`asyncppo.learner.value_head`).
+   no-grad passes. With ``model.shared_backbone`` the values come from the actor's forward through a value head
+   (:mod:`asyncppo.learner.value_head`).
 2. Shape the outcome rewards (clip, normalise), place them on the last response token, optionally subtract the KL
    penalty per token (KL in reward).
 3. Advantages and returns with the configured estimator; whitening and clipping.

@@ -170,8 +170,7 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
     fig.canvas.draw()
     renderer = fig.canvas.get_renderer()
     page = np.asarray(fig.canvas.buffer_rgba())
-    paths: dict[str, str] = {"report": os.path.join(out_dir, "report.png")}
-    _save_png(page, paths["report"])
+    paths: dict[str, str] = {}
     height = page.shape[0]
     for ax, (name, *_) in zip(flat, PANELS):
         boxes = [a.get_tightbbox(renderer) for a in (ax, getattr(ax, "asyncppo_twin", None)) if a is not None]
@@ -182,8 +181,10 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
         left, right = max(0, int(x0) - pad), min(page.shape[1], int(x1) + pad)
         paths[name] = os.path.join(panel_dir, f"{name}.png")
         _save_png(page[top:bottom, left:right], paths[name])
+    paths["report"] = os.path.join(out_dir, "report.png")
+    _save_png(page, paths["report"])
     plt.close(fig)
-    return {**{name: paths[name] for name, *_ in PANELS}, "report": paths["report"]}
+    return paths
 
 
 def _save_png(rgba, path: str) -> None:

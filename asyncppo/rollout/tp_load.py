@@ -135,14 +135,17 @@ def _failures(replies: Iterable[dict]) -> list[str]:
 
 
 STAGE_PREFIX = "asyncppo-tp-"
+_swept_roots: set[str] = set()  # a process sweeps each stage root once, at its first push: not on every step
 
 
 def _sweep_stale_stages(root: str | None) -> None:
     """Remove stage directories left by processes that died mid-push (killed between writing the file and the
     ``finally`` that deletes it): in ``/dev/shm`` they would hold memory until reboot. A directory is named
-    ``asyncppo-tp-<pid>-...`` after the process that wrote it, so only dead writers' directories are touched."""
-    if not root or not os.path.isdir(root):
+    ``asyncppo-tp-<pid>-...`` after the process that wrote it, so only dead writers' directories are touched. A
+    replacement engine is a new process, so it sweeps what its predecessor left at its own first push."""
+    if not root or root in _swept_roots or not os.path.isdir(root):
         return
+    _swept_roots.add(root)
     for entry in os.listdir(root):
         if not entry.startswith(STAGE_PREFIX):
             continue
