@@ -24,7 +24,7 @@ import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.task_eval import make_task_evaluator as _make_evaluator  # its old home: tests import it here
-from asyncppo.metrics import lag_stats, token_lag_stats
+from asyncppo.metrics import batch_token_lag_stats, lag_stats
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.sync.group import backend_for, find_free_port
 
@@ -279,7 +279,7 @@ class LearnerService:
                 metrics.update(lag_stats(self.version, [g.version_min for g in groups]))
                 if cfg.algorithm.dynamic_sampling:
                     metrics.update(self.group_filter.metrics())
-                metrics.update(token_lag_stats(self.version, groups))
+                metrics.update(batch_token_lag_stats(self.version, batch.token_versions, batch.response_mask))
                 metrics.update(meters.engine_totals.add(groups))
                 self.version += 1
                 last = step == tr.total_steps

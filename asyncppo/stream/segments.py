@@ -11,8 +11,8 @@ segment may span versions; all ``N`` envs step together, so a version per step (
 Why it looks like a trajectory group to the staleness machinery: a segment is the unit that takes one admission
 ticket and is kept whole, exactly as a group is, so :class:`~asyncppo.staleness.buffer.StalenessBuffer` and the
 ticket-ordered lag guard handle it unchanged. It answers the few questions the buffer asks (``ticket``,
-``version_min``, ``samples`` with per-row ``num_tokens`` / ``version_min`` / ``version_max``, ...): one row per
-environment, one "token" per step.
+``version_min``, ``num_samples``, per-row ``sample_lengths`` / ``sample_version_mins`` / ``sample_version_maxs``,
+...): one row per environment, one "token" per step.
 
 Wire layout (one ZeroMQ frame; never pickled)::
 
@@ -111,6 +111,16 @@ class EnvSegment:
     @property
     def num_samples(self) -> int:
         return self.num_envs
+
+    def sample_lengths(self) -> list[int]:
+        """Steps per environment row (every row has ``num_steps``): the buffer's per-sample length."""
+        return [self.num_steps] * self.num_envs
+
+    def sample_version_mins(self) -> list[int]:
+        return [self.version_min] * self.num_envs
+
+    def sample_version_maxs(self) -> list[int]:
+        return [self.version_max] * self.num_envs
 
     @property
     def num_response_tokens(self) -> int:
