@@ -308,21 +308,15 @@ _FINISH_BY_FLAGS = ("stop", "length", "stop", "length")
 _FAILED_BY_FLAGS = (False, False, True, True)
 
 
-def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
-    """Parse and validate one frame produced by :func:`encode_group`; raise :class:`WireError` on anything else.
-
-    Returns a columnar group (:meth:`TrajectoryGroup.from_columns`): its arrays are read-only views into ``buf``
-    (zero copy) and its ``Sample`` objects are built on first access to ``group.samples``. Every check runs
-    here, before the group is returned."""
-    mv = _as_view(buf)
-    size = mv.nbytes
+def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
+    """The group header with every field type-checked and its dtype strings resolved to numpy dtypes, and where
+    the frame's data begins."""
     header, data_start = _unpack_header(mv, max_bytes, list)
     if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
         raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
     if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
         raise _explain_header(header)
-    (_, kind, group_id, worker_id, prompt_index, ticket, answer, timings, n,
-     p_dt, p_n, i_dt, l_dt) = header
+    kind, timings, n, p_n = header[1], header[7], header[8], header[10]
     if kind != "group":
         raise WireError("schema", f"kind {kind!r}, expected 'group'")
     if n < 1 or n > MAX_SAMPLES:
@@ -332,7 +326,22 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     if timings and (set(map(type, timings)) != _STR or set(map(type, timings.values())) != _FLOAT):
         bad = next((k, v) for k, v in timings.items() if type(k) is not str or type(v) is not float)
         raise WireError("schema", f"timings entry {bad[0]!r}: {bad[1]!r} must be str -> float")
-    p_dt, i_dt, l_dt = _dtype("prompt_ids", p_dt), _dtype("response_ids", i_dt), _dtype("behavior_logprobs", l_dt)
+    header[9] = _dtype("prompt_ids", header[9])
+    header[11] = _dtype("response_ids", header[11])
+    header[12] = _dtype("behavior_logprobs", header[12])
+    return header, data_start
+
+
+def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
+    """Parse and validate one frame produced by :func:`encode_group`; raise :class:`WireError` on anything else.
+
+    Returns a columnar group (:meth:`TrajectoryGroup.from_columns`): its arrays are read-only views into ``buf``
+    (zero copy) and its ``Sample`` objects are built on first access to ``group.samples``. Every check runs
+    here, before the group is returned."""
+    mv = _as_view(buf)
+    size = mv.nbytes
+    header, data_start = _checked_header(mv, max_bytes)
+    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt) = header
 
     # Layout: every offset follows from the header and the table; the frame must end exactly where it says.
     table = _table(n)
