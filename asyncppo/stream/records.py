@@ -272,21 +272,23 @@ class TrajectoryGroup:
         c = self._columns
         return c.lengths() if c is not None else [s.num_tokens for s in self._samples]
 
-    def sample_rewards(self) -> list[float]:
+    def _per_sample(self, field: str) -> list:
+        """One scalar field of every sample: a column of the store, or read off the Sample objects (both name
+        their fields alike)."""
         c = self._columns
-        return list(c.reward) if c is not None else [s.reward for s in self._samples]
+        return list(getattr(c, field)) if c is not None else [getattr(s, field) for s in self._samples]
+
+    def sample_rewards(self) -> list[float]:
+        return self._per_sample("reward")
 
     def sample_reward_failed(self) -> list[bool]:
-        c = self._columns
-        return list(c.reward_failed) if c is not None else [s.reward_failed for s in self._samples]
+        return self._per_sample("reward_failed")
 
     def sample_version_mins(self) -> list[int]:
-        c = self._columns
-        return list(c.version_min) if c is not None else [s.version_min for s in self._samples]
+        return self._per_sample("version_min")
 
     def sample_version_maxs(self) -> list[int]:
-        c = self._columns
-        return list(c.version_max) if c is not None else [s.version_max for s in self._samples]
+        return self._per_sample("version_max")
 
     @property
     def num_samples(self) -> int:
