@@ -13,7 +13,10 @@ throughput on a small machine is bounded by exactly that time. So :meth:`Traject
 columns and ``group.samples`` builds the ``Sample`` objects on first access (once; after that the list is the
 truth, so code that edits a sample sees its edit everywhere). Group-level summaries that the buffer needs on every
 message (``num_samples``, ``version_min``, ``version_max``, ``num_response_tokens``) are answered from the columns
-without materialising anything.
+without materialising anything, and so are the per-sample scalar columns (``sample_lengths``, ``sample_rewards``,
+...). :meth:`TrajectoryGroup.as_columns` hands the learner's batch builder the column store itself (or columns
+built from the samples of a group made on the rollout side): the trajectory stays columnar from the wire to the
+loss, and the per-token versions expand straight into the batch (:meth:`SampleColumns.token_versions`).
 
 Per-token policy versions
 -------------------------
