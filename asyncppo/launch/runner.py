@@ -17,12 +17,11 @@ import os
 import sys
 import time
 
+from asyncppo.config import config_to_yaml
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.addresses import UnreachableLearner
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.resolve import LaunchError, LaunchPlan, check_cluster, resolve_plan
-from asyncppo.launch.start import RunActors, alive_node_gpus, import_ray
-from asyncppo.launch.supervise import Supervisor, WorkerFailed, report_failure
 
 
 def _refuse(exc: BaseException) -> int:
@@ -32,8 +31,6 @@ def _refuse(exc: BaseException) -> int:
 
 def _open_run_dir(plan: LaunchPlan, cfg: AsyncPPOConfig) -> None:
     """The run directory with the config it runs, announced (and the checkpoint it resumes from)."""
-    from asyncppo.config import config_to_yaml
-
     os.makedirs(plan.output_dir, exist_ok=True)
     with open(os.path.join(plan.output_dir, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(config_to_yaml(cfg))
@@ -49,7 +46,14 @@ def run(cfg: AsyncPPOConfig) -> int:
     except LaunchError as exc:
         return _refuse(exc)
     _open_run_dir(plan, cfg)
-    ray = import_ray(plan)
+    if plan.ray_on_loopback:  # Ray's name (historical) for "single-node: use the loopback address"; read at import
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # heavy: ray, imported only now so that the setting above is in place (the processes Ray starts inherit it)
+    import ray
+
+    from asyncppo.launch.start import RunActors, alive_node_gpus
+    from asyncppo.launch.supervise import Supervisor, WorkerFailed, report_failure
+
     actors = RunActors(plan, cfg)
     console = RunConsole(plan.output_dir, cfg.trainer.total_steps, cfg.trainer.logger.log_every,
                          progress=cfg.trainer.logger.console)

@@ -5,37 +5,31 @@ rank 0 binds the stream, control and admission sockets and decides where to list
 (launch/addresses.py); every other bundle's node is checked to reach those addresses (else the launch fails at
 once, not after ``cluster.timeout_s``); ``<run_dir>/placement.json`` records it all; then the rollout workers start
 with those addresses. Nothing here waits for the run: that is launch/supervise.py.
+
+Importing this module imports Ray: launch/runner.py does so only after Ray's loopback setting is in the environment.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.launch.actors import LearnerActor, RolloutActor
 from asyncppo.launch.addresses import LearnerAddresses, PlacementRecord, bundle_nodes, check_reachable
+from asyncppo.launch.env_actors import EnvLearnerActor, EnvRolloutActor
 from asyncppo.launch.resolve import LaunchError, LaunchPlan
 
 # Seconds Ray gets to reserve the placement group before the launch is refused.
 PLACEMENT_WAIT_S = 60
 
 
-def import_ray(plan: LaunchPlan):
-    """Import Ray with its control plane on loopback when the plan says so (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``
-    is Ray's historical name for "single-node: use the loopback address"; it must be set before ``ray`` is
-    imported, and the processes Ray starts inherit it)."""
-    if plan.ray_on_loopback:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    import ray  # heavy: ray
-
-    return ray
-
-
 def alive_node_gpus() -> list[float]:
     """The GPUs of every alive Ray node (for the engine-fits check)."""
-    import ray  # heavy: ray
-
     return [n["Resources"].get("GPU", 0) for n in ray.nodes() if n.get("Alive")]
 
 
@@ -47,11 +41,9 @@ class RunActors:
         self.plan = plan
         self.cfg_dict = dataclasses.asdict(cfg)
         self.cfg_dict["trainer"]["output_dir"] = plan.output_dir
-        if plan.embodied:  # embodied run: env workers and the embodied learner (docs/embodied.md)
-            from asyncppo.launch.env_actors import EnvLearnerActor as learner_cls, EnvRolloutActor as rollout_cls
-        else:
-            from asyncppo.launch.actors import LearnerActor as learner_cls, RolloutActor as rollout_cls
-        self.learner_cls, self.rollout_cls = learner_cls, rollout_cls
+        # embodied run: env workers and the embodied learner (docs/embodied.md)
+        self.learner_cls = EnvLearnerActor if plan.embodied else LearnerActor
+        self.rollout_cls = EnvRolloutActor if plan.embodied else RolloutActor
         self.actors: list = []  # every actor started, for the final kill
         self.learners: list = []
         self.workers: dict[int, Any] = {}  # worker index -> its current actor
@@ -66,8 +58,6 @@ class RunActors:
         return self.learners[0]
 
     def _placed(self, cls, index: int, bundle: dict):
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # heavy: ray
-
         return cls.options(
             num_cpus=bundle["CPU"] if self.plan.ray_init.get("address") else 0.001,
             num_gpus=bundle.get("GPU", 0),
@@ -77,8 +67,6 @@ class RunActors:
 
     def reserve(self) -> None:
         """One placement group holding every role's bundle."""
-        from ray.util.placement_group import placement_group  # heavy: ray
-
         p = self.plan
         bundles = [p.learner_bundle] * p.num_learners + [p.worker_bundle] * p.num_workers
         self.pg = placement_group(bundles, strategy="PACK")
@@ -87,8 +75,6 @@ class RunActors:
 
     def start_learners(self) -> None:
         """Start every learner rank; rank 0 binds its sockets and says where it listens."""
-        import ray  # heavy: ray
-
         p = self.plan
         self.learners = [
             self._placed(self.learner_cls, r, p.learner_bundle).remote(
@@ -134,8 +120,6 @@ class RunActors:
 
     def start(self) -> tuple[Any, list]:
         """Everything, in order; returns the learner's run() ref and every ref to wait on (learner's first)."""
-        import ray  # heavy: ray
-
         p = self.plan
         self.reserve()
         self.start_learners()
@@ -151,8 +135,6 @@ class RunActors:
 
     def stop_all(self) -> None:
         """Kill every actor started (an actor already gone is fine)."""
-        import ray  # heavy: ray
-
         for actor in self.actors:
             try:
                 ray.kill(actor)

@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Optional
 
+import ray
+
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.start import RunActors
 
@@ -40,8 +42,6 @@ class Supervisor:
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
-        import ray  # heavy: ray
-
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
@@ -61,8 +61,6 @@ class Supervisor:
     def _worker_ended(self, ref: Any) -> Optional[Any]:
         """A worker's run() ended: normally (the learner told it to stop) -> None; by dying -> the ref of its
         replacement, or :class:`WorkerFailed` when it may not be replaced."""
-        import ray  # heavy: ray
-
         i = self.run.worker_refs.pop(ref)
         try:
             ray.get(ref)
@@ -71,8 +69,6 @@ class Supervisor:
             return self._replace(i, exc)
 
     def _replace(self, i: int, exc: BaseException) -> Any:
-        import ray  # heavy: ray
-
         plan, limit = self.run.plan, self.run.plan.max_worker_restarts
         if not plan.replace_dead_workers or self.restarts >= limit:
             raise WorkerFailed(
@@ -95,8 +91,6 @@ class Supervisor:
 
     def _finish(self, pending: list) -> None:
         """The learner finished and published stop: give the others a moment to exit, then summary and report."""
-        import ray  # heavy: ray
-
         print(f"[asyncppo] learner finished in {time.time() - self.started_at:.0f}s", flush=True)
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=STOP_GRACE_S)
