@@ -77,15 +77,26 @@ def _add_convert(sub: argparse._SubParsersAction) -> None:
     command.add_arguments(_subcommand(sub, "convert", command.HELP, command.DESCRIPTION, command.EPILOG))
 
 
+# subcommand -> (one-line help, description) for the subcommands whose texts live here
+_TEXTS = {
+    "report": (
+        "plot a run (or overlay several): report.png and one PNG per panel",
+        "Read RUN_DIR/metrics.jsonl (and summary.json) and write report.png plus report/<panel>.png: reward and "
+        "held-out accuracy against step and wall time, lag, busy fractions and occupancy, KL / clip / entropy, "
+        "response length and waste, push latency. With several runs the curves are overlaid and the images go to "
+        "FIRST_RUN/compare/ unless --out is given.",
+    ),
+    "advise": (
+        "predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
+        "Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load time, response "
+        "lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. Prints a table "
+        "and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
+    ),
+}
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = _subcommand(
-        sub, "report",
-        help="plot a run (or overlay several): report.png and one PNG per panel",
-        description="Read RUN_DIR/metrics.jsonl (and summary.json) and write report.png plus report/<panel>.png: "
-        "reward and held-out accuracy against step and wall time, lag, busy fractions and occupancy, KL / clip / "
-        "entropy, response length and waste, push latency. With several runs the curves are overlaid and the "
-        "images go to FIRST_RUN/compare/ unless --out is given.",
-    )
+    p = _subcommand(sub, "report", *_TEXTS["report"])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.output_dir of each run)")
     p.add_argument("--out", metavar="DIR", default=None, help="where to write the images")
     p.set_defaults(func=_cmd_report)
@@ -104,13 +115,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_advise(sub: argparse._SubParsersAction) -> None:
-    p = _subcommand(
-        sub, "advise",
-        help="predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
-        description="Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load "
-        "time, response lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. "
-        "Prints a table and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
-    )
+    p = _subcommand(sub, "advise", *_TEXTS["advise"])
     p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a finished run to take the rates from")
     p.add_argument("--workload", metavar="NAME", default=None,
                    help="use a documented workload's rates instead of a run (7b-long)")
