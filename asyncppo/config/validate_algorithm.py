@@ -1,8 +1,8 @@
-"""Checks for the algorithm family options (policy losses, rollout correction, DAPO batch shaping, early stopping).
+"""Every ``algorithm.*`` check: estimator, rewards, losses, schedule, off-policy correction and the family options.
 
-Every ``algorithm.*`` check: :func:`check_algorithm` is what :mod:`asyncppo.config.validate` calls, and
-:func:`check_algorithm_family` covers the policy-loss family options within it. The rules follow one style: every problem names the key, the value
-and what is allowed, and legal-but-useless combinations are warnings.
+:func:`check_algorithm` is what :mod:`asyncppo.config.validate` calls, and
+:func:`check_algorithm_family` covers the policy-loss family options within it. The rules follow one style: every
+problem names the key, the value and what is allowed, and legal-but-useless combinations are warnings.
 """
 
 from __future__ import annotations
