@@ -72,6 +72,7 @@ class SegmentDoor:
 
 class EmbodiedWorkload:
     workers_name = "env worker"
+    evaluates_on_engines = False
     record_kind = "segment"
     pushes_initial_weights = True  # env workers hold no weights until the learner's first push
     streamed = False

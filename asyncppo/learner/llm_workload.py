@@ -31,6 +31,7 @@ log = logging.getLogger("asyncppo.learner")
 
 class LLMWorkload:
     workers_name = "rollout worker"
+    evaluates_on_engines = True
     record_kind = "trajectory"
     pushes_initial_weights = False  # the engines load the model (or the resumed actor) themselves
 

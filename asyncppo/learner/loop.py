@@ -56,6 +56,7 @@ class Workload(Protocol):
     pushes_initial_weights: bool  # workers act only after loading version 0 from the learner
     streamed: bool  # pushes keep no snapshot: a worker that joins late is pushed at the next step
     can_evaluate: bool  # a held-out evaluation on the learner exists
+    evaluates_on_engines: bool  # data.eval_files are evaluated on the workers' engines with the pushed weights
 
     def start_version(self) -> int: ...  # the version a resume continues from (0: a fresh run)
     def saved_position(self) -> dict: ...  # the data position a resume continues from
@@ -93,6 +94,7 @@ class LearnerLoop:
         self._logger = None
         self._joined = False  # the weight push may still be running: the shutdown waits for it
         self._in_group = False  # this rank joined the learner group: the shutdown leaves it
+        self._engine_eval = None  # the evaluation of data.eval_files on the rollout engines, when the workload has one
 
     def run(self, wiring: Optional[Wiring], master_addr: Optional[str] = None, master_port: Optional[int] = None,
             bind_host: Optional[str] = None) -> dict:
@@ -111,6 +113,7 @@ class LearnerLoop:
         if self.rank > 0:
             return {"rank": self.rank, "steps": work.follow()}
         logger = self._logger = make_logger(cfg, self.output_dir)
+        self._engine_eval = wiring.engine_eval if work.evaluates_on_engines else None
         summary: dict = {"output_dir": self.output_dir, **work.run_info()}
         if work.can_evaluate:
             summary["eval_before"] = work.evaluate()
@@ -131,8 +134,8 @@ class LearnerLoop:
                     work.refresh_weights()
                 metrics.update(_prefixed("eval", work.evaluate()))
             logger.log(step, metrics)
-            if wiring.engine_eval is not None:
-                wiring.engine_eval.poll(logger)
+            if self._engine_eval is not None:
+                self._engine_eval.poll(logger)
             if tr.save_every and step % tr.save_every == 0:
                 work.checkpoint(self.version, logger)
                 saved_version = self.version
@@ -211,7 +214,7 @@ class LearnerLoop:
         """Every ``sync_every`` versions; at the end only for an evaluation of data.eval_files (nobody else generates
         with the final weights); and after a streamed push that a late-joining worker missed."""
         if last:
-            return wiring.engine_eval is not None
+            return self._engine_eval is not None
         return self.version % self.cfg.rollout.sync_every == 0 or (self.workload.streamed and wiring.fanout.behind())
 
     def _take(self, buffer, n: int) -> list:
@@ -246,9 +249,9 @@ class LearnerLoop:
         if work.can_evaluate:
             summary["eval_after"] = work.evaluate()
             logger.log(tr.total_steps, _prefixed("eval", summary["eval_after"]))
-        if wiring.engine_eval is not None:
-            wiring.engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
-            summary["eval_files"] = wiring.engine_eval.summary()
+        if self._engine_eval is not None:
+            self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
+            summary["eval_files"] = self._engine_eval.summary()
         work.save_final(os.path.join(self.output_dir, "final"), self.version)
         summary.update(steps=tr.total_steps, version=self.version)
         summary.update(work.summary(buffer.stats()))
