@@ -87,7 +87,7 @@ def test_registry_reward_and_preset_compose():
 def test_evaluator_generates_up_to_the_tasks_longest_answer(monkeypatch):
     import asyncppo.data.warmstart as ws
     from asyncppo.config import load_config
-    from asyncppo.learner.service import _make_evaluator
+    from asyncppo.learner.task_eval import make_task_evaluator as _make_evaluator
 
     seen = []
     monkeypatch.setattr(ws, "answer_accuracy", lambda model, tok, rows, **kw: seen.append((len(rows), kw)) or 0.5)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncppo.envs.policy import PolicySpec
+from asyncppo.models.actor_critic import PolicySpec
 from asyncppo.stream.segments import SegmentSpec
 
 

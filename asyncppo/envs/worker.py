@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
 from asyncppo.stream.endpoints import Endpoints

@@ -1,4 +1,4 @@
-"""Ray actor wrappers around the learner service and the rollout worker.
+"""Ray actor wrappers around the learner process (launch/learner_wiring.py) and the rollout worker.
 
 They only rebuild the typed config from a plain dict (Ray ships plain data) and forward calls, so the learner and the
 worker stay ordinary classes that tests can also run without Ray.
@@ -41,21 +41,20 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), cfg_dict))
 
 
-# Threaded: the launcher calls replace_worker / data_position while run() trains (learner/service.py locks).
+# Threaded: the launcher calls replace_worker / data_position while run() trains (launch/membership.py locks).
 @ray.remote(max_restarts=0, max_concurrency=4)
 class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
         import logging
 
-        from asyncppo.learner.service import LearnerService
-
         from asyncppo.launch.console import redirect_output
+        from asyncppo.launch.learner_wiring import llm_learner
 
         redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
         set_learner_threads(cfg_dict)
-        self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
+        self.service = llm_learner(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
 
     def setup(self):
         return self.service.setup()

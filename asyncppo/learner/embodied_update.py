@@ -33,7 +33,7 @@ import torch
 
 from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.learner.schedule import lr_lambda
 from asyncppo.stream.segments import EnvSegment
 

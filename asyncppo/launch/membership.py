@@ -17,7 +17,7 @@ import threading
 
 from asyncppo.data.position import DataPosition
 
-log = logging.getLogger("asyncppo.learner")
+log = logging.getLogger("asyncppo.launch")
 
 
 class WorkerLedger:
