@@ -2,7 +2,7 @@
 
 The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies is
 replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back its tickets and
-awaits the replacement in the weight sync (``LearnerService.replace_worker``), then a new actor of the next
+awaits the replacement in the weight sync (``LearnerWiring.replace_worker``), then a new actor of the next
 incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor dying, or
 one worker death too many, ends the run with the actor's error (:func:`report_failure` words it).
 """
