@@ -31,13 +31,13 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 
 from asyncppo.sync.engine_load import layer_group
 
-from .engine import Completion, FinishedGroup, SamplingSpec, check_sampling_args
+from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -71,7 +71,7 @@ def tied_fp32(model_path: str, dtype: str) -> bool:
     return bool(tied) and dtype in ("float32", "fp32")
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         model_path: str,
@@ -149,23 +149,10 @@ class VLLMEngine:
         )
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: Optional[int] = None,
-        stop_token_ids: Optional[Sequence[int]] = None,
-    ) -> list[list[Completion]]:
-        from vllm import SamplingParams
+    def _generate(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+                  ) -> list[list[Completion]]:
+        from vllm import SamplingParams  # heavy/optional: vllm
 
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
-        self._check_usable()
-        if not prompts:
-            return []
         if self._streaming:
             # LLM.generate steps the same engine until it is empty and would swallow the streaming groups' outputs.
             raise RuntimeError("vllm engine: generate() called while streaming groups are in flight")

@@ -109,7 +109,7 @@ class RolloutWorker:
     def _open(self) -> None:
         from asyncppo.data.datasets import build_prompt_dataset
         from asyncppo.data.rewards import resolve_reward_fn
-        from asyncppo.rollout.engine import make_engine
+        from asyncppo.rollout.engines import make_engine
         from asyncppo.staleness import AdmissionClient
         from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
         from asyncppo.sync import WeightReceiver, make_sync_group
