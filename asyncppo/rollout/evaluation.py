@@ -29,6 +29,8 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from asyncppo.data.datasets import PromptDataset
+from asyncppo.data.rewards import score_safely
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
 from asyncppo.stream.evals import EvalReport, FileScores
 
@@ -170,9 +172,6 @@ class EvalRunner:
 
 def build_eval_runner(cfg, worker_id: int, num_workers: int, tokenizer, decode, reward_fn) -> Optional[EvalRunner]:
     """An :class:`EvalRunner` for this worker's shard of ``data.eval_files``, or None when there is nothing to do."""
-    from asyncppo.data.datasets import PromptDataset
-    from asyncppo.data.rewards import score_safely
-
     d, ro = cfg.data, cfg.rollout
     if not d.eval_files:
         return None

@@ -48,7 +48,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         ``max_num_seqs``: how many sequences :meth:`step` decodes at once; more wait in FIFO order.
         ``kv_cache``: streaming keeps a KV cache across steps (False: recompute every prefix at every step).
         ``unused`` absorbs vLLM-only options so that one config can build either backend."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
         if dtype not in _DTYPES:
             raise ValueError(f"hf engine: dtype={dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
@@ -88,7 +88,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stops):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # heavy: transformers
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)

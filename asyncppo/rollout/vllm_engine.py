@@ -27,6 +27,7 @@ Settings and why:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-from asyncppo.sync.engine_load import layer_group
+from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
 
 from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
 
@@ -91,12 +92,12 @@ class VLLMEngine(RolloutEngine):
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"vllm engine: no config.json in model_path={model_path!r}")
         _configure_env(device, kv_cache_gib)
-        import torch
+        import torch  # heavy: torch, imported once vLLM's environment is set
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
         set_num_threads = torch.set_num_threads
-        from vllm import LLM
+        from vllm import LLM  # heavy/optional: vllm
 
         kwargs = dict(
             model=str(model_path),
@@ -115,7 +116,7 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.tensor_parallel_size = int(tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            from .tp_load import EXTENSION
+            from .tp_load import EXTENSION  # heavy: torch (tp_load), only for tensor-parallel engines
 
             # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.
             # Their message queues have local readers only; pin vLLM's "own IP" to loopback all the same.
@@ -185,7 +186,7 @@ class VLLMEngine(RolloutEngine):
 
         The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
         weights is never reused for a new request, while requests in flight keep their own blocks."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # heavy/optional: vllm
         from vllm.sampling_params import RequestOutputKind
 
         check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
@@ -244,7 +245,7 @@ class VLLMEngine(RolloutEngine):
     def decode(self, token_ids) -> str:
         """Response text for reward functions: special tokens (eos, pad) dropped."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # heavy: transformers
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
@@ -290,8 +291,6 @@ class VLLMEngine(RolloutEngine):
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return
-        from asyncppo.sync.engine_load import vllm_reload_weights
-
         # Layers without weights (rotary embeddings) or outside a partial update make vLLM log a
         # "Failed to load weights" line per reload; validated above, so those lines are noise.
         vllm_reload_weights(self.llm, given.items(), quiet_partial=True)
@@ -299,7 +298,7 @@ class VLLMEngine(RolloutEngine):
     def _tp_load(self, given: dict) -> None:
         """All TP ranks or none (tp_load.py). A refused call after earlier calls of the same push loaded leaves
         the model half old, half new: the engine then refuses to serve until every tensor has been reloaded."""
-        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload
+        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload  # heavy: torch, tensor-parallel only
 
         try:
             staged_reload(self.llm, given.items(), fail_ranks=self.fail_ranks, via=self.tp_transfer)
@@ -323,7 +322,7 @@ class VLLMEngine(RolloutEngine):
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:
-            from safetensors import safe_open
+            from safetensors import safe_open  # heavy: safetensors
 
             shapes: dict[str, tuple[int, ...]] = {}
             for f in sorted(Path(self.model_path).glob("*.safetensors")):
@@ -351,6 +350,4 @@ class VLLMEngine(RolloutEngine):
                 core.shutdown()
         finally:
             del llm
-            import gc
-
             gc.collect()
