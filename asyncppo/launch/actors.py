@@ -72,14 +72,14 @@ class LearnerActor:
     def data_position(self, worker_id: int) -> dict:
         return self.service.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, generation: int) -> dict:
-        return self.service.replace_worker(worker_id, generation)
+    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
+        return self.service.replace_worker(worker_id, incarnation)
 
 
 @ray.remote(max_restarts=0)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
-                 generation: int = 0, position=None):
+                 incarnation: int = 0, position=None):
         import torch
 
         import logging
@@ -92,7 +92,7 @@ class RolloutActor:
         pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
         torch.set_num_threads(1)
         self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path,
-                                    generation=generation, position=position)
+                                    incarnation=incarnation, position=position)
 
     def run(self) -> dict:
         return self.worker.run()

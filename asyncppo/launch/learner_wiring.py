@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from asyncppo.data.heldout import task_probe
 from asyncppo.envs.spaces import describe_env
 from asyncppo.launch.addresses import LearnerAddresses, discover_learner_addresses
 from asyncppo.launch.learner_sockets import LearnerSockets
@@ -83,10 +84,10 @@ class LearnerWiring:
         """Where worker ``worker_id``'s prompt sequence starts (a resumed run's workers; data/position.py)."""
         return self.ledger.trained.of(worker_id)
 
-    def replace_worker(self, worker_id: int, generation: int) -> dict:
-        """The launcher saw worker ``worker_id`` die and starts incarnation ``generation`` (WorkerLedger.replace).
+    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
+        """The launcher saw worker ``worker_id`` die and starts incarnation ``incarnation`` (WorkerLedger.replace).
         Called from the launcher's thread while the loop trains (the actor is threaded; all of it is locked)."""
-        return self.ledger.replace(worker_id, generation, self.admission_server, self.fanout,
+        return self.ledger.replace(worker_id, incarnation, self.admission_server, self.fanout,
                                    self.cfg.cluster.timeout_s)
 
     def close(self) -> None:
@@ -128,15 +129,15 @@ class LearnerProcess:
     def data_position(self, worker_id: int) -> dict:
         return self.wiring.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, generation: int) -> dict:
-        return self.wiring.replace_worker(worker_id, generation)
+    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
+        return self.wiring.replace_worker(worker_id, incarnation)
 
 
 def llm_learner(cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                 world_size: int = 1) -> LearnerProcess:
-    """A learner rank of an LLM run."""
-    return LearnerProcess(cfg, LLMWorkload(cfg, model_path, num_workers, output_dir, rank, world_size), num_workers,
-                          output_dir, rank, world_size)
+    """A learner rank of an LLM run, handed the built-in task's held-out probe (none for data files)."""
+    workload = LLMWorkload(cfg, model_path, num_workers, output_dir, rank, world_size, probe=task_probe(cfg))
+    return LearnerProcess(cfg, workload, num_workers, output_dir, rank, world_size)
 
 
 class EmbodiedLearnerProcess(LearnerProcess):

@@ -103,13 +103,13 @@ class RunActors:
             if role != "learner-0":
                 check_reachable(self.addresses, role, nodes[index], p.timeout_s)
 
-    def start_worker(self, i: int, generation: int, position) -> Any:
-        """Start rollout worker ``i`` (incarnation ``generation``, resuming its prompt sequence at ``position``) in
+    def start_worker(self, i: int, incarnation: int, position) -> Any:
+        """Start rollout worker ``i`` (incarnation ``incarnation``, resuming its prompt sequence at ``position``) in
         its bundle; returns the ref of its run()."""
         p = self.plan
-        if generation:  # a bundle whose node died may have been re-placed elsewhere
+        if incarnation:  # a bundle whose node died may have been re-placed elsewhere
             check_reachable(self.addresses, f"rollout-{i}", bundle_nodes(self.pg)[p.num_learners + i], p.timeout_s)
-        extra = () if p.embodied else (generation, position)
+        extra = () if p.embodied else (incarnation, position)
         actor = self._placed(self.rollout_cls, p.num_learners + i, p.worker_bundle).remote(
             self.cfg_dict, i, p.num_workers, self.endpoints, p.worker_model_path, *extra)
         self.actors.append(actor)

@@ -38,7 +38,7 @@ class Supervisor:
     def __init__(self, run: RunActors, console: RunConsole, started_at: float):
         self.run, self.console, self.started_at = run, console, started_at
         self.restarts = 0
-        self.generations = {i: 0 for i in range(run.plan.num_workers)}
+        self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
@@ -77,7 +77,7 @@ class Supervisor:
                    if plan.replace_dead_workers else "") + f": an actor failed:\n{exc}"
             ) from None
         self.restarts += 1
-        self.generations[i] += 1
+        self.incarnations[i] += 1
         print(f"[asyncppo] rollout worker {i} died ({_first_line(exc)}); starting a replacement "
               f"(restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
         try:
@@ -86,8 +86,8 @@ class Supervisor:
             pass
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
-        position = ray.get(self.run.learner.replace_worker.remote(i, self.generations[i]), timeout=plan.timeout_s)
-        return self.run.start_worker(i, self.generations[i], position)
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]), timeout=plan.timeout_s)
+        return self.run.start_worker(i, self.incarnations[i], position)
 
     def _finish(self, pending: list) -> None:
         """The learner finished and published stop: give the others a moment to exit, then summary and report."""

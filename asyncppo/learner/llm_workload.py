@@ -35,8 +35,12 @@ class LLMWorkload:
     record_kind = "trajectory"
     pushes_initial_weights = False  # the engines load the model (or the resumed actor) themselves
 
-    def __init__(self, cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1):
+    def __init__(self, cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1,
+                 probe=None):
+        """``probe``: the built-in task's held-out probe (data/heldout.py), built by the launcher; ``None`` for data
+        files, whose evaluation runs on the engines."""
         self.cfg, self.model_path, self.num_workers, self.output_dir = cfg, model_path, num_workers, output_dir
+        self.probe = probe
         self.rank, self.world_size, self.multi = rank, world_size, world_size > 1
         self.response_length = cfg.rollout.response_length
         self.resume: Optional[C.Checkpoint] = None  # the checkpoint being resumed from
@@ -103,7 +107,7 @@ class LLMWorkload:
         self.pusher = WeightPusher(self.actor, self.plain_actor, wiring.fanout, multi=self.multi,
                                    gather_mode=tr.weight_push_gather, budget_bytes=tr.weight_push_budget_mb << 20)
         self.streamed = self.pusher.streamed
-        self.evaluator = make_task_evaluator(cfg, self.tokenizer)
+        self.evaluator = make_task_evaluator(self.probe, self.tokenizer)
         al, ro = cfg.algorithm, cfg.rollout
         self.group_filter = GroupFilter(wiring.admission, al.dynamic_sampling,
                                         al.dynamic_sampling_max_skip or 4 * ro.rollout_batch_size)

@@ -65,12 +65,10 @@ class RolloutWorker(WorkerSkeleton):
     role = "rollout worker"
 
     def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints, model_path: str,
-                 incarnation: int = 0, position: dict | None = None, *, generation: int | None = None):
+                 incarnation: int = 0, position: dict | None = None):
         """``incarnation``: how many times the launcher restarted this worker (0: the first process); ``position``:
-        where its prompt sequence resumes (data/position.py), from the learner's record of what it trained.
-        ``generation`` is the incarnation's former keyword, still accepted from launchers that pass it by name."""
-        super().__init__(cfg, worker_id, num_workers, endpoints,
-                         incarnation=incarnation if generation is None else generation)
+        where its prompt sequence resumes (data/position.py), from the learner's record of what it trained."""
+        super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)
         self.position = position
         self.model_path = model_path
         self.stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "weight_loads": 0, "gen_tokens": 0,
