@@ -16,7 +16,9 @@
 Everything that is a constant of the update and needs more than one micro-batch to compute is computed before the
 micro-batch split: the rollout-correction weights and rejection mask (once per batch) and the covariance token
 selection of ``clip_cov`` / ``kl_cov`` (once per mini-batch). That is what keeps every loss invariant to the split.
-The math lives in :mod:`asyncppo.algo`; this module only wires it to models and optimisers.
+The math lives in :mod:`asyncppo.algo`, called, never re-derived here. Steps 2-3 and the rollout correction need no
+model and live in :mod:`asyncppo.learner.ppo_targets`; the loss terms of one micro-batch in
+:mod:`asyncppo.learner.ppo_losses`. This module runs the forwards, the backwards and the optimisers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from asyncppo import algo
@@ -272,8 +275,6 @@ class PPOUpdate:
     def _all_reduce(self, values: list[float]) -> list[float]:
         counts = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
-            import torch.distributed as dist  # heavy: only a multi-rank learner reduces
-
             counts = counts.to(self.device)
             dist.all_reduce(counts)
         return [float(x) for x in counts.cpu()]

@@ -79,20 +79,10 @@ def actor_loss(
     aggregated with the mini-batch's actor denominators. ``ref_logits`` only for the ``full`` KL loss."""
     lmask = loss_mask(micro)
     pg_loss, pg_metrics = algo.policy_loss(
-        logprobs,
-        micro.old_logprobs,
-        micro.advantages,
-        lmask,
-        loss_name=alg.policy_loss,
-        clip_ratio_low=alg.clip_ratio_low,
-        clip_ratio_high=alg.clip_ratio_high,
-        dual_clip=alg.dual_clip_loss,
-        clip_ratio_c=alg.clip_ratio_c,
-        tis_cap=alg.tis_cap,
-        kl_cov_coef=alg.kl_cov_coef,
-        token_select=micro.token_select,
-        is_weights=micro.is_weights,
-        **norms.actor(),
+        logprobs, micro.old_logprobs, micro.advantages, lmask, loss_name=alg.policy_loss,
+        clip_ratio_low=alg.clip_ratio_low, clip_ratio_high=alg.clip_ratio_high, dual_clip=alg.dual_clip_loss,
+        clip_ratio_c=alg.clip_ratio_c, tis_cap=alg.tis_cap, kl_cov_coef=alg.kl_cov_coef,
+        token_select=micro.token_select, is_weights=micro.is_weights, **norms.actor(),
     )
     kept = float(lmask.sum())
     entropy_term = algo.aggregate(entropy, lmask, norms.mode, **norms.actor_counts())
@@ -115,12 +105,7 @@ def critic_loss(
 ) -> tuple[torch.Tensor, dict]:
     """The value loss (``vf_coef`` not applied) over the whole response, and its metrics but the loss itself."""
     vf_loss, vf_metrics = algo.value_loss(
-        values,
-        micro.old_values,
-        micro.returns,
-        micro.response_mask,
-        value_clip=alg.value_clip,
-        huber_delta=alg.huber_delta,
-        **norms.critic(),
+        values, micro.old_values, micro.returns, micro.response_mask, value_clip=alg.value_clip,
+        huber_delta=alg.huber_delta, **norms.critic(),
     )
     return vf_loss, {f"critic/{k}": v for k, v in vf_metrics.items() if k != "vf_loss"}
