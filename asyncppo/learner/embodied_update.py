@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from asyncppo import algo
+from asyncppo.algo.transitions import transition_gae
 from asyncppo.envs.policy import ActorCritic
 from asyncppo.learner.schedule import lr_lambda
 from asyncppo.stream.segments import EnvSegment
@@ -116,7 +117,7 @@ class EmbodiedPPO:
         rewards = self._tensor([self._rewards(s) for s in segments], torch.float32)
         term = self._tensor([s.terminated for s in segments])
         trunc = self._tensor([s.truncated for s in segments])
-        adv, ret = algo.transition_gae(rewards, values, next_values, term, trunc, gamma=a.gamma, lambd=a.lambd)
+        adv, ret = transition_gae(rewards, values, next_values, term, trunc, gamma=a.gamma, lambd=a.lambd)
         behav = self._tensor([s.logprobs for s in segments], torch.float32).reshape(-1)
         old = pol.evaluate(flat_obs, flat_act)[0] if a.off_policy_correction == "decoupled" else behav
         flat_adv = adv.reshape(-1)
