@@ -50,7 +50,7 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir):
     pytest.importorskip("vllm")
-    from asyncppo.rollout.engine import make_engine
+    from asyncppo.rollout.engines import make_engine
 
     engine = make_engine("vllm", tiny_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
     yield engine

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncppo.config import load_config
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
 from asyncppo.stream.errors import WireError
