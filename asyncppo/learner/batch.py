@@ -3,6 +3,10 @@
 Layout (as in verl): prompts are left-padded to the longest prompt ``P`` and responses right-padded to the longest
 response ``T``, so every response token ``t`` sits at column ``P + t`` for every row and the logits that predict it are
 at column ``P + t - 1``. Per-token tensors (log-probs, values, advantages) are ``[B, T]`` with a ``response_mask``.
+
+The batch is built from the groups' columns (:meth:`TrajectoryGroup.as_columns`): a trajectory stays columnar from
+the wire decode to the loss. ``token_versions`` carries the policy version of every response token, from which the
+learner's per-token lag metrics are computed (:func:`asyncppo.metrics.batch_token_lag_stats`).
 """
 
 from __future__ import annotations
@@ -62,34 +66,52 @@ class TrainBatch:
         return replace(self, **picked)
 
 
-def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBatch:
-    rows = [(g_idx, g, s) for g_idx, g in enumerate(groups) for s in g.samples]
-    if not rows:
+def _concat_columns(groups: list[TrajectoryGroup]) -> tuple:
+    """(response ids, log-probs, token versions, per-sample lengths, rewards, version_min, samples per group) of
+    all groups, each one array over every sample or token: a fixed number of numpy calls per group, none per
+    sample, and no Sample object is built for a group that arrived columnar."""
+    cols = [g.as_columns() for g in groups]
+    counts = [len(c.reward) for c in cols]
+    if not sum(counts):
         raise ValueError("collate_groups: no samples")
+    ids = np.concatenate([c.response_ids for c in cols])
+    lps = np.concatenate([c.behavior_logprobs for c in cols])
+    versions = np.concatenate([c.token_versions() for c in cols])
+    lengths = np.fromiter((n for c in cols for n in c.lengths()), dtype=np.int64, count=sum(counts))
+    rewards = np.fromiter((r for c in cols for r in c.reward), dtype=np.float64, count=len(lengths))
+    vmin = np.fromiter((v for c in cols for v in c.version_min), dtype=np.int64, count=len(lengths))
+    return ids, lps, versions, lengths, rewards, vmin, counts
+
+
+def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBatch:
+    """The padded batch of ``groups``, built from their columns (see the module docstring for the layout).
+
+    Response tokens are scattered into place with one fancy-index assignment per array (row and column of every
+    token computed from the lengths), so the cost does not grow with a Python loop over samples; only the prompt,
+    shared by a group's samples, is written once per group."""
+    ids, lps, versions, lengths, rewards, vmin, counts = _concat_columns(groups)
+    B = lengths.shape[0]
     P = max(int(g.prompt_ids.shape[0]) for g in groups)
-    T = max(1, max(s.num_tokens for _, _, s in rows))
-    B = len(rows)
-    # filled row by row in numpy and converted once: per-row torch tensors cost more than the copies themselves
+    T = max(1, int(lengths.max()))
+    group_index = np.repeat(np.arange(len(groups), dtype=np.int64), counts)
+    prompt_lens = np.repeat(np.array([g.prompt_ids.shape[0] for g in groups], dtype=np.int64), counts)
+    # row and column of every response token: token k of sample i sits at column k of row i
+    tok_row = np.repeat(np.arange(B), lengths)
+    tok_col = np.arange(ids.shape[0]) - np.repeat(np.cumsum(lengths) - lengths, lengths)
     input_ids = np.full((B, P + T), pad_token_id, dtype=np.int64)
-    attention_mask = np.zeros((B, P + T), dtype=np.int64)
-    response_mask = np.zeros((B, T), dtype=np.float32)
+    row = 0
+    for g, n in zip(groups, counts):
+        n_prompt = int(g.prompt_ids.shape[0])
+        input_ids[row : row + n, P - n_prompt : P] = g.prompt_ids
+        row += n
+    input_ids[tok_row, P + tok_col] = ids
+    column = np.arange(P + T)
+    attention_mask = ((column >= P - prompt_lens[:, None]) & (column < P + lengths[:, None])).astype(np.int64)
+    response_mask = (np.arange(T) < lengths[:, None]).astype(np.float32)
     behavior = np.zeros((B, T), dtype=np.float32)
-    scores = np.zeros(B, dtype=np.float32)
-    group_index = np.zeros(B, dtype=np.int64)
-    version_min = np.zeros(B, dtype=np.int64)
+    behavior[tok_row, tok_col] = lps
     token_versions = np.zeros((B, T), dtype=np.int64)
-    for i, (g_idx, group, sample) in enumerate(rows):
-        n_prompt, n_resp = int(group.prompt_ids.shape[0]), sample.num_tokens
-        input_ids[i, P - n_prompt : P] = group.prompt_ids
-        attention_mask[i, P - n_prompt : P + n_resp] = 1
-        if n_resp:
-            input_ids[i, P : P + n_resp] = sample.response_ids
-            behavior[i, :n_resp] = sample.behavior_logprobs
-            response_mask[i, :n_resp] = 1.0
-            token_versions[i, :n_resp] = sample.token_versions()
-        scores[i] = float(sample.reward)
-        group_index[i] = g_idx
-        version_min[i] = sample.version_min
+    token_versions[tok_row, tok_col] = versions
     attention = torch.from_numpy(attention_mask)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -97,9 +119,9 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         position_ids=(attention.cumsum(dim=1) - 1).clamp(min=0),
         response_mask=torch.from_numpy(response_mask),
         behavior_logprobs=torch.from_numpy(behavior),
-        scores=torch.from_numpy(scores),
+        scores=torch.from_numpy(rewards.astype(np.float32)),
         group_index=torch.from_numpy(group_index),
-        version_min=torch.from_numpy(version_min),
+        version_min=torch.from_numpy(vmin),
         prompt_len=P,
         token_versions=torch.from_numpy(token_versions),
     )

@@ -24,7 +24,7 @@ from typing import Iterable
 
 def rewards_all_equal(group) -> bool:
     """True when every sample of the group has the same reward (no group-relative signal)."""
-    rewards = [s.reward for s in group.samples]
+    rewards = group.sample_rewards()
     return len(rewards) > 0 and all(r == rewards[0] for r in rewards)
 
 

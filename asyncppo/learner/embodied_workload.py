@@ -33,41 +33,9 @@ import torch
 from asyncppo.learner.embodied_update import EmbodiedPPO
 from asyncppo.metrics import BusyMeter, RateMeter
 from asyncppo.models.actor_critic import ActorCritic
+from asyncppo.stream.validate import SegmentDoor
 
 log = logging.getLogger("asyncppo.learner")
-
-
-class SegmentDoor:
-    """Identity and ticket checks of every segment that enters the learner (content was checked when it was
-    decoded): the admission server's ledger must know the worker holds the segment's ticket and its first step's
-    version honours the ticket's ``min_version``; a segment id is accepted once; no step may carry a version newer
-    than the learner's. A refused segment is counted (``rejected``) and, if its worker still held the ticket, the
-    ticket goes back to the pool so the slot is regenerated. Claiming also frees the worker's per-connection ticket
-    allowance (``cluster.max_tickets_per_worker``)."""
-
-    def __init__(self, ledger, current_version):
-        self.ledger, self.current_version = ledger, current_version
-        self.rejected: collections.Counter = collections.Counter()
-        self.num_rejected = 0
-        self._seen: set[str] = set()
-
-    def check(self, seg) -> Optional[str]:
-        why = None
-        if seg.segment_id in self._seen:
-            why = "duplicate"
-        elif seg.version_max > self.current_version():
-            why = "version"
-        else:
-            why = self.ledger.claim(seg.ticket, seg.worker_id, seg.version_min)
-        if why is None:
-            self._seen.add(seg.segment_id)
-            return None
-        self.rejected[why] += 1
-        self.num_rejected += 1
-        if why not in ("ticket", "worker", "duplicate"):
-            self.ledger.forfeit(seg.ticket, seg.worker_id)
-        log.warning("refused segment %r of worker %d (ticket %d): %s", seg.segment_id, seg.worker_id, seg.ticket, why)
-        return why
 
 
 class EmbodiedWorkload:

@@ -28,7 +28,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from asyncppo.learner.step_metrics import make_logger
-from asyncppo.metrics import lag_stats, token_lag_stats
+from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
 
 log = logging.getLogger("asyncppo.learner")
@@ -195,7 +195,8 @@ class LearnerLoop:
         t_work = time.perf_counter()
         metrics, batch = work.update(records, self.version)
         metrics.update(lag_stats(self.version, [r.version_min for r in records]))
-        metrics.update(token_lag_stats(self.version, records))
+        metrics.update(token_lag_stats(self.version, records) if batch is None  # per-token lag from the batch
+                       else batch_token_lag_stats(self.version, batch.token_versions, batch.response_mask))
         self.version += 1
         last = step == self.cfg.trainer.total_steps
         if self._push_due(wiring, last):

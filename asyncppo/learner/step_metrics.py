@@ -77,7 +77,7 @@ class StepMeters:
             "stream/rejected": stream_rejected,
             "stream/rejected_content": content_rejected,
             "samples_trained": samples_trained,
-            "reward/failed_frac": sum(s.reward_failed for g in groups for s in g.samples) / batch.size,
+            "reward/failed_frac": sum(f for g in groups for f in g.sample_reward_failed()) / batch.size,
             **membership,
         }
         for meter in (self.train_tokens, self.rollout_busy, self.train_busy):

@@ -23,6 +23,27 @@ def token_lag_stats(learner_version: int, groups: Iterable) -> dict[str, float]:
     return {"staleness/token_mean": total / count if count else 0.0}
 
 
+def batch_token_lag_stats(learner_version: int, token_versions, response_mask) -> dict[str, float]:
+    """``staleness/token_min`` / ``token_mean`` / ``token_max``: lag ``learner_version - token_version`` over every
+    response token of a batch, from its per-token versions (``TrainBatch.token_versions``, ``[B, T]``) and its
+    ``response_mask``. ``token_mean`` equals :func:`token_lag_stats` of the batch's groups (the same integer sum
+    and count); min and max show what the per-sample lag hides, the freshest and the stalest token trained on.
+
+    Works on torch tensors or numpy arrays (anything with ``> 0`` and boolean indexing); sums stay integer."""
+    if token_versions is None:
+        return {}
+    valid = response_mask > 0
+    lags = learner_version - token_versions[valid]
+    count = int(lags.shape[0])
+    if count == 0:
+        return {"staleness/token_min": 0.0, "staleness/token_mean": 0.0, "staleness/token_max": 0.0}
+    return {
+        "staleness/token_min": float(lags.min()),
+        "staleness/token_mean": int(lags.sum()) / count,
+        "staleness/token_max": float(lags.max()),
+    }
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return 0.0
@@ -52,7 +73,7 @@ class EngineTotals:
         running = sum(g.timings.get("running_seq_sum", 0.0) for g in groups)
         inflight = int(sum(g.timings.get("inflight_updates", 0.0) for g in groups))
         pushes = [g.timings["push_s_max"] for g in groups if g.timings.get("push_count", 0.0) > 0]
-        lengths = [s.num_tokens for g in groups for s in g.samples]
+        lengths = [n for g in groups for n in g.sample_lengths()]
         self.steps += steps
         self.running_sum += running
         self.inflight_updates += inflight
@@ -60,7 +81,7 @@ class EngineTotals:
         self.trained_tokens += sum(lengths)
         self.lengths += lengths
         for g in groups:
-            self._keep_group([s.num_tokens for s in g.samples])
+            self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
         return {
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,

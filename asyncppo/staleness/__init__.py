@@ -3,7 +3,8 @@
 from asyncppo.staleness.buffer import BufferClosed, StalenessBuffer
 from asyncppo.staleness.controller import AdmissionController, Ticket
 from asyncppo.staleness.feeder import Feeder
-from asyncppo.staleness.server import AdmissionClient, AdmissionServer
+from asyncppo.staleness.client import AdmissionClient
+from asyncppo.staleness.server import AdmissionServer
 
 __all__ = [
     "AdmissionClient",

@@ -16,6 +16,10 @@ version ``v - k`` with ``min_version >= v - k`` (see :mod:`asyncppo.staleness.co
 then has lag ``<= k`` *and nothing is dropped*; a straggler makes the learner wait for it instead (the engine keeps
 generating later tickets meanwhile). The lag guard stays as the backstop for anything that breaks the rule.
 
+Why no per-sample objects: everything the buffer asks of a record (sample count, per-sample lengths and versions,
+token count) is answered from its columns (:meth:`TrajectoryGroup.sample_lengths` and friends), so a group that
+arrived columnar stays columnar on its way to the batch. An embodied segment answers the same questions.
+
 Why bounded: when the learner falls behind, ``put`` blocks, the feeder stops reading the socket, and ZeroMQ's
 high-water marks push back on the workers instead of memory growing without limit.
 """
@@ -95,7 +99,7 @@ class StalenessBuffer:
 
     def put(self, group: TrajectoryGroup, timeout_s: Optional[float] = None) -> bool:
         """Append a group; block while full. False if ``timeout_s`` passed (0: don't wait); BufferClosed if closed."""
-        if not group.samples:
+        if group.num_samples == 0:
             raise ValueError(f"group {group.group_id!r} has no samples")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._cv:
@@ -125,11 +129,10 @@ class StalenessBuffer:
         if dropped:
             self._q = keep
             self.dropped_stale += len(dropped)
-            self.dropped_samples += sum(len(g.samples) for g in dropped)
+            self.dropped_samples += sum(g.num_samples for g in dropped)
             for g in dropped:
                 self.dropped_tokens += g.num_response_tokens
-                self.dropped_by_length[length_bucket(max(s.num_tokens for s in g.samples),
-                                                     self.response_length)] += 1
+                self.dropped_by_length[length_bucket(max(g.sample_lengths()), self.response_length)] += 1
             self._cv.notify_all()  # room for blocked producers
         return dropped
 
@@ -189,8 +192,9 @@ class StalenessBuffer:
             return [t for t in self.order.lowest_outstanding(n) if t not in have]
 
     def _record_lags(self, groups: list[TrajectoryGroup], v: int) -> None:
-        self._last_lags = [v - s.version_min for g in groups for s in g.samples]
-        self._last_spread = max(s.version_max - s.version_min for g in groups for s in g.samples)
+        self._last_lags = [v - m for g in groups for m in g.sample_version_mins()]
+        self._last_spread = max(b - a for g in groups
+                                for a, b in zip(g.sample_version_mins(), g.sample_version_maxs()))
         self._last_version = v
 
     def stats(self) -> dict[str, float]:

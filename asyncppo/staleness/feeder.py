@@ -5,8 +5,9 @@ Why a thread: the learner's PPO step takes seconds; the socket must keep being r
 on the high-water mark even though the buffer has room. When the buffer *is* full the pump blocks in ``put`` and
 stops reading, which is exactly the backpressure we want.
 
-Content validation happens here, between the socket and the buffer: with a ``validator``
-(:class:`asyncppo.stream.validate.GroupValidator`) every record is checked and a refused one is counted and dropped,
+Content validation happens here, between the socket and the buffer: with a ``validator`` (a
+:class:`asyncppo.stream.validate.Door`: ``GroupValidator`` for trajectory groups, ``SegmentDoor`` for embodied
+segments) every record is checked and a refused one is counted and dropped,
 so nothing that reaches the buffer (and so a batch) is unchecked, and no message can stop the pump. ``summary``
 (:class:`asyncppo.stream.validate.RejectionSummary`) is polled every turn to log one line per interval.
 """

@@ -36,9 +36,11 @@ from typing import Callable, Optional
 import zmq
 
 from asyncppo.stream.endpoints import bind_socket
+from asyncppo.stream.errors import REASONS, WireError
+from asyncppo.stream.framing import decode_message, encode_message
 from asyncppo.stream.records import TrajectoryGroup
 from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
-from asyncppo.stream.wire import REASONS, WireError, decode_group, decode_message, encode_group, encode_message
+from asyncppo.stream.wire import decode_group, encode_group
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-import msgpack
 import zmq
 
 from asyncppo.stream.endpoints import bind_socket
+from asyncppo.stream.errors import WireError
+from asyncppo.stream.framing import pack, unpack
 from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
 
 KIND = "asyncppo-eval"
@@ -84,11 +85,11 @@ class EvalReport:
 
 
 def encode_report(report: EvalReport) -> bytes:
-    return msgpack.packb({
+    return pack({
         "kind": KIND, "point": report.point, "worker_id": report.worker_id, "version_min": report.version_min,
         "version_max": report.version_max,
         "files": {name: {k: getattr(s, k) for k in _STAT_KEYS} for name, s in report.files.items()},
-    }, use_bin_type=True)
+    })
 
 
 def _int(value, what: str, hi: int = _MAX_VERSION) -> int:
@@ -102,9 +103,9 @@ def decode_report(frame: bytes, max_bytes: int = MAX_REPORT_BYTES, num_workers: 
     if len(frame) > max_bytes:
         raise EvalReportError(f"{len(frame)} bytes, over the {max_bytes}-byte limit")
     try:
-        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as exc:
-        raise EvalReportError(f"not msgpack: {type(exc).__name__}") from None
+        msg = unpack(frame, "evaluation report")
+    except WireError as exc:
+        raise EvalReportError(f"not msgpack: {type(exc.__cause__).__name__}") from None
     if type(msg) is not dict or msg.get("kind") != KIND:
         raise EvalReportError("not an evaluation report")
     if set(msg) != {"kind", "point", "worker_id", "version_min", "version_max", "files"}:

@@ -13,7 +13,10 @@ throughput on a small machine is bounded by exactly that time. So :meth:`Traject
 columns and ``group.samples`` builds the ``Sample`` objects on first access (once; after that the list is the
 truth, so code that edits a sample sees its edit everywhere). Group-level summaries that the buffer needs on every
 message (``num_samples``, ``version_min``, ``version_max``, ``num_response_tokens``) are answered from the columns
-without materialising anything.
+without materialising anything, and so are the per-sample scalar columns (``sample_lengths``, ``sample_rewards``,
+...). :meth:`TrajectoryGroup.as_columns` hands the learner's batch builder the column store itself (or columns
+built from the samples of a group made on the rollout side): the trajectory stays columnar from the wire to the
+loss, and the per-token versions expand straight into the batch (:meth:`SampleColumns.token_versions`).
 
 Per-token policy versions
 -------------------------
@@ -29,6 +32,7 @@ without expanding them.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -146,6 +150,51 @@ class SampleColumns(NamedTuple):
     version_spans: np.ndarray  # int64 [sum S, 2] concatenated (start_token_index, version) rows
     span_offsets: list[int]  # n + 1 entries, span_offsets[0] == 0
 
+    @classmethod
+    def from_samples(cls, samples: list[Sample]) -> "SampleColumns":
+        """The columns of ``samples`` (copies of their arrays, concatenated): how a group built from Sample
+        objects on the rollout side joins the columnar path. Token arrays keep the samples' dtypes."""
+        lengths = [s.num_tokens for s in samples]
+        spans = [s.spans() for s in samples]
+        return cls(
+            np.concatenate([np.asarray(s.response_ids) for s in samples]) if samples else np.zeros(0, np.int64),
+            np.concatenate([np.asarray(s.behavior_logprobs) for s in samples]) if samples
+            else np.zeros(0, np.float32),
+            list(itertools.accumulate(lengths, initial=0)),
+            [s.reward for s in samples],
+            [s.finish_reason for s in samples],
+            [s.version_min for s in samples],
+            [s.version_max for s in samples],
+            [s.reward_failed for s in samples],
+            np.concatenate(spans) if spans else np.zeros((0, 2), np.int64),
+            list(itertools.accumulate((sp.shape[0] for sp in spans), initial=0)),
+        )
+
+    def lengths(self) -> list[int]:
+        """Response length of every sample."""
+        off = self.offsets
+        return [b - a for a, b in zip(off, off[1:])]
+
+    def span_tokens(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(version of each span, number of tokens it covers)``, both int64 ``[sum S]``, over all samples (one
+        vectorised pass; assumes valid spans, which the wire format guarantees)."""
+        total = self.offsets[-1]
+        spans = np.asarray(self.version_spans, dtype=np.int64)
+        if total == 0 or spans.shape[0] == 0:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        counts = np.diff(np.asarray(self.span_offsets, dtype=np.int64))
+        # global token index where each span begins: its sample's token offset plus its start. The first start of
+        # every sample is 0, so these are non-decreasing and each span ends where the next one begins.
+        gstart = spans[:, 0] + np.repeat(np.asarray(self.offsets[:-1], dtype=np.int64), counts)
+        return spans[:, 1], np.diff(gstart, append=total)
+
+    def token_versions(self) -> np.ndarray:
+        """int64 ``[sum T]``: the policy version of every response token, all samples concatenated."""
+        versions, covered = self.span_tokens()
+        if versions.shape[0] == 0:
+            return np.zeros(self.offsets[-1], dtype=np.int64)
+        return np.repeat(versions, covered)
+
     def materialise(self) -> list[Sample]:
         ids, lps, off = self.response_ids, self.behavior_logprobs, self.offsets
         spans, soff = self.version_spans, self.span_offsets
@@ -215,6 +264,35 @@ class TrajectoryGroup:
         """The column store while no ``Sample`` has been materialised, else None (the samples are the truth)."""
         return self._columns
 
+    def as_columns(self) -> SampleColumns:
+        """The samples column-wise: the column store itself while the group is columnar (no copy), else columns
+        built from the Sample objects. What the learner's batch is built from (:mod:`asyncppo.learner.batch`)."""
+        c = self._columns
+        return c if c is not None else SampleColumns.from_samples(self._samples)
+
+    def sample_lengths(self) -> list[int]:
+        """Response length of every sample (from the columns without materialising samples)."""
+        c = self._columns
+        return c.lengths() if c is not None else [s.num_tokens for s in self._samples]
+
+    def _per_sample(self, field: str) -> list:
+        """One scalar field of every sample: a column of the store, or read off the Sample objects (both name
+        their fields alike)."""
+        c = self._columns
+        return list(getattr(c, field)) if c is not None else [getattr(s, field) for s in self._samples]
+
+    def sample_rewards(self) -> list[float]:
+        return self._per_sample("reward")
+
+    def sample_reward_failed(self) -> list[bool]:
+        return self._per_sample("reward_failed")
+
+    def sample_version_mins(self) -> list[int]:
+        return self._per_sample("version_min")
+
+    def sample_version_maxs(self) -> list[int]:
+        return self._per_sample("version_max")
+
     @property
     def num_samples(self) -> int:
         c = self._columns
@@ -242,16 +320,10 @@ class TrajectoryGroup:
         while the group is columnar). Divide the two for the token-weighted mean policy lag."""
         c = self._columns
         if c is not None:
-            total = c.offsets[-1]
-            spans = c.version_spans
-            if spans.shape[0] == 0 or total == 0:
-                return 0, total
-            counts = np.diff(c.span_offsets)
-            # global token index where each span begins: its sample's token offset plus its start. The first
-            # start of every sample is 0, so these are non-decreasing and each span ends where the next one begins.
-            gstart = spans[:, 0] + np.repeat(np.asarray(c.offsets[:-1], dtype=np.int64), counts)
-            weighted = int(np.dot(spans[:, 1], np.diff(gstart, append=total)))
-            return learner_version * total - weighted, total
+            versions, covered = c.span_tokens()
+            if versions.shape[0] == 0:
+                return 0, c.offsets[-1]
+            return learner_version * c.offsets[-1] - int(np.dot(versions, covered)), c.offsets[-1]
         lag = tokens = 0
         for s in self._samples:
             T = s.num_tokens

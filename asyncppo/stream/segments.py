@@ -11,8 +11,8 @@ segment may span versions; all ``N`` envs step together, so a version per step (
 Why it looks like a trajectory group to the staleness machinery: a segment is the unit that takes one admission
 ticket and is kept whole, exactly as a group is, so :class:`~asyncppo.staleness.buffer.StalenessBuffer` and the
 ticket-ordered lag guard handle it unchanged. It answers the few questions the buffer asks (``ticket``,
-``version_min``, ``samples`` with per-row ``num_tokens`` / ``version_min`` / ``version_max``, ...): one row per
-environment, one "token" per step.
+``version_min``, ``num_samples``, per-row ``sample_lengths`` / ``sample_version_mins`` / ``sample_version_maxs``,
+...): one row per environment, one "token" per step.
 
 Wire layout (one ZeroMQ frame; never pickled)::
 
@@ -33,19 +33,16 @@ observation and action spaces), the shapes and the discrete action range. A bad 
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Optional
 
-import msgpack
 import numpy as np
 
 from asyncppo.stream.errors import WireError
+from asyncppo.stream.framing import ZEROS, as_view, header_parts, pad, read_header
 
 SEGMENT_SCHEMA = 1
 MAGIC = b"APSG"
-_PREFIX = struct.Struct("<4sI")
-_ALIGN = 8
 MAX_ENVS = 4096
 MAX_STEPS = 1 << 16
 MAX_OBS_DIMS = 4
@@ -115,6 +112,16 @@ class EnvSegment:
     def num_samples(self) -> int:
         return self.num_envs
 
+    def sample_lengths(self) -> list[int]:
+        """Steps per environment row (every row has ``num_steps``): the buffer's per-sample length."""
+        return [self.num_steps] * self.num_envs
+
+    def sample_version_mins(self) -> list[int]:
+        return [self.version_min] * self.num_envs
+
+    def sample_version_maxs(self) -> list[int]:
+        return [self.version_max] * self.num_envs
+
     @property
     def num_response_tokens(self) -> int:
         return self.num_envs * self.num_steps
@@ -133,10 +140,6 @@ class SegmentSpec:
     action_shape: tuple[int, ...]  # () for discrete actions
     action_dtype: str  # "<i8" (discrete) | "<f4" (continuous)
     num_actions: Optional[int] = None  # discrete only
-
-
-def _pad(n: int) -> int:
-    return (-n) % _ALIGN
 
 
 def _where(flat: int, T: int) -> str:
@@ -236,32 +239,17 @@ def encode_segment(seg: EnvSegment) -> bytes:
                   seg.num_envs, seg.num_steps, list(seg.obs.shape[2:]), seg.obs.dtype.str,
                   list(seg.actions.shape[2:]), seg.actions.dtype.str, int(seg.final_index.shape[0]),
                   int(seg.episode_returns.shape[0])]
-        hdr = msgpack.packb(header, use_bin_type=True)
+        parts: list[Any] = header_parts(MAGIC, header)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError("schema", f"segment scalars are not representable: {e}") from None
-    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, b"\0" * _pad(_PREFIX.size + len(hdr))]
     for arr in _regions(seg):
         arr = np.ascontiguousarray(arr)
-        parts += [arr.tobytes(), b"\0" * _pad(arr.nbytes)]
+        parts += [arr.tobytes(), ZEROS[: pad(arr.nbytes)]]
     return b"".join(parts)
 
 
 def _header(mv: memoryview, max_bytes: Optional[int]) -> tuple[list, int]:
-    size = mv.nbytes
-    if max_bytes is not None and size > max_bytes:
-        raise WireError("oversized", f"{size} bytes > limit {max_bytes}")
-    if size < _PREFIX.size:
-        raise WireError("malformed", f"{size} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, hlen = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise WireError("malformed", f"bad magic {bytes(magic)!r}, expected {MAGIC!r} (a transition segment)")
-    end = _PREFIX.size + hlen
-    if end > size:
-        raise WireError("malformed", f"header length {hlen} runs past the end of a {size}-byte message")
-    try:
-        header = msgpack.unpackb(mv[_PREFIX.size:end], raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:
-        raise WireError("malformed", f"segment header is not valid msgpack ({type(e).__name__})") from e
+    header, data_start = read_header(mv, MAGIC, max_bytes, "segment header", " (a transition segment)")
     if type(header) is not list or not header:
         raise WireError("schema", f"segment header must be a msgpack array, got {type(header).__name__}")
     if type(header[0]) is int and header[0] != SEGMENT_SCHEMA:
@@ -271,7 +259,7 @@ def _header(mv: memoryview, max_bytes: Optional[int]) -> tuple[list, int]:
             if type(val) is not typ:
                 raise WireError("schema", f"segment: field {name!r} must be {typ.__name__}, got {type(val).__name__}")
         raise WireError("schema", f"segment header has {len(header)} fields, expected {list(_HEADER_NAMES)}")
-    return header, end + _pad(end)
+    return header, data_start
 
 
 def _shape(dims: list, what: str) -> tuple[int, ...]:
@@ -283,10 +271,7 @@ def _shape(dims: list, what: str) -> tuple[int, ...]:
 def decode_segment(buf: Any, max_bytes: Optional[int] = None, spec: Optional[SegmentSpec] = None) -> EnvSegment:
     """Parse and validate one frame from :func:`encode_segment` (module docstring); WireError on anything else.
     The arrays are read-only views into ``buf``."""
-    try:
-        mv = memoryview(buf).cast("B")
-    except TypeError as e:
-        raise WireError("malformed", f"not a bytes-like object: {type(buf).__name__}") from e
+    mv = as_view(buf)
     header, pos = _header(mv, max_bytes)
     (_, kind, segment_id, worker_id, ticket, timings, N, T, obs_shape, obs_dt, act_shape, act_dt, K, E) = header
     if kind != "segment":
@@ -308,7 +293,7 @@ def decode_segment(buf: Any, max_bytes: Optional[int] = None, spec: Optional[Seg
     for name, dt, shape in layout:
         nbytes = math.prod(shape) * np.dtype(dt).itemsize
         spans.append((name, dt, shape, end))
-        end += nbytes + _pad(nbytes)
+        end += nbytes + pad(nbytes)
     if end != mv.nbytes:  # plain arithmetic first: nothing is allocated for what the header claims
         raise WireError("malformed", f"message is {mv.nbytes} bytes, but its header describes {end}")
     arrays = {name: np.frombuffer(mv, dtype=dt, count=math.prod(shape), offset=off).reshape(shape)

@@ -1,4 +1,6 @@
-"""Content validation of trajectory groups at the learner's door, and the rate-limited summary of rejections.
+"""The learner's door: content, identity and ticket checks of every record that enters it (:class:`Door`, with
+:class:`GroupValidator` for trajectory groups and :class:`SegmentDoor` for embodied segments), and the rate-limited
+summary of rejections.
 
 Why a second check after :func:`asyncppo.stream.wire.decode_group`: the decoder proves a frame is *well formed*
 (types, dtypes, exact length, zero padding, version-span rules). It cannot know what the learner knows: the
@@ -22,6 +24,7 @@ that hair; anything above it is a broken or hostile record.
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -31,6 +34,7 @@ from typing import Callable, Mapping, Optional, Protocol
 import numpy as np
 
 from asyncppo.stream.records import TrajectoryGroup
+from asyncppo.stream.segments import EnvSegment
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +93,10 @@ class ContentError(ValueError):
 
 
 def _arrays(group: TrajectoryGroup):
-    """(response ids, log-probs, per-sample lengths, rewards, vmin, vmax) without building Sample objects for a
-    columnar group; concatenated from the samples otherwise."""
-    c = group.columns
-    if c is not None:
-        off = c.offsets
-        return (c.response_ids, c.behavior_logprobs, [b - a for a, b in zip(off, off[1:])], c.reward,
-                c.version_min, c.version_max)
-    ss = group.samples
-    ids = np.concatenate([np.asarray(s.response_ids) for s in ss]) if ss else np.zeros(0, np.int64)
-    lps = np.concatenate([np.asarray(s.behavior_logprobs) for s in ss]) if ss else np.zeros(0, np.float32)
-    return (ids, lps, [s.num_tokens for s in ss], [s.reward for s in ss], [s.version_min for s in ss],
-            [s.version_max for s in ss])
+    """(response ids, log-probs, per-sample lengths, rewards, vmin, vmax) from the group's columns (no Sample
+    objects are built for a group that arrived columnar)."""
+    c = group.as_columns()
+    return c.response_ids, c.behavior_logprobs, c.lengths(), c.reward, c.version_min, c.version_max
 
 
 def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version: int) -> None:
@@ -136,65 +132,145 @@ def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version
                                       f"{learner_version}]")
 
 
-class GroupValidator:
-    """Content, identity and ticket checks for every group that enters the learner (thread-safe).
+class Door:
+    """The one pattern by which a record enters the learner: its content is checked, its id is accepted once, and
+    its ticket is claimed from the ledger; a refused record is counted by reason, its worker's ticket is given
+    back, and the refusal is *returned*, never raised (a check that fails unexpectedly is refused as ``"error"``
+    and logged with its traceback). Thread-safe.
 
-    ``current_version()`` is the learner's policy version (a group can hold no newer token); ``ledger`` is the
-    admission server (None: tickets are not checked, e.g. a run without admission control)."""
+    A record type plugs in by subclassing: :attr:`record_type` (records of other types are not this door's and
+    pass), :meth:`check_content` (raise :class:`ContentError`) and :meth:`record_id`. ``current_version()`` is the
+    learner's policy version; ``ledger`` the admission server (None: tickets are not checked)."""
 
-    def __init__(self, limits: ContentLimits, current_version: Callable[[], int],
-                 ledger: Optional[TicketLedger] = None):
-        self.limits = limits
+    record_type: type = object
+    noun = "record"  # how log lines and errors name a record and its id field
+    id_field = "id"
+    #: Check the id before the content (a replayed record is named a duplicate whatever else is wrong with it).
+    id_first = False
+    #: Level of the per-refusal log line (DEBUG where a rate-limited :class:`RejectionSummary` reports instead).
+    refusal_log_level = logging.DEBUG
+
+    def __init__(self, current_version: Callable[[], int], ledger: Optional[TicketLedger] = None):
         self.current_version = current_version
         self.ledger = ledger
-        self.rejected: dict[str, int] = {r: 0 for r in CONTENT_REASONS}
+        self.counts: dict[str, int] = {r: 0 for r in CONTENT_REASONS}
         self.accepted = 0
-        self.forfeited = 0  # tickets given back because their holder's group was refused
+        self.forfeited = 0  # tickets given back because their holder's record was refused
         self.last_error: Optional[ContentError] = None
         self._seen: set[str] = set()
         self._lock = threading.Lock()
 
-    def check(self, group: TrajectoryGroup) -> Optional[ContentError]:
-        """None if ``group`` may enter the buffer (its ticket is then claimed); else the counted error.
-        Records of other types (e.g. env segments on the same stream) are not this validator's and pass."""
-        if not isinstance(group, TrajectoryGroup):
+    def check_content(self, record, learner_version: int) -> None:
+        """Raise :class:`ContentError` if ``record``'s content may not be trained on (stateless checks)."""
+
+    def record_id(self, record) -> str:
+        return record.group_id
+
+    def admit(self, record) -> Optional[ContentError]:
+        """None if ``record`` may enter the buffer (its ticket is then claimed); else the counted error."""
+        if not isinstance(record, self.record_type):
             return None
         try:
-            check_content(group, self.limits, self.current_version())
+            if not self.id_first:
+                self.check_content(record, self.current_version())
             with self._lock:
-                if group.group_id in self._seen:
-                    raise ContentError("duplicate", f"group_id {group.group_id!r} was seen before")
+                rid = self.record_id(record)
+                if rid in self._seen:
+                    raise ContentError("duplicate", f"{self.id_field} {rid!r} was seen before")
+                if self.id_first:
+                    self.check_content(record, self.current_version())
                 if self.ledger is not None:
-                    why = self.ledger.claim(group.ticket, group.worker_id, group.version_min)
+                    why = self.ledger.claim(record.ticket, record.worker_id, record.version_min)
                     if why is not None:
-                        raise ContentError(why, f"ticket {group.ticket} of worker {group.worker_id} "
-                                                f"(group {group.group_id!r})")
-                self._seen.add(group.group_id)
+                        raise ContentError(why, f"ticket {record.ticket} of worker {record.worker_id} "
+                                                f"({self.noun} {rid!r})")
+                self._seen.add(rid)
                 self.accepted += 1
             return None
         except ContentError as e:
-            self._refuse(group, e)
+            self._refuse(record, e)
             return e
         except Exception as e:  # never let a check stop the learner's intake
-            log.exception("content check of group %r failed", getattr(group, "group_id", "?"))
+            log.exception("content check of %r failed", getattr(record, "group_id", "?"))
             err = ContentError("error", f"{type(e).__name__}: {e}")
-            self._refuse(group, err)
+            self._refuse(record, err)
             return err
 
-    def _refuse(self, group: TrajectoryGroup, err: ContentError) -> None:
+    def _refuse(self, record, err: ContentError) -> None:
         with self._lock:
-            self.rejected[err.reason] += 1
+            self.counts[err.reason] += 1
             self.last_error = err
             # The worker's own ticket comes back so its slot is regenerated; a ticket claimed already, or held by
             # someone else, is left alone (forfeit refuses both).
             if self.ledger is not None and err.reason not in ("ticket", "worker", "duplicate"):
-                if self.ledger.forfeit(group.ticket, group.worker_id):
+                if self.ledger.forfeit(record.ticket, record.worker_id):
                     self.forfeited += 1
-        log.debug("refused group %r: %s", group.group_id, err)
+        log.log(self.refusal_log_level, "refused %s %r of worker %s (ticket %s): %s", self.noun,
+                getattr(record, "group_id", "?"), getattr(record, "worker_id", "?"), getattr(record, "ticket", "?"),
+                err)
 
     @property
     def num_rejected(self) -> int:
-        return sum(self.rejected.values())
+        return sum(self.counts.values())
+
+
+class GroupValidator(Door):
+    """The door for trajectory groups: :func:`check_content` against ``limits``, then identity and ticket."""
+
+    record_type = TrajectoryGroup
+    noun, id_field = "group", "group_id"
+
+    def __init__(self, limits: ContentLimits, current_version: Callable[[], int],
+                 ledger: Optional[TicketLedger] = None):
+        super().__init__(current_version, ledger)
+        self.limits = limits
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Refusals by reason, every reason of :data:`CONTENT_REASONS` present (zeros included)."""
+        return self.counts
+
+    def check_content(self, record: TrajectoryGroup, learner_version: int) -> None:
+        check_content(record, self.limits, learner_version)
+
+    def check(self, group: TrajectoryGroup) -> Optional[ContentError]:
+        """None if ``group`` may enter the buffer (its ticket is then claimed); else the counted error.
+        Records of other types (e.g. env segments on the same stream) are not this validator's and pass."""
+        return self.admit(group)
+
+
+class SegmentDoor(Door):
+    """The door for embodied transition segments. Their content (finite values, shapes, the learner's spaces) was
+    checked when they were decoded (:func:`asyncppo.stream.segments.decode_segment`); here no step may carry a
+    version newer than the learner's, a segment id is accepted once (checked first), and the admission ledger must
+    know the worker holds the ticket and that its first step honours the ticket's ``min_version``. Claiming also
+    frees the worker's per-connection ticket allowance (``cluster.max_tickets_per_worker``)."""
+
+    record_type = EnvSegment
+    noun, id_field = "segment", "segment_id"
+    id_first = True
+    refusal_log_level = logging.WARNING
+
+    def __init__(self, ledger: TicketLedger, current_version: Callable[[], int]):
+        super().__init__(current_version, ledger)
+
+    @property
+    def rejected(self) -> collections.Counter:
+        """Refusals by reason, only the reasons that happened."""
+        return collections.Counter({r: n for r, n in self.counts.items() if n})
+
+    def record_id(self, record: EnvSegment) -> str:
+        return record.segment_id
+
+    def check_content(self, record: EnvSegment, learner_version: int) -> None:
+        if record.version_max > learner_version:
+            raise ContentError("version", f"segment version {record.version_max} > learner version "
+                                          f"{learner_version}")
+
+    def check(self, seg: EnvSegment) -> Optional[str]:
+        """None if ``seg`` may enter the buffer, else the reason it was refused (counted)."""
+        err = self.admit(seg)
+        return None if err is None else err.reason
 
 
 class RejectionSummary:

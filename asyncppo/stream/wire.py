@@ -49,22 +49,29 @@ increase; the first version equals the table's ``version_min`` and the last its 
 span counts is also bounded by ``total tokens + n`` (the exact frame-length check comes first, so a hostile count
 can never make the reader allocate more than the frame holds).
 
-Small control messages (:func:`encode_message` / :func:`decode_message`) are plain msgpack maps with the same
-schema-version field, validated against a caller-supplied field specification.
+The prefix, the msgpack rules and the small control messages (:func:`encode_message` / :func:`decode_message`,
+re-exported here) belong to :mod:`asyncppo.stream.framing`, the one framing every message type uses.
 """
 
 from __future__ import annotations
 
 import itertools
 import struct
-from typing import Any, Mapping
+from typing import Any
 
-import msgpack
 import numpy as np
 
 # REASONS and WireError live in errors.py (spans.py raises WireError too) and are re-exported from here, as is
 # check_spans (its historical import site).
 from asyncppo.stream.errors import REASONS, WireError  # noqa: F401
+# The small control messages are framed by framing.py and re-exported here, their historical import site.
+from asyncppo.stream.framing import ZEROS as _ZEROS
+from asyncppo.stream.framing import as_view as _as_view
+from asyncppo.stream.framing import decode_message, encode_message  # noqa: F401
+from asyncppo.stream.framing import header_end as _header_end
+from asyncppo.stream.framing import header_parts, read_header
+from asyncppo.stream.framing import pad as _pad
+from asyncppo.stream.framing import up as _up
 from asyncppo.stream.records import SampleColumns, TrajectoryGroup, check_spans  # noqa: F401
 from asyncppo.stream.spans import _I8, _bad_spans, _check_spans, _span_counts, _spans_region
 
@@ -72,8 +79,6 @@ from asyncppo.stream.spans import _I8, _bad_spans, _check_spans, _span_counts, _
 #: Version 2: columnar sample table (version 1 carried the per-sample scalars as msgpack lists in a map header).
 SCHEMA_VERSION = 3
 MAGIC = b"APPO"
-_PREFIX = struct.Struct("<4sI")
-_ALIGN = 8
 #: Most samples one group may declare (bounds the table a hostile header can make us parse).
 MAX_SAMPLES = 4096
 
@@ -124,23 +129,9 @@ def _table(n: int) -> struct.Struct:
     return st
 
 
-def _header_end(mv: memoryview) -> int:
-    """Where the msgpack header of a frame ends (its prefix is already known to be valid)."""
-    return _PREFIX.size + _PREFIX.unpack_from(mv, 0)[1]
-
-
-def _pad(n: int) -> int:
-    return (-n) % _ALIGN
-
-
-def _up(n: int) -> int:
-    return n + (-n) % _ALIGN
-
-
 # --------------------------------------------------------------------------------------------- encode
 
 
-_ZEROS = b"\0" * _ALIGN
 _ND = frozenset({np.ndarray})
 _ONE = frozenset({1})
 
@@ -268,12 +259,11 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         header = [SCHEMA_VERSION, "group", str(group.group_id), int(group.worker_id), int(group.prompt_index),
                   int(group.ticket), str(group.answer), timings, n, prompt.dtype.str, prompt.shape[0],
                   ids_dt.str, lp_dt.str]
-        hdr = msgpack.packb(header, use_bin_type=True)
+        parts: list[Any] = header_parts(MAGIC, header)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError("schema", f"group scalars are not representable: {e}") from None
     total = sum(lengths)
-    parts: list[Any] = [_PREFIX.pack(MAGIC, len(hdr)), hdr, _ZEROS[: _pad(_PREFIX.size + len(hdr))],
-                        table, _ZEROS[: _pad(len(table))], prompt, _ZEROS[: _pad(prompt.nbytes)]]
+    parts += [table, _ZEROS[: _pad(len(table))], prompt, _ZEROS[: _pad(prompt.nbytes)]]
     parts += id_parts
     parts.append(_ZEROS[: _pad(total * ids_dt.itemsize)])
     parts += lp_parts
@@ -288,50 +278,14 @@ def encode_group(group: TrajectoryGroup) -> bytes:
 # --------------------------------------------------------------------------------------------- decode
 
 
-def _as_view(buf: Any) -> memoryview:
-    try:
-        mv = memoryview(buf)
-    except TypeError as e:
-        raise WireError("malformed", f"not a bytes-like object: {type(buf).__name__}") from e
-    if mv.ndim != 1 or mv.itemsize != 1:
-        mv = mv.cast("B")
-    return mv
-
-
 def _unpack_header(mv: memoryview, max_bytes: int | None, container: type) -> tuple[Any, int]:
-    size = mv.nbytes
-    if max_bytes is not None and size > max_bytes:
-        raise WireError("oversized", f"{size} bytes > limit {max_bytes}")
-    if size < _PREFIX.size:
-        raise WireError("malformed", f"{size} bytes is shorter than the {_PREFIX.size}-byte prefix")
-    magic, hlen = _PREFIX.unpack_from(mv, 0)
-    if magic != MAGIC:
-        raise WireError("malformed", f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
-    end = _PREFIX.size + hlen
-    if end > size:
-        raise WireError("malformed", f"header length {hlen} runs past the end of a {size}-byte message")
-    try:
-        header = msgpack.unpackb(mv[_PREFIX.size : end], raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
-        raise WireError("malformed", f"header is not valid msgpack ({type(e).__name__})") from e
+    header, data_start = read_header(mv, MAGIC, max_bytes)
     if type(header) is not container:
         # A map with a "schema" field is how other versions of this format begin: say so precisely.
         if type(header) is dict and type(header.get("schema")) is int and header["schema"] != SCHEMA_VERSION:
             raise WireError("version", f"schema version {header['schema']}, this reader speaks {SCHEMA_VERSION}")
         raise WireError("schema", f"header must be a msgpack {container.__name__}, got {type(header).__name__}")
-    return header, end + _pad(end)
-
-
-def _check_fields(obj: Mapping, spec: Mapping[str, type], what: str) -> None:
-    for key, typ in spec.items():
-        if key not in obj:
-            raise WireError("schema", f"{what}: missing field {key!r}")
-        val = obj[key]
-        if type(val) is not typ:
-            raise WireError("schema", f"{what}: field {key!r} must be {typ.__name__}, got {type(val).__name__}")
-    if len(obj) != len(spec):
-        extra = sorted(str(k) for k in obj if k not in spec)
-        raise WireError("schema", f"{what}: unexpected fields {extra}")
+    return header, data_start
 
 
 def _explain_header(header: list) -> WireError:
@@ -354,21 +308,15 @@ _FINISH_BY_FLAGS = ("stop", "length", "stop", "length")
 _FAILED_BY_FLAGS = (False, False, True, True)
 
 
-def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
-    """Parse and validate one frame produced by :func:`encode_group`; raise :class:`WireError` on anything else.
-
-    Returns a columnar group (:meth:`TrajectoryGroup.from_columns`): its arrays are read-only views into ``buf``
-    (zero copy) and its ``Sample`` objects are built on first access to ``group.samples``. Every check runs
-    here, before the group is returned."""
-    mv = _as_view(buf)
-    size = mv.nbytes
+def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
+    """The group header with every field type-checked and its dtype strings resolved to numpy dtypes, and where
+    the frame's data begins."""
     header, data_start = _unpack_header(mv, max_bytes, list)
     if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
         raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
     if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
         raise _explain_header(header)
-    (_, kind, group_id, worker_id, prompt_index, ticket, answer, timings, n,
-     p_dt, p_n, i_dt, l_dt) = header
+    kind, timings, n, p_n = header[1], header[7], header[8], header[10]
     if kind != "group":
         raise WireError("schema", f"kind {kind!r}, expected 'group'")
     if n < 1 or n > MAX_SAMPLES:
@@ -378,7 +326,22 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     if timings and (set(map(type, timings)) != _STR or set(map(type, timings.values())) != _FLOAT):
         bad = next((k, v) for k, v in timings.items() if type(k) is not str or type(v) is not float)
         raise WireError("schema", f"timings entry {bad[0]!r}: {bad[1]!r} must be str -> float")
-    p_dt, i_dt, l_dt = _dtype("prompt_ids", p_dt), _dtype("response_ids", i_dt), _dtype("behavior_logprobs", l_dt)
+    header[9] = _dtype("prompt_ids", header[9])
+    header[11] = _dtype("response_ids", header[11])
+    header[12] = _dtype("behavior_logprobs", header[12])
+    return header, data_start
+
+
+def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
+    """Parse and validate one frame produced by :func:`encode_group`; raise :class:`WireError` on anything else.
+
+    Returns a columnar group (:meth:`TrajectoryGroup.from_columns`): its arrays are read-only views into ``buf``
+    (zero copy) and its ``Sample`` objects are built on first access to ``group.samples``. Every check runs
+    here, before the group is returned."""
+    mv = _as_view(buf)
+    size = mv.nbytes
+    header, data_start = _checked_header(mv, max_bytes)
+    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt) = header
 
     # Layout: every offset follows from the header and the table; the frame must end exactly where it says.
     table = _table(n)
@@ -429,39 +392,3 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
         group_id, worker_id, np.frombuffer(mv, dtype=p_dt, count=p_n, offset=p_start), columns,
         prompt_index, ticket, answer, timings,
     )
-
-
-# --------------------------------------------------------------------------------------------- small messages
-
-
-def encode_message(kind: str, **fields: Any) -> bytes:
-    """A small control message: a msgpack map with the schema version and ``kind``. Values must be msgpack-native."""
-    return msgpack.packb({"schema": SCHEMA_VERSION, "kind": kind, **fields}, use_bin_type=True)
-
-
-def decode_message(
-    buf: Any, spec: Mapping[str, Mapping[str, type]], max_bytes: int = 65536
-) -> tuple[str, dict[str, Any]]:
-    """Validate a message from :func:`encode_message` against ``spec`` (kind -> {field: exact type}).
-
-    Returns ``(kind, fields)`` without the ``schema``/``kind`` keys, or raises :class:`WireError`."""
-    mv = _as_view(buf)
-    if mv.nbytes > max_bytes:
-        raise WireError("oversized", f"{mv.nbytes} bytes > limit {max_bytes}")
-    try:
-        msg = msgpack.unpackb(mv, raw=False, strict_map_key=True)
-    except Exception as e:
-        raise WireError("malformed", f"not valid msgpack ({type(e).__name__})") from e
-    if not isinstance(msg, dict):
-        raise WireError("schema", f"message must be a map, got {type(msg).__name__}")
-    schema = msg.get("schema")
-    if type(schema) is not int:
-        raise WireError("schema", "field 'schema' must be int")
-    if schema != SCHEMA_VERSION:
-        raise WireError("version", f"schema version {schema}, this reader speaks {SCHEMA_VERSION}")
-    kind = msg.get("kind")
-    if type(kind) is not str or kind not in spec:
-        raise WireError("schema", f"kind {kind!r} not allowed; allowed: {sorted(spec)}")
-    fields = {k: v for k, v in msg.items() if k not in ("schema", "kind")}
-    _check_fields(fields, spec[kind], kind)
-    return kind, fields

@@ -1,0 +1,167 @@
+"""A rollout worker's handle on the admission server (:mod:`asyncppo.staleness.server`): ``acquire`` blocks for one
+ticket, ``request`` / ``poll_granted`` keep several in flight without blocking. Replies are range-checked here too:
+nothing the server sends is trusted. A grant that arrives after its request was given up is sent back at once, so
+no ticket leaks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from typing import Optional
+
+import zmq
+
+from asyncppo.staleness.controller import Ticket
+from asyncppo.staleness.tickets import MAX_REPLY_INT, MAXMSGSIZE, REPLY_SPEC
+from asyncppo.stream.errors import REASONS, WireError
+from asyncppo.stream.framing import decode_message, encode_message
+from asyncppo.stream.security import CurveKeys, apply_client
+
+log = logging.getLogger(__name__)
+
+
+class AdmissionClient:
+    """A worker's handle on the admission server. Not thread-safe: one per worker thread/process."""
+
+    _ids = itertools.count()
+
+    def __init__(self, address: str, worker_id: int, context: Optional[zmq.Context] = None,
+                 curve: Optional[CurveKeys] = None):
+        self.worker_id = int(worker_id)
+        self._sock = (context if context is not None else zmq.Context.instance()).socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.LINGER, 200)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+        apply_client(self._sock, curve)
+        self._sock.connect(address)
+        self._req = 0
+        self._open: set[int] = set()  # requests sent with request() and not yet answered
+        self.stopped = False
+        self.rejected: dict[str, int] = {r: 0 for r in REASONS}
+        self._early: list[Ticket] = []  # grants for request() that a blocking acquire() read first
+        self.returned = 0  # grants that arrived after their request was given up, and were released
+
+    def acquire(self, timeout_s: Optional[float] = None) -> Optional[Ticket]:
+        """Block (sleeping in ``poll``) until the server grants a ticket. None when the server says stop or
+        ``timeout_s`` passes first."""
+        if self.stopped:
+            return None
+        self._req += 1
+        req = self._req
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        # A DEALER with no connected peer (the server is not up, or refused our CURVE handshake) blocks in send:
+        # wait for the socket to be writable within the deadline instead.
+        if deadline is not None and not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
+            return None
+        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req))
+        while True:
+            left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0:
+                self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
+                return None
+            if not self._sock.poll(min(left_ms, 1000)):
+                continue
+            reply = self._recv_reply()
+            if reply is None:
+                continue
+            kind, f = reply
+            if kind == "stop":
+                self.stopped = True
+                return None
+            if f["req"] == req:
+                return Ticket(index=f["index"], min_version=f["min_version"])
+            if f["req"] in self._open:  # a grant for an earlier request(): keep it for poll_granted()
+                self._open.discard(f["req"])
+                self._early.append(Ticket(index=f["index"], min_version=f["min_version"]))
+                continue
+            self._give_back(f["index"])  # a grant for a request we already abandoned
+
+    # ------------------------------------------------------------------------------------------------ non-blocking
+    def request(self, count: int = 1) -> None:
+        """Ask for ``count`` more tickets without waiting for them: the server parks each request until a ticket
+        is free, and the grants arrive through :meth:`poll_granted`. Lets a worker keep its engine stepping
+        while tickets are on their way (a round trip per ticket would stall every decode step)."""
+        if self.stopped:
+            return
+        for _ in range(max(0, int(count))):
+            self._req += 1
+            self._open.add(self._req)
+            self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=self._req))
+
+    @property
+    def open_requests(self) -> int:
+        """Requests sent with :meth:`request` and not answered yet."""
+        return len(self._open)
+
+    def poll_granted(self, timeout_s: float = 0.0) -> list[Ticket]:
+        """The tickets granted so far for :meth:`request`; waits up to ``timeout_s`` for the first one if none
+        has arrived. Sets :attr:`stopped` when the server says stop (open requests are then void)."""
+        out, self._early = self._early, []
+        if not out and self._open and timeout_s > 0:
+            self._sock.poll(int(timeout_s * 1000))
+        while True:
+            reply = self._recv_reply()
+            if reply is None:
+                return out
+            kind, f = reply
+            if kind == "stop":
+                self.stopped = True
+                self._open.clear()
+                return out
+            if f["req"] in self._open:
+                self._open.discard(f["req"])
+                out.append(Ticket(index=f["index"], min_version=f["min_version"]))
+            else:
+                self._give_back(f["index"])
+
+    def release(self, ticket: Ticket) -> None:
+        """Give back a granted ticket that will not be used (so its slot is granted again)."""
+        self._give_back(ticket.index)
+
+    def _recv_reply(self):
+        try:
+            payload = self._sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+        try:
+            kind, f = decode_message(payload, REPLY_SPEC, max_bytes=MAXMSGSIZE)
+            if not 0 < f["req"] <= self._req or (kind == "ticket" and not (
+                    0 <= f["index"] < MAX_REPLY_INT and 0 <= f["min_version"] < MAX_REPLY_INT)):
+                raise WireError("schema", f"{kind} reply out of range: {f} (requests sent: {self._req})")
+            return kind, f
+        except WireError as e:
+            self.rejected[e.reason] += 1
+            log.warning("rejected admission reply: %s", e)
+            return None
+
+    def _give_back(self, index: int) -> None:
+        self._send_nowait(encode_message("release", worker_id=self.worker_id, index=index))
+        self.returned += 1
+
+    def _send_nowait(self, msg: bytes) -> bool:
+        """Cancels and releases never block: with no connected server (gone, or our handshake refused) there is
+        nothing to cancel, and a grant the server cannot deliver is released on its side."""
+        try:
+            self._sock.send(msg, zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            return False
+
+    def close(self) -> None:
+        """Return any grant that arrived after its request was abandoned, then close."""
+        if self._sock.closed:
+            return
+        for req in sorted(self._open):
+            self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
+        self._open.clear()
+        for ticket in self._early:
+            self._give_back(ticket.index)
+        self._early = []
+        while True:
+            reply = self._recv_reply()
+            if reply is None:
+                break
+            if reply[0] == "ticket":
+                self._give_back(reply[1]["index"])
+        self._sock.close()

@@ -1,0 +1,23 @@
+"""The admission-ticket protocol: the messages an :class:`~asyncppo.staleness.server.AdmissionServer` and its
+:class:`~asyncppo.staleness.client.AdmissionClient` exchange, stated once for both ends.
+
+Each message is a small msgpack map built and checked by :mod:`asyncppo.stream.framing` against the exact field
+types below; anything else is refused and counted.
+"""
+
+from __future__ import annotations
+
+REQUEST_SPEC = {
+    "acquire": {"worker_id": int, "req": int},
+    "cancel": {"worker_id": int, "req": int},
+    "release": {"worker_id": int, "index": int},
+}
+REPLY_SPEC = {
+    "ticket": {"req": int, "index": int, "min_version": int},
+    "stop": {"req": int},
+}
+#: Refusals of the admission server beyond the wire decoder's REASONS.
+ADMISSION_REASONS = ("not_holder", "pending_full")
+#: libzmq drops the connection of a peer whose message exceeds this (requests and replies are < 100 bytes).
+MAXMSGSIZE = 4096
+MAX_REPLY_INT = 1 << 53  # sane upper bound for indices and versions in replies
