@@ -19,7 +19,7 @@ from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ASYNCPPO = [sys.executable, "-m", "asyncppo"]
 
 
