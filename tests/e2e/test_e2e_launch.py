@@ -212,7 +212,7 @@ def test_raising_reward_function_is_counted_not_fatal(tmp_path):
 
 
 def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
-    # no replacement configured (tests/test_e2e_reliability.py covers restarts): the first death ends the run
+    # no replacement configured (tests/e2e/test_e2e_reliability.py covers restarts): the first death ends the run
     # 8 prompts x 8 per step, so a few steps finish before the reward function's 300th call kills the worker
     proc, records = _launch(tmp_path, "rollout.reward_fn=tests.failure_helpers:die_after_some",
                             "rollout.rollout_batch_size=8", "trainer.total_steps=200", "cluster.max_worker_restarts=0",
