@@ -33,14 +33,22 @@ every option, its default, allowed values and its verl / ROLL / RLinf name: {DOC
 """
 
 
+def _subcommand(sub: argparse._SubParsersAction, name: str, help: str, description: str,
+                epilog: Optional[str] = None) -> argparse.ArgumentParser:
+    """One subcommand's parser, made the same way for all: an epilog keeps its own line breaks (examples)."""
+    if epilog is None:
+        return sub.add_parser(name, help=help, description=description)
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def _add_launch(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "launch",
+    p = _subcommand(
+        sub, "launch",
         help="start a training run (or show its resolved config and placement with --dry-run)",
         description="Compose the configuration (presets + overrides), validate it, plan where each role runs, "
         "then start the learner and the rollout workers on Ray.",
         epilog=_LAUNCH_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="config overrides, e.g. algorithm.pg_clip=0.28 or algorithm=grpo")
@@ -52,8 +60,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
                    help="GPUs for training: M learner ranks with one GPU each; 0 runs one CPU learner "
                    "(same as cluster.train_gpus=M; the flag wins over an override)")
     p.add_argument("--dry-run", action="store_true",
-                   help="print the resolved config as YAML and the placement plan, then exit without starting "
-                   "anything")
+                   help="print the resolved config as YAML and the launch plan (placement, Ray, actors' environment, "
+                   "model), then exit without starting anything")
     p.add_argument("--config-dir", metavar="DIR", default=None,
                    help="compose from this directory instead of the packaged configs (it must hold config.yaml; "
                    "copy asyncppo/configs to start)")
@@ -64,20 +72,31 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    from asyncppo.config.convert.command import add_parser
+    from asyncppo.config.convert import command
 
-    add_parser(sub)
+    command.add_arguments(_subcommand(sub, "convert", command.HELP, command.DESCRIPTION, command.EPILOG))
+
+
+# subcommand -> (one-line help, description) for the subcommands whose texts live here
+_TEXTS = {
+    "report": (
+        "plot a run (or overlay several): report.png and one PNG per panel",
+        "Read RUN_DIR/metrics.jsonl (and summary.json) and write report.png plus report/<panel>.png: reward and "
+        "held-out accuracy against step and wall time, lag, busy fractions and occupancy, KL / clip / entropy, "
+        "response length and waste, push latency. With several runs the curves are overlaid and the images go to "
+        "FIRST_RUN/compare/ unless --out is given.",
+    ),
+    "advise": (
+        "predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
+        "Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load time, response "
+        "lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. Prints a table "
+        "and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
+    ),
+}
 
 
 def _add_report(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "report",
-        help="plot a run (or overlay several): report.png and one PNG per panel",
-        description="Read RUN_DIR/metrics.jsonl (and summary.json) and write report.png plus report/<panel>.png: "
-        "reward and held-out accuracy against step and wall time, lag, busy fractions and occupancy, KL / clip / "
-        "entropy, response length and waste, push latency. With several runs the curves are overlaid and the "
-        "images go to FIRST_RUN/compare/ unless --out is given.",
-    )
+    p = _subcommand(sub, "report", *_TEXTS["report"])
     p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories (trainer.output_dir of each run)")
     p.add_argument("--out", metavar="DIR", default=None, help="where to write the images")
     p.set_defaults(func=_cmd_report)
@@ -96,13 +115,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
 
 
 def _add_advise(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "advise",
-        help="predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
-        description="Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load "
-        "time, response lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. "
-        "Prints a table and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
-    )
+    p = _subcommand(sub, "advise", *_TEXTS["advise"])
     p.add_argument("run", nargs="?", metavar="RUN_DIR", help="a finished run to take the rates from")
     p.add_argument("--workload", metavar="NAME", default=None,
                    help="use a documented workload's rates instead of a run (7b-long)")
@@ -117,8 +130,6 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
-    import os
-
     from asyncppo.report.advisor import format_table, plot, recommend, sweep
 
     if (args.run is None) == (args.workload is None):
@@ -211,12 +222,14 @@ def _cmd_launch(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         return _fail(f"{exc}\n(see {DOCS})")
     if args.dry_run:
-        from asyncppo.launch.plan import format_plan, make_placement_plan
+        from asyncppo.launch.plan import format_plan
+        from asyncppo.launch.resolve import plan_launch
 
         # The plan is printed as YAML comments so that the whole output still parses as the config.
-        plan = format_plan(make_placement_plan(cfg))
+        plan = plan_launch(cfg)
+        lines = format_plan(plan.placement).splitlines() + plan.describe()
         sys.stdout.write(config_to_yaml(cfg))
-        sys.stdout.write("".join(f"# {line}\n" for line in plan.splitlines()))
+        sys.stdout.write("".join(f"# {line}\n" for line in lines))
         sys.stdout.flush()
         return 0
     try:
@@ -242,7 +255,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args.overrides = list(args.overrides) + extra
     # Before torch loads OpenMP: idle OpenMP threads sleep instead of spinning, so a second torch thread (the
     # built-in recipe's learner) cannot starve a process that shares its core (measured in docs/benchmarks.md).
-    # Ray actors get the same setting from launch/runner.py.
+    # Ray actors get the same setting from launch/resolve.py (actor_env).
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     return args.func(args)
 

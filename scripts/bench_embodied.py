@@ -30,7 +30,7 @@ def reference_loop(overrides: list[str]) -> dict:
     import torch
 
     from asyncppo.config import load_config
-    from asyncppo.envs.policy import ActorCritic
+    from asyncppo.models.actor_critic import ActorCritic
     from asyncppo.envs.segments import SegmentBuilder
     from asyncppo.envs.spaces import describe_env, make_vector_env
     from asyncppo.learner.embodied_update import EmbodiedPPO

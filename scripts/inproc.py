@@ -14,8 +14,8 @@ from contextlib import contextmanager
 
 import torch
 
+from asyncppo.data.heldout import HeldOutProbe
 from asyncppo.data.rewards import exact_match
-from asyncppo.data.warmstart import answer_accuracy
 from asyncppo.learner.batch import TrainBatch
 
 PROMPTS, GROUP, MAX_NEW = 16, 8, 5  # the embedded default's batch shape; answers are <= 3 digits + eos
@@ -29,15 +29,10 @@ def load(path: str):
 
 
 def evaluate(model, tokenizer, rows) -> dict:
-    """The learner's held-out probe: 4 sampled answers per prompt at T=1, and greedy."""
-    was = model.training
-    model.eval()
-    out = {
-        "sampled": answer_accuracy(model, tokenizer, rows * 4, temperature=1.0, seed=0, max_new_tokens=MAX_NEW),
-        "greedy": answer_accuracy(model, tokenizer, rows, temperature=0.0, max_new_tokens=MAX_NEW),
-    }
-    model.train(was)
-    return out
+    """The learner's held-out probe (data/heldout.py), at T=1 with seed 0: 4 sampled answers per prompt, and greedy."""
+    probe = HeldOutProbe(rows=rows, temperature=1.0, seed=0, max_new_tokens=MAX_NEW)
+    out = probe.evaluate(model, tokenizer)
+    return {"sampled": out["accuracy_sampled"], "greedy": out["accuracy_greedy"]}
 
 
 @torch.no_grad()

@@ -55,7 +55,7 @@ def tiny_tokenizer(tiny_model_dir):
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir):
     require_vllm()
-    from asyncppo.rollout.engine import make_engine
+    from asyncppo.rollout.engines import make_engine
 
     engine = make_engine("vllm", tiny_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
     yield engine

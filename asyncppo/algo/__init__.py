@@ -22,8 +22,8 @@ from .advantages import (
     reinforce_plus_plus_baseline_advantages,
     rloo_advantages,
 )
-from .aggregation import LOSS_AGG_MODES, aggregate, count_tokens_and_seqs, get_loss_agg
-from .kl import KL_ESTIMATORS, apply_kl_to_rewards, get_kl_estimator, kl_loss, kl_penalty
+from .aggregation import LOSS_AGG_MODES, aggregate, count_tokens_and_seqs, get_loss_agg, loss_denominators
+from .kl import KL_ESTIMATORS, apply_kl_to_rewards, get_kl_estimator, kl_loss, kl_penalty, mismatch_kl
 from .kl_controller import (
     KL_CONTROLLERS,
     AdaptiveKLController,
@@ -46,7 +46,7 @@ from .normalize import (
     scores_to_token_rewards,
 )
 from .policy_loss import OFF_POLICY_CORRECTIONS, OFF_POLICY_TRUNCATIONS, combine_actor_loss, policy_loss
-from .policy_losses import COV_LOSSES, POLICY_LOSSES, LossParams, cov_select, get_policy_loss
+from .policy_loss_registry import COV_LOSSES, POLICY_LOSSES, LossParams, cov_select, get_policy_loss
 from .rollout_correction import (
     IS_LEVELS,
     IS_TRUNCATIONS,
@@ -55,6 +55,7 @@ from .rollout_correction import (
     ratio_metrics,
     rollout_correction,
 )
+from .transitions import flat_whiten, transition_gae
 from .value_loss import explained_variance, value_loss
 
 __all__ = [
@@ -76,11 +77,13 @@ __all__ = [
     "aggregate",
     "count_tokens_and_seqs",
     "get_loss_agg",
+    "loss_denominators",
     "KL_ESTIMATORS",
     "apply_kl_to_rewards",
     "get_kl_estimator",
     "kl_loss",
     "kl_penalty",
+    "mismatch_kl",
     "KL_CONTROLLERS",
     "AdaptiveKLController",
     "FixedKLController",
@@ -114,6 +117,8 @@ __all__ = [
     "REJECTION_STATS",
     "ratio_metrics",
     "rollout_correction",
+    "flat_whiten",
+    "transition_gae",
     "explained_variance",
     "value_loss",
 ]

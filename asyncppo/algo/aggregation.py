@@ -19,13 +19,29 @@ from typing import Callable, Optional
 
 import torch
 
-__all__ = ["aggregate", "LOSS_AGG_MODES", "count_tokens_and_seqs", "get_loss_agg"]
+__all__ = ["aggregate", "LOSS_AGG_MODES", "count_tokens_and_seqs", "get_loss_agg", "loss_denominators"]
 
 
 def count_tokens_and_seqs(mask: torch.Tensor) -> tuple[int, int]:
     """(valid tokens, sequences with at least one valid token) in ``mask`` ``[B, T]``."""
     m = mask.bool()
     return int(m.sum().item()), int(m.any(dim=-1).sum().item())
+
+
+def loss_denominators(response_mask: torch.Tensor, loss_mask: torch.Tensor) -> tuple[float, float, float, float]:
+    """``(tokens, seqs, policy_tokens, policy_seqs)`` of one (local) mini-batch, to be summed over ranks and passed
+    as ``global_tokens`` / ``global_seqs``.
+
+    The critic's pair counts the whole response: every response token, and every *row* (a row without response
+    tokens still counts as a sequence, with loss 0). The policy's pair counts the ``loss_mask`` left after rollout
+    correction's rejection: rejected tokens are not in the token count, and a row whose every response token was
+    rejected is no longer a sequence; that is what makes rejection remove a sample rather than average a 0 into
+    the mean. Floats, so that they can be all-reduced as they are.
+    """
+    lm = loss_mask.bool()
+    rows = float(response_mask.shape[0])
+    rejected_rows = float((response_mask.bool().any(-1) & ~lm.any(-1)).sum())
+    return float(response_mask.sum()), rows, float(lm.sum()), rows - rejected_rows
 
 
 def _local_tokens(mask: torch.Tensor) -> torch.Tensor:

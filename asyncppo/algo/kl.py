@@ -24,7 +24,7 @@ import torch
 from .aggregation import aggregate
 from .normalize import masked_mean
 
-__all__ = ["kl_penalty", "KL_ESTIMATORS", "get_kl_estimator", "apply_kl_to_rewards", "kl_loss"]
+__all__ = ["kl_penalty", "KL_ESTIMATORS", "get_kl_estimator", "apply_kl_to_rewards", "kl_loss", "mismatch_kl"]
 
 _K3_LOG_CLAMP = 20.0
 _K3_MAX = 10.0
@@ -108,6 +108,13 @@ def kl_penalty(
     if logprob.shape != ref_logprob.shape:
         raise ValueError(f"logprob shape {tuple(logprob.shape)} != ref_logprob shape {tuple(ref_logprob.shape)}")
     return fn(logprob, ref_logprob, logits, ref_logits)
+
+
+def mismatch_kl(behavior_logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(behaviour || proximal) as a masked mean of k3 (a 0-d tensor): how far the engine's samples lag the policy
+    the loss is taken around. The tokens were drawn from the behaviour policy, so the behaviour log-probs go first.
+    One definition for the learner's batch-level ``actor/mismatch_kl`` and :func:`~asyncppo.algo.policy_loss`'s."""
+    return masked_mean(kl_penalty(behavior_logprobs, old_logprobs, "k3"), mask)
 
 
 def apply_kl_to_rewards(

@@ -1,4 +1,4 @@
-"""The policy-loss entry point: a loss from the registry (:mod:`asyncppo.algo.policy_losses`, default ``ppo``),
+"""The policy-loss entry point: a loss from the registry (:mod:`asyncppo.algo.policy_loss_registry`, default ``ppo``),
 importance weights for stale samples, aggregation and metrics.
 
 With ``r = exp(logp - old_logp)`` and advantage ``A`` the per-token loss is
@@ -36,9 +36,9 @@ from typing import Optional
 import torch
 
 from .aggregation import aggregate
-from .kl import kl_penalty
+from .kl import kl_penalty, mismatch_kl
 from .normalize import masked_mean
-from .policy_losses import COV_LOSSES, LossParams, get_policy_loss
+from .policy_loss_registry import COV_LOSSES, LossParams, get_policy_loss
 from .rollout_correction import apply_weights, rollout_correction
 
 __all__ = ["policy_loss", "OFF_POLICY_CORRECTIONS", "OFF_POLICY_TRUNCATIONS", "combine_actor_loss"]
@@ -84,7 +84,7 @@ def policy_loss(
     """Policy loss ``loss_name``; returns ``(loss, metrics)`` with metrics as detached 0-d tensors.
 
     ``clip_ratio_high=None`` uses ``clip_ratio_low``. Gradients flow only through ``logprobs``. ``token_select``
-    is the :func:`~asyncppo.algo.policy_losses.cov_select` choice for ``clip_cov`` / ``kl_cov`` (without it they
+    is the :func:`~asyncppo.algo.policy_loss_registry.cov_select` choice for ``clip_cov`` / ``kl_cov`` (without it they
     reduce to plain PPO / the unclipped surrogate). Importance weights: either ``is_weights`` (precomputed, used
     as constants) or, with ``off_policy_correction != "none"``, token-level weights from ``behavior_logprobs``.
     Metrics are local masked means over this batch: ``approx_kl`` (k3 estimate of KL(old || new)), ``clipfrac``
@@ -96,34 +96,14 @@ def policy_loss(
     fn = get_policy_loss(loss_name)
     if clip_ratio_high is None:
         clip_ratio_high = clip_ratio_low
-    if clip_ratio_low < 0 or clip_ratio_high < 0:
-        raise ValueError(f"clip ratios must be >= 0; got low={clip_ratio_low}, high={clip_ratio_high}")
-    if dual_clip and clip_ratio_c <= 1.0:
-        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
-    if tis_cap <= 0:
-        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
-    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
-        raise ValueError(
-            f"unknown off_policy_correction {off_policy_correction!r}; allowed: {', '.join(OFF_POLICY_CORRECTIONS)}"
-        )
-    if off_policy_truncation not in OFF_POLICY_TRUNCATIONS:
-        raise ValueError(
-            f"unknown off_policy_truncation {off_policy_truncation!r}; allowed: {', '.join(OFF_POLICY_TRUNCATIONS)}"
-        )
-    for name, t in (("old_logprobs", old_logprobs), ("advantages", advantages), ("response_mask", response_mask)):
-        if t.shape != logprobs.shape:
-            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
-    if token_select is not None and token_select.shape != logprobs.shape:
-        raise ValueError(f"token_select shape {tuple(token_select.shape)} != logprobs shape {tuple(logprobs.shape)}")
+    _check_arguments(
+        logprobs, dict(old_logprobs=old_logprobs, advantages=advantages, response_mask=response_mask,
+                       token_select=token_select),
+        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, dual_clip=dual_clip, clip_ratio_c=clip_ratio_c,
+        tis_cap=tis_cap, off_policy_correction=off_policy_correction, off_policy_truncation=off_policy_truncation,
+    )
     if off_policy_correction != "none" and is_weights is None:
-        if behavior_logprobs is None:
-            raise ValueError(f"off_policy_correction {off_policy_correction!r} needs behavior_logprobs")
-        if behavior_logprobs.shape != logprobs.shape:
-            raise ValueError(
-                f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
-            )
-        if off_policy_cap <= 0:
-            raise ValueError(f"off_policy_cap must be > 0, got {off_policy_cap}")
+        _check_behaviour(logprobs, behavior_logprobs, off_policy_correction, off_policy_cap)
 
     m = response_mask.bool()
     # At least float32 (bf16 ratios are too coarse to clip at 0.2), float64 kept when given.
@@ -149,31 +129,78 @@ def policy_loss(
         per_token = apply_weights(per_token, weights)
         for key in ("is_weight_mean", "is_weight_max", "is_truncated_frac"):
             metrics[key] = w_metrics[key]
-        metrics["mismatch_kl"] = masked_mean(kl_penalty(behav, old, "k3"), m)
+        metrics["mismatch_kl"] = mismatch_kl(behav, old, m)
 
     loss = aggregate(
         per_token, m, loss_agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_length=norm_length
     )
-
-    with torch.no_grad():
-        r = torch.exp(log_ratio.detach())
-        low, high = flags["clip_low"], flags["clip_high"]
-        metrics.update(
-            {
-                "pg_loss": loss.detach(),
-                "approx_kl": masked_mean(kl_penalty(old, logp.detach(), "k3"), m),
-                "clipfrac": masked_mean((low | high).to(dt), m),
-                "clipfrac_low": masked_mean(low.to(dt), m),
-                "clipfrac_high": masked_mean(high.to(dt), m),
-                "clipfrac_dual": masked_mean(flags["dual"].to(dt), m),
-                "ratio_mean": masked_mean(r, m),
-                "ratio_max": _masked_extreme(r, m, largest=True),
-                "ratio_min": _masked_extreme(r, m, largest=False),
-            }
-        )
-        if "cov" in flags:
-            metrics["cov_frac"] = masked_mean(flags["cov"].to(dt), m)
+    metrics.update(_surrogate_metrics(loss, old, logp, log_ratio, flags, m))
     return loss, metrics
+
+
+def _check_arguments(
+    logprobs: torch.Tensor, same_shape: dict, *, clip_ratio_low: float, clip_ratio_high: float, dual_clip: bool,
+    clip_ratio_c: float, tis_cap: float, off_policy_correction: str, off_policy_truncation: str,
+) -> None:
+    """Every argument error of :func:`policy_loss` raised before any math, so a bad config fails on its first batch
+    with the option's name rather than deep inside a loss. ``same_shape``: tensors that must match ``logprobs``
+    (``None`` entries are optional and skipped)."""
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(f"clip ratios must be >= 0; got low={clip_ratio_low}, high={clip_ratio_high}")
+    if dual_clip and clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
+    if tis_cap <= 0:
+        raise ValueError(f"tis_cap must be > 0, got {tis_cap}")
+    if off_policy_correction not in OFF_POLICY_CORRECTIONS:
+        raise ValueError(
+            f"unknown off_policy_correction {off_policy_correction!r}; allowed: {', '.join(OFF_POLICY_CORRECTIONS)}"
+        )
+    if off_policy_truncation not in OFF_POLICY_TRUNCATIONS:
+        raise ValueError(
+            f"unknown off_policy_truncation {off_policy_truncation!r}; allowed: {', '.join(OFF_POLICY_TRUNCATIONS)}"
+        )
+    for name, t in same_shape.items():
+        if t is not None and t.shape != logprobs.shape:
+            raise ValueError(f"{name} shape {tuple(t.shape)} != logprobs shape {tuple(logprobs.shape)}")
+
+
+def _check_behaviour(
+    logprobs: torch.Tensor, behavior_logprobs: Optional[torch.Tensor], correction: str, cap: float
+) -> None:
+    """The token-level correction computed inside :func:`policy_loss` needs the engine's log-probs and a cap."""
+    if behavior_logprobs is None:
+        raise ValueError(f"off_policy_correction {correction!r} needs behavior_logprobs")
+    if behavior_logprobs.shape != logprobs.shape:
+        raise ValueError(
+            f"behavior_logprobs shape {tuple(behavior_logprobs.shape)} != logprobs shape {tuple(logprobs.shape)}"
+        )
+    if cap <= 0:
+        raise ValueError(f"off_policy_cap must be > 0, got {cap}")
+
+
+@torch.no_grad()
+def _surrogate_metrics(
+    loss: torch.Tensor, old: torch.Tensor, logp: torch.Tensor, log_ratio: torch.Tensor, flags: dict, m: torch.Tensor
+) -> dict:
+    """The loss's own diagnostics as local masked means: how far the policy moved (``approx_kl``, ratio range) and
+    how often each clip was active (``clipfrac`` = low + high)."""
+    dt = logp.dtype
+    r = torch.exp(log_ratio.detach())
+    low, high = flags["clip_low"], flags["clip_high"]
+    metrics = {
+        "pg_loss": loss.detach(),
+        "approx_kl": masked_mean(kl_penalty(old, logp.detach(), "k3"), m),
+        "clipfrac": masked_mean((low | high).to(dt), m),
+        "clipfrac_low": masked_mean(low.to(dt), m),
+        "clipfrac_high": masked_mean(high.to(dt), m),
+        "clipfrac_dual": masked_mean(flags["dual"].to(dt), m),
+        "ratio_mean": masked_mean(r, m),
+        "ratio_max": _masked_extreme(r, m, largest=True),
+        "ratio_min": _masked_extreme(r, m, largest=False),
+    }
+    if "cov" in flags:
+        metrics["cov_frac"] = masked_mean(flags["cov"].to(dt), m)
+    return metrics
 
 
 def combine_actor_loss(

@@ -95,6 +95,43 @@ def rollout_correction(
     tokens), ``is_truncated_frac`` (tokens whose weight truncation changed), ``is_masked_frac`` (tokens rejected
     from the loss mask), and :func:`ratio_metrics` of the raw ratio.
     """
+    _check_arguments(old_logprobs, behavior_logprobs, response_mask, level=level, truncation=truncation, cap=cap,
+                     cap_low=cap_low, rejection=rejection, rejection_stat=rejection_stat,
+                     rejection_low=rejection_low, rejection_high=rejection_high)
+    valid = response_mask.bool()
+    dt = torch.promote_types(old_logprobs.dtype, torch.float32)
+    mf = valid.to(dt)
+    log_w = (old_logprobs.detach().to(dt) - behavior_logprobs.detach().to(dt)).clamp(-_LOG_CLAMP, _LOG_CLAMP)
+    log_w = torch.where(valid, log_w, torch.zeros_like(log_w))
+
+    keep = _rejection_keep(log_w, valid, mf, rejection, rejection_stat, rejection_low, rejection_high)
+    if level == "token":
+        raw = torch.exp(log_w)
+    else:
+        raw = torch.exp((log_w * mf).sum(-1).clamp(-_LOG_CLAMP, _LOG_CLAMP)).unsqueeze(-1).expand_as(log_w)
+    weights, changed = _truncate(raw, truncation, cap, cap_low)
+    weights = torch.where(keep, weights, torch.zeros_like(weights))
+    if normalize:
+        weights = _to_mean_one(weights, keep, level)
+
+    n_valid = mf.sum().clamp(min=1)
+    metrics = {
+        "is_weight_mean": masked_mean(weights, keep),
+        "is_weight_max": torch.where(keep.any(), torch.where(keep, weights, torch.zeros_like(weights)).max(),
+                                     torch.ones((), dtype=dt)),
+        "is_truncated_frac": (changed & valid).to(dt).sum() / n_valid,
+        "is_masked_frac": (valid & ~keep).to(dt).sum() / n_valid,
+    }
+    metrics.update(ratio_metrics(log_w, valid))
+    return weights, keep, metrics
+
+
+def _check_arguments(
+    old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor, response_mask: torch.Tensor, *, level: str,
+    truncation: str, cap: float, cap_low: float, rejection: str, rejection_stat: str, rejection_low: float,
+    rejection_high: float,
+) -> None:
+    """Every argument error of :func:`rollout_correction`, named by its config option, before any math."""
     _check_choice("off_policy_level", level, IS_LEVELS)
     _check_choice("off_policy_truncation", truncation, IS_TRUNCATIONS)
     _check_choice("rejection", rejection, REJECTION_LEVELS)
@@ -111,56 +148,39 @@ def rollout_correction(
     if rejection != "none" and not rejection_low < rejection_high:
         raise ValueError(f"rejection bounds need low < high, got [{rejection_low}, {rejection_high}]")
 
-    valid = response_mask.bool()
-    dt = torch.promote_types(old_logprobs.dtype, torch.float32)
-    mf = valid.to(dt)
-    log_w = (old_logprobs.detach().to(dt) - behavior_logprobs.detach().to(dt)).clamp(-_LOG_CLAMP, _LOG_CLAMP)
-    log_w = torch.where(valid, log_w, torch.zeros_like(log_w))
 
-    # 1. rejection: which tokens stay in the loss mask
-    keep = valid
+def _rejection_keep(
+    log_w: torch.Tensor, valid: torch.Tensor, mf: torch.Tensor, rejection: str, stat: str, low: float, high: float
+) -> torch.Tensor:
+    """The loss mask after rejection: valid tokens (or whole sequences) whose ratio statistic is in ``[low, high]``."""
     if rejection == "token":
-        s = _token_stat(log_w, rejection_stat)
-        keep = valid & (s >= rejection_low) & (s <= rejection_high)
-    elif rejection == "sequence":
-        s = _seq_stat(log_w, mf, rejection_stat)
-        keep_seq = (s >= rejection_low) & (s <= rejection_high)
-        keep = valid & keep_seq.unsqueeze(-1)
+        s = _token_stat(log_w, stat)
+        return valid & (s >= low) & (s <= high)
+    if rejection == "sequence":
+        s = _seq_stat(log_w, mf, stat)
+        return valid & ((s >= low) & (s <= high)).unsqueeze(-1)
+    return valid
 
-    # 2. raw weights at the chosen level, then truncation
-    if level == "token":
-        raw = torch.exp(log_w)
-    else:
-        raw = torch.exp((log_w * mf).sum(-1).clamp(-_LOG_CLAMP, _LOG_CLAMP)).unsqueeze(-1).expand_as(log_w)
+
+def _truncate(raw: torch.Tensor, truncation: str, cap: float, cap_low: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights, changed)``: ``clip`` caps at ``cap``; ``mask`` / ``icepop`` zero what leaves the allowed range."""
     if truncation == "clip":
-        changed = raw > cap
-        weights = raw.clamp(max=cap)
+        return raw.clamp(max=cap), raw > cap
+    lo = cap_low if truncation == "icepop" else float("-inf")
+    changed = (raw > cap) | (raw < lo)
+    return torch.where(changed, torch.zeros_like(raw), raw), changed
+
+
+def _to_mean_one(weights: torch.Tensor, keep: torch.Tensor, level: str) -> torch.Tensor:
+    """Rescale to mean 1 over the kept tokens (token level) or kept sequences (sequence level); all-zero weights
+    stay zero."""
+    if level == "token":
+        denom = masked_mean(weights, keep)
     else:
-        lo = cap_low if truncation == "icepop" else float("-inf")
-        changed = (raw > cap) | (raw < lo)
-        weights = torch.where(changed, torch.zeros_like(raw), raw)
-    weights = torch.where(keep, weights, torch.zeros_like(weights))
-
-    # 3. optional normalisation to mean 1 over what is kept (tokens, or sequences at sequence level)
-    if normalize:
-        if level == "token":
-            denom = masked_mean(weights, keep)
-        else:
-            has = keep.any(-1)
-            seq_w = weights.max(-1).values  # constant over a kept sequence's tokens
-            denom = (seq_w * has).sum() / has.sum().clamp(min=1)
-        weights = torch.where(denom > 0, weights / denom.clamp(min=torch.finfo(dt).tiny), weights)
-
-    n_valid = mf.sum().clamp(min=1)
-    metrics = {
-        "is_weight_mean": masked_mean(weights, keep),
-        "is_weight_max": torch.where(keep.any(), torch.where(keep, weights, torch.zeros_like(weights)).max(),
-                                     torch.ones((), dtype=dt)),
-        "is_truncated_frac": (changed & valid).to(dt).sum() / n_valid,
-        "is_masked_frac": (valid & ~keep).to(dt).sum() / n_valid,
-    }
-    metrics.update(ratio_metrics(log_w, valid))
-    return weights, keep, metrics
+        has = keep.any(-1)
+        seq_w = weights.max(-1).values  # constant over a kept sequence's tokens
+        denom = (seq_w * has).sum() / has.sum().clamp(min=1)
+    return torch.where(denom > 0, weights / denom.clamp(min=torch.finfo(weights.dtype).tiny), weights)
 
 
 @torch.no_grad()

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["transition_gae"]
+__all__ = ["transition_gae", "flat_whiten"]
 
 
 @torch.no_grad()
@@ -58,3 +58,13 @@ def transition_gae(
         running = delta[:, t] + gamma * lambd * cont[:, t] * running
         adv[:, t] = running
     return adv, adv + v
+
+
+def flat_whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean) / (std + eps)`` over a flat batch of transitions (no mask: every transition is real).
+
+    The convention of CleanRL's PPO, which embodied runs are compared against: the unbiased std with ``eps`` added
+    *outside* the square root. :func:`~asyncppo.algo.normalize.masked_whiten` (token advantages) divides by
+    ``sqrt(var + eps)`` instead; the two differ only for a near-constant batch, but a comparison run must match.
+    """
+    return (values - values.mean()) / (values.std() + eps)

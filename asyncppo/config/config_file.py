@@ -18,6 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import yaml
 
+from asyncppo.config.keys import check_override_key
 from asyncppo.config.validate import ConfigError
 
 
@@ -32,8 +33,6 @@ def _leaf_keys(node: dict, prefix: str = "") -> Iterator[str]:
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The file's mapping, refused with a clear message when it is not one or names keys the schema lacks."""
-    from asyncppo.config.loader import _check_override_key
-
     p = Path(path)
     if not p.is_file():
         raise ConfigError([f"--config-file {str(p)!r}: no such file"])
@@ -50,7 +49,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError([f"--config-file {str(p)!r}: '{reserved}' is not an option; a file with a defaults "
                                "list is a primary config: put it in a folder as config.yaml and use --config-dir"])
     problems = [f"--config-file {p.name}: {msg}" for key in _leaf_keys(data)
-                if (msg := _check_override_key(key, add=False))]
+                if (msg := check_override_key(key, add=False))]
     if problems:
         raise ConfigError(problems)
     return data

@@ -11,72 +11,26 @@ Every failure - unknown key, bad type, unknown preset, a value validation reject
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import typing
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
+from asyncppo.config.config_file import file_config_dir
+from asyncppo.config.keys import CONFIG_GROUPS, check_override_key
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.store import register_schema
 from asyncppo.config.validate import ConfigError, validate_config
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-CONFIG_GROUPS = ("algorithm", "data", "env")
 #: ``env=<gymnasium id>`` without a preset of that name uses this preset with ``env.id=<id>`` (docs/embodied.md).
 GENERIC_ENV_PRESET = "gym"
-# Sub-trees that accept keys the schema does not declare.
-_OPEN_NODES = ("extra", "hydra")
 
 
 class ConfigWarning(UserWarning):
     """A legal but probably unintended combination of options."""
-
-
-def _schema_children(tp: Any) -> Optional[dict[str, Any]]:
-    """Field name -> type for a dataclass type, else None."""
-    if dataclasses.is_dataclass(tp):
-        hints = typing.get_type_hints(tp)
-        return {f.name: hints[f.name] for f in dataclasses.fields(tp)}
-    return None
-
-
-def _is_container(tp: Any) -> bool:
-    origin = typing.get_origin(tp)
-    return origin in (list, dict) or tp in (list, dict)
-
-
-def _check_override_key(key: str, add: bool) -> Optional[str]:
-    """Return a problem line if ``key`` (dotted) is not a schema field, else None."""
-    parts = key.split(".")
-    if parts[0] in _OPEN_NODES or (len(parts) == 1 and key in CONFIG_GROUPS):
-        return None
-    if "@" in parts[0] or parts[0].startswith("/"):  # package-qualified group override: let Hydra judge it
-        return None
-    node: Any = AsyncPPOConfig
-    path: list[str] = []
-    for part in parts:
-        children = _schema_children(node)
-        if children is None:
-            if _is_container(node):  # list index / dict key inside a declared container
-                return None
-            return f"{key}: '{'.'.join(path)}' is a value, it has no sub-key '{part}'"
-        if part not in children:
-            where = ".".join(path) or "the top level"
-            close = difflib.get_close_matches(part, list(children), n=3, cutoff=0.6)
-            hint = f"; did you mean {', '.join(repr('.'.join(path + [c])) for c in close)}?" if close else ""
-            how = " ('+' cannot add keys: the schema is closed; free-form keys go under extra.*)" if add else ""
-            return f"{key}: unknown key{how}; keys under {where}: {', '.join(children)}{hint}"
-        node = children[part]
-        args = [a for a in typing.get_args(node) if a is not type(None)]
-        if typing.get_origin(node) is typing.Union and len(args) == 1:
-            node = args[0]
-        path.append(part)
-    return None
 
 
 def check_override_keys(overrides: Sequence[str]) -> list[str]:
@@ -95,7 +49,7 @@ def check_override_keys(overrides: Sequence[str]) -> list[str]:
         if ov.is_delete():
             problems.append(f"{text!r}: deleting keys ('~') is not supported: every option has a default")
             continue
-        problem = _check_override_key(ov.key_or_group, add=ov.is_add() or ov.is_force_add())
+        problem = check_override_key(ov.key_or_group, add=ov.is_add() or ov.is_force_add())
         if problem:
             problems.append(problem)
     return problems
@@ -184,8 +138,6 @@ def load_config(overrides: Sequence[str] = (), config_dir: Optional[str | Path] 
     Raises :class:`ConfigError`; emits :class:`ConfigWarning` for suspicious but legal combinations.
     """
     if config_file is not None:
-        from asyncppo.config.config_file import file_config_dir
-
         source = Path(config_dir or CONFIG_DIR).resolve()
         with file_config_dir(config_file, source, CONFIG_GROUPS) as tmp:
             return _finish(to_dataclass(compose(overrides, tmp, "config")))

@@ -154,7 +154,7 @@ class ModelConfig:
     dtype: str = "float32"  # learner compute dtype on GPU: bfloat16 | float32
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
-    # --- embodied runs (env.id set): the MLP actor-critic of asyncppo.envs.policy -----------------------------
+    # --- embodied runs (env.id set): the MLP actor-critic of asyncppo.models.actor_critic -----------------------------
     shared_backbone: bool = False  # one trunk with policy and value heads (needs algorithm.loss_type=actor_critic)
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])
     activation: str = "tanh"  # tanh | relu | elu

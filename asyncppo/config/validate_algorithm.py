@@ -1,13 +1,15 @@
-"""Checks for the algorithm family options (policy losses, rollout correction, DAPO batch shaping, early stopping).
+"""Every ``algorithm.*`` check: estimator, rewards, losses, schedule, off-policy correction and the family options.
 
-Kept apart from :mod:`asyncppo.config.validate` (which calls :func:`check_algorithm_family` from its algorithm
-checks) only to keep that module short; the rules follow the same style: every problem names the key, the value
-and what is allowed, and legal-but-useless combinations are warnings.
+:func:`check_algorithm` is what :mod:`asyncppo.config.validate` calls, and
+:func:`check_algorithm_family` covers the policy-loss family options within it. The rules follow one style: every
+problem names the key, the value and what is allowed, and legal-but-useless combinations are warnings.
 """
 
 from __future__ import annotations
 
 from asyncppo.config import choices as C
+from asyncppo.config.checks import Checks, mini_batch_prompts, uses_critic
+from asyncppo.config.schema import AsyncPPOConfig
 
 
 def check_algorithm_family(cfg, c) -> None:
@@ -63,3 +65,128 @@ def check_algorithm_family(cfg, c) -> None:
     if a.dynamic_sampling and a.adv_estimator == "gae":
         c.warn("algorithm.dynamic_sampling with adv_estimator=gae: all-equal groups still carry signal through "
                "the critic's baseline; skipping them is meant for group estimators (grpo, rloo, ...)")
+
+
+def check_algorithm(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """Every ``algorithm.*`` rule, in the order its messages are listed: estimator and rewards, losses, schedule,
+    off-policy correction."""
+    _check_estimator_and_rewards(cfg, c)
+    _check_losses(cfg, c)
+    _check_schedule(cfg, c)
+    _check_correction(cfg, c)
+
+
+def _check_estimator_and_rewards(cfg: AsyncPPOConfig, c: Checks) -> None:
+    a, r = cfg.algorithm, cfg.rollout
+    c.choice("algorithm.adv_estimator", a.adv_estimator, C.ADV_ESTIMATORS)
+    c.in_range("algorithm.gamma", a.gamma, 0.0, 1.0)
+    c.in_range("algorithm.lambd", a.lambd, 0.0, 1.0)
+    c.optional_positive("algorithm.advantage_clip", a.advantage_clip, " (no clipping)")
+    if a.use_critic is False and a.adv_estimator == "gae":
+        c.error("algorithm.use_critic", False, "must be true or null with adv_estimator=gae (GAE needs a value model)")
+    if a.use_critic and a.adv_estimator in C.ADV_ESTIMATORS and a.adv_estimator != "gae":
+        c.warn(f"algorithm.use_critic=true with adv_estimator={a.adv_estimator}: the critic is trained but its values "
+               "are not used by this estimator")
+    if a.adv_estimator in C.GROUP_ADV_ESTIMATORS and r.num_return_sequences_in_group < 2:
+        c.error("rollout.num_return_sequences_in_group", r.num_return_sequences_in_group,
+                f"must be >= 2 with adv_estimator={a.adv_estimator} (its baseline comes from the other samples "
+                "of the same prompt)")
+    # reward shaping
+    c.optional_positive("algorithm.reward_clip", a.reward_clip, " (no clipping)")
+    c.choice("algorithm.reward_norm", a.reward_norm, C.REWARD_NORMS)
+    if a.reward_shift and a.reward_scale:
+        c.error("algorithm.reward_scale", True, "reward_shift and reward_scale are exclusive: set at most one "
+                "(both false gives full (x - mean) / std normalisation)")
+    if (a.reward_shift or a.reward_scale) and a.reward_norm is None:
+        c.warn("algorithm.reward_shift/reward_scale have no effect while algorithm.reward_norm is null")
+
+
+def _check_losses(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """Policy loss, value loss and KL terms."""
+    a = cfg.algorithm
+    c.positive("algorithm.pg_clip", a.pg_clip)
+    if a.clip_ratio_low is not None and not 0 < a.clip_ratio_low < 1:
+        c.error("algorithm.clip_ratio_low", a.clip_ratio_low, "must be null (= pg_clip) or in (0, 1): the ratio is "
+                "clipped below at 1 - clip_ratio_low")
+    c.optional_positive("algorithm.clip_ratio_high", a.clip_ratio_high, " (= pg_clip)")
+    if a.pg_clip >= 1 and a.clip_ratio_low is None:
+        c.error("algorithm.pg_clip", a.pg_clip, "must be < 1 while clip_ratio_low is null (clip_ratio_low defaults "
+                "to pg_clip and 1 - clip_ratio_low must stay > 0); set algorithm.clip_ratio_low explicitly")
+    if a.clip_ratio_c <= 1:
+        c.error("algorithm.clip_ratio_c", a.clip_ratio_c, "must be > 1 (dual-clip bound on the ratio for negative "
+                "advantages)")
+    c.non_negative("algorithm.entropy_coef", a.entropy_coef)
+    check_algorithm_family(cfg, c)
+    c.choice("algorithm.loss_agg_mode", a.loss_agg_mode, C.LOSS_AGG_MODES)
+    c.optional_positive("algorithm.loss_agg_norm_length", a.loss_agg_norm_length, " (= rollout.response_length)")
+    # value loss
+    c.optional_positive("algorithm.value_clip", a.value_clip, " (no clipping)")
+    c.optional_positive("algorithm.huber_delta", a.huber_delta, " (squared error)")
+    c.non_negative("algorithm.vf_coef", a.vf_coef)
+    if a.vf_coef == 0 and uses_critic(cfg):
+        c.warn("algorithm.vf_coef=0 with a critic: the value model is never trained")
+    # KL
+    c.non_negative("algorithm.kl_loss_coef", a.kl_loss_coef)
+    c.choice("algorithm.kl_penalty", a.kl_penalty, C.KL_PENALTIES)
+    c.choice("algorithm.kl_ctrl.type", a.kl_ctrl.type, C.KL_CTRL_TYPES)
+    c.non_negative("algorithm.kl_ctrl.init_kl_coef", a.kl_ctrl.init_kl_coef)
+    c.positive("algorithm.kl_ctrl.target_kl", a.kl_ctrl.target_kl)
+    c.positive("algorithm.kl_ctrl.kl_horizon", a.kl_ctrl.kl_horizon)
+    if a.use_kl_loss and a.add_token_level_kl:
+        # verl accepts both (it only prints a notice); so do we, loudly: the KL is then penalised twice.
+        c.warn("algorithm.use_kl_loss and algorithm.add_token_level_kl are both true: the KL to the reference is "
+               "penalised twice (in the reward and in the loss)")
+
+
+def _check_schedule(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """Epochs, mini-batches and micro-batches: each must split the batch into whole prompt groups."""
+    a, r = cfg.algorithm, cfg.rollout
+    c.positive("algorithm.ppo_epochs", a.ppo_epochs)
+    c.non_negative("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size)
+    c.non_negative("algorithm.ppo_num_mini_batches", a.ppo_num_mini_batches)
+    c.non_negative("algorithm.micro_batch_size", a.micro_batch_size)
+    c.non_negative("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch)
+    B, n = r.rollout_batch_size, r.num_return_sequences_in_group
+    if a.ppo_mini_batch_size > 0 and B > 0 and B % a.ppo_mini_batch_size:
+        c.error("algorithm.ppo_mini_batch_size", a.ppo_mini_batch_size,
+                f"must divide rollout.rollout_batch_size={B} (prompts per mini-batch), or be 0 for the whole batch")
+    N = min(a.ppo_num_mini_batches, B)
+    if a.ppo_mini_batch_size == 0 and N > 1 and B > 0 and B % N and cfg.env.id is None:
+        c.error("algorithm.ppo_num_mini_batches", N, f"must divide rollout.rollout_batch_size={B} (whole prompt "
+                "groups per mini-batch); or set algorithm.ppo_mini_batch_size, which takes precedence")
+    mini_samples = mini_batch_prompts(cfg) * n
+    if a.micro_batch_size > 0 and mini_samples > 0 and mini_samples % a.micro_batch_size:
+        c.error("algorithm.micro_batch_size", a.micro_batch_size,
+                f"must divide the mini-batch of {mini_samples} samples (ppo_mini_batch_size x "
+                "num_return_sequences_in_group), or be 0 for the whole mini-batch")
+    seq_len = r.prompt_length + r.response_length
+    if 0 < a.max_tokens_per_micro_batch < seq_len:
+        c.error("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
+                f"must be 0 (off) or >= prompt_length + response_length = {seq_len} so that one sample fits")
+    tg = cfg.cluster.train_gpus
+    mini_prompts = mini_batch_prompts(cfg)
+    if tg > 1 and mini_prompts > 0 and mini_prompts % tg:
+        c.error("cluster.train_gpus", tg, f"must divide the mini-batch of {mini_prompts} prompt groups so every "
+                "learner rank gets the same whole groups")
+    elif tg > 1 and a.micro_batch_size > 0 and (mini_samples // tg) % a.micro_batch_size:
+        c.error("algorithm.micro_batch_size", a.micro_batch_size, f"must divide each learner rank's share of "
+                f"{mini_samples // tg} samples, so every rank runs the same number of micro-batches")
+    if tg > 1 and a.max_tokens_per_micro_batch > 0:
+        c.error("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch, "must be 0 with several "
+                "learner ranks (cluster.train_gpus > 1): a token budget can give ranks different micro-batch counts, "
+                "and every micro-batch is a collective; use algorithm.micro_batch_size")
+
+
+def _check_correction(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """Off-policy correction and the temperature the learner recomputes log-probs at."""
+    a, r = cfg.algorithm, cfg.rollout
+    c.choice("algorithm.off_policy_correction", a.off_policy_correction, C.OFF_POLICY_CORRECTIONS)
+    if a.off_policy_cap < 1:
+        c.error("algorithm.off_policy_cap", a.off_policy_cap, "must be >= 1 (a cap below 1 truncates even "
+                "on-policy samples, whose weight is 1)")
+    c.positive("algorithm.temperature", a.temperature)
+    t_s = r.sampling.temperature
+    if a.temperature > 0 and t_s > 0 and a.temperature != t_s:
+        c.error("algorithm.temperature", a.temperature,
+                f"must equal rollout.sampling.temperature={t_s}: behaviour log-probs are taken at the sampling "
+                "temperature, so recomputing them at another one biases every importance ratio")

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from .tasks import get_task
+
 log = logging.getLogger(__name__)
 
 MAX_WARNINGS_PER_FILE = 5  # then one summary line per file
@@ -61,7 +63,7 @@ def _read_jsonl(path: Path, stats: DatasetStats) -> Iterator[tuple[int, object]]
 
 
 def _read_parquet(path: Path, stats: DatasetStats) -> Iterator[tuple[int, object]]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # heavy/optional: pyarrow, only for parquet files
 
     table = pq.read_table(str(path))
     for i, row in enumerate(table.to_pylist(), start=1):
@@ -243,7 +245,7 @@ def build_prompt_dataset(cfg, model_path: str, split: str = "train", tokenizer=N
     if split not in ("train", "eval"):
         raise ValueError(f"split={split!r} not allowed; allowed: 'train', 'eval'")
     if tokenizer is None:
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy: transformers
 
         tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
     d, ro = cfg.data, cfg.rollout
@@ -255,7 +257,5 @@ def build_prompt_dataset(cfg, model_path: str, split: str = "train", tokenizer=N
         if not files:
             raise ValueError("data.eval_files is empty: evaluation on file datasets needs eval files")
         return PromptDataset.from_files(files, tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key, **common)
-    from .tasks import get_task
-
     task = get_task(d.task, seed=d.seed, num_eval=d.num_eval_prompts)
     return PromptDataset.from_task(task, tokenizer, split=split, **common)

@@ -19,9 +19,9 @@ from typing import Any, Optional
 _MAX_DONE = 100_000  # a draw that is never trained (a dropped group) would pin `next`: past this, skip the gap
 
 
-def group_key(worker_id: int, generation: int, seq: int) -> str:
-    """The group id of draw ``seq`` by worker ``worker_id`` in its ``generation``-th incarnation (0: the first)."""
-    return f"{worker_id}-{seq}" if generation == 0 else f"{worker_id}.{generation}-{seq}"
+def group_key(worker_id: int, incarnation: int, seq: int) -> str:
+    """The group id of draw ``seq`` by worker ``worker_id`` in its ``incarnation``-th process (0: the first)."""
+    return f"{worker_id}-{seq}" if incarnation == 0 else f"{worker_id}.{incarnation}-{seq}"
 
 
 def parse_key(group_id: str) -> Optional[tuple[int, int]]:

@@ -14,6 +14,8 @@ import importlib
 import threading
 from typing import Callable, Optional
 
+from .tasks import get_task
+
 RewardFn = Callable[..., float]
 
 
@@ -24,7 +26,7 @@ def exact_match(response_text: str, answer: str, **kw) -> float:
 
 def math_reward(response_text: str, answer: str, timeout_s: int = 5, **kw) -> float:
     """1.0 when math-verify finds the response's final answer (last boxed / number) equal to ``answer``."""
-    from math_verify import parse, verify
+    from math_verify import parse, verify  # heavy/optional: math-verify
 
     t = timeout_s if threading.current_thread() is threading.main_thread() else None
     gold = parse(str(answer), parsing_timeout=t)
@@ -54,8 +56,6 @@ def resolve_reward_fn(spec: str, *, task: Optional[str] = None, builtin_task: bo
         raise ValueError(f"reward_fn={spec!r} must be a non-empty string")
     if spec == "auto":
         if task is not None:
-            from .tasks import get_task
-
             return resolve_reward_fn(getattr(get_task(task), "default_reward", "exact_match"))
         return exact_match if builtin_task else math_reward
     if spec in _REWARDS:

@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .tasks import get_task
+
 BUILD_FORMAT = 2  # bump when the build changes in a way the parameters do not capture
 
 PAD, EOS, UNK, BOS = "<pad>", "<eos>", "<unk>", "<bos>"
@@ -35,8 +37,8 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
     decoder concatenates tokens without spaces, so ``decode(encode(s)) == s`` and vLLM's incremental
     detokenizer produces the same text.
     """
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: tokenizers
+    from transformers import PreTrainedTokenizerFast  # heavy: transformers
 
     chars = list(dict.fromkeys(alphabet))
     if any(len(c) != 1 or c.isspace() for c in chars):
@@ -71,7 +73,7 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
 ) -> str:
     """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path."""
-    import torch
+    import torch  # heavy: torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
     if hidden % heads:
@@ -163,13 +165,11 @@ def ensure_builtin_model(
         t0 = time.time()
         if verbose:
             print(f"[asyncppo] building builtin model {name!r} into {final}", flush=True)
-        from .tasks import get_task
-
         task = get_task(task_name, seed=seed)
         build_tiny_model(str(tmp), seed=seed, alphabet=task.alphabet(), **spec)
         report: dict = {}
         if sft_steps > 0:
-            from .warmstart import supervised_warmstart
+            from .warmstart import supervised_warmstart  # heavy: torch
 
             report = supervised_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose, **sft_kwargs)
         (tmp / "build.json").write_text(

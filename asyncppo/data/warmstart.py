@@ -142,7 +142,7 @@ def supervised_warmstart(
 
     The held-out accuracy probes generate up to the task's ``max_response_tokens`` (5 when it has none).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncppo.envs.policy import PolicySpec
+from asyncppo.models.actor_critic import PolicySpec
 from asyncppo.stream.segments import SegmentSpec
 
 
@@ -60,7 +60,7 @@ def _make_kwargs(env_cfg) -> dict:
 
 
 def _check_id(env_id: str) -> None:
-    import gymnasium
+    import gymnasium  # heavy/optional: gymnasium (embodied runs only)
     from gymnasium import error as gym_error
 
     try:
@@ -75,7 +75,7 @@ def _check_id(env_id: str) -> None:
 
 def describe_spaces(env_id: str, observation_space, action_space) -> EnvDescription:
     """Check the spaces are ones the MLP actor-critic supports; EnvError naming the space otherwise."""
-    from gymnasium import spaces
+    from gymnasium import spaces  # heavy/optional: gymnasium
 
     obs = observation_space
     if not isinstance(obs, spaces.Box) or not np.issubdtype(obs.dtype, np.floating):
@@ -95,7 +95,7 @@ def describe_spaces(env_id: str, observation_space, action_space) -> EnvDescript
 
 def describe_env(env_cfg) -> EnvDescription:
     """Resolve ``env.id``, build one env to read its spaces, and check them (driver-side, before anything starts)."""
-    import gymnasium
+    import gymnasium  # heavy/optional: gymnasium
 
     if not env_cfg.id:
         raise EnvError("env.id is not set: choose env=cartpole or env=<gymnasium id>")
@@ -112,7 +112,7 @@ def describe_env(env_cfg) -> EnvDescription:
 
 def make_vector_env(env_cfg, num_envs: int):
     """A gymnasium vector env with ``SAME_STEP`` autoreset (module docstring)."""
-    import gymnasium
+    import gymnasium  # heavy/optional: gymnasium
     from gymnasium.vector import AutoresetMode
 
     _check_id(env_cfg.id)

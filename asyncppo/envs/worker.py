@@ -1,6 +1,7 @@
 """The environment rollout worker: step a gymnasium vector env with the newest weights, stream fixed-length segments.
 
-One turn of :meth:`EnvWorker.run`'s loop (the LLM worker's state machine, with an env step for a decode step):
+One turn of :meth:`EnvWorker.run`'s loop (the skeleton of :mod:`asyncppo.rollout.skeleton`, shared with the LLM
+worker, with an env step for a decode step):
 
 1. **control** - read the learner's newest state; stop if asked.
 2. **weights** - if newer weights were announced, join the broadcast and load them *now*, between two env steps:
@@ -18,7 +19,6 @@ worker raises :class:`EnvError` naming the env, the index and the step, and the 
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 
@@ -26,47 +26,31 @@ import numpy as np
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
+from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.stream.segments import encode_segment
 
 log = logging.getLogger("asyncppo.envs")
 
 
-class EnvWorker:
+class EnvWorker(WorkerSkeleton):
+    role = "env worker"
+
     def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
                  device: str = "cpu"):
-        self.cfg = cfg
-        self.worker_id = worker_id
-        self.num_workers = num_workers
-        self.endpoints = endpoints
+        super().__init__(cfg, worker_id, num_workers, endpoints)  # incarnation 0: env workers are not replaced
         self.device = torch.device(device)
         self.version = -1  # no weights yet: the learner pushes version 0 before any ticket can be served
         self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0}
-        self._pending: collections.deque = collections.deque()
         self._ticket = None
-        self._closables: list = []
-        self._state = None
-        self._seq = 0
 
     # ------------------------------------------------------------------------------------------------------------
-    def run(self) -> dict:
-        self._open()
-        try:
-            while self._turn():
-                pass
-        finally:
-            self._close()
-        return dict(self.stats, worker_id=self.worker_id, version=self.version)
-
-    def _open(self) -> None:
-        from asyncppo.staleness import AdmissionClient
-        from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
-        from asyncppo.sync import WeightReceiver, make_sync_group
-
-        cfg, ep, e = self.cfg, self.endpoints, self.cfg.env
+    def _open_workload(self) -> None:
+        """The vector env, the policy that acts in it and the segment builder, started from the first reset."""
+        cfg, e = self.cfg, self.cfg.env
         self.desc = describe_env(e)
         self.env = make_vector_env(e, e.num_envs)
         self._closables.append(self.env)
@@ -77,52 +61,27 @@ class EnvWorker:
         obs, _ = self.env.reset(seed=seed)
         self.builder = SegmentBuilder(self.desc, e.num_envs, e.segment_length, self.worker_id)
         self.builder.start(np.asarray(obs))
-        if ep.sync_per_worker:  # one two-rank group per worker (sync/fanout.py), as LLM workers
-            from asyncppo.sync.fanout import member_prefix
 
-            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, 0)
-        else:
-            rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
-        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
-                                     backend=ep.sync_backend, timeout_s=cfg.cluster.timeout_s, store_prefix=prefix)
-        self._closables.append(self.group)
-        self.receiver = WeightReceiver(self.group)
-        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm,
-                                       max_message_bytes=ep.max_message_bytes, curve=ep.curve)
-        self.control = ControlSubscriber(ep.control, curve=ep.curve)
-        self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
-        self._closables += [self.sender, self.control, self.admission]
+    def _open(self) -> None:
+        super()._open()
+        e = self.cfg.env
         print(f"[asyncppo] env worker {self.worker_id}: {e.num_envs} x {e.id} ({e.vectorization}), segments of "
               f"{e.segment_length} steps, obs {self.desc.obs_shape}, "
               f"{'discrete' if self.desc.discrete else 'continuous'} actions ({self.desc.action_dim})", flush=True)
 
-    def _close(self) -> None:
-        for closable in reversed(self._closables):
-            try:
-                closable.close()
-            except Exception:  # closing must not mask the run's outcome
-                pass
-
     # ------------------------------------------------------------------------------------------------------------
-    def _turn(self) -> bool:
-        state = self.control.latest(timeout_ms=0) or self._state
-        self._state = state
-        if state is None and self.control.rejected.get("version", 0):
-            raise RuntimeError(f"env worker {self.worker_id}: the learner's control messages use another wire "
-                               "schema version; run the same asyncppo version on every node")
-        if state is not None and state.stop:
-            return False
-        if state is not None and state.weights_version > self.version:
-            self._load_weights(state)
-            return True
+    def _on_weights_announced(self, state) -> bool:
+        self._load_weights(state)
+        return True  # loaded between two env steps; the next turn reads control again
+
+    def _work(self) -> None:
         if self._ticket is None and not self._next_ticket():
-            return True
+            return
         if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours: wait for them
             needed = self._ticket.min_version
             self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
-            return True
+            return
         self._step()
-        return True
 
     def _load_weights(self, state) -> None:
         t0 = time.perf_counter()
@@ -166,10 +125,8 @@ class EnvWorker:
 
     def _send(self, segment) -> None:
         frame = encode_segment(segment)
-        while not self.sender.send_encoded(frame, timeout_s=1.0):
-            state = self.control.latest(timeout_ms=0)
-            if state is not None and state.stop:
-                return
+        if not self._send_until_sent(lambda: self.sender.send_encoded(frame, timeout_s=1.0)):
+            return
         self.stats["segments_sent"] += 1
         self.stats["episodes"] += int(segment.episode_returns.shape[0])
 

@@ -1,4 +1,4 @@
-"""Ray actor wrappers around the learner service and the rollout worker.
+"""Ray actor wrappers around the learner process (launch/learner_wiring.py) and the rollout worker.
 
 They only rebuild the typed config from a plain dict (Ray ships plain data) and forward calls, so the learner and the
 worker stay ordinary classes that tests can also run without Ray.
@@ -41,21 +41,20 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), cfg_dict))
 
 
-# Threaded: the launcher calls replace_worker / data_position while run() trains (learner/service.py locks).
+# Threaded: the launcher calls replace_worker / data_position while run() trains (launch/membership.py locks).
 @ray.remote(max_restarts=0, max_concurrency=4)
 class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
         import logging
 
-        from asyncppo.learner.service import LearnerService
-
         from asyncppo.launch.console import redirect_output
+        from asyncppo.launch.learner_wiring import llm_learner
 
         redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
         set_learner_threads(cfg_dict)
-        self.service = LearnerService(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
+        self.service = llm_learner(_config(cfg_dict), model_path, num_workers, output_dir, rank, world_size)
 
     def setup(self):
         return self.service.setup()
@@ -73,14 +72,14 @@ class LearnerActor:
     def data_position(self, worker_id: int) -> dict:
         return self.service.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, generation: int) -> dict:
-        return self.service.replace_worker(worker_id, generation)
+    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
+        return self.service.replace_worker(worker_id, incarnation)
 
 
 @ray.remote(max_restarts=0)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
-                 generation: int = 0, position=None):
+                 incarnation: int = 0, position=None):
         import torch
 
         import logging
@@ -93,7 +92,7 @@ class RolloutActor:
         pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
         torch.set_num_threads(1)
         self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path,
-                                    generation=generation, position=position)
+                                    incarnation=incarnation, position=position)
 
     def run(self) -> dict:
         return self.worker.run()

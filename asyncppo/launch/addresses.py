@@ -112,7 +112,7 @@ def resolve_addresses(bind: Optional[str], advertise: Optional[str], node_ip: Op
 
 def discover_learner_addresses(bind: Optional[str], advertise: Optional[str]) -> LearnerAddresses:
     """Apply the rule where it must run: in the learner's process, asking Ray which node this is and which nodes are
-    alive. Outside Ray (tests building a LearnerService directly) there is no cluster, hence loopback."""
+    alive. Outside Ray (tests building a learner process directly) there is no cluster, hence loopback."""
     node_id = node_ip = ""
     node_ips: list[str] = []
     try:

@@ -18,13 +18,13 @@ class EnvLearnerActor:
         import logging
 
         from asyncppo.launch.console import redirect_output
-        from asyncppo.learner.embodied import EmbodiedLearner
+        from asyncppo.launch.learner_wiring import EmbodiedLearnerProcess
 
         redirect_output(output_dir, "learner")
         logging.basicConfig(level=logging.WARNING)
         pin_cpus("ASYNCPPO_LEARNER_CPUS")
         set_learner_threads(cfg_dict)
-        self.service = EmbodiedLearner(_config(cfg_dict), num_workers, output_dir, keys=keys)
+        self.service = EmbodiedLearnerProcess(_config(cfg_dict), num_workers, output_dir, keys=keys)
 
     def setup(self):
         return self.service.setup()

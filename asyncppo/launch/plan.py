@@ -1,8 +1,8 @@
 """The placement plan: which role runs where, decided from the config alone (no Ray, no devices touched).
 
 Kept pure so that ``asyncppo launch --dry-run`` can show it in milliseconds, tests can assert it exactly, and the
-Ray runner can turn it into placement-group bundles. Whether the cluster actually has these resources is the
-runner's check, not this module's.
+launch plan (launch/resolve.py) can turn it into placement-group bundles. Whether the cluster actually has these
+resources is checked there (``check_cluster``), not in this module.
 
 Rules:
 

@@ -33,7 +33,7 @@ import torch
 
 from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.learner.schedule import lr_lambda
 from asyncppo.stream.segments import EnvSegment
 
@@ -122,7 +122,7 @@ class EmbodiedPPO:
         old = pol.evaluate(flat_obs, flat_act)[0] if a.off_policy_correction == "decoupled" else behav
         flat_adv = adv.reshape(-1)
         if a.whiten_advantages:
-            flat_adv = (flat_adv - flat_adv.mean()) / (flat_adv.std() + 1e-8)
+            flat_adv = algo.flat_whiten(flat_adv)
         return {"obs": flat_obs, "actions": flat_act, "behav": behav, "old": old.float(), "adv": flat_adv,
                 "returns": ret.reshape(-1), "values": values.reshape(-1), "rewards": rewards}
 
@@ -174,7 +174,7 @@ class EmbodiedPPO:
         vl, vm = algo.value_loss(v[None], b["values"][idx][None], b["returns"][idx][None], ones,
                                  value_clip=a.value_clip, huber_delta=a.huber_delta)
         ent = entropy.mean()
-        actor_loss = pg - a.entropy_coef * ent if a.entropy_coef else pg
+        actor_loss = algo.combine_actor_loss(pg, ent, a.entropy_coef)
         for o in self.opts:
             o.zero_grad(set_to_none=True)
         if self.actor_critic:

@@ -16,7 +16,9 @@
 Everything that is a constant of the update and needs more than one micro-batch to compute is computed before the
 micro-batch split: the rollout-correction weights and rejection mask (once per batch) and the covariance token
 selection of ``clip_cov`` / ``kl_cov`` (once per mini-batch). That is what keeps every loss invariant to the split.
-The math lives in :mod:`asyncppo.algo`; this module only wires it to models and optimisers.
+The math lives in :mod:`asyncppo.algo`, called, never re-derived here. Steps 2-3 and the rollout correction need no
+model and live in :mod:`asyncppo.learner.ppo_targets`; the loss terms of one micro-batch in
+:mod:`asyncppo.learner.ppo_losses`. This module runs the forwards, the backwards and the optimisers.
 """
 
 from __future__ import annotations
@@ -27,14 +29,17 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
-from asyncppo.learner.metric_mean import MetricMean
-from asyncppo.learner.schedule import lr_lambda
 from asyncppo.learner.forward import chunked, policy_forward, policy_value_forward, response_logits, value_forward
+from asyncppo.learner.metric_mean import MetricMean
+from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
+from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards, set_advantages
+from asyncppo.learner.schedule import lr_lambda
 from asyncppo.learner.value_head import shares_actor_body
 
 CRITIC_ESTIMATORS = {"gae"}
@@ -103,17 +108,32 @@ class PPOUpdate:
 
     # ------------------------------------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
-        alg = self.alg
+        """One policy version: the batch's targets (steps 1-3 of the module docstring), then the PPO epochs."""
         batch = batch.to(self.device)
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
+        rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
+        batch, first_pass = self._prepare(batch, rows, metrics)
+        token_rewards = outcome_token_rewards(
+            self.alg, batch, self.cfg.rollout.response_length, self.reward_stats, metrics
+        )
+        if self.alg.add_token_level_kl:
+            token_rewards = self._kl_in_reward(batch, token_rewards, rows, metrics)
+        set_advantages(self.alg, batch, token_rewards, metrics)
+        self._train(batch, first_pass, metrics)
+        metrics["time/update_s"] = time.perf_counter() - t0
+        return metrics
 
-        # 1. proximal log-probs, values, reference log-probs (no grad). A step that makes one optimizer step over
-        # one micro-batch takes them from its own training forward instead (see _single_pass).
-        rows = max(self.cfg.algorithm.micro_batch_size, 64) if self.cfg.algorithm.micro_batch_size else 256
+    def _prepare(
+        self, batch: TrainBatch, rows: int, metrics: dict
+    ) -> tuple[TrainBatch, Optional[_FirstPass]]:
+        """Proximal log-probs, old values and reference log-probs (no grad), then the rollout correction. A step
+        that makes one optimizer step over one micro-batch takes the first two from its own training forward
+        instead (see :meth:`_single_pass`), and trains on the one mini-batch it draws here."""
+        alg = self.alg
         single = self._single_pass(batch)
         if single:
-            batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as below
+            batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as _train
         if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward
             batch.ref_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
@@ -121,75 +141,24 @@ class PPOUpdate:
         first_pass = self._first_pass(batch) if single else None
         self.actor.eval()
         proximal, batch.old_values = self._proximal_and_values(batch, first_pass, rows)
-        batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
-        mask = batch.response_mask
-        # KL(behaviour || proximal), estimated on the behaviour policy's own samples (the same as algo.policy_loss reports)
-        metrics["actor/mismatch_kl"] = float(
-            algo.masked_mean(algo.kl_penalty(batch.behavior_logprobs, proximal, "k3"), mask)
+        correct_rollout(alg, batch, proximal, metrics)
+        return batch, first_pass
+
+    def _kl_in_reward(self, batch: TrainBatch, token_rewards: torch.Tensor, rows: int, metrics: dict) -> torch.Tensor:
+        """``r_t - kl_coef * KL_t`` with the adaptive or fixed controller's coefficient, which this batch updates."""
+        kl_tok = self._reference_kl(batch, rows)
+        token_rewards, kl_info = algo.apply_kl_to_rewards(
+            token_rewards, kl_tok, self.kl_ctrl.value, batch.response_mask
         )
-        # rollout correction: constant weights and the rejection-reduced loss mask, once for the whole batch
-        batch.loss_mask = mask.bool()
-        if alg.off_policy_correction != "none":
-            batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
-                batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
-                truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
-                normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
-                rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
-            )
-            metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
+        metrics["actor/reward_kl"] = float(kl_info["kl"])
+        metrics["actor/kl_coef"] = float(kl_info["kl_coef"])
+        self.kl_ctrl.update(float(kl_info["kl"]), batch.size)
+        return token_rewards
 
-        # 2. rewards: shape the outcome score, put it on the last valid token, optional KL-in-reward
-        scores = batch.scores.clone()
-        metrics["reward/mean"] = float(scores.mean())
-        metrics["reward/max"] = float(scores.max())
-        metrics["reward/min"] = float(scores.min())
-        lengths = mask.sum(dim=1).long()
-        if alg.overlong_buffer_len > 0:  # DAPO soft over-length punishment, before clipping and normalisation
-            penalty = algo.overlong_penalty(
-                lengths, self.cfg.rollout.response_length, alg.overlong_buffer_len, alg.overlong_penalty_factor
-            )
-            scores = scores + penalty.to(scores)
-            metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
-        if alg.reward_clip is not None:
-            scores = scores.clamp(-alg.reward_clip, alg.reward_clip)
-        if alg.reward_norm is not None:
-            scores = algo.normalize_rewards(
-                scores,
-                mode=alg.reward_norm,
-                group_index=batch.group_index,
-                running=self.reward_stats,
-                shift_only=alg.reward_shift,
-                scale_only=alg.reward_scale,
-            )
-        token_rewards = algo.scores_to_token_rewards(scores, mask)
-        if alg.add_token_level_kl:
-            kl_tok = self._reference_kl(batch, rows)
-            token_rewards, kl_info = algo.apply_kl_to_rewards(token_rewards, kl_tok, self.kl_ctrl.value, mask)
-            metrics["actor/reward_kl"] = float(kl_info["kl"])
-            metrics["actor/kl_coef"] = float(kl_info["kl_coef"])
-            self.kl_ctrl.update(float(kl_info["kl"]), batch.size)
-
-        # 3. advantages and returns
-        advantages, returns = algo.compute_advantages(
-            alg.adv_estimator,
-            token_rewards,
-            mask,
-            values=batch.old_values,
-            group_index=batch.group_index,
-            gamma=alg.gamma,
-            lambd=alg.lambd,
-            norm_by_std=alg.norm_adv_by_std_in_grpo,
-            whiten=alg.whiten_advantages and alg.adv_estimator in ("gae", "reinforce"),
-            clip=alg.advantage_clip,
-        )
-        batch.advantages, batch.returns = advantages, returns
-        if batch.old_values is not None:  # NaN (logged as null) when every return is equal: nothing to explain
-            metrics["critic/explained_variance"] = float(algo.explained_variance(batch.old_values, returns, mask))
-            metrics["critic/values_mean"] = float(algo.masked_mean(batch.old_values, mask))
-        metrics["actor/advantages_mean"] = float(algo.masked_mean(advantages, mask))
-        metrics["response_length/mean"] = float(lengths.float().mean())
-
-        # 4. PPO epochs over mini-batches, gradient accumulation over micro-batches
+    def _train(self, batch: TrainBatch, first_pass: Optional[_FirstPass], metrics: dict) -> None:
+        """``ppo_epochs`` passes over shuffled mini-batches (or the single pass's one), stopping early on
+        ``early_stop_kl``; one learning-rate step per policy version."""
+        alg = self.alg
         means = MetricMean()
         self.actor.train()
         if self.critic is not None:
@@ -220,8 +189,6 @@ class PPOUpdate:
         metrics["actor/optimizer_steps_planned"] = planned
         metrics["actor/early_stopped"] = float(stopped)
         metrics["actor/single_pass"] = float(first_pass is not None)
-        metrics["time/update_s"] = time.perf_counter() - t0
-        return metrics
 
     # ------------------------------------------------------------------------------------------------------------
     def _reference_kl(self, batch: TrainBatch, rows: int) -> torch.Tensor:
@@ -300,131 +267,42 @@ class PPOUpdate:
         if mode is not None:
             ratio = alg.clip_cov_ratio if mode == "clip" else alg.kl_cov_ratio
             mini.token_select = algo.cov_select(
-                mini.advantages, mini.old_logprobs, self._loss_mask(mini), mode, ratio,
+                mini.advantages, mini.old_logprobs, loss_mask(mini), mode, ratio,
                 lb=alg.clip_cov_lb, ub=alg.clip_cov_ub, generator=self.generator,
             )
         return mini
 
-    @staticmethod
-    def _loss_mask(b: TrainBatch) -> torch.Tensor:
-        return b.loss_mask if b.loss_mask is not None else b.response_mask.bool()
-
     def _all_reduce(self, values: list[float]) -> list[float]:
         counts = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
-            import torch.distributed as dist
-
             counts = counts.to(self.device)
             dist.all_reduce(counts)
         return [float(x) for x in counts.cpu()]
 
-    def _global_counts(self, mini: TrainBatch) -> tuple[float, float, float, float]:
-        """(tokens, sequences) of the mini-batch for the critic, then for the policy terms (rejected tokens and
-        fully rejected sequences left out), summed over the learner ranks."""
-        lm = self._loss_mask(mini)
-        rejected_rows = float((mini.response_mask.bool().any(-1) & ~lm.any(-1)).sum())
-        tokens, seqs, p_tokens, p_seqs = self._all_reduce(
-            [float(mini.response_mask.sum()), float(mini.size), float(lm.sum()), float(mini.size) - rejected_rows]
+    def _global_counts(self, mini: TrainBatch) -> LossNorms:
+        """The mini-batch's loss denominators (:func:`algo.loss_denominators`), summed over the learner ranks."""
+        return LossNorms.for_mini_batch(
+            self.alg, self._all_reduce(list(algo.loss_denominators(mini.response_mask, loss_mask(mini))))
         )
-        return tokens, seqs, max(p_tokens, 1.0), max(p_seqs, 1.0)
 
     def _update_mini_batch(self, mini: TrainBatch, means: MetricMean, first_pass: Optional[_FirstPass] = None) -> None:
+        """One optimizer step: gradients accumulated over the micro-batches, each loss its share of the mini-batch's
+        (global normalisation), so losses are summed and ratio-type metrics are token-weighted means."""
         alg = self.alg
-        global_tokens, global_seqs, policy_tokens, policy_seqs = self._global_counts(mini)
-        # One normalisation per mask: the actor terms (policy, entropy, KL) count the loss mask's tokens (rejected
-        # ones left out), the critic the whole response. Losses take it as keywords, aggregate() as mode=.
-        counts = dict(global_tokens=global_tokens, global_seqs=global_seqs, norm_length=alg.loss_agg_norm_length)
-        agg = dict(loss_agg_mode=alg.loss_agg_mode, **counts)
-        actor_counts = dict(global_tokens=policy_tokens, global_seqs=policy_seqs, norm_length=alg.loss_agg_norm_length)
-        actor_agg = dict(loss_agg_mode=alg.loss_agg_mode, **actor_counts)
-        mat_agg = dict(mode=alg.loss_agg_mode, **actor_counts)
-        kl_sum = kl_tokens = 0.0
-        # FSDP averages gradients over ranks; the losses are already normalised by global counts, so undo the mean.
-        scale = float(self.world_size)
+        norms = self._global_counts(mini)
         self.actor_opt.zero_grad(set_to_none=True)
         if self.critic_opt is not None:
             self.critic_opt.zero_grad(set_to_none=True)
-        # Each micro-batch loss is its share of the mini-batch loss (global normalisation): losses are summed here,
-        # ratio-type metrics are token-weighted means.
         loss_sums: dict[str, float] = defaultdict(float)
+        kl_sum = kl_tokens = 0.0
         parts = [mini] if first_pass else micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
         for micro in parts:
-            weight = float(micro.response_mask.sum())
-            values = None
-            if first_pass is not None:
-                logprobs, entropy, logits, values = (
-                    first_pass.logprobs, first_pass.entropy, first_pass.logits, first_pass.values
-                )
-            elif self.shared_critic:
-                logprobs, entropy, logits, values = policy_value_forward(
-                    self.actor, self.critic, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
-                )
-            else:
-                logprobs, entropy, logits = policy_forward(
-                    self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0
-                )
-            if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
-                with torch.no_grad():
-                    entropy = algo.entropy_from_logits(logits.detach())
-            lmask = self._loss_mask(micro)
-            pg_loss, pg_metrics = algo.policy_loss(
-                logprobs,
-                micro.old_logprobs,
-                micro.advantages,
-                lmask,
-                loss_name=alg.policy_loss,
-                clip_ratio_low=alg.clip_ratio_low,
-                clip_ratio_high=alg.clip_ratio_high,
-                dual_clip=alg.dual_clip_loss,
-                clip_ratio_c=alg.clip_ratio_c,
-                tis_cap=alg.tis_cap,
-                kl_cov_coef=alg.kl_cov_coef,
-                token_select=micro.token_select,
-                is_weights=micro.is_weights,
-                **actor_agg,
-            )
-            n_kept = float(lmask.sum())
-            kl_sum += float(pg_metrics["approx_kl"]) * n_kept
-            kl_tokens += n_kept
-            entropy_term = algo.aggregate(entropy, lmask, **mat_agg)
-            loss = pg_loss - alg.entropy_coef * entropy_term
-            step_metrics = {f"actor/{k}": v for k, v in pg_metrics.items() if k != "pg_loss"}
-            step_metrics["actor/entropy"] = float(algo.masked_mean(entropy.detach(), micro.response_mask))
-            loss_sums["actor/pg_loss"] += float(pg_loss.detach())
-            if alg.use_kl_loss:
-                ref_logits = None
-                if self.kl_base == "full":
-                    with torch.no_grad():
-                        ref_logits = response_logits(self.reference, micro, alg.temperature)
-                kl_mat = algo.kl_penalty(
-                    logprobs, micro.ref_logprobs, alg.kl_penalty, logits=logits, ref_logits=ref_logits
-                )
-                kl_loss = algo.aggregate(kl_mat, lmask, **mat_agg)
-                loss = loss + alg.kl_loss_coef * kl_loss
-                loss_sums["actor/kl_loss"] += float(kl_loss.detach())
-            if not self.shared_critic:  # the actor's graph is freed before the critic's forward
-                (loss * scale).backward()
-            if self.critic is not None:
-                if values is None:
-                    values = value_forward(self.critic, micro)
-                vf_loss, vf_metrics = algo.value_loss(
-                    values,
-                    micro.old_values,
-                    micro.returns,
-                    micro.response_mask,
-                    value_clip=alg.value_clip,
-                    huber_delta=alg.huber_delta,
-                    **agg,
-                )
-                if self.shared_critic:  # one graph: policy and value losses through the shared body at once
-                    loss = loss + alg.vf_coef * vf_loss
-                else:
-                    (alg.vf_coef * vf_loss * scale).backward()
-                loss_sums["critic/vf_loss"] += float(vf_loss.detach())
-                step_metrics.update({f"critic/{k}": v for k, v in vf_metrics.items() if k != "vf_loss"})
-            if self.shared_critic:
-                (loss * scale).backward()
-            means.add(step_metrics, weight)
+            step_metrics, sums, kl_weighted, kept = self._backward_micro_batch(micro, norms, first_pass)
+            for key, value in sums.items():
+                loss_sums[key] += value
+            kl_sum += kl_weighted
+            kl_tokens += kept
+            means.add(step_metrics, float(micro.response_mask.sum()))
         # approx_kl of the whole mini-batch (all ranks): the early-stopping decision must be the same everywhere
         if alg.early_stop_kl is not None:
             kl_sum, kl_tokens = self._all_reduce([kl_sum, kl_tokens])
@@ -437,3 +315,45 @@ class PPOUpdate:
             self.critic_opt.step()
             extra["critic/grad_norm"] = float(critic_norm)
         means.add(extra, 1.0)
+
+    def _micro_forward(self, micro: TrainBatch, first_pass: Optional[_FirstPass]):
+        """``(logprobs, entropy, logits, values or None)`` with grad: the single pass's own, one actor forward
+        through a shared value head, or the actor alone (the critic then runs after the actor's backward)."""
+        alg = self.alg
+        if first_pass is not None:
+            return first_pass.logprobs, first_pass.entropy, first_pass.logits, first_pass.values
+        if self.shared_critic:
+            return policy_value_forward(self.actor, self.critic, micro, alg.temperature, alg.entropy_coef != 0)
+        return (*policy_forward(self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0), None)
+
+    def _backward_micro_batch(self, micro: TrainBatch, norms: LossNorms, first_pass: Optional[_FirstPass]):
+        """Forward, losses and backward of one micro-batch: ``(metrics, loss sums, weighted approx_kl, kept
+        tokens)``. FSDP averages gradients over ranks while the losses are already normalised by global counts,
+        so each backward is scaled by the world size to undo the mean."""
+        alg = self.alg
+        scale = float(self.world_size)
+        logprobs, entropy, logits, values = self._micro_forward(micro, first_pass)
+        if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
+            with torch.no_grad():
+                entropy = algo.entropy_from_logits(logits.detach())
+        ref_logits = None
+        if alg.use_kl_loss and self.kl_base == "full":
+            with torch.no_grad():
+                ref_logits = response_logits(self.reference, micro, alg.temperature)
+        actor = actor_loss(alg, micro, logprobs, entropy, logits, ref_logits, norms)
+        loss, metrics, sums = actor.loss, actor.metrics, dict(actor.loss_sums)
+        if not self.shared_critic:  # the actor's graph is freed before the critic's forward
+            (loss * scale).backward()
+        if self.critic is not None:
+            if values is None:
+                values = value_forward(self.critic, micro)
+            vf_loss, vf_metrics = critic_loss(alg, micro, values, norms)
+            if self.shared_critic:  # one graph: policy and value losses through the shared body at once
+                loss = loss + alg.vf_coef * vf_loss
+            else:
+                (alg.vf_coef * vf_loss * scale).backward()
+            sums["critic/vf_loss"] = float(vf_loss.detach())
+            metrics.update(vf_metrics)
+        if self.shared_critic:
+            (loss * scale).backward()
+        return metrics, sums, actor.kl_weighted, actor.kept_tokens

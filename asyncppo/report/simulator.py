@@ -126,6 +126,26 @@ class _Engine:
         self.epoch = 0
 
 
+@dataclass
+class _RunState:
+    """What one :meth:`Simulator.run` changes as events fire (the engines' own state lives in :class:`_Engine`)."""
+
+    engines: list
+    seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, admit progress, length)
+    groups: dict = field(default_factory=dict)  # ticket -> {left, tokens, vmin, tv}
+    delivered: dict = field(default_factory=dict)
+    next_ticket: int = 0
+    version: int = 0
+    learner_busy_until: Optional[float] = None
+    step_ends: list = field(default_factory=lambda: [0.0])
+    train_time: list = field(default_factory=list)
+    lags: list = field(default_factory=list)
+    token_lags: list = field(default_factory=list)
+    snap: dict = field(default_factory=lambda: {"t": 0.0, "busy": [0.0], "steps": [0.0], "run": [0.0], "train": 0.0,
+                                                "lags": 0, "tlags": 0})
+    seq_ids: int = 0
+
+
 class Simulator:
     def __init__(self, setup: Setup, gen: EngineSpeed, train: TrainSpeed, lengths):
         if setup.group_size > gen.max_num_seqs:
@@ -186,127 +206,131 @@ class Simulator:
 
     # -- the run --------------------------------------------------------------------------------------------
     def run(self) -> Result:
-        s = self.s
-        B, n, k = s.batch_groups, s.group_size, s.max_staleness
+        """Replay events (sequence finished, step trained, weights loaded) in time order until the last step."""
         self.events: list = []
         self._counter = 0
-        engines = [_Engine(i) for i in range(s.engines)]
-        seqs: dict[int, tuple] = {}  # seq id -> (group ticket, admit progress, length, engine)
-        groups: dict[int, dict] = {}  # ticket -> {left, tokens, vmin, tok_versions}
-        delivered: dict[int, dict] = {}
-        next_ticket = 0
-        version = 0
-        learner_busy_until: Optional[float] = None
-        step_ends: list[float] = [0.0]
-        train_time: list[float] = []
-        lags: list[int] = []
-        token_lags: list[tuple[float, int]] = []
-        snap: dict = {"t": 0.0, "busy": [0.0], "steps": [0.0], "run": [0.0], "train": 0.0, "lags": 0, "tlags": 0}
-        seq_ids = 0
-
-        def admit(e: _Engine, now: float) -> None:
-            nonlocal next_ticket, seq_ids
-            self._advance(e, now)
-            room = (self.gen.max_num_seqs - e.n) // n
-            while len(e.pending) < room and next_ticket < (k + version + 1) * B:  # request tickets, in order
-                e.pending.append(next_ticket)
-                next_ticket += 1
-            added = False
-            while e.pending and (self.gen.max_num_seqs - e.n) >= n and e.pending[0] // B - k <= e.version:
-                ticket = e.pending.popleft()
-                lens = self.lengths.sample_group(self.rng, n)
-                groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
-                for L in lens:
-                    seq_ids += 1
-                    seqs[seq_ids] = (ticket, e.p, L)
-                    heapq.heappush(e.heap, (e.p + L, seq_ids))
-                    e.kv0 += s.prompt_tokens - e.p
-                    e.n += 1
-                added = True
-            if added:
-                self._schedule(e)
-
-        def admit_all(now: float) -> None:
-            # engines with the most room ask first, as idle workers' requests reach the controller first
-            for e in sorted(engines, key=lambda x: x.n):
-                admit(e, now)
-
-        def try_train(now: float) -> None:
-            nonlocal learner_busy_until
-            if learner_busy_until is not None or version >= s.steps:
-                return
-            batch = range(version * B, (version + 1) * B)
-            if not all(t in delivered for t in batch):
-                return
-            recs = [delivered.pop(t) for t in batch]
-            tokens = sum(r["tokens"] for r in recs)
-            for r in recs:
-                lags.extend([version - r["vmin"]] * n)
-                token_lags.append((version * r["tokens"] - r["tv"], r["tokens"]))
-            dur = self.train.step_s(tokens, s.train_ranks) + (s.switch_s if s.colocated else 0.0)
-            train_time.append(dur)
-            learner_busy_until = now + dur
-            heapq.heappush(self.events, (now + dur, 1, self._seq(), ("trained", tokens)))
-
-        admit_all(0.0)
-        while self.events and version < s.steps:
+        self.r = r = _RunState(engines=[_Engine(i) for i in range(self.s.engines)])
+        self._admit_all(0.0)
+        while self.events and r.version < self.s.steps:
             now, _, _, ev = heapq.heappop(self.events)
             if ev[0] == "finish":
-                e = engines[ev[1]]
-                if ev[2] != e.epoch:
-                    continue  # superseded by a later schedule of this engine
-                self._advance(e, now)
-                # the event was computed to reach this progress: snap to it, so float rounding of tiny step times
-                # (now + 1e-9 == now) can never leave the sequence unfinished and the event re-firing forever
-                if ev[3] > e.p:
-                    e.steps += ev[3] - e.p
-                    e.run_steps += e.n * (ev[3] - e.p)
-                    e.p = ev[3]
-                while e.heap and e.heap[0][0] <= e.p + 1e-9:
-                    _, sid = heapq.heappop(e.heap)
-                    ticket, p0, L = seqs.pop(sid)
-                    e.n -= 1
-                    e.kv0 -= s.prompt_tokens - p0
-                    g = groups[ticket]
-                    g["left"] -= 1
-                    g["tokens"] += L
-                    g["tv"] += L * self._mean_version(e, p0, p0 + L)
-                    if g["left"] == 0:
-                        delivered[ticket] = groups.pop(ticket)
-                if e.n == 0:
-                    e.kv0 = 0.0  # no drift of floating-point sums across idle periods
-                admit(e, now)
-                self._schedule(e)
-                try_train(now)
+                self._on_finish(ev, now)
             elif ev[0] == "trained":
-                learner_busy_until = None
-                version += 1
-                step_ends.append(now)
-                if version == s.warmup_steps:
-                    for e in engines:
-                        self._advance(e, now)
-                    snap = {"t": now, "busy": [e.busy for e in engines], "steps": [e.steps for e in engines],
-                            "run": [e.run_steps for e in engines], "train": sum(train_time),
-                            "lags": len(lags), "tlags": len(token_lags)}
-                if version % s.sync_every == 0 and version < s.steps:
-                    for e in engines:
-                        self._advance(e, now)
-                        e.paused_until = max(e.paused_until, now) + s.load_s
-                        heapq.heappush(self.events, (e.paused_until, 2, self._seq(), ("loaded", e.idx, version)))
-                        self._schedule(e)
-                admit_all(now)
-                try_train(now)
+                self._on_trained(now)
             elif ev[0] == "loaded":
-                e = engines[ev[1]]
+                self._on_loaded(ev, now)
+        if r.version < self.s.steps:
+            raise RuntimeError(f"the simulated pipeline stalled at version {r.version} (no event left): {self.s}")
+        return self._result(r.engines, r.snap, r.step_ends, r.train_time, r.lags, r.token_lags)
+
+    def _admit(self, e: _Engine, now: float) -> None:
+        """Request tickets in order while the engine has room, then admit every group whose version it satisfies."""
+        s, r = self.s, self.r
+        B, n, k = s.batch_groups, s.group_size, s.max_staleness
+        self._advance(e, now)
+        room = (self.gen.max_num_seqs - e.n) // n
+        while len(e.pending) < room and r.next_ticket < (k + r.version + 1) * B:  # request tickets, in order
+            e.pending.append(r.next_ticket)
+            r.next_ticket += 1
+        added = False
+        while e.pending and (self.gen.max_num_seqs - e.n) >= n and e.pending[0] // B - k <= e.version:
+            ticket = e.pending.popleft()
+            lens = self.lengths.sample_group(self.rng, n)
+            r.groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
+            for L in lens:
+                r.seq_ids += 1
+                r.seqs[r.seq_ids] = (ticket, e.p, L)
+                heapq.heappush(e.heap, (e.p + L, r.seq_ids))
+                e.kv0 += s.prompt_tokens - e.p
+                e.n += 1
+            added = True
+        if added:
+            self._schedule(e)
+
+    def _admit_all(self, now: float) -> None:
+        # engines with the most room ask first, as idle workers' requests reach the controller first
+        for e in sorted(self.r.engines, key=lambda x: x.n):
+            self._admit(e, now)
+
+    def _try_train(self, now: float) -> None:
+        """Start the next step once the learner is free and every ticket of its batch is delivered."""
+        s, r = self.s, self.r
+        B, n = s.batch_groups, s.group_size
+        if r.learner_busy_until is not None or r.version >= s.steps:
+            return
+        batch = range(r.version * B, (r.version + 1) * B)
+        if not all(t in r.delivered for t in batch):
+            return
+        recs = [r.delivered.pop(t) for t in batch]
+        tokens = sum(rec["tokens"] for rec in recs)
+        for rec in recs:
+            r.lags.extend([r.version - rec["vmin"]] * n)
+            r.token_lags.append((r.version * rec["tokens"] - rec["tv"], rec["tokens"]))
+        dur = self.train.step_s(tokens, s.train_ranks) + (s.switch_s if s.colocated else 0.0)
+        r.train_time.append(dur)
+        r.learner_busy_until = now + dur
+        heapq.heappush(self.events, (now + dur, 1, self._seq(), ("trained", tokens)))
+
+    def _on_finish(self, ev: tuple, now: float) -> None:
+        """Sequences of one engine reached their length: free their slots, deliver completed groups, refill."""
+        s, r = self.s, self.r
+        e = r.engines[ev[1]]
+        if ev[2] != e.epoch:
+            return  # superseded by a later schedule of this engine
+        self._advance(e, now)
+        # the event was computed to reach this progress: snap to it, so float rounding of tiny step times
+        # (now + 1e-9 == now) can never leave the sequence unfinished and the event re-firing forever
+        if ev[3] > e.p:
+            e.steps += ev[3] - e.p
+            e.run_steps += e.n * (ev[3] - e.p)
+            e.p = ev[3]
+        while e.heap and e.heap[0][0] <= e.p + 1e-9:
+            _, sid = heapq.heappop(e.heap)
+            ticket, p0, L = r.seqs.pop(sid)
+            e.n -= 1
+            e.kv0 -= s.prompt_tokens - p0
+            g = r.groups[ticket]
+            g["left"] -= 1
+            g["tokens"] += L
+            g["tv"] += L * self._mean_version(e, p0, p0 + L)
+            if g["left"] == 0:
+                r.delivered[ticket] = r.groups.pop(ticket)
+        if e.n == 0:
+            e.kv0 = 0.0  # no drift of floating-point sums across idle periods
+        self._admit(e, now)
+        self._schedule(e)
+        self._try_train(now)
+
+    def _on_trained(self, now: float) -> None:
+        """A step ended: the next version, the warm-up snapshot, and every ``sync_every`` versions a weight push."""
+        s, r = self.s, self.r
+        r.learner_busy_until = None
+        r.version += 1
+        r.step_ends.append(now)
+        if r.version == s.warmup_steps:
+            for e in r.engines:
                 self._advance(e, now)
-                if ev[2] > e.version:
-                    e.version = ev[2]
-                    e.marks.append((e.p, e.version))
-                admit(e, now)
+            r.snap = {"t": now, "busy": [e.busy for e in r.engines], "steps": [e.steps for e in r.engines],
+                      "run": [e.run_steps for e in r.engines], "train": sum(r.train_time),
+                      "lags": len(r.lags), "tlags": len(r.token_lags)}
+        if r.version % s.sync_every == 0 and r.version < s.steps:
+            for e in r.engines:
+                self._advance(e, now)
+                e.paused_until = max(e.paused_until, now) + s.load_s
+                heapq.heappush(self.events, (e.paused_until, 2, self._seq(), ("loaded", e.idx, r.version)))
                 self._schedule(e)
-        if version < s.steps:
-            raise RuntimeError(f"the simulated pipeline stalled at version {version} (no event left): {s}")
-        return self._result(engines, snap, step_ends, train_time, lags, token_lags)
+        self._admit_all(now)
+        self._try_train(now)
+
+    def _on_loaded(self, ev: tuple, now: float) -> None:
+        """An engine finished loading a version: new tokens carry it, and tickets that waited for it may start."""
+        e = self.r.engines[ev[1]]
+        self._advance(e, now)
+        if ev[2] > e.version:
+            e.version = ev[2]
+            e.marks.append((e.p, e.version))
+        self._admit(e, now)
+        self._schedule(e)
 
     def _result(self, engines, snap, step_ends, train_time, lags, token_lags) -> Result:
         s = self.s

@@ -1,6 +1,7 @@
 """The rollout engine interface: one contract, two backends (vLLM and transformers).
 
-The rollout worker only ever talks to a :class:`RolloutEngine`. Keeping the interface down to token ids in,
+The rollout worker only ever talks to a :class:`RolloutEngine` (built by :func:`asyncppo.rollout.engines.make_engine`;
+this module imports no backend, so the backends can import it). Keeping the interface down to token ids in,
 token ids + behaviour log-probs out, and in-place weight loads by HF parameter name means that the worker,
 the weight broadcast and the learner never need to know which backend generated a sample.
 
@@ -37,8 +38,16 @@ class Completion:
         return int(self.token_ids.shape[0])
 
 
-@runtime_checkable
-class RolloutEngine(Protocol):
+class RolloutEngine:
+    """One-shot generation, the same for every backend: :meth:`generate` validates its arguments once, here, and
+    hands them to the backend's ``_generate``. A backend also provides ``decode`` (text without special tokens, for
+    reward functions), ``update_weights`` (in place, by HF parameter name), ``state_dict_keys`` and ``close``.
+
+    Why a base class and not a protocol: the argument checks and the empty-batch answer would otherwise be written
+    once per backend, next to a protocol that repeats the signature a third time."""
+
+    max_model_len: Optional[int] = None
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -49,15 +58,31 @@ class RolloutEngine(Protocol):
         top_k: int = -1,
         seed: Optional[int] = None,
         stop_token_ids: Optional[Sequence[int]] = None,
-    ) -> list[list[Completion]]: ...
+    ) -> list[list[Completion]]:
+        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
+        self._check_usable()
+        if not prompts:
+            return []
+        return self._generate(prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids)
 
-    def decode(self, token_ids) -> str: ...  # text without special tokens, for reward functions
+    def _check_usable(self) -> None:
+        """Raise when the engine can no longer generate (a backend whose weights were left half-loaded)."""
 
-    def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None: ...
+    def _generate(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+                  ) -> list[list[Completion]]:
+        raise NotImplementedError
 
-    def state_dict_keys(self) -> list[str]: ...
+    def decode(self, token_ids) -> str:
+        raise NotImplementedError
 
-    def close(self) -> None: ...
+    def update_weights(self, named_tensors: Iterable[tuple[str, "object"]]) -> None:
+        raise NotImplementedError
+
+    def state_dict_keys(self) -> list[str]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        raise NotImplementedError
 
 
 @dataclass(frozen=True)
@@ -117,8 +142,6 @@ class StreamingEngine(Protocol):
     def abort_all(self) -> list[str]: ...
 
 
-ENGINE_KINDS = ("vllm", "hf")
-
 
 def check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k,
                         max_model_len: Optional[int] = None) -> None:
@@ -144,30 +167,3 @@ def check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k,
                 raise ValueError(f"prompt {i} has {len(p)} tokens; with max_tokens={max_tokens} it exceeds "
                                  f"max_model_len={max_model_len}")
 
-
-def make_engine(
-    kind: str,
-    model_path: str,
-    dtype: str = "float32",
-    max_model_len: int = 256,
-    seed: int = 0,
-    device: str = "cpu",
-    **opts,
-) -> RolloutEngine:
-    """Build a rollout engine. ``kind``: ``"vllm"`` (vLLM, CPU build on CPU) or ``"hf"`` (transformers).
-
-    Extra ``opts`` go to the backend (vLLM: ``kv_cache_gib``, ``enforce_eager``, ``gpu_memory_utilization``,
-    ``num_threads``; hf: ``batch_size``, ``num_threads``). Options meant for the other backend are ignored by hf.
-
-    Threads: on a few shared cores pass ``num_threads=1``. Measured on 2 busy cores (tiny model, 32x4x64):
-    vLLM 3.3k tok/s with 1 thread vs 0.46k with 2; transformers 1.9k vs 1.3k.
-    """
-    if kind == "vllm":
-        from .vllm_engine import VLLMEngine
-
-        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, **opts)
-    if kind == "hf":
-        from .hf_engine import HFEngine
-
-        return HFEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, **opts)
-    raise ValueError(f"unknown engine kind {kind!r}; allowed: {list(ENGINE_KINDS)}")

@@ -25,28 +25,17 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
+from asyncppo.data.heldout import eval_file_sets
+from asyncppo.data.rewards import score_safely
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
 from asyncppo.stream.evals import EvalReport, FileScores
 
 log = logging.getLogger("asyncppo.rollout")
 
 KEY_PREFIX = "eval:"
-
-
-def eval_file_names(paths: list[str]) -> list[str]:
-    """The metric name of each eval file: its base name, made unique with ``#2``, ``#3`` ... when names repeat."""
-    names: list[str] = []
-    for path in paths:
-        base = os.path.basename(path) or path
-        name, i = base, 2
-        while name in names:
-            name, i = f"{base}#{i}", i + 1
-        names.append(name)
-    return names
 
 
 def eval_points(eval_every: int, total_steps: int) -> list[int]:
@@ -170,17 +159,7 @@ class EvalRunner:
 
 def build_eval_runner(cfg, worker_id: int, num_workers: int, tokenizer, decode, reward_fn) -> Optional[EvalRunner]:
     """An :class:`EvalRunner` for this worker's shard of ``data.eval_files``, or None when there is nothing to do."""
-    from asyncppo.data.datasets import PromptDataset
-    from asyncppo.data.rewards import score_safely
-
-    d, ro = cfg.data, cfg.rollout
-    if not d.eval_files:
+    if not cfg.data.eval_files:
         return None
-    datasets = {}
-    for name, path in zip(eval_file_names(list(d.eval_files)), d.eval_files):
-        ds = PromptDataset.from_files([path], tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
-                                      prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
-                                      apply_chat_template=d.apply_chat_template)
-        datasets[name] = ds.shard(worker_id, num_workers)  # may be empty when workers outnumber prompts
-    return EvalRunner(cfg, datasets, worker_id, decode, reward_fn, score_safely,
-                      resumed=bool(cfg.trainer.resume_from))
+    return EvalRunner(cfg, eval_file_sets(cfg, tokenizer, worker_id, num_workers), worker_id, decode, reward_fn,
+                      score_safely, resumed=bool(cfg.trainer.resume_from))

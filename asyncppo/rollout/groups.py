@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from asyncppo.data.rewards import score_safely
 from asyncppo.rollout.engine import FinishedGroup
 from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
 
@@ -33,8 +34,6 @@ class InFlight:
 
 class GroupBuilder:
     def __init__(self, engine, reward_fn, worker_id: int, stats: dict):
-        from asyncppo.data.rewards import score_safely
-
         self.engine = engine
         self.reward_fn = reward_fn
         self.worker_id = worker_id

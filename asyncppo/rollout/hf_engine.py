@@ -17,19 +17,19 @@ steps, dropped by ``recompute_inflight``; ``kv_cache=False`` recomputes every pr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 import torch
 
-from .engine import Completion, check_sampling_args
+from .engine import Completion, RolloutEngine
 from .hf_stream import GREEDY_EPS, HFStreamingMixin  # noqa: F401  (GREEDY_EPS: temperatures below it are greedy)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
 
 
-class HFEngine(HFStreamingMixin):
+class HFEngine(HFStreamingMixin, RolloutEngine):
     def __init__(
         self,
         model_path: str,
@@ -48,7 +48,7 @@ class HFEngine(HFStreamingMixin):
         ``max_num_seqs``: how many sequences :meth:`step` decodes at once; more wait in FIFO order.
         ``kv_cache``: streaming keeps a KV cache across steps (False: recompute every prefix at every step).
         ``unused`` absorbs vLLM-only options so that one config can build either backend."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
         if dtype not in _DTYPES:
             raise ValueError(f"hf engine: dtype={dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
@@ -70,20 +70,8 @@ class HFEngine(HFStreamingMixin):
         self._init_streaming(max_num_seqs, kv_cache)
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: Optional[int] = None,
-        stop_token_ids: Optional[Sequence[int]] = None,
-    ) -> list[list[Completion]]:
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
-        if not prompts:
-            return []
+    def _generate(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+                  ) -> list[list[Completion]]:
         self._calls += 1
         if seed is None:  # reproducible per engine, independent of global RNG state
             seed = (self.seed * 1_000_003 + self._calls) % (2**31)
@@ -100,7 +88,7 @@ class HFEngine(HFStreamingMixin):
 
     @torch.no_grad()
     def _generate_chunk(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stops):
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig  # heavy: transformers
 
         width = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)

@@ -92,7 +92,7 @@ class StagedWeightsExtension:
             if rank in set(fail_ranks):
                 return {"rank": rank, "ok": False, "error": "refused by fault injection (fail_ranks)"}
             if path is not None:
-                from safetensors.torch import load_file
+                from safetensors.torch import load_file  # heavy: safetensors
 
                 loaded = load_file(path)
                 named = [(n, loaded.pop(n)) for n, _, _ in manifest if n in loaded]
@@ -162,7 +162,7 @@ def _sweep_stale_stages(root: str | None) -> None:
 
 def _write_stage_file(named: list[tuple[str, torch.Tensor]]) -> str | None:
     """One safetensors file with ``named`` in a fresh directory (its path), or None when it cannot be written."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # heavy: safetensors
 
     root = os.environ.get("ASYNCPPO_TP_STAGE_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     _sweep_stale_stages(root)

@@ -27,17 +27,18 @@ Settings and why:
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import numpy as np
 
-from asyncppo.sync.engine_load import layer_group
+from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
 
-from .engine import Completion, FinishedGroup, SamplingSpec, check_sampling_args
+from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -71,7 +72,7 @@ def tied_fp32(model_path: str, dtype: str) -> bool:
     return bool(tied) and dtype in ("float32", "fp32")
 
 
-class VLLMEngine:
+class VLLMEngine(RolloutEngine):
     def __init__(
         self,
         model_path: str,
@@ -91,12 +92,12 @@ class VLLMEngine:
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"vllm engine: no config.json in model_path={model_path!r}")
         _configure_env(device, kv_cache_gib)
-        import torch
+        import torch  # heavy: torch, imported once vLLM's environment is set
 
         if num_threads:
             torch.set_num_threads(int(num_threads))
         set_num_threads = torch.set_num_threads
-        from vllm import LLM
+        from vllm import LLM  # heavy/optional: vllm
 
         kwargs = dict(
             model=str(model_path),
@@ -115,7 +116,7 @@ class VLLMEngine:
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.tensor_parallel_size = int(tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            from .tp_load import EXTENSION
+            from .tp_load import EXTENSION  # heavy: torch (tp_load), only for tensor-parallel engines
 
             # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.
             # Their message queues have local readers only; pin vLLM's "own IP" to loopback all the same.
@@ -149,23 +150,10 @@ class VLLMEngine:
         )
 
     # ------------------------------------------------------------------ generation
-    def generate(
-        self,
-        prompts: list[list[int]],
-        n: int,
-        max_tokens: int,
-        temperature: float,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        seed: Optional[int] = None,
-        stop_token_ids: Optional[Sequence[int]] = None,
-    ) -> list[list[Completion]]:
-        from vllm import SamplingParams
+    def _generate(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids
+                  ) -> list[list[Completion]]:
+        from vllm import SamplingParams  # heavy/optional: vllm
 
-        check_sampling_args(prompts, n, max_tokens, temperature, top_p, top_k, self.max_model_len)
-        self._check_usable()
-        if not prompts:
-            return []
         if self._streaming:
             # LLM.generate steps the same engine until it is empty and would swallow the streaming groups' outputs.
             raise RuntimeError("vllm engine: generate() called while streaming groups are in flight")
@@ -198,7 +186,7 @@ class VLLMEngine:
 
         The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
         weights is never reused for a new request, while requests in flight keep their own blocks."""
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # heavy/optional: vllm
         from vllm.sampling_params import RequestOutputKind
 
         check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
@@ -257,7 +245,7 @@ class VLLMEngine:
     def decode(self, token_ids) -> str:
         """Response text for reward functions: special tokens (eos, pad) dropped."""
         if self._tokenizer is None:
-            from transformers import AutoTokenizer
+            from transformers import AutoTokenizer  # heavy: transformers
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         return self._tokenizer.decode([int(t) for t in token_ids], skip_special_tokens=True)
@@ -303,8 +291,6 @@ class VLLMEngine:
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return
-        from asyncppo.sync.engine_load import vllm_reload_weights
-
         # Layers without weights (rotary embeddings) or outside a partial update make vLLM log a
         # "Failed to load weights" line per reload; validated above, so those lines are noise.
         vllm_reload_weights(self.llm, given.items(), quiet_partial=True)
@@ -312,7 +298,7 @@ class VLLMEngine:
     def _tp_load(self, given: dict) -> None:
         """All TP ranks or none (tp_load.py). A refused call after earlier calls of the same push loaded leaves
         the model half old, half new: the engine then refuses to serve until every tensor has been reloaded."""
-        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload
+        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload  # heavy: torch, tensor-parallel only
 
         try:
             staged_reload(self.llm, given.items(), fail_ranks=self.fail_ranks, via=self.tp_transfer)
@@ -336,7 +322,7 @@ class VLLMEngine:
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:
-            from safetensors import safe_open
+            from safetensors import safe_open  # heavy: safetensors
 
             shapes: dict[str, tuple[int, ...]] = {}
             for f in sorted(Path(self.model_path).glob("*.safetensors")):
@@ -364,6 +350,4 @@ class VLLMEngine:
                 core.shutdown()
         finally:
             del llm
-            import gc
-
             gc.collect()

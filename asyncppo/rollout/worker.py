@@ -21,15 +21,22 @@ Every token carries the version of the weights that produced it (the engine labe
 
 from __future__ import annotations
 
-import collections
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.data.datasets import build_prompt_dataset
+from asyncppo.data.position import group_key, resume_draws
+from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.rollout.engine import SamplingSpec
+from asyncppo.rollout.engines import make_engine
+from asyncppo.rollout.evaluation import build_eval_runner
 from asyncppo.rollout.groups import GroupBuilder, InFlight
+from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.stream.endpoints import Endpoints
+from asyncppo.stream.evals import EvalSender
 from asyncppo.sync.engine_load import receive_into_engine
 
 log = logging.getLogger("asyncppo.rollout")
@@ -54,48 +61,31 @@ class EngineMeter:
         return out
 
 
-class RolloutWorker:
+class RolloutWorker(WorkerSkeleton):
+    role = "rollout worker"
+
     def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints, model_path: str,
-                 generation: int = 0, position: dict | None = None):
-        self.cfg = cfg
-        self.worker_id = worker_id
-        # generation: how many times the launcher restarted this worker (0: the first process); position: where its
-        # prompt sequence resumes (data/position.py), from the learner's record of what it trained
-        self.generation = generation
+                 incarnation: int = 0, position: dict | None = None):
+        """``incarnation``: how many times the launcher restarted this worker (0: the first process); ``position``:
+        where its prompt sequence resumes (data/position.py), from the learner's record of what it trained."""
+        super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)
         self.position = position
-        self.num_workers = num_workers
-        self.endpoints = endpoints
         self.model_path = model_path
-        self.version = 0  # version of the weights in the engine
         self.stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "weight_loads": 0, "gen_tokens": 0,
                       "inflight_updates": 0}
         self.meter = EngineMeter()
-        self._pending: collections.deque = collections.deque()  # granted tickets not yet admitted
         self._in_flight: dict[str, InFlight] = {}
         self._draining = False  # weights are waiting for the sequences in flight to finish
         self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
-        self._seq = 0
-        self._closables: list = []
         self.evaluator = None  # an EvalRunner when data.eval_files is set (rollout/evaluation.py)
 
     # ------------------------------------------------------------------------------------------------------------
-    def run(self) -> dict:
-        self._open()
-        try:
-            while self._turn():
-                pass
-        finally:
-            self._close()
-        return dict(self.stats, worker_id=self.worker_id, version=self.version)
+    def _on_weights_announced(self, state) -> bool:
+        self._announce_seen.setdefault(state.weights_version, time.perf_counter())
+        self._update_weights()
+        return False  # the turn goes on: evaluation, admission and a decode step
 
-    def _turn(self) -> bool:
-        """One pass of the loop in the module docstring; False once the run is over."""
-        state = self._read_control()
-        if state is not None and state.stop:
-            return False
-        if state is not None and state.weights_version > self.version:
-            self._announce_seen.setdefault(state.weights_version, time.perf_counter())
-            self._update_weights()
+    def _work(self) -> None:
         if self.evaluator is not None:
             self._evaluate()
         self._admit()
@@ -103,18 +93,14 @@ class RolloutWorker:
             self._step()
         else:
             self._idle()
-        return True
 
     # ------------------------------------------------------------------------------------------------------------
-    def _open(self) -> None:
-        from asyncppo.data.datasets import build_prompt_dataset
-        from asyncppo.data.rewards import resolve_reward_fn
-        from asyncppo.rollout.engine import make_engine
-        from asyncppo.staleness import AdmissionClient
-        from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
-        from asyncppo.sync import WeightReceiver, make_sync_group
+    def _open_workload(self) -> None:
+        """The engine, this worker's prompt sequence, the reward function and (with data.eval_files) the
+        evaluation runner and its sender."""
+        from transformers import AutoTokenizer  # heavy: transformers
 
-        cfg, ro, ep = self.cfg, self.cfg.rollout, self.endpoints
+        cfg, ro = self.cfg, self.cfg.rollout
         self.engine = make_engine(
             ro.engine, self.model_path, dtype=ro.dtype, max_model_len=ro.prompt_length + ro.response_length,
             seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
@@ -124,76 +110,34 @@ class RolloutWorker:
             **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
         )
         self._closables.append(self.engine)
-        from transformers import AutoTokenizer
-
-        from asyncppo.rollout.evaluation import build_eval_runner
-        from asyncppo.stream.evals import EvalSender
-
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         dataset = build_prompt_dataset(cfg, self.model_path, split="train", tokenizer=tokenizer).shard(
             self.worker_id, self.num_workers)
-        from asyncppo.data.position import resume_draws
-
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
                                      self.position)
         self.stats["dataset"] = dataset.stats.as_dict()
-        import os
-
-        print(f"[asyncppo] rollout worker {self.worker_id}"
-              + (f" (incarnation {self.generation}, from draw {self.position['next'] if self.position else 0})"
-                 if self.generation else "")
-              + f": pid {os.getpid()}, {len(dataset)} prompts, dataset {self.stats['dataset']}, "
-              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}"
-              + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
-              flush=True)
+        self._announce(len(dataset))
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
         self.builder = GroupBuilder(self.engine, reward_fn, self.worker_id, self.stats)
         self.evaluator = build_eval_runner(cfg, self.worker_id, self.num_workers, tokenizer, self.engine.decode,
-                                           reward_fn) if ep.eval else None
+                                           reward_fn) if self.endpoints.eval else None
         if self.evaluator is not None:
-            self.eval_sender = EvalSender(ep.eval, curve=ep.curve)
+            self.eval_sender = EvalSender(self.endpoints.eval, curve=self.endpoints.curve)
             self._closables.append(self.eval_sender)
-        if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
-            from asyncppo.sync.fanout import member_prefix
 
-            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self.generation)
-        else:
-            rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
-        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
-                                     backend=ep.sync_backend, timeout_s=cfg.cluster.timeout_s, store_prefix=prefix)
-        self._closables.append(self.group)
-        self.receiver = WeightReceiver(self.group)
-        # ep.curve: the run's CURVE client keys when the learner authenticates peers (docs/security.md)
-        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm,
-                                       max_message_bytes=ep.max_message_bytes, curve=ep.curve)
-        self.control = ControlSubscriber(ep.control, curve=ep.curve)
-        self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
-        self._closables += [self.sender, self.control, self.admission]
-        self._state = None
+    def _announce(self, num_prompts: int) -> None:
+        ro = self.cfg.rollout
+        print(f"[asyncppo] rollout worker {self.worker_id}"
+              + (f" (incarnation {self.incarnation}, from draw {self.position['next'] if self.position else 0})"
+                 if self.incarnation else "")
+              + f": pid {os.getpid()}, {num_prompts} prompts, dataset {self.stats['dataset']}, "
+              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}"
+              + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
+              flush=True)
 
-    def _close(self) -> None:
+    def _before_close(self) -> None:
         if getattr(self, "engine", None) is not None and self._in_flight:
-            try:
-                self.engine.abort_all()
-            except Exception:
-                pass
-        for closable in reversed(self._closables):
-            try:
-                closable.close()
-            except Exception:  # closing must not mask the run's outcome
-                pass
-
-    # ------------------------------------------------------------------------------------------------------------
-    def _read_control(self):
-        self._state = self.control.latest(timeout_ms=0) or self._state
-        if self._state is None and self.control.rejected.get("version", 0):
-            # Every control message is refused: the learner runs another asyncppo wire version. Waiting would
-            # hang the run until its timeout; fail now with the reason.
-            raise RuntimeError(
-                f"rollout worker {self.worker_id}: the learner's control messages use another wire schema "
-                "version; run the same asyncppo version on every node"
-            )
-        return self._state
+            self.engine.abort_all()
 
     def _update_weights(self) -> None:
         """Load the announced weights now, or drain first (``inflight_update=off``, ``generation=batch``)."""
@@ -255,12 +199,10 @@ class RolloutWorker:
     def _add_group(self, ticket) -> None:
         ro, s = self.cfg.rollout, self.cfg.rollout.sampling
         n = ro.num_return_sequences_in_group
-        from asyncppo.data.position import group_key
-
         # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a
         # replacement or a resumed run that draws it again samples it alike
         self._seq, row = next(self._prompts)
-        key = group_key(self.worker_id, self.generation, self._seq)
+        key = group_key(self.worker_id, self.incarnation, self._seq)
         # distinct seeds for every sample of the run and every worker (vLLM seeds sample j with seed + j)
         seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
         spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
@@ -299,11 +241,8 @@ class RolloutWorker:
         self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1
 
     def _send(self, group) -> None:
-        while not self.sender.send(group, timeout_s=1.0):
-            state = self._read_control()
-            if state is not None and state.stop:
-                return
-        self.stats["groups_sent"] += 1
+        if self._send_until_sent(lambda: self.sender.send(group, timeout_s=1.0)):
+            self.stats["groups_sent"] += 1
 
     def _idle(self) -> None:
         """Nothing in the engine: wait for newer weights (a ticket needs them) or for tickets, without spinning."""

@@ -15,26 +15,16 @@ holds which ticket is tracked per connection by the admission server, not by key
 
 from __future__ import annotations
 
-import ipaddress
 import threading
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import zmq
 
+from asyncppo.config.hosts import is_loopback  # the loopback rule is stated once, in config/
+
 AUTH_MODES = ("auto", "curve", "off")
 _DOMAIN = "*"
-
-
-def is_loopback(host: str) -> bool:
-    """True for ``localhost`` and addresses in 127.0.0.0/8 or ``::1`` (brackets allowed)."""
-    h = host.strip().strip("[]")
-    if h == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(h).is_loopback
-    except ValueError:
-        return False
 
 
 def auth_enabled(mode: str, bind_address: str) -> bool:

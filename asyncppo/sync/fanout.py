@@ -45,15 +45,15 @@ from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on
 log = logging.getLogger("asyncppo.sync")
 
 
-def member_prefix(run_prefix: str, worker_id: int, generation: int) -> str:
-    """The store key prefix of worker ``worker_id``'s ``generation``-th group (both sides compute it alike)."""
-    return f"{run_prefix}/w{int(worker_id)}/g{int(generation)}"
+def member_prefix(run_prefix: str, worker_id: int, incarnation: int) -> str:
+    """The store key prefix of worker ``worker_id``'s ``incarnation``-th group (both sides compute it alike)."""
+    return f"{run_prefix}/w{int(worker_id)}/g{int(incarnation)}"
 
 
 @dataclass
 class _Member:
     worker_id: int
-    generation: int
+    incarnation: int
     state: str = "joining"  # (pending ->) joining -> ready -> failed | gone
     sender: Optional[WeightSender] = None
     queue: "queue.Queue" = field(default_factory=queue.Queue)
@@ -83,11 +83,11 @@ class WeightFanout:
         self._threads: list[threading.Thread] = []
 
     # ------------------------------------------------------------------------------------------- membership
-    def add(self, worker_id: int, generation: int = 0, join: bool = True) -> None:
-        """Start forming worker ``worker_id``'s group (generation ``generation``) in the background; a member of an
-        older generation is retired first. ``join=False`` only registers it: :meth:`start` begins the wait, so the
+    def add(self, worker_id: int, incarnation: int = 0, join: bool = True) -> None:
+        """Start forming worker ``worker_id``'s group (incarnation ``incarnation``) in the background; a member of an
+        older incarnation is retired first. ``join=False`` only registers it: :meth:`start` begins the wait, so the
         ``timeout_s`` deadline counts from when the learner is ready for its workers, not from its own start-up."""
-        member = _Member(worker_id, generation, state="joining" if join else "pending")
+        member = _Member(worker_id, incarnation, state="joining" if join else "pending")
         with self._lock:
             old = self._members.get(worker_id)
             if old is not None:
@@ -108,7 +108,7 @@ class WeightFanout:
 
     def _join(self, member: _Member) -> None:
         thread = threading.Thread(target=self._form, args=(member,), daemon=True,
-                                  name=f"sync-join-w{member.worker_id}g{member.generation}")
+                                  name=f"sync-join-w{member.worker_id}g{member.incarnation}")
         self._threads.append(thread)
         thread.start()
 
@@ -120,16 +120,16 @@ class WeightFanout:
                 member.state = "gone"
                 member.queue.put(None)
 
-    def replace(self, worker_id: int, generation: int) -> None:
-        """The launcher restarted worker ``worker_id`` as ``generation``: retire the old member, await the new."""
-        self.add(worker_id, generation)
+    def replace(self, worker_id: int, incarnation: int) -> None:
+        """The launcher restarted worker ``worker_id`` as incarnation ``incarnation``: retire the old member, await the new."""
+        self.add(worker_id, incarnation)
 
     def _form(self, member: _Member) -> None:
-        prefix = member_prefix(self.run_prefix, member.worker_id, member.generation)
+        prefix = member_prefix(self.run_prefix, member.worker_id, member.incarnation)
         try:
             group = group_on_store(self.store, self.host, self.port, 0, 2, self.backend, self.timeout_s, prefix)
         except Exception as e:
-            self._fail(member, f"worker {member.worker_id} (incarnation {member.generation}) did not join the "
+            self._fail(member, f"worker {member.worker_id} (incarnation {member.incarnation}) did not join the "
                                f"weight-sync group within {self.timeout_s:.0f}s (cluster.timeout_s): {e}")
             return
         with self._lock:
@@ -164,7 +164,7 @@ class WeightFanout:
                         # a dead peer fails the push at once (connection reset); a live one that never joins it
                         # fails it only at the group timeout: that worker is late, not gone
                         late = time.monotonic() - t0 >= 0.9 * self.timeout_s
-                        self._fail(member, f"rollout worker {member.worker_id} (incarnation {member.generation}) "
+                        self._fail(member, f"rollout worker {member.worker_id} (incarnation {member.incarnation}) "
                                            + (f"did not take weights v{version} within {self.timeout_s:.0f}s "
                                               "(cluster.timeout_s)" if late else
                                               f"failed weight push v{version}: {type(e).__name__}: {e}"), late)

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncppo.rollout.engine import Completion, make_engine
+from asyncppo.rollout.engine import Completion
+from asyncppo.rollout.engines import make_engine
 from tests.engine_reference import ref_logprobs
 
 LOGPROB_TOL = 2e-5  # measured max abs diff (fp32): <= 2.5e-6 for both backends; printed with -s
@@ -171,7 +172,7 @@ TIED_CHILD = r"""
 import sys, torch
 from transformers import AutoModelForCausalLM
 from asyncppo.data.tiny import build_tiny_model
-from asyncppo.rollout.engine import make_engine
+from asyncppo.rollout.engines import make_engine
 
 d = build_tiny_model(sys.argv[1], tie_word_embeddings=True)
 model = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()

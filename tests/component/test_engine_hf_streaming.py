@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec, StreamingEngine, make_engine
+from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec, StreamingEngine
+from asyncppo.rollout.engines import make_engine
 from tests.engine_reference import ref_logprobs
 
 LOGPROB_TOL = 2e-5

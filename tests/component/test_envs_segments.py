@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from asyncppo.config import load_config
-from asyncppo.envs.policy import ActorCritic
+from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
 from asyncppo.stream.errors import WireError
@@ -191,7 +191,7 @@ def test_segment_door_claims_tickets_once_and_frees_the_workers_allowance():
     """With one ticket allowed per worker connection, the second ticket is granted only after the first segment
     was claimed at the learner's door; a duplicate, a segment from the wrong worker, or one older than its ticket
     allows are refused and counted."""
-    from asyncppo.learner.embodied import SegmentDoor
+    from asyncppo.learner.embodied_workload import SegmentDoor
     from asyncppo.staleness import AdmissionClient, AdmissionController, AdmissionServer
 
     _, seg, _ = _cartpole_segment(T=4)

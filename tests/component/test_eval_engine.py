@@ -9,7 +9,8 @@ import types
 import msgpack
 import pytest
 
-from asyncppo.rollout.evaluation import EvalRunner, eval_file_names, eval_points
+from asyncppo.data.heldout import eval_file_names
+from asyncppo.rollout.evaluation import EvalRunner, eval_points
 from asyncppo.stream.evals import (
     EvalAggregator, EvalReceiver, EvalReport, EvalReportError, EvalSender, FileScores, decode_report, encode_report,
 )

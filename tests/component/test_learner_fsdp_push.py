@@ -98,7 +98,7 @@ def _shift(model) -> None:
 
 
 def _receiver(port: int, model_dir: str, out_dir: str) -> None:
-    from asyncppo.rollout.engine import make_engine
+    from asyncppo.rollout.engines import make_engine
     from asyncppo.sync import WeightReceiver, make_sync_group
     from asyncppo.sync.engine_load import receive_into_engine
 

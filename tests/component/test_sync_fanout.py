@@ -18,16 +18,16 @@ from asyncppo.sync.fanout import WeightFanout, member_prefix
 PREFIX = "test-run"
 
 
-def _receiver(worker: int, generation: int, port: int, versions: int, out, hang: bool = False) -> None:
-    """Join as worker ``worker`` (incarnation ``generation``), receive ``versions`` pushes, report what arrived."""
+def _receiver(worker: int, incarnation: int, port: int, versions: int, out, hang: bool = False) -> None:
+    """Join as worker ``worker`` (incarnation ``incarnation``), receive ``versions`` pushes, report what arrived."""
     torch.set_num_threads(1)
     out.put(("ready", worker))  # imports done: the test forms rank 0's side only now (short timeouts)
     group = make_sync_group("127.0.0.1", port, 1, 2, timeout_s=60,
-                            store_prefix=member_prefix(PREFIX, worker, generation))
+                            store_prefix=member_prefix(PREFIX, worker, incarnation))
     receiver = WeightReceiver(group)
     for _ in range(versions):
         version, tensors = receiver.receive()
-        out.put((worker, generation, version, float(dict(tensors)["w"][0])))
+        out.put((worker, incarnation, version, float(dict(tensors)["w"][0])))
         if hang:
             time.sleep(3600)
     group.close()

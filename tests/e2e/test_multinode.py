@@ -219,9 +219,9 @@ def test_custom_resources_are_counted_per_bundle():
     """Every rollout engine and learner rank is a bundle asking for its role's resources: two workers need twice
     the amount, refused before any placement group waits for it."""
     from asyncppo.config import load_config
-    from asyncppo.launch.runner import LaunchError, _check_resources
+    from asyncppo.launch.resolve import LaunchError, check_cluster
 
     cfg = load_config(["+cluster.rollout_resources.rollout_node=1", "cluster.rollout_workers=2"])
-    _check_resources(cfg, {"rollout_node": 2})
+    check_cluster(cfg, {"rollout_node": 2}, [])
     with pytest.raises(LaunchError, match="2 for its 2 bundle"):
-        _check_resources(cfg, {"rollout_node": 1})
+        check_cluster(cfg, {"rollout_node": 1}, [])

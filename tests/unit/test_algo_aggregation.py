@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from asyncppo.algo import LOSS_AGG_MODES, aggregate, count_tokens_and_seqs, policy_loss, value_loss
+from asyncppo.algo import LOSS_AGG_MODES, aggregate, count_tokens_and_seqs, loss_denominators, policy_loss, value_loss
 
 LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]], dtype=torch.float32)  # row 2 is padding
@@ -123,3 +123,12 @@ def test_token_sum_by_hand_and_split_invariant():
     # counts are ignored: the sum of the rows' sums is the whole sum
     parts = aggregate(loss[:1], mask[:1], "token-sum", global_tokens=4) + aggregate(loss[1:], mask[1:], "token-sum")
     assert parts.item() == pytest.approx(13.0)
+
+
+def test_loss_denominators_count_rows_for_the_critic_and_drop_rejected_rows_for_the_policy():
+    response = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.float32)
+    kept = torch.tensor([[1, 0, 0], [0, 0, 0], [0, 0, 0], [1, 1, 1]], dtype=torch.bool)
+    # critic: 2 + 1 + 0 + 3 = 6 tokens over all 4 rows (the empty row 2 is a sequence with loss 0);
+    # policy: 1 + 3 = 4 kept tokens; row 1 lost its only token to rejection, so 4 - 1 = 3 sequences
+    assert loss_denominators(response, kept) == (6.0, 4.0, 4.0, 3.0)
+    assert loss_denominators(response, response.bool()) == (6.0, 4.0, 6.0, 4.0)

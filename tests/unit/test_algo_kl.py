@@ -15,6 +15,7 @@ from asyncppo.algo import (
     kl_controller_from_config,
     kl_loss,
     kl_penalty,
+    mismatch_kl,
 )
 
 
@@ -153,3 +154,14 @@ def test_full_kl_from_logits_alone_and_other_estimators_refuse_none():
     assert kl_penalty(None, None, "full", logits=logits, ref_logits=ref).item() == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError, match="only 'full'"):
         kl_penalty(None, None, "k3")
+
+
+def test_mismatch_kl_is_the_masked_mean_of_k3_from_the_behaviour_side():
+    behaviour = torch.zeros(1, 3, dtype=torch.float64)
+    proximal = torch.tensor([[math.log(2.0), 0.0, 5.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    # token 0: d = behav - prox = -log 2, k3 = e^{log 2} - log 2 - 1 = 1 - log 2 = 0.306853; token 1: 0; token 2 masked
+    assert float(mismatch_kl(behaviour, proximal, mask)) == pytest.approx((1 - math.log(2.0)) / 2, abs=1e-12)
+    assert float(mismatch_kl(behaviour, proximal, mask)) == pytest.approx(0.1534264097, abs=1e-9)
+    # the order matters: KL(proximal || behaviour) would give k3(log 2) = 1/2 - 1 + log 2 = 0.193147 on token 0
+    assert float(mismatch_kl(proximal, behaviour, mask)) == pytest.approx(0.0965735903, abs=1e-9)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from asyncppo.algo.transitions import transition_gae
+from asyncppo.algo.transitions import flat_whiten, transition_gae
 
 
 def _t(*rows):
@@ -80,3 +80,16 @@ def test_shape_and_range_errors():
         transition_gae(x, x, torch.zeros(2, 4), x.bool(), x.bool())
     with pytest.raises(ValueError, match="gamma"):
         transition_gae(x, x, x, x.bool(), x.bool(), gamma=1.5)
+
+
+def test_flat_whiten_adds_eps_to_the_std_not_the_variance():
+    # [0, 2]: mean 1, unbiased std sqrt(2); with eps=1 the divisor is sqrt(2) + 1 = 2.414214 (masked_whiten would
+    # divide by sqrt(2 + 1) = 1.732051), so the whitened values are -/+ 1 / 2.414214 = -/+ 0.414214
+    out = flat_whiten(torch.tensor([0.0, 2.0], dtype=torch.float64), eps=1.0)
+    torch.testing.assert_close(out, torch.tensor([-0.41421356, 0.41421356], dtype=torch.float64), atol=1e-8, rtol=0)
+    # [1, 2, 3, 4]: mean 2.5, std sqrt(5/3) = 1.290994 -> -1.161895, -0.387298, 0.387298, 1.161895
+    out = flat_whiten(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64))
+    torch.testing.assert_close(out, torch.tensor([-1.161895, -0.387298, 0.387298, 1.161895], dtype=torch.float64),
+                               atol=1e-6, rtol=0)
+    # a constant batch whitens to 0, not NaN
+    assert torch.equal(flat_whiten(torch.full((3,), 7.0)), torch.zeros(3))

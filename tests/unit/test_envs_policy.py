@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from asyncppo.config import ConfigError, load_config
-from asyncppo.envs.policy import ActorCritic, PolicySpec
+from asyncppo.models.actor_critic import ActorCritic, PolicySpec
 from asyncppo.envs.spaces import EnvError, describe_env, describe_spaces
 
 REPO = Path(__file__).resolve().parents[2]

@@ -10,7 +10,7 @@ import torch
 
 from asyncppo.config import load_config
 from asyncppo.launch.actors import set_learner_threads
-from asyncppo.launch.runner import _actor_env
+from asyncppo.launch.resolve import actor_env
 
 
 def test_cpu_threads_come_from_the_config_and_the_env_var_wins(monkeypatch):
@@ -36,9 +36,9 @@ def test_the_built_in_recipe_uses_two_learner_threads_and_the_transformers_engin
 
 def test_actors_and_the_command_get_a_passive_openmp_wait_policy(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-    assert _actor_env(load_config([]))["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert actor_env(load_config([]))["OMP_WAIT_POLICY"] == "PASSIVE"
     monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # a user's explicit choice is kept
-    assert _actor_env(load_config([]))["OMP_WAIT_POLICY"] == "ACTIVE"
+    assert actor_env(load_config([]))["OMP_WAIT_POLICY"] == "ACTIVE"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     code = ("import os, asyncppo.cli as c; c.main(['launch', '--dry-run']) ; "
             "import sys; print('POLICY', os.environ.get('OMP_WAIT_POLICY'), file=sys.stderr)")

@@ -15,6 +15,7 @@ from asyncppo.learner.batch import collate_groups, micro_batches
 from asyncppo.learner.forward import policy_forward
 from asyncppo.learner.models import load_actor, load_reference
 from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards
 from asyncppo.learner.value_head import SharedValueHead, build_critic
 from asyncppo.stream.records import Sample, TrajectoryGroup
 
@@ -363,3 +364,29 @@ def test_shared_value_head_learns_the_returns(model_dir):
     groups = _groups(seed=4, num_groups=8)
     losses = [upd.step(collate_groups(groups, pad_token_id=0))["critic/vf_loss"] for _ in range(30)]
     assert losses[-1] < 0.5 * losses[0], losses
+
+
+def test_batch_targets_are_computed_without_a_model():
+    """ppo_targets: the over-length penalty, clip and group normalisation land on each response's last token; with
+    no off-policy correction the trust region is around the behaviour log-probs and every response token trains."""
+    groups = _groups(num_groups=1, n=2)
+    for sample, reward, length in zip(groups[0].samples, (1.0, 3.0), (2, 5)):
+        sample.reward = reward
+        sample.response_ids = sample.response_ids[:1].repeat(length)
+        sample.behavior_logprobs = np.full(length, -0.5, dtype=np.float32)
+    batch = collate_groups(groups, pad_token_id=0)
+    alg = _cfg(overlong_buffer_len=2, overlong_penalty_factor=1.0, reward_clip=1.5, reward_norm="group",
+               off_policy_correction="none").algorithm
+    metrics: dict = {}
+    correct_rollout(alg, batch, batch.behavior_logprobs + 0.25, metrics)
+    assert torch.equal(batch.old_logprobs, batch.behavior_logprobs)
+    assert torch.equal(batch.loss_mask, batch.response_mask.bool())
+    # the proximal policy sits 0.25 above the behaviour on every token: k3 = e^0.25 - 0.25 - 1 = 0.034025
+    assert metrics["actor/mismatch_kl"] == pytest.approx(0.0340254, abs=1e-6)
+    rewards = outcome_token_rewards(alg, batch, response_length=5, running=None, metrics=metrics)
+    # lengths 2 and 5 of 5 with a buffer of 2: penalties 0 and -1 -> scores 1, 2 -> clipped 1, 1.5 -> group mean
+    # 1.25, std sqrt(0.125) = 0.353553 -> -/+ 0.707104 (eps 1e-6 in the divisor), on tokens 1 and 4
+    assert metrics["reward/overlong_penalty_mean"] == pytest.approx(-0.5)
+    expected = torch.zeros_like(rewards)
+    expected[0, 1], expected[1, 4] = -0.25 / (0.125 ** 0.5 + 1e-6), 0.25 / (0.125 ** 0.5 + 1e-6)
+    torch.testing.assert_close(rewards, expected)

@@ -1,4 +1,4 @@
-"""The ``asyncppo convert`` subcommand: argument parsing and file writing around :func:`convert`.
+"""The ``asyncppo convert`` subcommand: its arguments and the file writing around :func:`convert`.
 
 Exit codes: 0 the converted config validates (flagged keys may still need your attention: they are printed),
 1 it was written but does not validate (the report lists why), 2 bad usage or unreadable input.
@@ -10,7 +10,7 @@ import argparse
 import sys
 from pathlib import Path
 
-_EPILOG = """\
+EPILOG = """\
 examples:
   asyncppo convert --from verl ppo_trainer.yaml                 # -> ppo_trainer.asyncppo.yaml + .report.md
   asyncppo convert --from roll rlvr_config.yaml -o my_run.yaml  # -> my_run.yaml + my_run.report.md
@@ -19,17 +19,14 @@ examples:
 The report lists every key of the input: mapped, approximate (with why) or unsupported, flagged where the
 converted run would behave differently; see docs/configuration.md, "Converting a verl, ROLL or RLinf config".
 """
+HELP = "convert a verl, ROLL or RLinf config into an asyncppo config plus a report"
+DESCRIPTION = ("Read a config in verl, ROLL or RLinf format and write an asyncppo config (run it with "
+               "'asyncppo launch --config-file') and a markdown report accounting for every key.")
 
 
-def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "convert",
-        help="convert a verl, ROLL or RLinf config into an asyncppo config plus a report",
-        description="Read a config in verl, ROLL or RLinf format and write an asyncppo config (run it with "
-        "'asyncppo launch --config-file') and a markdown report accounting for every key.",
-        epilog=_EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The subcommand's arguments; the parser itself (``HELP``, ``DESCRIPTION``, ``EPILOG``) is made by cli.py like
+    every other subcommand's."""
     p.add_argument("--from", dest="project", required=True, choices=("verl", "roll", "rlinf"),
                    help="the project whose config format CONFIG is in")
     p.add_argument("config", metavar="CONFIG.yaml", help="the foreign config file")

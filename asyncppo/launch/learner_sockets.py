@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import secrets
 
-from asyncppo.stream.endpoints import Endpoints
+from asyncppo.learner.evaluation import EngineEvaluation
+from asyncppo.staleness import AdmissionController, AdmissionServer
+from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
+from asyncppo.stream.endpoints import Endpoints, bind_endpoint, connect_endpoint
+from asyncppo.sync.fanout import WeightFanout
 from asyncppo.sync.group import find_free_port
 
 
@@ -25,10 +29,6 @@ class LearnerSockets:
 
     def __init__(self, cfg, host: str, curve, num_workers: int, start_version: int, sync_backend: str,
                  closables: list):
-        from asyncppo.staleness import AdmissionController, AdmissionServer
-        from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
-        from asyncppo.stream.endpoints import bind_endpoint
-
         cl, ro = cfg.cluster, cfg.rollout
         self.cfg, self.curve, self.num_workers, self.sync_backend = cfg, curve, num_workers, sync_backend
         self.receiver = TrajectoryReceiver(
@@ -46,14 +46,10 @@ class LearnerSockets:
         closables += [self.receiver, self.control, self.admission_server]
         self.engine_eval = None  # evaluation of data.eval_files on the rollout engines (learner/evaluation.py)
         if cfg.data.eval_files:
-            from asyncppo.learner.evaluation import EngineEvaluation
-
             self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), num_workers, curve=curve)
             closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)
         # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)
-        from asyncppo.sync.fanout import WeightFanout
-
         self.fanout = WeightFanout(host, self.sync_port, self.sync_prefix, backend=sync_backend,
                                    timeout_s=cl.timeout_s, bucket_bytes=ro.weight_bucket_mb << 20)
         for w in range(num_workers):
@@ -62,8 +58,6 @@ class LearnerSockets:
 
     def endpoints(self, public: str) -> Endpoints:
         """The addresses the workers dial: the bound ports on the advertised host ``public``."""
-        from asyncppo.stream.endpoints import connect_endpoint
-
         return Endpoints(
             trajectory=connect_endpoint(self.receiver.address, public),
             control=connect_endpoint(self.control.address, public),

@@ -17,7 +17,7 @@ import threading
 
 from asyncppo.data.position import DataPosition
 
-log = logging.getLogger("asyncppo.learner")
+log = logging.getLogger("asyncppo.launch")
 
 
 class WorkerLedger:
@@ -42,18 +42,18 @@ class WorkerLedger:
             f.write(json.dumps({"step": step, "groups": [[g.group_id, g.ticket, g.prompt_index] for g in groups]})
                     + "\n")
 
-    def replace(self, worker_id: int, generation: int, admission_server, fanout, timeout_s: float) -> dict:
-        """Worker ``worker_id`` died; incarnation ``generation`` is starting. Its tickets go back to the pool (a group
+    def replace(self, worker_id: int, incarnation: int, admission_server, fanout, timeout_s: float) -> dict:
+        """Worker ``worker_id`` died; incarnation ``incarnation`` is starting. Its tickets go back to the pool (a group
         of it still on the way is then refused at the door), its weight-sync member is retired and a new one awaited
         (handed the current weights when it joins). Returns where the replacement's prompt sequence resumes."""
         with self._lock:
             returned = admission_server.retire(worker_id, timeout_s=timeout_s)
             position = self.accepted.of(worker_id)
         self.tickets_returned += len(returned)
-        fanout.replace(worker_id, generation)
+        fanout.replace(worker_id, incarnation)
         self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
         log.warning("rollout worker %d died: %d ticket(s) %s returned to the pool; starting incarnation %d at "
-                    "draw %d", worker_id, len(returned), returned[:8], generation, position["next"])
+                    "draw %d", worker_id, len(returned), returned[:8], incarnation, position["next"])
         return position
 
     def metrics(self, fanout) -> dict[str, int]:

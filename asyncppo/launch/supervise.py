@@ -1,0 +1,122 @@
+"""Watch a started run until the learner finishes: progress on the console, dead rollout workers replaced, the end.
+
+The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies is
+replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back its tickets and
+awaits the replacement in the weight sync (``LearnerWiring.replace_worker``), then a new actor of the next
+incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor dying, or
+one worker death too many, ends the run with the actor's error (:func:`report_failure` words it).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any, Optional
+
+import ray
+
+from asyncppo.launch.console import RunConsole
+from asyncppo.launch.start import RunActors
+
+# Seconds the other actors get to exit on their own once the learner has published stop.
+STOP_GRACE_S = 15.0
+
+
+class WorkerFailed(RuntimeError):
+    """A rollout worker died and may not be replaced (restarts used up, or an embodied run)."""
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0][:200] if lines else type(exc).__name__
+
+
+class Supervisor:
+    """Waits on every actor's run() of a started run; owns the restart count and each worker's incarnation."""
+
+    def __init__(self, run: RunActors, console: RunConsole, started_at: float):
+        self.run, self.console, self.started_at = run, console, started_at
+        self.restarts = 0
+        self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
+
+    def watch(self, learner_ref: Any, pending: list) -> int:
+        """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
+            self.console.poll()
+            for ref in done:
+                if ref in self.run.worker_refs:
+                    replacement = self._worker_ended(ref)
+                    if replacement is not None:
+                        pending.append(replacement)
+                    continue
+                ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
+                if ref == learner_ref:
+                    self._finish(pending)
+                    return 0
+                # A follower learner rank returned: keep waiting for rank 0.
+        return 1
+
+    def _worker_ended(self, ref: Any) -> Optional[Any]:
+        """A worker's run() ended: normally (the learner told it to stop) -> None; by dying -> the ref of its
+        replacement, or :class:`WorkerFailed` when it may not be replaced."""
+        i = self.run.worker_refs.pop(ref)
+        try:
+            ray.get(ref)
+            return None
+        except ray.exceptions.RayError as exc:
+            return self._replace(i, exc)
+
+    def _replace(self, i: int, exc: BaseException) -> Any:
+        plan, limit = self.run.plan, self.run.plan.max_worker_restarts
+        if not plan.replace_dead_workers or self.restarts >= limit:
+            raise WorkerFailed(
+                f"rollout worker {i} died"
+                + (f" after {self.restarts} restart(s), the limit (cluster.max_worker_restarts={limit})"
+                   if plan.replace_dead_workers else "") + f": an actor failed:\n{exc}"
+            ) from None
+        self.restarts += 1
+        self.incarnations[i] += 1
+        print(f"[asyncppo] rollout worker {i} died ({_first_line(exc)}); starting a replacement "
+              f"(restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
+        try:
+            ray.kill(self.run.workers[i])
+        except Exception:
+            pass
+        # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
+        # prompt sequence where the learner's record of trained draws says
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]), timeout=plan.timeout_s)
+        return self.run.start_worker(i, self.incarnations[i], position)
+
+    def _finish(self, pending: list) -> None:
+        """The learner finished and published stop: give the others a moment to exit, then summary and report."""
+        print(f"[asyncppo] learner finished in {time.time() - self.started_at:.0f}s", flush=True)
+        if pending:
+            ray.wait(pending, num_returns=len(pending), timeout=STOP_GRACE_S)
+        self.console.poll()
+        print(self.console.summary(time.time() - self.started_at), flush=True)
+        write_run_report(self.run.plan.output_dir)
+
+
+def write_run_report(output_dir: str) -> None:
+    """The run report (report.png and one PNG per panel); a plotting problem never fails a finished run."""
+    try:
+        from asyncppo.report import write_report  # heavy: matplotlib
+
+        paths = write_report(output_dir)
+        shown = paths.get("report") if isinstance(paths, dict) else None
+        print(f"[asyncppo] run report: {shown or os.path.join(output_dir, 'report.png')}", flush=True)
+    except Exception as exc:
+        print(f"[asyncppo] warning: the run report could not be written: {exc!r}", file=sys.stderr, flush=True)
+
+
+def report_failure(exc: BaseException, console: RunConsole, output_dir: str) -> int:
+    """An actor's error ended the run: the last progress, the error and where the actor logs are; exit code 1."""
+    console.poll()
+    logs = os.path.join(output_dir, "logs")
+    if isinstance(exc, WorkerFailed):
+        print(f"[asyncppo] error: {exc}\n(actor logs: {logs})", file=sys.stderr)
+    else:
+        print(f"[asyncppo] error: an actor failed:\n{exc}\n(actor logs: {logs})", file=sys.stderr)
+    return 1

@@ -1,0 +1,206 @@
+"""The embodied workload of the learner loop (learner/loop.py): segments of gymnasium env steps, trained with PPO.
+
+Everything around the update is the loop's, as for LLM runs: the same sockets (the trajectory receiver decodes
+:mod:`asyncppo.stream.segments` records checked against this environment's spaces), the same admission controller and
+ticket-ordered staleness buffer (a segment takes one ticket, so every env step trained at version ``v`` was chosen by
+weights ``>= v - k``), the same weight push (the actor-critic's ``state_dict``, observation statistics included),
+the same metrics sinks and shutdown. What this workload adds is the update (:mod:`asyncppo.learner.embodied_update`)
+and its metrics:
+
+* ``episode/return_mean``, ``episode/length_mean``, ``episode/count`` over the episodes that ended in the step's
+  segments (raw environment reward), and ``episode/return_recent`` over the last 100 episodes;
+* ``throughput/env_steps_per_s`` (env steps trained per wall second) and ``throughput/rollout_env_steps_per_s``
+  (env steps per second of worker time spent stepping and acting);
+* the staleness (``staleness/min|mean|max|token_mean``), busy (``util/*``) and KL / clip (``actor/*``) metrics of
+  LLM runs.
+
+Env workers start at version -1 and act only after loading the learner's first push, so version 0 is the same
+network everywhere. Checkpoints and resume are not supported for embodied runs yet; the final policy is saved.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import time
+from typing import Optional
+
+import numpy as np
+import torch
+
+from asyncppo.learner.embodied_update import EmbodiedPPO
+from asyncppo.metrics import BusyMeter, RateMeter
+from asyncppo.models.actor_critic import ActorCritic
+
+log = logging.getLogger("asyncppo.learner")
+
+
+class SegmentDoor:
+    """Identity and ticket checks of every segment that enters the learner (content was checked when it was
+    decoded): the admission server's ledger must know the worker holds the segment's ticket and its first step's
+    version honours the ticket's ``min_version``; a segment id is accepted once; no step may carry a version newer
+    than the learner's. A refused segment is counted (``rejected``) and, if its worker still held the ticket, the
+    ticket goes back to the pool so the slot is regenerated. Claiming also frees the worker's per-connection ticket
+    allowance (``cluster.max_tickets_per_worker``)."""
+
+    def __init__(self, ledger, current_version):
+        self.ledger, self.current_version = ledger, current_version
+        self.rejected: collections.Counter = collections.Counter()
+        self.num_rejected = 0
+        self._seen: set[str] = set()
+
+    def check(self, seg) -> Optional[str]:
+        why = None
+        if seg.segment_id in self._seen:
+            why = "duplicate"
+        elif seg.version_max > self.current_version():
+            why = "version"
+        else:
+            why = self.ledger.claim(seg.ticket, seg.worker_id, seg.version_min)
+        if why is None:
+            self._seen.add(seg.segment_id)
+            return None
+        self.rejected[why] += 1
+        self.num_rejected += 1
+        if why not in ("ticket", "worker", "duplicate"):
+            self.ledger.forfeit(seg.ticket, seg.worker_id)
+        log.warning("refused segment %r of worker %d (ticket %d): %s", seg.segment_id, seg.worker_id, seg.ticket, why)
+        return why
+
+
+class EmbodiedWorkload:
+    workers_name = "env worker"
+    evaluates_on_engines = False
+    record_kind = "segment"
+    pushes_initial_weights = True  # env workers hold no weights until the learner's first push
+    streamed = False
+    can_evaluate = False
+
+    def __init__(self, cfg, num_workers: int, output_dir: str, policy_spec=None):
+        self.cfg, self.num_workers, self.output_dir = cfg, num_workers, output_dir
+        self.policy_spec = policy_spec  # the environment's network shape (envs/spaces.py), set before build()
+        self.response_length = cfg.env.segment_length
+        self.recent: collections.deque = collections.deque(maxlen=100)
+        self.env_steps = 0
+        self.segment_door: Optional[SegmentDoor] = None
+
+    def start_version(self) -> int:
+        if self.cfg.trainer.resume_from:
+            raise ValueError("trainer.resume_from is not supported for embodied runs yet")
+        return 0
+
+    def saved_position(self) -> dict:
+        return {}
+
+    def resumed_from(self) -> Optional[str]:
+        return None
+
+    def build(self, device, wiring) -> None:
+        self.wiring = wiring
+        self.policy = ActorCritic(self.policy_spec).to(device)
+        self.updater = EmbodiedPPO(self.cfg, self.policy, device)
+
+    def follow(self) -> int:
+        raise RuntimeError("embodied runs train on one learner rank")
+
+    # --- records in --------------------------------------------------------------------------------------------
+    def door(self, current_version):
+        self.segment_door = SegmentDoor(self.wiring.admission_server, current_version)
+        return self.segment_door, None
+
+    def on_take(self, segment) -> None:
+        self.wiring.admission.consumed(segment.ticket)
+
+    def start_step(self) -> None:
+        """Nothing to reset: segments are not filtered (reward variance means nothing for them)."""
+
+    def keep(self, segments: list) -> list:
+        return segments
+
+    def late_error(self, buffer, n: int, got: int, version: int) -> Exception:
+        timeout_s = self.cfg.cluster.timeout_s
+        return TimeoutError(
+            f"no segments for {timeout_s:.0f}s at policy version {version} ({got}/{n}; waiting for tickets "
+            f"{buffer.missing(n)[:8]}): are the env workers alive? (cluster.timeout_s)")
+
+    # --- one step ----------------------------------------------------------------------------------------------
+    def begin(self, t_train0: float) -> None:
+        self.env_rate, self.train_busy, self.rollout_busy = RateMeter(), BusyMeter(), BusyMeter()
+        self.t_start = t_train0
+
+    def update(self, segments: list, version: int):
+        return self.updater.step(segments), None
+
+    def push(self, version: int) -> None:
+        self.wiring.fanout.push_async({k: v.detach() for k, v in self.policy.state_dict().items()}, version)
+
+    def step_metrics(self, step: int, version: int, segments: list, batch, t_step: float, t_work: float,
+                     buffer_stats: dict) -> dict:
+        self.train_busy.add(time.perf_counter() - t_work)
+        n_steps = sum(s.num_envs * s.num_steps for s in segments)
+        self.env_steps += n_steps
+        self.env_rate.add(n_steps)
+        rollout_s = sum(s.timings.get("busy_s", 0.0) for s in segments)
+        self.rollout_busy.add(rollout_s)
+        returns = self._episodes(segments)
+        metrics = dict(self.episode_stats)
+        metrics.update({
+            "policy_version": version,
+            "env_steps": self.env_steps,
+            "episode/count": float(returns.size),
+            "episode/return_recent": float(np.mean(self.recent)) if self.recent else 0.0,
+            "throughput/env_steps_per_s": self.env_rate.rate(),
+            "throughput/rollout_env_steps_per_s": n_steps / max(rollout_s, 1e-9),
+            "util/rollout_busy": self.rollout_busy.fraction(self.num_workers),
+            "util/train_busy": self.train_busy.fraction(),
+            "time/step_s": time.perf_counter() - t_step,
+            "time/wait_s": t_work - t_step,
+            "sync/push_s": max((s.timings.get("push_s_max", 0.0) for s in segments), default=0.0),
+            "rollout/inflight_updates": float(sum(s.timings.get("weight_loads", 0.0) for s in segments)),
+            "staleness/version_spread_max": buffer_stats.get("version_spread_max", 0),
+            "buffer/size": buffer_stats.get("size", 0),
+            "buffer/dropped_stale": buffer_stats.get("dropped_stale", 0),
+            "stream/rejected": sum(self.wiring.receiver.rejected.values()),
+            "stream/rejected_content": self.segment_door.num_rejected,
+        })
+        for meter in (self.env_rate, self.train_busy, self.rollout_busy):
+            meter.reset()
+        return metrics
+
+    def _episodes(self, segments: list) -> np.ndarray:
+        """The returns of the episodes that ended in these segments (raw environment reward); their means go to
+        ``episode_stats`` (empty when none ended) and the returns to the last-100 window."""
+        returns = np.concatenate([s.episode_returns for s in segments])
+        lengths = np.concatenate([s.episode_lengths for s in segments])
+        self.recent.extend(returns.tolist())
+        self.episode_stats = {"episode/return_mean": float(returns.mean()), "episode/length_mean":
+                              float(lengths.mean()), "episode/return_max": float(returns.max())} if returns.size else {}
+        return returns
+
+    # --- evaluation, checkpoints, the end ----------------------------------------------------------------------
+    def refresh_weights(self) -> None:
+        """One rank: the trained policy is the saved one."""
+
+    def evaluate(self) -> Optional[dict]:
+        return None
+
+    def checkpoint(self, version: int, logger) -> None:
+        """Not supported for embodied runs yet (trainer.resume_from is refused): only the final policy is saved."""
+
+    def save_final(self, final_dir: str, version: int) -> None:
+        os.makedirs(final_dir, exist_ok=True)
+        torch.save({"policy": self.policy.state_dict(), "spec": dataclasses.asdict(self.policy.spec),
+                    "optimizer": self.updater.state_dict(), "version": version},
+                   os.path.join(final_dir, "policy.pt"))
+
+    def run_info(self) -> dict:
+        return {"env": self.cfg.env.id}
+
+    def summary(self, buffer_stats: dict) -> dict:
+        wall = time.perf_counter() - self.t_start
+        return dict(env_steps=self.env_steps, wall_s=wall, env_steps_per_s=self.env_steps / max(wall, 1e-9),
+                    return_recent=float(np.mean(self.recent)) if self.recent else None,
+                    buffer=buffer_stats, rejected=dict(self.wiring.receiver.rejected),
+                    rejected_segments=dict(self.segment_door.rejected))

@@ -1,0 +1,301 @@
+"""The learner's one training loop, shared by every workload (LLM token groups, embodied segments, and what is next).
+
+Once per policy version ``v``:
+  take ``rollout_batch_size`` records (whole groups, or segments) from the staleness buffer (stale ones are dropped
+  and their tickets reused) -> the workload's update -> ``v + 1`` -> every ``sync_every`` versions: announce and
+  push the weights (in the background) -> tell the admission controller the new version (which releases more
+  tickets) -> every ``trainer.eval_every`` versions: a held-out evaluation -> log one metrics record
+  -> every ``trainer.save_every`` versions (and at the end): a checkpoint.
+
+Resuming (``trainer.resume_from``) continues at the checkpoint's version ``V``: step numbers and policy versions go on
+from ``V + 1`` and the weights are announced and pushed once before training, so every worker holds version ``V``
+(they start at version 0 whatever weights their engine loaded) before a ticket that needs it is served.
+
+Why one loop and a workload: the steps, versions, admission, pushes, checkpoints and evaluation cadence are the same
+whatever is trained, and two hand-copied loops drift apart. A workload (:class:`Workload`) knows only how admitted
+records become a batch and a batch becomes an update and its metrics. The sockets, addresses, keys and worker
+membership are wiring: the launcher binds them and hands them in as a :class:`Wiring` (launch/learner_wiring.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+
+from asyncppo.learner.step_metrics import make_logger
+from asyncppo.metrics import lag_stats, token_lag_stats
+from asyncppo.staleness import Feeder, StalenessBuffer
+
+log = logging.getLogger("asyncppo.learner")
+
+
+class Wiring(Protocol):
+    """The bound sockets the loop talks through (made by the launcher before any worker starts)."""
+
+    receiver: Any  # stream.channels.TrajectoryReceiver: records in
+    control: Any  # stream.channels.ControlPublisher: version and stop out
+    admission: Any  # staleness.AdmissionController: tickets, the batch order
+    admission_server: Any  # staleness.AdmissionServer: hands the tickets out
+    fanout: Any  # sync.fanout.WeightFanout: weights out
+    engine_eval: Any  # an evaluation of data.eval_files on the rollout engines, or None
+
+    def close(self) -> None: ...
+
+
+class Workload(Protocol):
+    """What one kind of training adds to the loop. ``records`` are what the staleness buffer hands out."""
+
+    workers_name: str  # how log lines name the producers ("rollout worker", "env worker")
+    record_kind: str  # how errors name one record ("trajectory", "segment")
+    response_length: int  # the staleness buffer's waste accounting
+    pushes_initial_weights: bool  # workers act only after loading version 0 from the learner
+    streamed: bool  # pushes keep no snapshot: a worker that joins late is pushed at the next step
+    can_evaluate: bool  # a held-out evaluation on the learner exists
+    evaluates_on_engines: bool  # data.eval_files are evaluated on the workers' engines with the pushed weights
+
+    def start_version(self) -> int: ...  # the version a resume continues from (0: a fresh run)
+    def saved_position(self) -> dict: ...  # the data position a resume continues from
+    def resumed_from(self) -> Optional[str]: ...  # the checkpoint a resume continues from
+    def build(self, device: torch.device, wiring: Optional[Wiring]) -> None: ...
+    def follow(self) -> int: ...  # ranks > 0: do what rank 0 broadcasts; the steps done
+    def door(self, current_version: Callable[[], int]) -> tuple[Any, Any]: ...  # (validator, rejection summary)
+    def on_take(self, record) -> None: ...
+    def start_step(self) -> None: ...
+    def keep(self, records: list) -> list: ...
+    def late_error(self, buffer, n: int, got: int, version: int) -> Exception: ...
+    def begin(self, t_train0: float) -> None: ...
+    def update(self, records: list, version: int) -> tuple[dict, Any]: ...  # (metrics, batch)
+    def push(self, version: int) -> None: ...
+    def step_metrics(self, step: int, version: int, records: list, batch, t_step: float, t_work: float,
+                     buffer_stats: dict) -> dict: ...
+    def refresh_weights(self) -> None: ...  # make the evaluated/saved copy current (collective when sharded)
+    def evaluate(self) -> Optional[dict]: ...
+    def checkpoint(self, version: int, logger) -> None: ...
+    def save_final(self, final_dir: str, version: int) -> None: ...
+    def summary(self, buffer_stats: dict) -> dict: ...
+    def run_info(self) -> dict: ...  # what summary.json names first, besides the output directory
+
+
+class LearnerLoop:
+    """One learner rank. Rank 0 trains; ranks > 0 (a sharded actor) follow rank 0's broadcasts."""
+
+    def __init__(self, cfg, workload: Workload, num_workers: int, output_dir: str, rank: int = 0,
+                 world_size: int = 1):
+        self.cfg, self.workload, self.num_workers, self.output_dir = cfg, workload, num_workers, output_dir
+        self.rank, self.world_size = rank, world_size
+        self.version = 0  # the policy version: the learner's step counter (a resume sets it first)
+        self.pushed_version = 0  # the newest version announced as weights (the stop message repeats it)
+        self._feeder: Optional[Feeder] = None
+        self._logger = None
+        self._joined = False  # the weight push may still be running: the shutdown waits for it
+        self._in_group = False  # this rank joined the learner group: the shutdown leaves it
+        self._engine_eval = None  # the evaluation of data.eval_files on the rollout engines, when the workload has one
+
+    def run(self, wiring: Optional[Wiring], master_addr: Optional[str] = None, master_port: Optional[int] = None,
+            bind_host: Optional[str] = None) -> dict:
+        """Train; whatever happens, tell the workers to stop and release every socket, group and thread.
+        ``wiring`` is None on ranks > 0, which bind nothing."""
+        try:
+            return self._run(wiring, master_addr, master_port, bind_host)
+        finally:
+            self._shutdown(wiring)
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _run(self, wiring, master_addr, master_port, bind_host) -> dict:
+        cfg, tr, work = self.cfg, self.cfg.trainer, self.workload
+        torch.manual_seed(tr.seed)
+        work.build(self._device(master_addr, master_port, bind_host), wiring)
+        if self.rank > 0:
+            return {"rank": self.rank, "steps": work.follow()}
+        logger = self._logger = make_logger(cfg, self.output_dir)
+        self._engine_eval = wiring.engine_eval if work.evaluates_on_engines else None
+        summary: dict = {"output_dir": self.output_dir, **work.run_info()}
+        if work.can_evaluate:
+            summary["eval_before"] = work.evaluate()
+            logger.log(self.version, _prefixed("eval", summary["eval_before"]))
+        logger.message(f"waiting for {self.num_workers} {work.workers_name}(s) to join the weight-sync group")
+        self._join_workers(wiring)
+        buffer = self._open_buffer(wiring)
+        start = saved_version = self.version
+        t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
+        work.begin(t_train0)
+        logger.message(f"training started at step {start + 1}" + (f" (resumed from {work.resumed_from()})"
+                                                                 if work.resumed_from() else ""))
+        self._announce_start(wiring, start)
+        for step in range(start + 1, tr.total_steps + 1):
+            metrics = self._train_step(step, wiring, buffer)
+            if tr.eval_every and work.can_evaluate and step % tr.eval_every == 0 and step < tr.total_steps:
+                if self.version % cfg.rollout.sync_every:  # not pushed this step: the evaluated copy is behind
+                    work.refresh_weights()
+                metrics.update(_prefixed("eval", work.evaluate()))
+            logger.log(step, metrics)
+            if self._engine_eval is not None:
+                self._engine_eval.poll(logger)
+            if tr.save_every and step % tr.save_every == 0:
+                work.checkpoint(self.version, logger)
+                saved_version = self.version
+        return self._finish(wiring, buffer, summary, saved_version)
+
+    def _device(self, master_addr, master_port, bind_host) -> torch.device:
+        """This rank's device; with several ranks, after joining the learner group (learner/distributed.py)."""
+        cl = self.cfg.cluster
+        if self.world_size > 1:
+            from asyncppo.learner import distributed as D  # only with several ranks: it brings the LLM PPO update
+
+            self._in_group = True  # set first: a half-made group is still left at shutdown
+            return D.init_learner_group(self.rank, self.world_size, master_addr, master_port,
+                                        timeout_s=cl.timeout_s, bind_host=bind_host)
+        return torch.device("cuda" if torch.cuda.is_available() and cl.train_gpus > 0 else "cpu")
+
+    def _join_workers(self, wiring) -> None:
+        """Wait until every worker joined its weight-sync group; the deadline counts from here, not from start-up."""
+        sender = wiring.fanout
+        sender.start()
+        self._joined = True
+        sender.wait_joined(range(self.num_workers), timeout_s=self.cfg.cluster.timeout_s)
+
+    def _open_buffer(self, wiring) -> StalenessBuffer:
+        """The ticket-ordered staleness buffer and the feeder thread that fills it through the workload's door."""
+        ro, work = self.cfg.rollout, self.workload
+        buffer = StalenessBuffer(
+            ro.max_staleness,
+            # room for everything admission lets into flight, so the feeder never blocks a worker's send
+            capacity_groups=max((ro.max_staleness + 2) * ro.rollout_batch_size, 64),
+            on_drop=lambda record: self._release_dropped(wiring, record),
+            on_take=work.on_take,  # consumes the ticket (or, for a skipped group, releases it)
+            # the batch at version v is the B lowest outstanding tickets: lag <= k without dropping long samples
+            order=wiring.admission,
+            response_length=work.response_length,
+        )
+        door, rejections = work.door(lambda: self.version)
+        self._feeder = Feeder(wiring.receiver, buffer, validator=door, summary=rejections)
+        return buffer
+
+    def _announce_start(self, wiring, start: int) -> None:
+        """Tell the workers the starting version. A resumed run pushes the checkpoint's weights first (workers begin
+        at version 0; tickets need version >= start - k, so they wait for this push; when k >= start they may
+        generate before it with their engine's weights stamped 0, an older stamp than the truth, which only errs
+        towards the lag guard). A workload whose workers start with no weights pushes version 0 too."""
+        wiring.control.publish(version=start, weights_version=start)
+        if start > 0 or self.workload.pushes_initial_weights:
+            self.workload.push(start)
+            self.pushed_version = start
+
+    def _train_step(self, step: int, wiring, buffer) -> dict:
+        """Take a batch, update, advance the version, push when due, release the next tickets; the step's metrics."""
+        work, n = self.workload, self.cfg.rollout.rollout_batch_size
+        t_step = time.perf_counter()
+        work.start_step()
+        records = self._take(buffer, n)
+        t_work = time.perf_counter()
+        metrics, batch = work.update(records, self.version)
+        metrics.update(lag_stats(self.version, [r.version_min for r in records]))
+        metrics.update(token_lag_stats(self.version, records))
+        self.version += 1
+        last = step == self.cfg.trainer.total_steps
+        if self._push_due(wiring, last):
+            wiring.fanout.wait()
+            wiring.control.publish(version=self.version, weights_version=self.version)
+            work.push(self.version)
+            self.pushed_version = self.version
+        if last:
+            wiring.admission_server.stop()  # no more generation while the run evaluates and saves
+        wiring.admission.set_version(self.version)
+        wiring.control.publish(version=self.version, weights_version=self.pushed_version)
+        metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
+        return metrics
+
+    def _push_due(self, wiring, last: bool) -> bool:
+        """Every ``sync_every`` versions; at the end only for an evaluation of data.eval_files (nobody else generates
+        with the final weights); and after a streamed push that a late-joining worker missed."""
+        if last:
+            return self._engine_eval is not None
+        return self.version % self.cfg.rollout.sync_every == 0 or (self.workload.streamed and wiring.fanout.behind())
+
+    def _take(self, buffer, n: int) -> list:
+        """Block until ``n`` fresh records are in; fail loudly if the workers stop producing."""
+        timeout_s = self.cfg.cluster.timeout_s
+        deadline = time.monotonic() + timeout_s
+        records: list = []
+        while len(records) < n:
+            records += self.workload.keep(buffer.take(n - len(records), self.version, timeout_s=1.0))
+            if self._feeder is not None and not self._feeder.alive:
+                raise RuntimeError(f"the {self.workload.record_kind} feeder stopped: {self._feeder.error!r}")
+            if time.monotonic() > deadline:
+                raise self.workload.late_error(buffer, n, len(records), self.version)
+            if records:
+                deadline = time.monotonic() + timeout_s
+        return records
+
+    @staticmethod
+    def _release_dropped(wiring, record) -> None:
+        """A record the lag guard dropped gives its ticket back, so the slot is generated again (a record whose
+        ticket is no longer outstanding has nothing to give back)."""
+        if wiring.admission.is_outstanding(record.ticket):
+            wiring.admission.release(record.ticket)
+
+    def _finish(self, wiring, buffer, summary: dict, saved_version: int) -> dict:
+        """The last checkpoint, evaluations and the final weights; ``summary.json``."""
+        tr, work, logger = self.cfg.trainer, self.workload, self._logger
+        wiring.fanout.wait()
+        if tr.save_every and saved_version != self.version:
+            work.checkpoint(self.version, logger)
+        work.refresh_weights()
+        if work.can_evaluate:
+            summary["eval_after"] = work.evaluate()
+            logger.log(tr.total_steps, _prefixed("eval", summary["eval_after"]))
+        if self._engine_eval is not None:
+            self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
+            summary["eval_files"] = self._engine_eval.summary()
+        work.save_final(os.path.join(self.output_dir, "final"), self.version)
+        summary.update(steps=tr.total_steps, version=self.version)
+        summary.update(work.summary(buffer.stats()))
+        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=str)
+        # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
+        shown = dict(summary)
+        if isinstance(shown.get("rollout"), dict):
+            shown["rollout"] = {k: v for k, v in shown["rollout"].items() if k != "group_lengths"}
+        logger.message(f"done: {shown}")
+        return summary
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _shutdown(self, wiring: Optional[Wiring]) -> None:
+        """Each step on its own: one failing cleanup must not skip the others or mask the run's own error."""
+
+        def attempt(what: str, fn) -> None:
+            try:
+                fn()
+            except Exception as exc:
+                log.warning("learner shutdown: %s failed: %r", what, exc)
+
+        if self.rank == 0 and wiring is not None:
+            attempt("publish stop", lambda: wiring.control.publish(
+                version=self.version, weights_version=self.pushed_version, stop=True))
+            attempt("stop admission", wiring.admission_server.stop)
+        if self._joined:
+            # short: a normal end already waited for every push; a worker that is late must not delay the error
+            attempt("finish weight push", lambda: wiring.fanout.wait(timeout_s=5.0))
+        if self._in_group:
+            from asyncppo.learner import distributed as D  # only with several ranks: it brings the LLM PPO update
+
+            if self.rank == 0:
+                attempt("release learner followers", D.broadcast_stop)
+            attempt("leave learner group", D.destroy)
+        if self.rank == 0 and wiring is not None:
+            time.sleep(1.0)  # keep the stop visible a moment (it is re-sent) for workers busy in an engine call
+        if self._feeder is not None:
+            attempt("close Feeder", self._feeder.close)
+        if wiring is not None:
+            attempt("close the learner's sockets", wiring.close)
+        if self._logger is not None:
+            attempt("close MetricsLogger", self._logger.close)
+
+
+def _prefixed(prefix: str, metrics: Optional[dict]) -> dict:
+    return {f"{prefix}/{k}": v for k, v in (metrics or {}).items()}

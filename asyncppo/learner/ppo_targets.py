@@ -1,0 +1,93 @@
+"""What one PPO step aims at, computed once for the whole batch before any mini-batch: the rollout correction, the
+shaped rewards and the advantages and returns.
+
+Why these live apart from :mod:`asyncppo.learner.ppo`: they need no model, only the batch's columns (log-probs,
+scores, masks, values already computed) and the ``algorithm`` config, so each is a short sequence of
+:mod:`asyncppo.algo` calls that can be read, and tested, without a forward pass. Each writes its results onto the
+batch's columns and its numbers into ``metrics`` (in the order the step reports them).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from asyncppo import algo
+from asyncppo.config.schema import AlgorithmConfig
+from asyncppo.learner.batch import TrainBatch
+
+
+def correct_rollout(alg: AlgorithmConfig, batch: TrainBatch, proximal: torch.Tensor, metrics: dict) -> None:
+    """Set ``old_logprobs`` (the policy the trust region is taken around) and the rollout correction's constant
+    ``is_weights`` and rejection-reduced ``loss_mask``: once per batch, so they do not depend on the later split."""
+    mask = batch.response_mask
+    batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
+    # estimated on the behaviour policy's own samples, as algo.policy_loss reports it
+    metrics["actor/mismatch_kl"] = float(algo.mismatch_kl(batch.behavior_logprobs, proximal, mask))
+    batch.loss_mask = mask.bool()
+    if alg.off_policy_correction == "none":
+        return
+    batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
+        batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
+        truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
+        normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
+        rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
+    )
+    metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
+
+
+def outcome_token_rewards(
+    alg: AlgorithmConfig,
+    batch: TrainBatch,
+    response_length: int,
+    running: Optional[algo.RunningMeanStd],
+    metrics: dict,
+) -> torch.Tensor:
+    """Token rewards ``[B, T]`` from the outcome scores: the over-length penalty (before clipping and
+    normalisation), clipping, normalisation, then the score on each response's last token. ``running`` is the
+    update's reward tracker for ``reward_norm: running`` (updated here)."""
+    mask = batch.response_mask
+    scores = batch.scores.clone()
+    metrics["reward/mean"] = float(scores.mean())
+    metrics["reward/max"] = float(scores.max())
+    metrics["reward/min"] = float(scores.min())
+    if alg.overlong_buffer_len > 0:  # DAPO soft over-length punishment
+        lengths = mask.sum(dim=1).long()
+        penalty = algo.overlong_penalty(lengths, response_length, alg.overlong_buffer_len, alg.overlong_penalty_factor)
+        scores = scores + penalty.to(scores)
+        metrics["reward/overlong_penalty_mean"] = float(penalty.mean())
+    scores = algo.clip_rewards(scores, alg.reward_clip)
+    scores = algo.normalize_rewards(
+        scores,
+        mode=alg.reward_norm,
+        group_index=batch.group_index,
+        running=running,
+        shift_only=alg.reward_shift,
+        scale_only=alg.reward_scale,
+    )
+    return algo.scores_to_token_rewards(scores, mask)
+
+
+def set_advantages(alg: AlgorithmConfig, batch: TrainBatch, token_rewards: torch.Tensor, metrics: dict) -> None:
+    """``batch.advantages`` and ``batch.returns`` with the configured estimator (whitening for the estimators that
+    are not already group-normalised, then clipping), and the critic's fit to them."""
+    mask = batch.response_mask
+    advantages, returns = algo.compute_advantages(
+        alg.adv_estimator,
+        token_rewards,
+        mask,
+        values=batch.old_values,
+        group_index=batch.group_index,
+        gamma=alg.gamma,
+        lambd=alg.lambd,
+        norm_by_std=alg.norm_adv_by_std_in_grpo,
+        whiten=alg.whiten_advantages and alg.adv_estimator in ("gae", "reinforce"),
+        clip=alg.advantage_clip,
+    )
+    batch.advantages, batch.returns = advantages, returns
+    if batch.old_values is not None:  # NaN (logged as null) when every return is equal: nothing to explain
+        metrics["critic/explained_variance"] = float(algo.explained_variance(batch.old_values, returns, mask))
+        metrics["critic/values_mean"] = float(algo.masked_mean(batch.old_values, mask))
+    metrics["actor/advantages_mean"] = float(algo.masked_mean(advantages, mask))
+    metrics["response_length/mean"] = float(mask.sum(dim=1).long().float().mean())

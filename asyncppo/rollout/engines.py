@@ -1,0 +1,40 @@
+"""Building a rollout engine by name: the one module that knows every backend.
+
+Why apart from :mod:`asyncppo.rollout.engine`: the backends import the interface and its types from there, so the
+factory that imports the backends must sit one floor up, or the two modules import each other. The backends are
+imported when asked for: vLLM is optional (and slow to import), transformers is heavy.
+"""
+
+from __future__ import annotations
+
+from .engine import RolloutEngine
+
+ENGINE_KINDS = ("vllm", "hf")
+
+
+def make_engine(
+    kind: str,
+    model_path: str,
+    dtype: str = "float32",
+    max_model_len: int = 256,
+    seed: int = 0,
+    device: str = "cpu",
+    **opts,
+) -> RolloutEngine:
+    """Build a rollout engine. ``kind``: ``"vllm"`` (vLLM, CPU build on CPU) or ``"hf"`` (transformers).
+
+    Extra ``opts`` go to the backend (vLLM: ``kv_cache_gib``, ``enforce_eager``, ``gpu_memory_utilization``,
+    ``num_threads``; hf: ``batch_size``, ``num_threads``). Options meant for the other backend are ignored by hf.
+
+    Threads: on a few shared cores pass ``num_threads=1``. Measured on 2 busy cores (tiny model, 32x4x64):
+    vLLM 3.3k tok/s with 1 thread vs 0.46k with 2; transformers 1.9k vs 1.3k.
+    """
+    if kind == "vllm":
+        from .vllm_engine import VLLMEngine  # heavy/optional: vllm (imported at first use, absent on some hosts)
+
+        return VLLMEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, **opts)
+    if kind == "hf":
+        from .hf_engine import HFEngine  # heavy: transformers
+
+        return HFEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, **opts)
+    raise ValueError(f"unknown engine kind {kind!r}; allowed: {list(ENGINE_KINDS)}")

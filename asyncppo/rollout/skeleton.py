@@ -1,0 +1,142 @@
+"""The skeleton every rollout worker shares: open the channels, watch the learner's versions, load weights, loop, close.
+
+Why one skeleton: the LLM worker (:mod:`asyncppo.rollout.worker`, an inference engine kept full) and the embodied
+worker (:mod:`asyncppo.envs.worker`, a vector env stepped by a small policy) differ only in what one unit of work is
+and in how weights reach the model. Everything around that - the admission client, the control subscription, the
+weight-sync group, the trajectory sender, the order things close in, the refusal of a learner on another wire
+version - is the same contract with the learner, so it is written once here.
+
+The loop is a small state machine, one :meth:`WorkerSkeleton._turn` per pass:
+
+1. **control** - read the learner's newest state; stop if asked.
+2. **weights** - the learner announced newer weights: :meth:`_on_weights_announced` (load now, or drain first).
+3. **work** - :meth:`_work`: admit, generate or step, send what is finished, or wait without spinning.
+
+A subclass provides ``_open_workload`` (its engine or env, and what it needs), ``_on_weights_announced`` and
+``_work``; it may add to ``_before_close``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+
+from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.staleness import AdmissionClient
+from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
+from asyncppo.stream.endpoints import Endpoints
+from asyncppo.sync import WeightReceiver, make_sync_group
+from asyncppo.sync.fanout import member_prefix
+
+log = logging.getLogger("asyncppo.rollout")
+
+
+class WorkerSkeleton:
+    """What every worker holds and does around its workload (module docstring)."""
+
+    role = "worker"  # how errors and logs name this kind of worker ("rollout worker", "env worker")
+
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
+                 incarnation: int = 0):
+        self.cfg = cfg
+        self.worker_id = worker_id
+        self.num_workers = num_workers
+        self.endpoints = endpoints
+        # incarnation: how many times the launcher restarted this worker (0: the first process); it names the
+        # worker's weight-sync group and its group ids, so a replacement never collides with its predecessor
+        self.incarnation = incarnation
+        self.version = 0  # version of the weights the model holds
+        self.stats: dict = {}  # counters the worker returns; each worker names its own
+        self._pending: collections.deque = collections.deque()  # granted tickets not yet used
+        self._closables: list = []
+        self._state = None  # the learner's newest control state
+        self._seq = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    def run(self) -> dict:
+        self._open()
+        try:
+            while self._turn():
+                pass
+        finally:
+            self._close()
+        return dict(self.stats, worker_id=self.worker_id, version=self.version)
+
+    def _turn(self) -> bool:
+        """One pass of the loop in the module docstring; False once the run is over."""
+        state = self._read_control()
+        if state is not None and state.stop:
+            return False
+        if state is not None and state.weights_version > self.version and self._on_weights_announced(state):
+            return True
+        self._work()
+        return True
+
+    # ---------------------------------------------------------------------------------------- what a worker adds
+    def _open_workload(self) -> None:
+        """Build the model side (engine or env and policy) before any channel opens."""
+        raise NotImplementedError
+
+    def _on_weights_announced(self, state) -> bool:
+        """React to newer announced weights; True ends this turn (the next one reads control again)."""
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        raise NotImplementedError
+
+    def _before_close(self) -> None:
+        """Release what must go before the channels close (e.g. abort the sequences in flight)."""
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _open(self) -> None:
+        self._open_workload()
+        self._open_channels()
+
+    def _open_channels(self) -> None:
+        """The weight-sync group, then the trajectory sender, the control subscription and the admission client."""
+        cfg, ep = self.cfg, self.endpoints
+        if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
+            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self.incarnation)
+        else:
+            rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
+        self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
+                                     backend=ep.sync_backend, timeout_s=cfg.cluster.timeout_s, store_prefix=prefix)
+        self._closables.append(self.group)
+        self.receiver = WeightReceiver(self.group)
+        # ep.curve: the run's CURVE client keys when the learner authenticates peers (docs/security.md)
+        self.sender = TrajectorySender(ep.trajectory, hwm=cfg.cluster.stream_hwm,
+                                       max_message_bytes=ep.max_message_bytes, curve=ep.curve)
+        self.control = ControlSubscriber(ep.control, curve=ep.curve)
+        self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
+        self._closables += [self.sender, self.control, self.admission]
+
+    def _close(self) -> None:
+        try:
+            self._before_close()
+        except Exception:  # closing must not mask the run's outcome
+            pass
+        for closable in reversed(self._closables):
+            try:
+                closable.close()
+            except Exception:  # closing must not mask the run's outcome
+                pass
+
+    # ------------------------------------------------------------------------------------------------------------
+    def _read_control(self):
+        self._state = self.control.latest(timeout_ms=0) or self._state
+        if self._state is None and self.control.rejected.get("version", 0):
+            # Every control message is refused: the learner runs another asyncppo wire version. Waiting would
+            # hang the run until its timeout; fail now with the reason.
+            raise RuntimeError(
+                f"{self.role} {self.worker_id}: the learner's control messages use another wire schema "
+                "version; run the same asyncppo version on every node"
+            )
+        return self._state
+
+    def _send_until_sent(self, send_once) -> bool:
+        """Retry ``send_once()`` (one bounded attempt) until the learner takes it; False when a stop came first."""
+        while not send_once():
+            state = self._read_control()
+            if state is not None and state.stop:
+                return False
+        return True

@@ -1,0 +1,108 @@
+"""The learner loop's own decisions, without sockets or models: when weights are pushed and announced, what a resume
+and an env run push before training, the admission version after every step, and the error that names late workers."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from asyncppo.learner.loop import LearnerLoop
+
+
+class _Record:
+    def __init__(self, version):
+        self.version_min, self.ticket = version, 0
+
+    def token_lag_sum(self, learner_version):
+        return learner_version - self.version_min, 1
+
+
+class _Buffer:
+    def __init__(self, deliver=True):
+        self.deliver = deliver
+
+    def take(self, n, version, timeout_s):
+        return [_Record(version) for _ in range(n)] if self.deliver else []
+
+    def stats(self):
+        return {}
+
+    def missing(self, n):
+        return list(range(n))
+
+
+class _Recorder:
+    """Every call to the wiring and the workload, in order."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        return lambda *a, **kw: self.calls.append((name, a, kw))
+
+
+class _Workload:
+    streamed, record_kind = False, "trajectory"
+
+    def __init__(self, pushes_initial_weights=False):
+        self.pushes_initial_weights = pushes_initial_weights
+        self.pushed = []
+
+    def start_step(self):
+        pass
+
+    def keep(self, records):
+        return records
+
+    def update(self, records, version):
+        return {}, None
+
+    def push(self, version):
+        self.pushed.append(version)
+
+    def step_metrics(self, *args):
+        return {}
+
+    def late_error(self, buffer, n, got, version):
+        return TimeoutError(f"late at version {version} ({got}/{n})")
+
+
+def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0):
+    cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every),
+                          trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s))
+    loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
+    wiring = SimpleNamespace(control=_Recorder(), admission=_Recorder(), admission_server=_Recorder(),
+                             fanout=SimpleNamespace(wait=lambda: None, behind=lambda: False))
+    return loop, wiring
+
+
+def test_weights_are_pushed_every_sync_every_versions_but_not_after_the_last_step():
+    work = _Workload()
+    loop, wiring = _loop(work, sync_every=2, total_steps=5)
+    for step in range(1, 6):
+        loop._train_step(step, wiring, _Buffer())
+    assert work.pushed == [2, 4]
+    assert [a[0] for name, a, kw in wiring.admission.calls if name == "set_version"] == [1, 2, 3, 4, 5]
+    announced = [kw["weights_version"] for name, a, kw in wiring.control.calls if name == "publish"]
+    assert announced == [0, 2, 2, 2, 4, 4, 4]  # each push is announced before it, then every step's version
+    assert [name for name, a, kw in wiring.admission_server.calls] == ["stop"]  # no generation after the last step
+
+
+def test_a_resume_pushes_the_checkpoint_and_an_env_run_pushes_version_zero_before_training():
+    resumed = _Workload()
+    loop, wiring = _loop(resumed)
+    loop._announce_start(wiring, 3)
+    assert resumed.pushed == [3] and loop.pushed_version == 3
+    fresh = _Workload()
+    loop, wiring = _loop(fresh)
+    loop._announce_start(wiring, 0)
+    assert fresh.pushed == [] and wiring.control.calls == [("publish", (), {"version": 0, "weights_version": 0})]
+    env = _Workload(pushes_initial_weights=True)
+    loop, wiring = _loop(env)
+    loop._announce_start(wiring, 0)
+    assert env.pushed == [0]
+
+
+def test_no_records_within_the_timeout_raises_the_workloads_error():
+    loop, wiring = _loop(_Workload(), timeout_s=0.0)
+    with pytest.raises(TimeoutError, match="late at version 0"):
+        loop._take(_Buffer(deliver=False), 2)
