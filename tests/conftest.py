@@ -7,7 +7,10 @@
 * ``random_model_dir``: the same architecture, untrained (0.2 s to build).
 * ``vllm_engine``: one in-process vLLM engine over ``tiny_model_dir`` (start-up is seconds; vLLM also keeps
   process-wide state, so one engine per test process is the safe pattern). Tests that change its weights must
-  restore them.
+  restore them. A missing vLLM fails it (tests/vllm_required.py) unless ``ASYNCPPO_ALLOW_NO_VLLM=1``.
+
+Tiers (tests/README.md): every test is marked by its folder, ``unit``, ``component`` or ``e2e``; an e2e test is also
+``slow``, and so is every test listed in tests/measured_slow.py, so ``pytest -m "not slow"`` is the fast tier.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import os
 
 import pytest
+from measured_slow import MEASURED_SLOW
+from vllm_required import require_vllm
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -49,7 +54,7 @@ def tiny_tokenizer(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir):
-    pytest.importorskip("vllm")
+    require_vllm()
     from asyncppo.rollout.engines import make_engine
 
     engine = make_engine("vllm", tiny_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
@@ -73,3 +78,38 @@ def prompts(tiny_tokenizer):
 
     rows = get_task("addition", seed=0).splits().eval[:16]
     return [tiny_tokenizer.encode(r["prompt"]) for r in rows]
+
+
+TIERS = ("unit", "component", "e2e")
+
+
+def _defined_names(module) -> set[str]:
+    """Names defined in a test module, including methods of its test classes."""
+    names = set(vars(module))
+    for value in vars(module).values():
+        if isinstance(value, type):
+            names |= set(vars(value))
+    return names
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier folder, and as ``slow`` where it is an e2e test or measured slow.
+
+    A name in MEASURED_SLOW that a collected module does not define is an error: a renamed test would otherwise
+    quietly move into the fast tier.
+    """
+    modules = {}
+    for item in items:
+        tier = item.path.parent.name
+        if tier in TIERS and item.path.parent.parent.name == "tests":
+            item.add_marker(tier)
+            if tier == "e2e":
+                item.add_marker("slow")
+        if getattr(item, "originalname", item.name) in MEASURED_SLOW.get(item.path.name, ()):
+            item.add_marker("slow")
+        if getattr(item, "module", None) is not None:
+            modules[item.path.name] = item.module
+    stale = [f"{name}::{test}" for name, module in modules.items()
+             for test in sorted(set(MEASURED_SLOW.get(name, ())) - _defined_names(module))]
+    if stale:
+        raise pytest.UsageError(f"tests/measured_slow.py names tests that no longer exist: {stale}")

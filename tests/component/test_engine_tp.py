@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import engine_reference
+from vllm_required import require_vllm
 
 from asyncppo.rollout.tp_load import check_staged, manifest_of
 from asyncppo.sync import WeightSender, find_free_port, make_sync_group
@@ -165,7 +166,7 @@ def test_a_dead_pushers_stage_directory_is_swept_and_a_live_ones_kept(monkeypatc
 
 @pytest.mark.slow  # ~1.5-5 min on 2 busy cores, nearly all of it the TP=2 engine's start
 def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_dir):
-    pytest.importorskip("vllm")
+    require_vllm()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     port = find_free_port()
@@ -201,7 +202,7 @@ def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_d
 def test_launch_runs_a_tp2_rollout_engine_on_cpu(tmp_path):
     """`asyncppo launch rollout.tensor_parallel_size=2`: the rollout actor's engine runs two TP worker processes,
     receives the learner's pushes and the run finishes its steps."""
-    pytest.importorskip("vllm")
+    require_vllm()
     import json
     import subprocess
     import sys
@@ -211,7 +212,7 @@ def test_launch_runs_a_tp2_rollout_engine_on_cpu(tmp_path):
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}",
                            "trainer.logger.wandb=false", "trainer.total_steps=3", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
-                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())

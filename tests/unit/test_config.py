@@ -22,7 +22,7 @@ from asyncppo.config import (
 )
 from asyncppo.config import choices
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _error(overrides: list[str]) -> ConfigError:

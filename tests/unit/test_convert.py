@@ -21,8 +21,8 @@ from asyncppo.config import ConfigError, config_to_yaml, load_config
 from asyncppo.config.convert import convert
 from asyncppo.config.convert.engine import Context, read_foreign, schema_defaults
 
-INPUTS = Path(__file__).resolve().parent / "convert_inputs"
-REPO = Path(__file__).resolve().parent.parent
+INPUTS = Path(__file__).resolve().parents[1] / "convert_inputs"
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _convert(name: str):

@@ -21,7 +21,7 @@ from asyncppo.launch.addresses import (
 )
 from asyncppo.stream.security import auth_enabled
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------------------------------------------------------

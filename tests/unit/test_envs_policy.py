@@ -15,7 +15,7 @@ from asyncppo.config import ConfigError, load_config
 from asyncppo.models.actor_critic import ActorCritic, PolicySpec
 from asyncppo.envs.spaces import EnvError, describe_env, describe_spaces
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_unknown_env_id_is_a_clear_error():

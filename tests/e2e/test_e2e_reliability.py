@@ -1,6 +1,6 @@
 """End to end: runs that survive a rollout worker killed mid-run, and report a stopped one by name in time.
 
-Real Ray, vLLM (CPU), ZeroMQ and gloo, as in tests/test_e2e_launch.py. The faults are injected from outside, with
+Real Ray, vLLM (CPU), ZeroMQ and gloo, as in tests/e2e/test_e2e_launch.py. The faults are injected from outside, with
 signals, into the run's own worker processes (found by the pid each worker logs); docs/reliability.md lists the
 outcomes measured here.
 """

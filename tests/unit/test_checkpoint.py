@@ -254,6 +254,6 @@ def test_checkpoint_options_are_validated():
     assert (cfg.trainer.save_every, cfg.trainer.keep_checkpoints, cfg.trainer.resume_from) == (3, 2, "/runs/a")
     with pytest.raises(ConfigError, match=r"trainer.keep_checkpoints=0: must be > 0"):
         load_config(["trainer.keep_checkpoints=0"])
-    # several learner ranks checkpoint too (sharded: tests/test_checkpoint_sharded.py)
+    # several learner ranks checkpoint too (sharded: tests/component/test_checkpoint_sharded.py)
     cfg = load_config(["trainer.save_every=3", "cluster.train_gpus=2", "rollout.rollout_batch_size=8"])
     assert cfg.cluster.train_gpus == 2 and cfg.trainer.save_every == 3

@@ -3,12 +3,17 @@
 The resumed run must continue the step and version numbering, keep the staleness bound, and generate its first
 batch with the checkpoint's weights (not the initial model's): its behaviour log-probs then match the learner's
 proximal log-probs, which the learner reports as ``actor/mismatch_kl``.
+
+Both launches run DAPO (``algorithm=dapo``), so the first one is also the run on which DAPO's dynamic sampling is
+checked: one launch where there were two of nearly the same configuration (8 groups per step, k=1, 6 steps).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,8 +23,17 @@ from test_e2e_launch import _assert_no_leftovers, _launch, _train_records
 pytestmark = pytest.mark.slow
 
 K = 1
-COMMON = ("rollout.rollout_batch_size=8", f"rollout.max_staleness={K}", "trainer.save_every=3",
-          "data.num_eval_prompts=16", "trainer.eval_every=0", "trainer.lr=1e-3")
+GROUPS, FIRST_STEPS = 8, 6
+COMMON = (f"rollout.rollout_batch_size={GROUPS}", f"rollout.max_staleness={K}", "trainer.save_every=3",
+          "data.num_eval_prompts=16", "trainer.eval_every=0", "trainer.lr=1e-3", "algorithm=dapo")
+
+
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory, tiny_model_dir) -> tuple[Path, subprocess.CompletedProcess, list[dict]]:
+    """The run that is resumed below and whose dynamic sampling is checked: launched once for both tests."""
+    first_dir = tmp_path_factory.mktemp("first")
+    proc, records = _launch(first_dir, f"model.path={tiny_model_dir}", f"trainer.total_steps={FIRST_STEPS}", *COMMON)
+    return first_dir, proc, records
 
 
 def _policy_gap(initial_dir: str, ckpt_actor_dir: str) -> float:
@@ -45,9 +59,30 @@ def _policy_gap(initial_dir: str, ckpt_actor_dir: str) -> float:
     return float(kl.mean())
 
 
-def test_resume_continues_steps_versions_and_weights(tmp_path, tiny_model_dir):
-    first_dir, second_dir = tmp_path / "first", tmp_path / "second"
-    proc, records = _launch(first_dir, f"model.path={tiny_model_dir}", "trainer.total_steps=6", *COMMON)
+def test_dynamic_sampling_skips_all_equal_groups_and_still_fills_every_batch(first_run):
+    """DAPO's dynamic sampling in the stream (learner/dynamic_sampling.py): all-equal groups are skipped, their tickets
+    released and refilled, every step still trains ``rollout_batch_size`` groups, and the staleness bound holds."""
+    steps, k, groups = FIRST_STEPS, K, GROUPS
+    first_dir, proc, records = first_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = _train_records(records)
+    assert [r["policy_version"] for r in train] == list(range(1, steps + 1))
+    skipped = [r["batch/skipped_groups"] for r in train]
+    # the warm-started model answers some prompts always right (8 of 8), others never: such groups come every step
+    assert sum(skipped) > 0, skipped
+    assert train[-1]["batch/skipped_groups_total"] == sum(skipped)
+    # the cap (dynamic_sampling_max_skip=0: 4 x the batch) bounds every step; it is reached when the policy's answers
+    # become deterministic (measured once in a full-suite run), and then the step trains the groups as they come
+    assert all(s <= 4 * groups for s in skipped), skipped
+    assert max(r["staleness/max"] for r in train) <= k
+    lines = [json.loads(x) for x in (first_dir / "run" / "trained_groups.jsonl").read_text().splitlines()]
+    assert [len(x["groups"]) for x in lines] == [groups] * steps  # the batch is filled, not shrunk
+    _assert_no_leftovers()
+
+
+def test_resume_continues_steps_versions_and_weights(first_run, tmp_path, tiny_model_dir):
+    first_dir, proc, records = first_run
+    second_dir = tmp_path / "second"
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     run1 = first_dir / "run"
     ckpts = run1 / "checkpoints"

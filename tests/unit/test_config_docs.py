@@ -10,7 +10,7 @@ from pathlib import Path
 from asyncppo.config import choices
 from asyncppo.config.schema import AsyncPPOConfig
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def _leaf_keys(tp, prefix=""):

@@ -205,7 +205,7 @@ def test_vllm_tied_fp32_update_refreshes_output_layer(tmp_path):
     import sys
 
     res = subprocess.run([sys.executable, "-c", TIED_CHILD, str(tmp_path / "tied")], capture_output=True, text=True,
-                         timeout=300, cwd=str(Path(__file__).resolve().parents[1]))
+                         timeout=300, cwd=str(Path(__file__).resolve().parents[2]))
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT")]
     assert res.returncode == 0 and lines, res.stderr[-3000:]
     assert lines[0].startswith("RESULT True"), lines[0]
