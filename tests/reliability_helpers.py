@@ -1,4 +1,4 @@
-"""Reward functions for tests/test_e2e_reliability.py, importable by rollout workers as
+"""Reward functions for tests/e2e/test_e2e_reliability.py, importable by rollout workers as
 ``tests.reliability_helpers:NAME``. Both score exactly like the built-in exact match, so a run using either trains
 on the same numbers; the second one stops its worker for good after a fixed number of samples."""
 

@@ -88,7 +88,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def maybe_shard(model: nn.Module, world_size: int, device: torch.device) -> nn.Module:
     """FSDP2 (one unit per decoder layer, then the root) whenever the learner has more than one rank; a no-op on one.
 
-    On CPU too: ``fully_shard`` runs with gloo in torch 2.13 (tests/test_learner_fsdp_push.py), and it is what
+    On CPU too: ``fully_shard`` runs with gloo in torch 2.13 (tests/component/test_learner_fsdp_push.py), and it is what
     averages the gradients over ranks (ShardedPPOUpdate relies on it), so several ranks without it would train
     diverging copies. ``device`` is kept for callers; the mesh follows the default process group's backend."""
     del device

