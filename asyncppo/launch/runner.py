@@ -51,6 +51,7 @@ def run(cfg: AsyncPPOConfig) -> int:
     # heavy: ray, imported only now so that the setting above is in place (the processes Ray starts inherit it)
     import ray
 
+    # heavy: ray (both import it at their top), so they too wait for the setting above
     from asyncppo.launch.start import RunActors, alive_node_gpus
     from asyncppo.launch.supervise import Supervisor, WorkerFailed, report_failure
 

@@ -187,7 +187,7 @@ class VLLMEngine(RolloutEngine):
         The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
         weights is never reused for a new request, while requests in flight keep their own blocks."""
         from vllm import SamplingParams  # heavy/optional: vllm
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind  # heavy/optional: vllm
 
         check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
                             self.max_model_len)
