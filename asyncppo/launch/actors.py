@@ -44,8 +44,8 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
 @ray.remote(max_restarts=0, max_concurrency=4)
 class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
-        # heavy: torch, transformers (the learner stack), only in the actor's process, not in the launcher
-        from asyncppo.launch.learner_wiring import llm_learner
+        # the learner stack is imported in the actor's process only, never in the launcher
+        from asyncppo.launch.learner_wiring import llm_learner  # heavy: torch, transformers
 
         redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
@@ -77,10 +77,10 @@ class LearnerActor:
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
                  incarnation: int = 0, position=None):
-        # heavy: torch and the engine stack, only in the actor's process, not in the launcher
-        import torch
+        # torch and the engine stack are imported in the actor's process only, never in the launcher
+        import torch  # heavy: torch
 
-        from asyncppo.rollout.worker import RolloutWorker
+        from asyncppo.rollout.worker import RolloutWorker  # heavy: torch, the rollout engines
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")  # a replacement appends
         logging.basicConfig(level=logging.WARNING)

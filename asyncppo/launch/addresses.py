@@ -153,9 +153,9 @@ class PlacementRecord:
 
 def bundle_nodes(pg) -> dict[int, BundleNode]:
     """Bundle index -> the node Ray reserved it on (call after the placement group is ready)."""
-    # heavy: ray; the runner imports this module before it sets Ray's environment and imports ray itself
-    import ray
-    from ray.util.placement_group import placement_group_table
+    # the runner imports this module before it sets Ray's environment and imports ray itself
+    import ray  # heavy: ray
+    from ray.util.placement_group import placement_group_table  # heavy: ray
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     table = placement_group_table(pg).get("bundles_to_node_id", {})

@@ -18,8 +18,8 @@ from asyncppo.launch.console import redirect_output
 class EnvLearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                  world_size: int = 1, keys=None):
-        # heavy: torch, gymnasium (the embodied learner), only in the actor's process, not in the launcher
-        from asyncppo.launch.learner_wiring import EmbodiedLearnerProcess
+        # the learner stack is imported in the actor's process only, never in the launcher
+        from asyncppo.launch.learner_wiring import EmbodiedLearnerProcess  # heavy: torch, gymnasium
 
         redirect_output(output_dir, "learner")
         logging.basicConfig(level=logging.WARNING)
@@ -41,10 +41,10 @@ class EnvLearnerActor:
 @ray.remote(max_restarts=0)
 class EnvRolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str = ""):
-        # heavy: torch, gymnasium (the env worker), only in the actor's process, not in the launcher
-        import torch
+        # torch and gymnasium are imported in the actor's process only, never in the launcher
+        import torch  # heavy: torch
 
-        from asyncppo.envs.worker import EnvWorker
+        from asyncppo.envs.worker import EnvWorker  # heavy: torch, gymnasium
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")
         logging.basicConfig(level=logging.WARNING)
