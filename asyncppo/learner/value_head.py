@@ -44,7 +44,7 @@ def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device,
     """The run's critic: a value head on the actor (``model.shared_backbone``, one learner rank) or a separate value
     model (several ranks: the flag has no effect there, as documented)."""
     if uses_shared_head(cfg):
-        from transformers import AutoConfig  # heavy: transformers (see load_critic below)
+        from transformers import AutoConfig  # heavy: transformers (kept off the launcher, see below)
 
         hidden = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).hidden_size
         return SharedValueHead(hidden).to(device)
