@@ -15,6 +15,17 @@ import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
+from asyncppo import __version__
+from asyncppo.config import ConfigError, ConfigWarning, config_to_yaml, load_config
+from asyncppo.config.convert import command as convert_command
+from asyncppo.launch.plan import format_plan
+from asyncppo.launch.resolve import plan_launch
+from asyncppo.report import write_report
+from asyncppo.report.advisor import format_table, plot, recommend, sweep
+from asyncppo.report.rates import measure
+from asyncppo.report.runs import RunDirError
+from asyncppo.report.workloads import SWITCH_S, workload
+
 DOCS = "docs/configuration.md"
 
 _LAUNCH_EPILOG = f"""\
@@ -72,9 +83,8 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
-    from asyncppo.config.convert import command
-
-    command.add_arguments(_subcommand(sub, "convert", command.HELP, command.DESCRIPTION, command.EPILOG))
+    convert_command.add_arguments(_subcommand(sub, "convert", convert_command.HELP, convert_command.DESCRIPTION,
+                                              convert_command.EPILOG))
 
 
 # subcommand -> (one-line help, description) for the subcommands whose texts live here
@@ -103,9 +113,6 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from asyncppo.report.plots import write_report
-    from asyncppo.report.runs import RunDirError
-
     try:
         paths = write_report(*args.runs, out_dir=args.out)
     except RunDirError as exc:
@@ -130,8 +137,6 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
-    from asyncppo.report.advisor import format_table, plot, recommend, sweep
-
     if (args.run is None) == (args.workload is None):
         return _fail("advise needs exactly one of RUN_DIR or --workload NAME")
     try:
@@ -143,12 +148,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     switch_s = 0.0
     try:
         if args.workload:
-            from asyncppo.report.workloads import SWITCH_S, workload
-
             rates, switch_s = workload(args.workload), SWITCH_S.get(args.workload, 0.0)
         else:
-            from asyncppo.report.rates import measure
-
             rates = measure(args.run)
         rows = sweep(rates, args.gpus, nodes=args.nodes, tp=args.tp, ks=ks, steps=args.steps,
                      warmup=max(2, args.steps // 4), switch_s=switch_s, batch_groups=args.batch)
@@ -174,8 +175,6 @@ SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from asyncppo import __version__
-
     parser = argparse.ArgumentParser(
         prog="asyncppo",
         description="Asynchronous off-policy streaming PPO for language models: vLLM rollout workers stream "
@@ -196,8 +195,6 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _load(args: argparse.Namespace):
     """Compose + validate; warnings go to stderr. Raises ConfigError."""
-    from asyncppo.config import ConfigWarning, load_config
-
     overrides = list(args.overrides)
     if args.rollout_gpus is not None:
         overrides.append(f"cluster.rollout_gpus={args.rollout_gpus}")
@@ -215,16 +212,11 @@ def _load(args: argparse.Namespace):
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
-    from asyncppo.config import ConfigError, config_to_yaml
-
     try:
         cfg = _load(args)
     except ConfigError as exc:
         return _fail(f"{exc}\n(see {DOCS})")
     if args.dry_run:
-        from asyncppo.launch.plan import format_plan
-        from asyncppo.launch.resolve import plan_launch
-
         # The plan is printed as YAML comments so that the whole output still parses as the config.
         plan = plan_launch(cfg)
         lines = format_plan(plan.placement).splitlines() + plan.describe()
@@ -233,7 +225,7 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         sys.stdout.flush()
         return 0
     try:
-        from asyncppo.launch.runner import run
+        from asyncppo.launch.runner import run  # heavy: ray, torch (the runner and its actors)
     except ImportError as exc:
         return _fail(f"cannot start a run: the launcher could not be imported ({exc})", code=1)
     return int(run(cfg) or 0)

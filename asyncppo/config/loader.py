@@ -15,6 +15,11 @@ import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
+from hydra import compose as hydra_compose
+from hydra import initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
@@ -35,9 +40,6 @@ class ConfigWarning(UserWarning):
 
 def check_override_keys(overrides: Sequence[str]) -> list[str]:
     """Parse overrides with Hydra's grammar and check every key against the schema, collecting all problems."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import OverrideParseException
-
     problems = []
     parser = OverridesParser.create()
     for text in overrides:
@@ -87,11 +89,6 @@ def compose(overrides: Sequence[str] = (), config_dir: Optional[str | Path] = No
 
     Returns the typed DictConfig before validation; raises :class:`ConfigError` on any composition problem.
     """
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
-    from hydra.errors import HydraException
-
     overrides = _expand_env_id(list(overrides), Path(config_dir or CONFIG_DIR))
     problems = check_override_keys(overrides)
     if problems:

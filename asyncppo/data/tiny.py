@@ -74,7 +74,7 @@ def build_tiny_model(
 ) -> str:
     """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path."""
     import torch  # heavy: torch
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # heavy: transformers
 
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")

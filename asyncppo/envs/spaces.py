@@ -61,7 +61,7 @@ def _make_kwargs(env_cfg) -> dict:
 
 def _check_id(env_id: str) -> None:
     import gymnasium  # heavy/optional: gymnasium (embodied runs only)
-    from gymnasium import error as gym_error
+    from gymnasium import error as gym_error  # heavy/optional: gymnasium
 
     try:
         gymnasium.spec(env_id)
@@ -113,7 +113,7 @@ def describe_env(env_cfg) -> EnvDescription:
 def make_vector_env(env_cfg, num_envs: int):
     """A gymnasium vector env with ``SAME_STEP`` autoreset (module docstring)."""
     import gymnasium  # heavy/optional: gymnasium
-    from gymnasium.vector import AutoresetMode
+    from gymnasium.vector import AutoresetMode  # heavy/optional: gymnasium
 
     _check_id(env_cfg.id)
     return gymnasium.make_vec(

@@ -6,9 +6,14 @@ worker stay ordinary classes that tests can also run without Ray.
 
 from __future__ import annotations
 
+import logging
+import os
+
 import ray
+from omegaconf import OmegaConf
 
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.launch.console import redirect_output
 
 
 def pin_cpus(env_var: str) -> None:
@@ -16,8 +21,6 @@ def pin_cpus(env_var: str) -> None:
 
     Benchmarks use it to give the rollout worker and the learner disjoint cores, as disjoint GPU pools would be;
     a run that does not set it is scheduled by the OS as usual."""
-    import os
-
     spec = os.environ.get(env_var, "").strip()
     if spec and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in spec.split(",") if c.strip()})
@@ -26,9 +29,7 @@ def pin_cpus(env_var: str) -> None:
 def set_learner_threads(cfg_dict: dict) -> None:
     """torch intra-op threads of a learner rank on CPU: ``trainer.cpu_threads``, or ``$ASYNCPPO_LEARNER_THREADS``
     when set (benchmarks). No effect on GPU, where the kernels do not run on these threads."""
-    import os
-
-    import torch
+    import torch  # heavy: torch, only in the actor's process (the launcher imports this module without it)
 
     if not torch.cuda.is_available():
         threads = os.environ.get("ASYNCPPO_LEARNER_THREADS") or cfg_dict["trainer"].get("cpu_threads", 1)
@@ -36,8 +37,6 @@ def set_learner_threads(cfg_dict: dict) -> None:
 
 
 def _config(cfg_dict: dict) -> AsyncPPOConfig:
-    from omegaconf import OmegaConf
-
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(AsyncPPOConfig), cfg_dict))
 
 
@@ -45,10 +44,8 @@ def _config(cfg_dict: dict) -> AsyncPPOConfig:
 @ray.remote(max_restarts=0, max_concurrency=4)
 class LearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int, world_size: int):
-        import logging
-
-        from asyncppo.launch.console import redirect_output
-        from asyncppo.launch.learner_wiring import llm_learner
+        # the learner stack is imported in the actor's process only, never in the launcher
+        from asyncppo.launch.learner_wiring import llm_learner  # heavy: torch, transformers
 
         redirect_output(output_dir, "learner" if rank == 0 else f"learner-{rank}")
         logging.basicConfig(level=logging.WARNING)
@@ -80,12 +77,10 @@ class LearnerActor:
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
                  incarnation: int = 0, position=None):
-        import torch
+        # torch and the engine stack are imported in the actor's process only, never in the launcher
+        import torch  # heavy: torch
 
-        import logging
-
-        from asyncppo.launch.console import redirect_output
-        from asyncppo.rollout.worker import RolloutWorker
+        from asyncppo.rollout.worker import RolloutWorker  # heavy: torch, the rollout engines
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")  # a replacement appends
         logging.basicConfig(level=logging.WARNING)

@@ -116,7 +116,7 @@ def discover_learner_addresses(bind: Optional[str], advertise: Optional[str]) ->
     node_id = node_ip = ""
     node_ips: list[str] = []
     try:
-        import ray
+        import ray  # heavy/optional: ray, absent or unused where tests build a learner process directly
 
         if ray.is_initialized():
             node_id = ray.get_runtime_context().get_node_id() or ""
@@ -153,8 +153,9 @@ class PlacementRecord:
 
 def bundle_nodes(pg) -> dict[int, BundleNode]:
     """Bundle index -> the node Ray reserved it on (call after the placement group is ready)."""
-    import ray
-    from ray.util.placement_group import placement_group_table
+    # the runner imports this module before it sets Ray's environment and imports ray itself
+    import ray  # heavy: ray
+    from ray.util.placement_group import placement_group_table  # heavy: ray
 
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
     table = placement_group_table(pg).get("bundles_to_node_id", {})

@@ -22,6 +22,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import IO, Optional
 
 from asyncppo.metrics.logger import format_progress
@@ -82,8 +83,6 @@ class RunConsole:
 
     def __init__(self, run_dir: str, total_steps: Optional[int] = None, log_every: int = 1,
                  progress: bool = True, stream: Optional[IO[str]] = None, clock=None):
-        import time
-
         self.run_dir = run_dir
         self.total_steps = total_steps
         self.log_every = max(1, int(log_every))

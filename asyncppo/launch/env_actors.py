@@ -6,19 +6,20 @@ learner and the worker stay ordinary classes that tests can run without Ray.
 
 from __future__ import annotations
 
+import logging
+
 import ray
 
 from asyncppo.launch.actors import _config, pin_cpus, set_learner_threads
+from asyncppo.launch.console import redirect_output
 
 
 @ray.remote(max_restarts=0)
 class EnvLearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                  world_size: int = 1, keys=None):
-        import logging
-
-        from asyncppo.launch.console import redirect_output
-        from asyncppo.launch.learner_wiring import EmbodiedLearnerProcess
+        # the learner stack is imported in the actor's process only, never in the launcher
+        from asyncppo.launch.learner_wiring import EmbodiedLearnerProcess  # heavy: torch, gymnasium
 
         redirect_output(output_dir, "learner")
         logging.basicConfig(level=logging.WARNING)
@@ -40,12 +41,10 @@ class EnvLearnerActor:
 @ray.remote(max_restarts=0)
 class EnvRolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str = ""):
-        import logging
+        # torch and gymnasium are imported in the actor's process only, never in the launcher
+        import torch  # heavy: torch
 
-        import torch
-
-        from asyncppo.envs.worker import EnvWorker
-        from asyncppo.launch.console import redirect_output
+        from asyncppo.envs.worker import EnvWorker  # heavy: torch, gymnasium
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")
         logging.basicConfig(level=logging.WARNING)

@@ -209,9 +209,9 @@ def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional
     (checked against the configured model first, so a mismatch fails before any actor starts), else ``model_path``."""
     if not cfg.trainer.resume_from:
         return model_path, None
-    # heavy: torch (checkpoint reading, the critic rule of the PPO update)
-    from asyncppo.learner.checkpoint import CheckpointError, check_compatible, resolve_checkpoint
-    from asyncppo.learner.ppo import needs_critic
+    # only when resuming: checkpoint reading and the critic rule of the PPO update bring torch
+    from asyncppo.learner.checkpoint import CheckpointError, check_compatible, resolve_checkpoint  # heavy: torch
+    from asyncppo.learner.ppo import needs_critic  # heavy: torch
 
     try:
         ckpt = resolve_checkpoint(cfg.trainer.resume_from)

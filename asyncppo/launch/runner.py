@@ -48,11 +48,12 @@ def run(cfg: AsyncPPOConfig) -> int:
     _open_run_dir(plan, cfg)
     if plan.ray_on_loopback:  # Ray's name (historical) for "single-node: use the loopback address"; read at import
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    # heavy: ray, imported only now so that the setting above is in place (the processes Ray starts inherit it)
-    import ray
+    # Ray is imported only now, so that the setting above is in place (the processes Ray starts inherit it);
+    # start.py and supervise.py import ray at their top, so they wait too.
+    import ray  # heavy: ray
 
-    from asyncppo.launch.start import RunActors, alive_node_gpus
-    from asyncppo.launch.supervise import Supervisor, WorkerFailed, report_failure
+    from asyncppo.launch.start import RunActors, alive_node_gpus  # heavy: ray
+    from asyncppo.launch.supervise import Supervisor, WorkerFailed, report_failure  # heavy: ray
 
     actors = RunActors(plan, cfg)
     console = RunConsole(plan.output_dir, cfg.trainer.total_steps, cfg.trainer.logger.log_every,

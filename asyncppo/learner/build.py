@@ -13,6 +13,11 @@ from typing import Any, Optional
 
 import torch
 
+from asyncppo.learner import distributed as D
+from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
+from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.learner.value_head import build_critic
+
 
 @dataclasses.dataclass
 class LearnerModels:
@@ -29,8 +34,6 @@ class LearnerModels:
     def unsharded_actor(self) -> torch.nn.Module:
         """The actor rank 0 evaluates and saves: a second, plain copy when the trained one is sharded (kept current
         by learner/push.py), else the actor itself."""
-        from asyncppo.learner.models import load_actor
-
         if not self.sharded:
             return self.actor
         return load_actor(self.actor_path, self.dtype, self.device, self.trust_remote_code)
@@ -39,10 +42,6 @@ class LearnerModels:
 def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, world_size: int) -> LearnerModels:
     """Load (and shard, for ``world_size > 1``) the actor, the critic and the reference, and wrap them in the
     update; ``resume`` is the checkpoint being resumed from, or ``None``."""
-    from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
-    from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
-    from asyncppo.learner.value_head import build_critic
-
     dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
     remote = cfg.model.trust_remote_code
     actor_path = resume.actor_dir if resume is not None else model_path
@@ -55,8 +54,6 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     )
     reference = load_reference(cfg.model.ref_path or model_path, dtype, device, remote) if needs_reference(cfg) else None
     if world_size > 1:
-        from asyncppo.learner import distributed as D
-
         updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
     else:
         updater = PPOUpdate(cfg, actor, critic, reference, device)

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_model, save_model
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncppo.learner.value_head import shares_actor_body
 
@@ -149,8 +152,6 @@ def save_checkpoint(
     ``sharded(path)``: several learner ranks; called with the ``sharded/`` directory inside the unfinished checkpoint,
     it must have every rank write its shards there (:func:`save_sharded`, collective) before it returns.
     """
-    from safetensors.torch import save_model
-
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
     root = checkpoints_root(output_dir)
@@ -322,8 +323,6 @@ def restore(ckpt: Checkpoint, updater, critic: Optional[nn.Module] = None) -> di
         load_sharded(os.path.join(ckpt.path, SHARDED_DIR), updater, critic)
     else:
         if critic is not None:
-            from safetensors.torch import load_model
-
             load_model(critic, ckpt.critic_file, strict=True, device=str(next(critic.parameters()).device))
         updater.actor_opt.load_state_dict(state["actor_opt"])
         if updater.critic_opt is not None:
@@ -352,8 +351,6 @@ def sharded_tmp_dir(output_dir: str, version: int) -> str:
 
 
 def _dcp_state(updater, critic: Optional[nn.Module]) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
     actor_sd, actor_osd = get_state_dict(updater.actor, updater.actor_opt)
     state: dict[str, Any] = {"actor": actor_sd, "actor_opt": actor_osd}
     if critic is not None and updater.critic_opt is not None:
@@ -365,16 +362,11 @@ def _dcp_state(updater, critic: Optional[nn.Module]) -> dict[str, Any]:
 def save_sharded(path: str, updater, critic: Optional[nn.Module] = None) -> None:
     """Collective (every learner rank, in step): each rank writes its own shards of the (FSDP) actor, critic and
     their optimiser states to ``path`` with torch.distributed.checkpoint; no rank gathers a full copy."""
-    import torch.distributed.checkpoint as dcp
-
     dcp.save(_dcp_state(updater, critic), checkpoint_id=path)
 
 
 def load_sharded(path: str, updater, critic: Optional[nn.Module] = None) -> None:
     """Collective: load what :func:`save_sharded` wrote into this rank's shards (the world size may differ)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
     if not os.path.isdir(path):
         raise CheckpointError(f"{path!r} is missing: the checkpoint was written by several learner ranks")
     state = _dcp_state(updater, critic)

@@ -42,6 +42,7 @@ from torch import nn
 from asyncppo.learner.batch import TrainBatch, micro_batches
 from asyncppo.learner.forward import chunked
 from asyncppo.learner.ppo import PPOUpdate
+from asyncppo.sync.group import bound_store, loopback_interface
 
 OP_BATCH, OP_GATHER, OP_STOP, OP_CHECKPOINT = 1, 2, 3, 4
 _MAGIC, _PROTOCOL = 0x41505031, 1  # "APP1"
@@ -101,8 +102,6 @@ def init_learner_group(
             index = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
         torch.cuda.set_device(index)
         device = torch.device("cuda", index)
-    from asyncppo.sync.group import bound_store, loopback_interface
-
     host = f"[{master_addr}]" if ":" in master_addr else master_addr
     url = f"tcp://{host}:{master_port}"
     timeout = timedelta(seconds=timeout_s)

@@ -145,7 +145,7 @@ class LearnerLoop:
         """This rank's device; with several ranks, after joining the learner group (learner/distributed.py)."""
         cl = self.cfg.cluster
         if self.world_size > 1:
-            from asyncppo.learner import distributed as D  # only with several ranks: it brings the LLM PPO update
+            from asyncppo.learner import distributed as D  # heavy: the LLM PPO update, only with several ranks
 
             self._in_group = True  # set first: a half-made group is still left at shutdown
             return D.init_learner_group(self.rank, self.world_size, master_addr, master_port,
@@ -283,7 +283,7 @@ class LearnerLoop:
             # short: a normal end already waited for every push; a worker that is late must not delay the error
             attempt("finish weight push", lambda: wiring.fanout.wait(timeout_s=5.0))
         if self._in_group:
-            from asyncppo.learner import distributed as D  # only with several ranks: it brings the LLM PPO update
+            from asyncppo.learner import distributed as D  # heavy: the LLM PPO update, only with several ranks
 
             if self.rank == 0:
                 attempt("release learner followers", D.broadcast_stop)

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -94,7 +95,6 @@ def maybe_shard(model: nn.Module, world_size: int, device: torch.device) -> nn.M
     del device
     if world_size <= 1:
         return model
-    from torch.distributed.fsdp import fully_shard
 
     layers: Optional[nn.ModuleList] = None
     for module in model.modules():

@@ -20,6 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from asyncppo.learner import distributed as D
+from asyncppo.learner.gather import iter_full_groups, push_layer_groups
+from asyncppo.learner.models import full_state_dict
+
 
 class WeightPusher:
     """Pushes ``actor``'s weights through ``sender`` (a :class:`~asyncppo.sync.fanout.WeightFanout`) and keeps
@@ -43,10 +47,6 @@ class WeightPusher:
     def actor_state(self) -> dict:
         """Refresh plain_actor from the shards, one layer group at a time (no second full copy on rank 0);
         with one rank, the actor's own full state dict. Collective when sharded."""
-        from asyncppo.learner import distributed as D
-        from asyncppo.learner.gather import iter_full_groups
-        from asyncppo.learner.models import full_state_dict
-
         if not self.multi:
             return full_state_dict(self.actor)
         D.broadcast_gather(0)
@@ -60,9 +60,6 @@ class WeightPusher:
         if not self.streamed:
             self.sender.push_async(self.actor_state(), version)
             return
-        from asyncppo.learner import distributed as D
-        from asyncppo.learner.gather import push_layer_groups
-
         D.broadcast_gather(0)
         push_layer_groups(self.sender, self.actor, version, self.budget_bytes,
                           device=torch.device("cpu") if self.sender.backend == "gloo" else None, on_group=self.mirror)

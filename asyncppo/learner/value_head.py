@@ -44,10 +44,12 @@ def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device,
     """The run's critic: a value head on the actor (``model.shared_backbone``, one learner rank) or a separate value
     model (several ranks: the flag has no effect there, as documented)."""
     if uses_shared_head(cfg):
-        from transformers import AutoConfig
+        from transformers import AutoConfig  # heavy: transformers (kept off the launcher, see below)
 
         hidden = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code).hidden_size
         return SharedValueHead(hidden).to(device)
-    from asyncppo.learner.models import load_critic
+    # ppo.py and checkpoint.py import this module for shares_actor_body, and the launcher imports those to check a
+    # resume, where the model classes are never needed
+    from asyncppo.learner.models import load_critic  # heavy: transformers
 
     return load_critic(cfg.model.critic_path or model_path, dtype, device, trust_remote_code)

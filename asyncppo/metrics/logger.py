@@ -91,7 +91,7 @@ class MetricsLogger:
         self._t0 = time.time()
         if wandb and wandb_mode != "disabled":
             try:
-                import wandb as _wandb
+                import wandb as _wandb  # heavy/optional: wandb, only when a run logs to it
 
                 self._wandb = _wandb.init(
                     project=wandb_project,

@@ -5,7 +5,7 @@ config.yaml only. ``write_report(run_dir)`` is what the launcher calls at the en
 
 def write_report(run_dir, *others, out_dir=None):
     """Render ``report.png`` and one PNG per panel for ``run_dir`` (overlaying ``others``); returns the paths."""
-    from asyncppo.report.plots import write_report as _write
+    from asyncppo.report.plots import write_report as _write  # heavy: matplotlib, numpy (kept off `--help`)
 
     return _write(run_dir, *others, out_dir=out_dir)
 

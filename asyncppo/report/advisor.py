@@ -98,10 +98,10 @@ def format_table(rows: Sequence[Row], pick: Row) -> str:
 
 
 def plot(rows: Sequence[Row], pick: Row, path: str, title: str = "") -> str:
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, only when a plot is drawn
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib; after use("Agg") so no display backend is tried
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
     for k in sorted({r.max_staleness for r in rows if not r.colocated}):

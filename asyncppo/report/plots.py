@@ -11,6 +11,7 @@ import os
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from PIL import Image
 
 from asyncppo.report.runs import Run, load_run
 
@@ -142,10 +143,10 @@ def _draw(ax, runs, colors, title, xlabel, fn) -> bool:
 def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[Sequence[str]] = None) -> dict:
     """Render the report of ``run_dirs`` (one run, or several overlaid) into ``out_dir`` (default: the first run's
     directory, or ``<first run>/compare`` when overlaying). Returns ``{panel: path, "report": path}``."""
-    import matplotlib
+    import matplotlib  # heavy: matplotlib, only when a report is drawn
 
     matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # heavy: matplotlib; after use("Agg") so no display backend is tried
 
     if not run_dirs:
         raise ValueError("write_report needs at least one run directory")
@@ -188,8 +189,6 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
 
 
 def _save_png(rgba, path: str) -> None:
-    from PIL import Image
-
     Image.fromarray(np.ascontiguousarray(rgba)).save(path)
 
 

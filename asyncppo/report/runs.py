@@ -13,6 +13,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from omegaconf import OmegaConf
+
 
 class RunDirError(ValueError):
     """The directory is not a run directory (no metrics.jsonl), or its files cannot be read."""
@@ -88,8 +90,6 @@ def _read_jsonl(path: str) -> list[dict]:
 
 def _read_yaml(path: str) -> dict:
     try:
-        from omegaconf import OmegaConf
-
         return OmegaConf.to_container(OmegaConf.load(path), resolve=False) or {}
     except Exception:
         return {}

@@ -47,6 +47,7 @@ import tempfile
 from typing import Any, Iterable, Sequence
 
 import torch
+from safetensors.torch import load_file, save_file
 
 _RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
                    "vllm.model_executor.model_loader.reload.inplace")
@@ -92,8 +93,6 @@ class StagedWeightsExtension:
             if rank in set(fail_ranks):
                 return {"rank": rank, "ok": False, "error": "refused by fault injection (fail_ranks)"}
             if path is not None:
-                from safetensors.torch import load_file  # heavy: safetensors
-
                 loaded = load_file(path)
                 named = [(n, loaded.pop(n)) for n, _, _ in manifest if n in loaded]
             why = check_staged(named, manifest)
@@ -162,8 +161,6 @@ def _sweep_stale_stages(root: str | None) -> None:
 
 def _write_stage_file(named: list[tuple[str, torch.Tensor]]) -> str | None:
     """One safetensors file with ``named`` in a fresh directory (its path), or None when it cannot be written."""
-    from safetensors.torch import save_file  # heavy: safetensors
-
     root = os.environ.get("ASYNCPPO_TP_STAGE_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     _sweep_stale_stages(root)
     d = None

@@ -35,10 +35,13 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 import numpy as np
+import torch
+from safetensors import safe_open
 
 from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
 
 from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
+from .tp_load import EXTENSION, TPLoadBroken, TPLoadRejected, staged_reload
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -92,8 +95,6 @@ class VLLMEngine(RolloutEngine):
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"vllm engine: no config.json in model_path={model_path!r}")
         _configure_env(device, kv_cache_gib)
-        import torch  # heavy: torch, imported once vLLM's environment is set
-
         if num_threads:
             torch.set_num_threads(int(num_threads))
         set_num_threads = torch.set_num_threads
@@ -116,8 +117,6 @@ class VLLMEngine(RolloutEngine):
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         self.tensor_parallel_size = int(tensor_parallel_size)
         if self.tensor_parallel_size > 1:
-            from .tp_load import EXTENSION  # heavy: torch (tp_load), only for tensor-parallel engines
-
             # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.
             # Their message queues have local readers only; pin vLLM's "own IP" to loopback all the same.
             os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
@@ -187,7 +186,7 @@ class VLLMEngine(RolloutEngine):
         The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
         weights is never reused for a new request, while requests in flight keep their own blocks."""
         from vllm import SamplingParams  # heavy/optional: vllm
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind  # heavy/optional: vllm
 
         check_sampling_args([prompt_ids], spec.n, spec.max_tokens, spec.temperature, spec.top_p, spec.top_k,
                             self.max_model_len)
@@ -298,8 +297,6 @@ class VLLMEngine(RolloutEngine):
     def _tp_load(self, given: dict) -> None:
         """All TP ranks or none (tp_load.py). A refused call after earlier calls of the same push loaded leaves
         the model half old, half new: the engine then refuses to serve until every tensor has been reloaded."""
-        from .tp_load import TPLoadBroken, TPLoadRejected, staged_reload  # heavy: torch, tensor-parallel only
-
         try:
             staged_reload(self.llm, given.items(), fail_ranks=self.fail_ranks, via=self.tp_transfer)
         except TPLoadRejected as exc:
@@ -322,8 +319,6 @@ class VLLMEngine(RolloutEngine):
 
     def _checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         if self._shapes is None:
-            from safetensors import safe_open  # heavy: safetensors
-
             shapes: dict[str, tuple[int, ...]] = {}
             for f in sorted(Path(self.model_path).glob("*.safetensors")):
                 with safe_open(str(f), framework="pt") as fh:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from asyncppo.config.hosts import is_loopback  # the loopback rule is stated once, in config/
 
@@ -71,8 +72,6 @@ class _Gate:
     _by_context: dict[int, "_Gate"] = {}
 
     def __init__(self, context: zmq.Context):
-        from zmq.auth.thread import ThreadAuthenticator
-
         self.allowed: dict[str, int] = {}
         self.denied = 0
         self.users = 0

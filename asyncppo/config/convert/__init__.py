@@ -12,10 +12,12 @@ checked against; :mod:`asyncppo.config.convert.engine` keeps the ledger that gua
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
+from asyncppo.config import ConfigError, config_from_yaml
 from asyncppo.config.convert import rlinf, roll, verl
 from asyncppo.config.convert.engine import Context, ConvertError, Entry, read_foreign, to_yaml
 
@@ -62,10 +64,6 @@ def convert(text: str, project: str, source_name: str = "CONFIG.yaml") -> Conver
 
 def _validate(text: str) -> tuple[list[str], list[str]]:
     """Load the converted YAML exactly as ``launch --config-file`` would (schema + file), collecting problems."""
-    import warnings
-
-    from asyncppo.config import ConfigError, config_from_yaml
-
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -10,6 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from asyncppo.config.convert import ConvertError, convert
+
 EPILOG = """\
 examples:
   asyncppo convert --from verl ppo_trainer.yaml                 # -> ppo_trainer.asyncppo.yaml + .report.md
@@ -38,8 +40,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from asyncppo.config.convert import ConvertError, convert
-
     src = Path(args.config)
     if not src.is_file():
         print(f"asyncppo: convert: no such file: {src}", file=sys.stderr)

@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable, Optional
 import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from asyncppo.config import choices as config_choices
 from asyncppo.config.schema import AsyncPPOConfig
 
 _NO_DEFAULT = object()
@@ -165,9 +166,7 @@ class Context:
     @staticmethod
     def choices(name: str) -> tuple:
         """An enumeration of :mod:`asyncppo.config.choices`, empty when this build does not define it."""
-        from asyncppo.config import choices
-
-        return tuple(getattr(choices, name, ()))
+        return tuple(getattr(config_choices, name, ()))
 
     def differs_from_default(self, key: str) -> bool:
         """True when the file's value differs from the project default. Where that default is unknown, an 'off'
