@@ -7,14 +7,16 @@
 * :class:`~asyncppo.launch.start.RunActors` places and starts the learner and the rollout workers;
 * :class:`~asyncppo.launch.supervise.Supervisor` waits for the learner to finish, replacing dead rollout workers.
 
-Ctrl-C, an error or a normal end all go through ``ray.shutdown()`` (which also stops a local Ray cluster's
-processes), so nothing is left behind.
+Ctrl-C, ``kill`` (SIGTERM), an error or a normal end all go through ``ray.shutdown()`` (which also stops a local Ray
+cluster's processes), so nothing is left behind.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 import time
 
 from asyncppo.config import config_to_yaml
@@ -39,6 +41,17 @@ def _open_run_dir(plan: LaunchPlan, cfg: AsyncPPOConfig) -> None:
         print(f"[asyncppo] {plan.resume_note}", flush=True)
 
 
+def _terminate_as_interrupt() -> None:
+    """SIGTERM (``kill``, a batch scheduler's cancel) stops the run like Ctrl-C: actors killed, Ray shut down. Left to
+    its default (or Ray's, which aborts), SIGTERM ends the driver at once and leaves a local Ray cluster's processes
+    running."""
+    def _raise(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():  # signal handlers can only be set there
+        signal.signal(signal.SIGTERM, _raise)
+
+
 def run(cfg: AsyncPPOConfig) -> int:
     """Run a training job; returns the process exit code (0 done, 1 an actor failed, 2 refused, 130 interrupted)."""
     try:
@@ -61,6 +74,7 @@ def run(cfg: AsyncPPOConfig) -> int:
     started_at = time.time()
     try:
         ray.init(**plan.ray_init)
+        _terminate_as_interrupt()  # after ray.init, whose core worker installs a SIGTERM handler that aborts
         check_cluster(cfg, ray.cluster_resources(), alive_node_gpus())
         learner_ref, pending = actors.start()
         return Supervisor(actors, console, started_at).watch(learner_ref, pending)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -225,20 +226,24 @@ def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
     _assert_no_leftovers()
 
 
-def test_ctrl_c_stops_everything(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_ctrl_c_stops_everything(tmp_path, signum):
+    """Ctrl-C, and SIGTERM (``kill``, a scheduler's cancel) alike, stop every actor and the local Ray cluster."""
     out_dir = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.Popen(
         [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM,
          "trainer.total_steps=5000"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # as from a terminal, whatever started pytest: a background job of a script inherits SIGINT ignored
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     metrics = out_dir / "metrics.jsonl"
     deadline = time.time() + 300
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) > 5):
         time.sleep(1)
     assert metrics.exists(), "training never started"
-    proc.send_signal(__import__("signal").SIGINT)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-3000:]
     assert "interrupted" in err
