@@ -18,9 +18,10 @@ skips the points it has passed.
 How it shares the engine
 ------------------------
 Each prompt of the worker's shard becomes two engine groups, one greedy answer and the set's samples (the probe's 4,
-``data.eval_samples`` for a file) at the rollout temperature. They go into the same engine as training groups, up to half of ``rollout.max_num_seqs`` at a
-time; the other half keeps generating training data, so an evaluation never stops the stream the learner waits on,
-and on a long-tailed workload the evaluation fills slots that the tail would leave empty anyway. Eval groups carry no
+``data.eval_samples`` for a file) at the rollout temperature. They go into the same engine as training groups, up to
+half of ``rollout.max_num_seqs`` at a time; the other half keeps generating training data, so an evaluation never
+stops the stream the learner waits on, and on a long-tailed workload the evaluation fills slots that the tail would
+leave empty anyway. Eval groups carry no
 ticket and are never streamed as trajectories. A file's rewards come from the run's reward function, so its
 "accuracy" is the mean reward (the fraction correct for 0/1 rewards); the task probe's is the fraction of exact
 answers that end within its budget.
