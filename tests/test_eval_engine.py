@@ -335,3 +335,14 @@ def test_probe_on_the_transformers_engine_matches_the_in_process_probe_and_repea
                                                                                                  tiny_tokenizer)
     assert abs(first["accuracy_greedy"] - in_process["accuracy_greedy"]) <= 2 / 64, (first, in_process)
     assert abs(first["accuracy_sampled"] - in_process["accuracy_sampled"]) < 0.15, (first, in_process)  # 256 each
+
+
+def test_round_adds_every_sets_greedy_answers_first_and_takes_the_sets_in_turn():
+    items = [types.SimpleNamespace(index=i, prompt_ids=[1, 2], answer=str(i)) for i in range(3)]
+    runner = _runner({"max_num_seqs": 200}, {"a": _Rows(items), "b": _Rows(items[:2])}, decode=str)
+    engine = _ScriptedEngine()
+    runner.on_version(0, loaded=False)
+    runner.admit(engine)
+    assert [key for key, _ in engine.added] == [
+        "eval:0:a:0:g", "eval:0:b:0:g", "eval:0:a:1:g", "eval:0:b:1:g", "eval:0:a:2:g",
+        "eval:0:a:0:s", "eval:0:b:0:s", "eval:0:a:1:s", "eval:0:b:1:s", "eval:0:a:2:s"]

@@ -38,6 +38,7 @@ report's ``version_max`` says so; rounds are short next to ``eval_every`` in pra
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
@@ -107,17 +108,25 @@ class EvalRunner:
         return self._complete() if not self._round.queue else None
 
     def _new_round(self, point: int, version: int) -> _Round:
-        queue: collections.deque = collections.deque()
+        """Every set's greedy groups first, then the sampled ones, each taken from the sets in turn: a weight push
+        that lands during the round (``inflight_update=keep``) then meets the sampled answers, not the greedy ones,
+        and meets every set alike, so two sets of the same prompts still agree."""
+        greedy: list[list] = []
+        sampled: list[list] = []
         for name, held_out in self.sets.items():
+            greedy.append([])
+            sampled.append([])
             for item in held_out.dataset.items:
-                greedy = SamplingSpec(n=1, max_tokens=held_out.max_tokens, temperature=0.0)
-                sampled = SamplingSpec(n=held_out.samples, max_tokens=held_out.max_tokens,
-                                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                       seed=held_out.sample_seed(item.index, point))
-                for tag, spec in (("g", greedy), ("s", sampled)):
+                specs = (("g", greedy[-1], SamplingSpec(n=1, max_tokens=held_out.max_tokens, temperature=0.0)),
+                         ("s", sampled[-1], SamplingSpec(n=held_out.samples, max_tokens=held_out.max_tokens,
+                                                         temperature=self.temperature, top_p=self.top_p,
+                                                         top_k=self.top_k,
+                                                         seed=held_out.sample_seed(item.index, point))))
+                for tag, entries, spec in specs:
                     if spec.n:
                         key = f"{KEY_PREFIX}{point}:{name}:{item.index}:{tag}"
-                        queue.append((key, name, item.prompt_ids, item.answer, spec))
+                        entries.append((key, name, item.prompt_ids, item.answer, spec))
+        queue = collections.deque(_in_turn(greedy) + _in_turn(sampled))
         log.info("worker %d: evaluation of point %d at version %d (%d engine groups)", self.worker_id, point,
                  version, len(queue))
         return _Round(point, version, queue, 0, {name: FileScores() for name in self.sets}, version)
@@ -174,6 +183,11 @@ class EvalRunner:
         r, self._round = self._round, None
         return EvalReport(point=r.point, worker_id=self.worker_id, version_min=r.version, version_max=r.version_max,
                           files=r.scores)
+
+
+def _in_turn(lists: list[list]) -> list:
+    """One entry from each list in turn until all are used up."""
+    return [entry for row in itertools.zip_longest(*lists) for entry in row if entry is not None]
 
 
 def eval_sets(cfg, tokenizer, worker_id: int, num_workers: int) -> dict:
