@@ -222,7 +222,7 @@ def test_task_set_keeps_the_probes_metric_names_and_summary():
 
 
 class _ScriptedEngine:
-    """Records what is added; every answer is the reference, ended (greedy) or cut at the token budget (sampled)."""
+    """Records the groups added; the test finishes them itself."""
 
     def __init__(self):
         self.added = []

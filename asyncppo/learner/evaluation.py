@@ -57,11 +57,10 @@ class EngineEvaluation:
     def task_before_after(self) -> dict:
         """``eval_before`` / ``eval_after`` of summary.json: the task probe's scores at the first and the last
         logged point (``{"accuracy_sampled", "accuracy_greedy"}`` each, as the learner's evaluation gave them)."""
-        scored = [p for p in sorted(self.logged) if any(f"eval/{k}" in self.logged[p] for k in TASK_SCORES)]
-        if not scored:
-            return {}
-        pick = lambda p: {k: self.logged[p][f"eval/{k}"] for k in TASK_SCORES if f"eval/{k}" in self.logged[p]}
-        return {"eval_before": pick(scored[0]), "eval_after": pick(scored[-1])}
+        scores = [{k: m[f"eval/{k}"] for k in TASK_SCORES if f"eval/{k}" in m}
+                  for _, m in sorted(self.logged.items())]
+        scores = [s for s in scores if s]
+        return {"eval_before": scores[0], "eval_after": scores[-1]} if scores else {}
 
     def summary(self) -> dict:
         points = sorted(self.logged)
