@@ -31,8 +31,12 @@ engine gives each seeded sample its own ``torch.Generator``), so they do not dep
 The probe uses ``trainer.seed`` and the same seeds at every point; eval files use ``rollout.sampling.seed`` (unseeded
 when it is None) varied per point.
 
-If weights change during a round (``rollout.inflight_update=keep``), answers that span the swap are kept and the
-report's ``version_max`` says so; rounds are short next to ``eval_every`` in practice.
+One round, one version: while a round is in the engine the worker leaves newly announced weights unloaded (it
+keeps generating training data with the ones it holds; the lag guard bounds how far the learner gets ahead) and
+loads them when the round is done, so a held-out number never mixes two policies. On a long-tailed task the
+engine, not the learner, is the bottleneck, and a round there can take several learner steps: without this the
+probe's "before" at step 0 was measured partly with the weights of steps 1-8 (measured, ``data=reverse`` on vLLM).
+``version_max`` still reports the newest version of any answer.
 """
 
 from __future__ import annotations
@@ -108,9 +112,8 @@ class EvalRunner:
         return self._complete() if not self._round.queue else None
 
     def _new_round(self, point: int, version: int) -> _Round:
-        """Every set's greedy groups first, then the sampled ones, each taken from the sets in turn: a weight push
-        that lands during the round (``inflight_update=keep``) then meets the sampled answers, not the greedy ones,
-        and meets every set alike, so two sets of the same prompts still agree."""
+        """Every set's greedy groups first, then the sampled ones, each taken from the sets in turn, so the sets
+        progress alike through the round (and the greedy numbers, one answer per prompt, are done first)."""
         greedy: list[list] = []
         sampled: list[list] = []
         for name, held_out in self.sets.items():

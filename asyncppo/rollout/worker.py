@@ -82,6 +82,10 @@ class RolloutWorker(WorkerSkeleton):
     # ------------------------------------------------------------------------------------------------------------
     def _on_weights_announced(self, state) -> bool:
         self._announce_seen.setdefault(state.weights_version, time.perf_counter())
+        if self.evaluator is not None and self.evaluator.active:
+            # one evaluation round, one version: the weights load once the round is done (asked again every turn),
+            # so a held-out number is never a mix of two policies; training generation goes on meanwhile
+            return False
         self._update_weights()
         return False  # the turn goes on: evaluation, admission and a decode step
 
