@@ -29,7 +29,8 @@ def load(path: str):
 
 
 def evaluate(model, tokenizer, rows) -> dict:
-    """The learner's held-out probe (data/heldout.py), at T=1 with seed 0: 4 sampled answers per prompt, and greedy."""
+    """The run's held-out probe (data/heldout.py; a launch measures it on the rollout engines), in process, at T=1
+    with seed 0: 4 sampled answers per prompt, and greedy."""
     probe = HeldOutProbe(rows=rows, temperature=1.0, seed=0, max_new_tokens=MAX_NEW)
     out = probe.evaluate(model, tokenizer)
     return {"sampled": out["accuracy_sampled"], "greedy": out["accuracy_greedy"]}

@@ -1,13 +1,19 @@
 """Held-out sets: the probe of a built-in task (prompts, sampling, scoring) and the shards of ``data.eval_files``.
 
-Why here, as data with one scoring method: the same probe is measured by the learner (its own actor, before
-training, every ``trainer.eval_every`` steps and at the end: ``eval/accuracy_sampled``, ``eval/accuracy_greedy``)
-and by the single-process experiments of ``scripts/inproc.py``. Both now build a :class:`HeldOutProbe` and call
-:meth:`HeldOutProbe.evaluate`, so "accuracy" means one thing: the fraction of answers that end (eos within
-``max_new_tokens``) and equal the reference exactly. The learner is handed a probe and never needs the task
-registry itself. ``data.eval_files`` are read here too (:func:`eval_file_sets`, one shard per worker) and measured
-on the rollout engines (rollout/evaluation.py) with the run's reward function; their reports carry the same two
-accuracies per file (stream/evals.py).
+One evaluation path: a run's held-out sets, the built-in task's eval split (:func:`task_eval_set`) and each of
+``data.eval_files`` (:func:`eval_file_sets`), are all measured on the rollout engines (rollout/evaluation.py), beside
+training generation, at step 0, every ``trainer.eval_every`` steps and on the final weights; the learner only adds
+the workers' reports (learner/evaluation.py). The learner, the bottleneck of the built-in recipe, no longer spends
+its steps on ``generate``.
+
+Why the task's set keeps its own definition: its numbers (``eval/accuracy_sampled``, ``eval/accuracy_greedy``) are
+the run's headline and are compared across runs, so they are what :class:`HeldOutProbe` always measured: ``samples``
+answers per row at the rollout temperature plus one greedy answer, at most the task's longest answer + eos tokens,
+and "correct" means the answer ends (eos within that budget) and equals the reference exactly
+(:func:`is_exact_answer`), whatever ``rollout.reward_fn`` says; the sampled answers are seeded from
+``trainer.seed`` and the same at every point, so two points differ by the weights, not by the draw. Eval files are
+scored with the run's reward function (their "accuracy" is the mean reward). ``scripts/inproc.py`` still calls
+:meth:`HeldOutProbe.evaluate` on an in-process model, with the same definition.
 """
 
 from __future__ import annotations
@@ -48,6 +54,33 @@ class HeldOutProbe:
         return out
 
 
+def is_exact_answer(text: str, answer: str, ended: bool) -> bool:
+    """The probe's "correct": the answer ended (eos within the token budget) and is the reference exactly."""
+    return ended and text.strip() == answer
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One held-out set as the engines measure it: this worker's shard and how each prompt is sampled and scored.
+
+    ``seed``: of the sampled answers (None: the engine's own draw); ``paired``: the same seed at every evaluation
+    point (the task's probe, so before/after differ by the weights only) or a fresh one per point (eval files, as
+    before); ``exact``: scored by :func:`is_exact_answer` rather than the run's reward function."""
+
+    dataset: PromptDataset
+    samples: int
+    max_tokens: int
+    seed: Optional[int]
+    paired: bool = False
+    exact: bool = False
+
+    def sample_seed(self, index: int, point: int) -> Optional[int]:
+        """The seed of prompt ``index``'s sampled answers at ``point`` (the engine seeds answer ``j`` with +j)."""
+        if self.seed is None:
+            return None
+        return self.seed + 7919 * index + (0 if self.paired else 104729 * point)
+
+
 def task_probe(cfg) -> Optional[HeldOutProbe]:
     """The probe of the run's built-in task (its eval split), sampled at the rollout temperature with the run's
     seed. ``None`` for a run on data files: there is no task answer to check (``data.eval_files`` cover those)."""
@@ -60,24 +93,44 @@ def task_probe(cfg) -> Optional[HeldOutProbe]:
                         seed=cfg.trainer.seed, max_new_tokens=max_new)
 
 
-def eval_file_names(paths: list[str]) -> list[str]:
-    """The metric name of each eval file: its base name, made unique with ``#2``, ``#3`` ... when names repeat."""
+def has_eval_sets(cfg) -> bool:
+    """Whether the run evaluates anything on the engines: a built-in task's probe or ``data.eval_files``."""
+    return bool(cfg.data.eval_files) or (not cfg.data.train_files and cfg.data.num_eval_prompts > 0)
+
+
+def task_eval_set(cfg, tokenizer, worker_id: int, num_workers: int) -> Optional[EvalSet]:
+    """This worker's shard of the built-in task's probe (:func:`task_probe`: the same rows, samples, temperature,
+    seed and token budget), or None for a run on data files or with ``data.num_eval_prompts=0``."""
+    probe = task_probe(cfg)
+    if probe is None or not probe.rows:
+        return None
+    ro = cfg.rollout
+    dataset = PromptDataset(probe.rows, tokenizer, prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
+                            apply_chat_template=cfg.data.apply_chat_template)
+    return EvalSet(dataset.shard(worker_id, num_workers), samples=probe.samples, max_tokens=probe.max_new_tokens,
+                   seed=probe.seed, paired=True, exact=True)
+
+
+def eval_file_names(paths: list[str], reserved: tuple[str, ...] = ()) -> list[str]:
+    """The metric name of each eval file: its base name, made unique with ``#2``, ``#3`` ... when names repeat
+    or are ``reserved`` (the task probe's name)."""
     names: list[str] = []
     for path in paths:
         base = os.path.basename(path) or path
         name, i = base, 2
-        while name in names:
+        while name in names or name in reserved:
             name, i = f"{base}#{i}", i + 1
         names.append(name)
     return names
 
 
-def eval_file_sets(cfg, tokenizer, worker_id: int, num_workers: int) -> dict[str, PromptDataset]:
+def eval_file_sets(cfg, tokenizer, worker_id: int, num_workers: int,
+                   reserved: tuple[str, ...] = ()) -> dict[str, PromptDataset]:
     """This worker's shard of each of ``data.eval_files``, by metric name (:func:`eval_file_names`); a shard may be
     empty when workers outnumber a file's prompts. The rollout engines measure them (rollout/evaluation.py)."""
     d, ro = cfg.data, cfg.rollout
     sets = {}
-    for name, path in zip(eval_file_names(list(d.eval_files)), d.eval_files):
+    for name, path in zip(eval_file_names(list(d.eval_files), reserved), d.eval_files):
         ds = PromptDataset.from_files([path], tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                       prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
                                       apply_chat_template=d.apply_chat_template)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 
+from asyncppo.data.heldout import has_eval_sets
 from asyncppo.learner.evaluation import EngineEvaluation
 from asyncppo.staleness import AdmissionController, AdmissionServer
 from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
@@ -44,8 +45,8 @@ class LearnerSockets:
         )
         self.sync_prefix = secrets.token_hex(16)
         closables += [self.receiver, self.control, self.admission_server]
-        self.engine_eval = None  # evaluation of data.eval_files on the rollout engines (learner/evaluation.py)
-        if cfg.data.eval_files:
+        self.engine_eval = None  # held-out evaluation on the rollout engines (learner/evaluation.py)
+        if has_eval_sets(cfg):
             self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), num_workers, curve=curve)
             closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
-from asyncppo.data.heldout import task_probe
 from asyncppo.envs.spaces import describe_env
 from asyncppo.launch.addresses import LearnerAddresses, discover_learner_addresses
 from asyncppo.launch.learner_sockets import LearnerSockets
@@ -135,8 +134,8 @@ class LearnerProcess:
 
 def llm_learner(cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                 world_size: int = 1) -> LearnerProcess:
-    """A learner rank of an LLM run, handed the built-in task's held-out probe (none for data files)."""
-    workload = LLMWorkload(cfg, model_path, num_workers, output_dir, rank, world_size, probe=task_probe(cfg))
+    """A learner rank of an LLM run (its held-out sets are evaluated on the rollout engines)."""
+    workload = LLMWorkload(cfg, model_path, num_workers, output_dir, rank, world_size)
     return LearnerProcess(cfg, workload, num_workers, output_dir, rank, world_size)
 
 

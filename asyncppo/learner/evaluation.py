@@ -1,4 +1,5 @@
-"""The learner's end of the evaluation of ``data.eval_files`` (the workers run it: rollout/evaluation.py).
+"""The learner's end of the run's held-out evaluation: the built-in task's probe and ``data.eval_files`` (the
+workers run both on their engines: rollout/evaluation.py). The learner generates nothing itself.
 
 The learner never waits for an evaluation during training: each step it takes whatever reports arrived, adds the
 workers' shards of each evaluation point, and logs a point as one metrics record at ``step = point`` once every
@@ -15,6 +16,8 @@ from typing import Optional
 from asyncppo.stream.evals import EvalAggregator, EvalReceiver
 
 log = logging.getLogger("asyncppo.learner")
+
+TASK_SCORES = ("accuracy_sampled", "accuracy_greedy")  # the probe's numbers in summary.json's eval_before/after
 
 
 class EngineEvaluation:
@@ -50,6 +53,14 @@ class EngineEvaluation:
             log.warning("evaluation of the final weights (point %d) did not arrive within %.0fs", final_point,
                         timeout_s)
         return self.logged.get(final_point)
+
+    def task_before_after(self) -> dict:
+        """``eval_before`` / ``eval_after`` of summary.json: the task probe's scores at the first and the last
+        logged point (``{"accuracy_sampled", "accuracy_greedy"}`` each, as the learner's evaluation gave them)."""
+        scores = [{k: m[f"eval/{k}"] for k in TASK_SCORES if f"eval/{k}" in m}
+                  for _, m in sorted(self.logged.items())]
+        scores = [s for s in scores if s]
+        return {"eval_before": scores[0], "eval_after": scores[-1]} if scores else {}
 
     def summary(self) -> dict:
         points = sorted(self.logged)

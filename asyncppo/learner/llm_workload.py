@@ -3,9 +3,10 @@
 What it adds to the loop: the actor, critic and reference (learner/build.py, sharded over several learner ranks when
 there are several, whose followers only do what rank 0 broadcasts), a resume from a checkpoint, dynamic sampling
 (learner/dynamic_sampling.py: groups whose rewards are all equal are skipped and their tickets released), the content
-validator at the door with the record of every accepted draw (the launcher's worker ledger), the held-out
-evaluation of a built-in task on the learner, throughput metrics (learner/step_metrics.py) and the HF checkpoints
-(learner/checkpoint.py).
+validator at the door with the record of every accepted draw (the launcher's worker ledger), throughput metrics
+(learner/step_metrics.py) and the HF checkpoints (learner/checkpoint.py). Held-out evaluation (the built-in task's
+probe and ``data.eval_files``) runs on the rollout engines with the pushed weights (learner/evaluation.py), so the
+learner spends no step on generation.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from asyncppo.learner.dynamic_sampling import GroupFilter
 from asyncppo.learner.ppo import needs_critic
 from asyncppo.learner.push import WeightPusher
 from asyncppo.learner.step_metrics import StepMeters
-from asyncppo.learner.task_eval import make_task_evaluator
 from asyncppo.learner.value_head import uses_shared_head
 from asyncppo.stream.validate import ContentLimits, GroupValidator, RejectionSummary
 
@@ -35,23 +35,14 @@ class LLMWorkload:
     record_kind = "trajectory"
     pushes_initial_weights = False  # the engines load the model (or the resumed actor) themselves
 
-    def __init__(self, cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1,
-                 probe=None):
-        """``probe``: the built-in task's held-out probe (data/heldout.py), built by the launcher; ``None`` for data
-        files, whose evaluation runs on the engines."""
+    def __init__(self, cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0, world_size: int = 1):
         self.cfg, self.model_path, self.num_workers, self.output_dir = cfg, model_path, num_workers, output_dir
-        self.probe = probe
         self.rank, self.world_size, self.multi = rank, world_size, world_size > 1
         self.response_length = cfg.rollout.response_length
         self.resume: Optional[C.Checkpoint] = None  # the checkpoint being resumed from
         self.samples_trained = 0
-        self.evaluator = None
         self.validator = None
         self.streamed = False
-
-    @property
-    def can_evaluate(self) -> bool:
-        return self.evaluator is not None
 
     # --- resume ------------------------------------------------------------------------------------------------
     def _resolve(self) -> Optional[C.Checkpoint]:
@@ -83,7 +74,7 @@ class LLMWorkload:
     # --- models ------------------------------------------------------------------------------------------------
     def build(self, device, wiring) -> None:
         """Load the models (the actor resumes from the checkpoint; the reference and a fresh critic body come from
-        the model: learner/build.py); on rank 0 also the pusher, the evaluator and the dynamic-sampling filter."""
+        the model: learner/build.py); on rank 0 also the pusher and the dynamic-sampling filter."""
         from transformers import AutoTokenizer  # heavy: transformers
 
         cfg, tr = self.cfg, self.cfg.trainer
@@ -98,7 +89,7 @@ class LLMWorkload:
                 C.restore(self.resume, self.updater, self.critic)  # collective with rank 0's restore
             return
         self.wiring = wiring
-        # Rank 0 evaluates and saves an unsharded copy when the actor is sharded over several ranks.
+        # Rank 0 saves an unsharded copy when the actor is sharded over several ranks.
         self.plain_actor = models.unsharded_actor()
         if self.resume is not None:
             state = C.restore(self.resume, self.updater, self.critic)
@@ -107,7 +98,6 @@ class LLMWorkload:
         self.pusher = WeightPusher(self.actor, self.plain_actor, wiring.fanout, multi=self.multi,
                                    gather_mode=tr.weight_push_gather, budget_bytes=tr.weight_push_budget_mb << 20)
         self.streamed = self.pusher.streamed
-        self.evaluator = make_task_evaluator(self.probe, self.tokenizer)
         al, ro = cfg.algorithm, cfg.rollout
         self.group_filter = GroupFilter(wiring.admission, al.dynamic_sampling,
                                         al.dynamic_sampling_max_skip or 4 * ro.rollout_batch_size)
@@ -184,13 +174,10 @@ class LLMWorkload:
             content_rejected=self.validator.num_rejected, membership=wiring.ledger.metrics(wiring.fanout),
         )
 
-    # --- evaluation, checkpoints, the end ----------------------------------------------------------------------
+    # --- checkpoints, the end ---------------------------------------------------------------------------------
     def refresh_weights(self) -> None:
         if self.multi:
             self.pusher.actor_state()  # the collective gather into plain_actor
-
-    def evaluate(self) -> Optional[dict]:
-        return self.evaluator(self.plain_actor) if self.evaluator is not None else None
 
     def checkpoint(self, version: int, logger) -> None:
         self.refresh_weights()

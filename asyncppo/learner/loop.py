@@ -4,7 +4,8 @@ Once per policy version ``v``:
   take ``rollout_batch_size`` records (whole groups, or segments) from the staleness buffer (stale ones are dropped
   and their tickets reused) -> the workload's update -> ``v + 1`` -> every ``sync_every`` versions: announce and
   push the weights (in the background) -> tell the admission controller the new version (which releases more
-  tickets) -> every ``trainer.eval_every`` versions: a held-out evaluation -> log one metrics record
+  tickets) -> log one metrics record, with the held-out evaluations the workers reported since (they evaluate
+  version 0, every ``trainer.eval_every`` versions and the final weights on their engines)
   -> every ``trainer.save_every`` versions (and at the end): a checkpoint.
 
 Resuming (``trainer.resume_from``) continues at the checkpoint's version ``V``: step numbers and policy versions go on
@@ -42,7 +43,7 @@ class Wiring(Protocol):
     admission: Any  # staleness.AdmissionController: tickets, the batch order
     admission_server: Any  # staleness.AdmissionServer: hands the tickets out
     fanout: Any  # sync.fanout.WeightFanout: weights out
-    engine_eval: Any  # an evaluation of data.eval_files on the rollout engines, or None
+    engine_eval: Any  # the held-out evaluation on the rollout engines (task probe, eval files), or None
 
     def close(self) -> None: ...
 
@@ -55,8 +56,7 @@ class Workload(Protocol):
     response_length: int  # the staleness buffer's waste accounting
     pushes_initial_weights: bool  # workers act only after loading version 0 from the learner
     streamed: bool  # pushes keep no snapshot: a worker that joins late is pushed at the next step
-    can_evaluate: bool  # a held-out evaluation on the learner exists
-    evaluates_on_engines: bool  # data.eval_files are evaluated on the workers' engines with the pushed weights
+    evaluates_on_engines: bool  # held-out sets are evaluated on the workers' engines with the pushed weights
 
     def start_version(self) -> int: ...  # the version a resume continues from (0: a fresh run)
     def saved_position(self) -> dict: ...  # the data position a resume continues from
@@ -73,8 +73,7 @@ class Workload(Protocol):
     def push(self, version: int) -> None: ...
     def step_metrics(self, step: int, version: int, records: list, batch, t_step: float, t_work: float,
                      buffer_stats: dict) -> dict: ...
-    def refresh_weights(self) -> None: ...  # make the evaluated/saved copy current (collective when sharded)
-    def evaluate(self) -> Optional[dict]: ...
+    def refresh_weights(self) -> None: ...  # make the saved copy current (collective when sharded)
     def checkpoint(self, version: int, logger) -> None: ...
     def save_final(self, final_dir: str, version: int) -> None: ...
     def summary(self, buffer_stats: dict) -> dict: ...
@@ -94,7 +93,7 @@ class LearnerLoop:
         self._logger = None
         self._joined = False  # the weight push may still be running: the shutdown waits for it
         self._in_group = False  # this rank joined the learner group: the shutdown leaves it
-        self._engine_eval = None  # the evaluation of data.eval_files on the rollout engines, when the workload has one
+        self._engine_eval = None  # the held-out evaluation on the rollout engines, when the workload has one
 
     def run(self, wiring: Optional[Wiring], master_addr: Optional[str] = None, master_port: Optional[int] = None,
             bind_host: Optional[str] = None) -> dict:
@@ -115,9 +114,6 @@ class LearnerLoop:
         logger = self._logger = make_logger(cfg, self.output_dir)
         self._engine_eval = wiring.engine_eval if work.evaluates_on_engines else None
         summary: dict = {"output_dir": self.output_dir, **work.run_info()}
-        if work.can_evaluate:
-            summary["eval_before"] = work.evaluate()
-            logger.log(self.version, _prefixed("eval", summary["eval_before"]))
         logger.message(f"waiting for {self.num_workers} {work.workers_name}(s) to join the weight-sync group")
         self._join_workers(wiring)
         buffer = self._open_buffer(wiring)
@@ -129,10 +125,6 @@ class LearnerLoop:
         self._announce_start(wiring, start)
         for step in range(start + 1, tr.total_steps + 1):
             metrics = self._train_step(step, wiring, buffer)
-            if tr.eval_every and work.can_evaluate and step % tr.eval_every == 0 and step < tr.total_steps:
-                if self.version % cfg.rollout.sync_every:  # not pushed this step: the evaluated copy is behind
-                    work.refresh_weights()
-                metrics.update(_prefixed("eval", work.evaluate()))
             logger.log(step, metrics)
             if self._engine_eval is not None:
                 self._engine_eval.poll(logger)
@@ -212,7 +204,7 @@ class LearnerLoop:
         return metrics
 
     def _push_due(self, wiring, last: bool) -> bool:
-        """Every ``sync_every`` versions; at the end only for an evaluation of data.eval_files (nobody else generates
+        """Every ``sync_every`` versions; at the end only for an evaluation on the engines (nobody else generates
         with the final weights); and after a streamed push that a late-joining worker missed."""
         if last:
             return self._engine_eval is not None
@@ -247,11 +239,9 @@ class LearnerLoop:
         if tr.save_every and saved_version != self.version:
             work.checkpoint(self.version, logger)
         work.refresh_weights()
-        if work.can_evaluate:
-            summary["eval_after"] = work.evaluate()
-            logger.log(tr.total_steps, _prefixed("eval", summary["eval_after"]))
-        if self._engine_eval is not None:
+        if self._engine_eval is not None:  # the engines evaluate the final weights pushed by the last step
             self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
+            summary.update(self._engine_eval.task_before_after())
             summary["eval_files"] = self._engine_eval.summary()
         work.save_final(os.path.join(self.output_dir, "final"), self.version)
         summary.update(steps=tr.total_steps, version=self.version)
@@ -297,6 +287,3 @@ class LearnerLoop:
         if self._logger is not None:
             attempt("close MetricsLogger", self._logger.close)
 
-
-def _prefixed(prefix: str, metrics: Optional[dict]) -> dict:
-    return {f"{prefix}/{k}": v for k, v in (metrics or {}).items()}

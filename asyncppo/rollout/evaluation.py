@@ -1,4 +1,11 @@
-"""Evaluation of ``data.eval_files`` on the rollout engines, interleaved with training generation.
+"""The run's one held-out evaluation, on the rollout engines, interleaved with training generation.
+
+What it measures
+----------------
+Every held-out set of the run (data/heldout.py): the built-in task's probe (logged as ``eval/accuracy_sampled``,
+``eval/accuracy_greedy``: ``HeldOutProbe``'s rows, samples, seed, token budget and exact-answer scoring) and each
+of ``data.eval_files`` (``eval/<file>/...``, scored with the run's reward function). The learner runs no
+generation of its own: on the built-in recipe it is the bottleneck, and the engines have room.
 
 When it runs
 ------------
@@ -10,28 +17,40 @@ skips the points it has passed.
 
 How it shares the engine
 ------------------------
-Each prompt of the worker's shard becomes two engine groups, one greedy answer and ``data.eval_samples`` answers at
-the rollout temperature. They go into the same engine as training groups, up to half of ``rollout.max_num_seqs`` at a
-time; the other half keeps generating training data, so an evaluation never stops the stream the learner waits on,
-and on a long-tailed workload the evaluation fills slots that the tail would leave empty anyway. Eval groups carry no
-ticket and are never streamed as trajectories; their rewards come from the run's reward function, so "accuracy" is
-the mean reward (the fraction correct for 0/1 rewards).
+Each prompt of the worker's shard becomes two engine groups, one greedy answer and the set's samples (the probe's 4,
+``data.eval_samples`` for a file) at the rollout temperature. They go into the same engine as training groups, up to
+half of ``rollout.max_num_seqs`` at a time; the other half keeps generating training data, so an evaluation never
+stops the stream the learner waits on, and on a long-tailed workload the evaluation fills slots that the tail would
+leave empty anyway. Eval groups carry no
+ticket and are never streamed as trajectories. A file's rewards come from the run's reward function, so its
+"accuracy" is the mean reward (the fraction correct for 0/1 rewards); the task probe's is the fraction of exact
+answers that end within its budget.
 
-If weights change during a round (``rollout.inflight_update=keep``), answers that span the swap are kept and the
-report's ``version_max`` says so; rounds are short next to ``eval_every`` in practice.
+Seeds: the sampled answers of prompt ``i`` are seeded per request (vLLM's ``SamplingParams.seed``; the transformers
+engine gives each seeded sample its own ``torch.Generator``), so they do not depend on what else shares the engine.
+The probe uses ``trainer.seed`` and the same seeds at every point; eval files use ``rollout.sampling.seed`` (unseeded
+when it is None) varied per point.
+
+One round, one version: while a round is in the engine the worker leaves newly announced weights unloaded (it
+keeps generating training data with the ones it holds; the lag guard bounds how far the learner gets ahead) and
+loads them when the round is done, so a held-out number never mixes two policies. On a long-tailed task the
+engine, not the learner, is the bottleneck, and a round there can take several learner steps: without this the
+probe's "before" at step 0 was measured partly with the weights of steps 1-8 (measured, ``data=reverse`` on vLLM).
+``version_max`` still reports the newest version of any answer.
 """
 
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncppo.data.heldout import eval_file_sets
+from asyncppo.data.heldout import EvalSet, eval_file_sets, is_exact_answer, task_eval_set
 from asyncppo.data.rewards import score_safely
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
-from asyncppo.stream.evals import EvalReport, FileScores
+from asyncppo.stream.evals import TASK_SET, EvalReport, FileScores
 
 log = logging.getLogger("asyncppo.rollout")
 
@@ -58,15 +77,16 @@ class EvalRunner:
     """The worker's evaluation state: which point is due, what to add next, and the sums so far."""
 
     def __init__(self, cfg, datasets: dict, worker_id: int, decode, reward_fn, score, resumed: bool):
+        """``datasets``: name -> :class:`EvalSet` (this worker's shard); a bare dataset is an eval file's shard,
+        sampled with ``data.eval_samples`` up to ``rollout.response_length`` tokens."""
         ro = cfg.rollout
         self.worker_id = worker_id
-        self.datasets = datasets  # name -> PromptDataset (this worker's shard)
+        self.sets = {name: s if isinstance(s, EvalSet) else
+                     EvalSet(s, samples=cfg.data.eval_samples, max_tokens=ro.response_length, seed=ro.sampling.seed)
+                     for name, s in datasets.items()}
         self._decode, self._reward_fn, self._score = decode, reward_fn, score
-        self.samples = cfg.data.eval_samples
         self.budget = max(1, ro.max_num_seqs // 2)  # sequences evaluation may hold in the engine at once
-        self.max_tokens = ro.response_length
         self.temperature, self.top_p, self.top_k = ro.sampling.temperature, ro.sampling.top_p, ro.sampling.top_k
-        self.seed = ro.sampling.seed
         self._points = collections.deque(eval_points(cfg.trainer.eval_every, cfg.trainer.total_steps))
         self._skip_until_loaded = resumed  # version 0 is a placeholder stamp until the checkpoint's push lands
         self._round: Optional[_Round] = None
@@ -92,20 +112,27 @@ class EvalRunner:
         return self._complete() if not self._round.queue else None
 
     def _new_round(self, point: int, version: int) -> _Round:
-        queue: collections.deque = collections.deque()
-        for name, ds in self.datasets.items():
-            for item in ds.items:
-                seed = None if self.seed is None else self.seed + 7919 * item.index + 104729 * point
-                greedy = SamplingSpec(n=1, max_tokens=self.max_tokens, temperature=0.0)
-                sampled = SamplingSpec(n=self.samples, max_tokens=self.max_tokens, temperature=self.temperature,
-                                       top_p=self.top_p, top_k=self.top_k, seed=seed)
-                for tag, spec in (("g", greedy), ("s", sampled)):
+        """Every set's greedy groups first, then the sampled ones, each taken from the sets in turn, so the sets
+        progress alike through the round (and the greedy numbers, one answer per prompt, are done first)."""
+        greedy: list[list] = []
+        sampled: list[list] = []
+        for name, held_out in self.sets.items():
+            greedy.append([])
+            sampled.append([])
+            for item in held_out.dataset.items:
+                specs = (("g", greedy[-1], SamplingSpec(n=1, max_tokens=held_out.max_tokens, temperature=0.0)),
+                         ("s", sampled[-1], SamplingSpec(n=held_out.samples, max_tokens=held_out.max_tokens,
+                                                         temperature=self.temperature, top_p=self.top_p,
+                                                         top_k=self.top_k,
+                                                         seed=held_out.sample_seed(item.index, point))))
+                for tag, entries, spec in specs:
                     if spec.n:
                         key = f"{KEY_PREFIX}{point}:{name}:{item.index}:{tag}"
-                        queue.append((key, name, item.prompt_ids, item.answer, spec))
+                        entries.append((key, name, item.prompt_ids, item.answer, spec))
+        queue = collections.deque(_in_turn(greedy) + _in_turn(sampled))
         log.info("worker %d: evaluation of point %d at version %d (%d engine groups)", self.worker_id, point,
                  version, len(queue))
-        return _Round(point, version, queue, 0, {name: FileScores() for name in self.datasets}, version)
+        return _Round(point, version, queue, 0, {name: FileScores() for name in self.sets}, version)
 
     def admit(self, engine) -> None:
         """Add evaluation groups while they fit in the evaluation's share of the engine."""
@@ -132,9 +159,13 @@ class EvalRunner:
         answer = self._answers.pop(done.key)
         _, _point, rest = done.key.split(":", 2)
         name, _index, tag = rest.rsplit(":", 2)
-        scores = r.scores[name]
+        scores, exact = r.scores[name], self.sets[name].exact
         for c in done.completions:
-            reward, _failed, _err = self._score(self._reward_fn, self._decode(c.token_ids), answer)
+            text = self._decode(c.token_ids)
+            if exact:
+                reward = float(is_exact_answer(text, answer, ended=c.finish_reason == "stop"))
+            else:
+                reward, _failed, _err = self._score(self._reward_fn, text, answer)
             if tag == "g":
                 scores.prompts += 1
                 scores.greedy_reward += float(reward)
@@ -157,9 +188,25 @@ class EvalRunner:
                           files=r.scores)
 
 
+def _in_turn(lists: list[list]) -> list:
+    """One entry from each list in turn until all are used up."""
+    return [entry for row in itertools.zip_longest(*lists) for entry in row if entry is not None]
+
+
+def eval_sets(cfg, tokenizer, worker_id: int, num_workers: int) -> dict:
+    """Every held-out set this worker measures, by report name: the task's probe (:data:`TASK_SET`, logged as
+    ``eval/<metric>``) and each eval file's shard (``eval/<file>/<metric>``)."""
+    sets: dict = {}
+    task = task_eval_set(cfg, tokenizer, worker_id, num_workers)
+    if task is not None:
+        sets[TASK_SET] = task
+    sets.update(eval_file_sets(cfg, tokenizer, worker_id, num_workers, reserved=(TASK_SET,)))
+    return sets
+
+
 def build_eval_runner(cfg, worker_id: int, num_workers: int, tokenizer, decode, reward_fn) -> Optional[EvalRunner]:
-    """An :class:`EvalRunner` for this worker's shard of ``data.eval_files``, or None when there is nothing to do."""
-    if not cfg.data.eval_files:
+    """An :class:`EvalRunner` for this worker's shard of the run's held-out sets, or None when there are none."""
+    sets = eval_sets(cfg, tokenizer, worker_id, num_workers)
+    if not sets:
         return None
-    return EvalRunner(cfg, eval_file_sets(cfg, tokenizer, worker_id, num_workers), worker_id, decode, reward_fn,
-                      score_safely, resumed=bool(cfg.trainer.resume_from))
+    return EvalRunner(cfg, sets, worker_id, decode, reward_fn, score_safely, resumed=bool(cfg.trainer.resume_from))

@@ -77,11 +77,15 @@ class RolloutWorker(WorkerSkeleton):
         self._in_flight: dict[str, InFlight] = {}
         self._draining = False  # weights are waiting for the sequences in flight to finish
         self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
-        self.evaluator = None  # an EvalRunner when data.eval_files is set (rollout/evaluation.py)
+        self.evaluator = None  # an EvalRunner when the run has held-out sets (rollout/evaluation.py)
 
     # ------------------------------------------------------------------------------------------------------------
     def _on_weights_announced(self, state) -> bool:
         self._announce_seen.setdefault(state.weights_version, time.perf_counter())
+        if self.evaluator is not None and self.evaluator.active:
+            # one evaluation round, one version: the weights load once the round is done (asked again every turn),
+            # so a held-out number is never a mix of two policies; training generation goes on meanwhile
+            return False
         self._update_weights()
         return False  # the turn goes on: evaluation, admission and a decode step
 
@@ -96,8 +100,8 @@ class RolloutWorker(WorkerSkeleton):
 
     # ------------------------------------------------------------------------------------------------------------
     def _open_workload(self) -> None:
-        """The engine, this worker's prompt sequence, the reward function and (with data.eval_files) the
-        evaluation runner and its sender."""
+        """The engine, this worker's prompt sequence, the reward function and (with held-out sets: the task's
+        probe, data.eval_files) the evaluation runner and its sender."""
         from transformers import AutoTokenizer  # heavy: transformers
 
         cfg, ro = self.cfg, self.cfg.rollout

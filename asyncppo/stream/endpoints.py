@@ -69,7 +69,7 @@ class Endpoints:
     curve: Optional[CurveKeys] = None
     max_message_bytes: int = 256 << 20  # the trajectory receiver's limit: the sender refuses larger frames
     sync_prefix: str = ""  # per-run secret key prefix of the weight-sync store (sync.group.make_sync_group)
-    eval: str = ""  # evaluation reports (stream/evals.py); empty when the run has no data.eval_files
+    eval: str = ""  # evaluation reports (stream/evals.py); empty when the run has no held-out set
     # True: one two-rank weight-sync group per worker and incarnation (sync/fanout.py), rank 1 in it; False: one
     # shared group of sync_world_size ranks in which worker w is rank 1 + w
     sync_per_worker: bool = False

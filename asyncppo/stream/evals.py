@@ -1,4 +1,7 @@
-"""Evaluation reports: a rollout worker's scores on its shard of ``data.eval_files``, sent to the learner.
+"""Evaluation reports: a rollout worker's scores on its shard of the run's held-out sets, sent to the learner.
+
+A set is named by its eval file (metrics ``eval/<file>/<metric>``) or is the run's own held-out split,
+:data:`TASK_SET`, whose metrics keep the names they always had (``eval/<metric>``).
 
 Why a channel of its own
 ------------------------
@@ -38,6 +41,7 @@ _STAT_KEYS = {  # name -> type of every per-file sum
     "answers": int,  # answers counted in tokens (prompts + sampled)
 }
 _MAX_VERSION = 1 << 40
+TASK_SET = "<task>"  # the built-in task's held-out split: logged without a file name (eval/accuracy_greedy, ...)
 
 
 class EvalReportError(ValueError):
@@ -230,7 +234,8 @@ class EvalAggregator:
                 totals.setdefault(name, FileScores()).add(scores)
         metrics: dict[str, float] = {}
         for name, scores in totals.items():
-            metrics.update({f"eval/{name}/{k}": v for k, v in scores.metrics().items()})
+            prefix = "eval/" if name == TASK_SET else f"eval/{name}/"
+            metrics.update({prefix + k: v for k, v in scores.metrics().items()})
         if reports:
             metrics["eval/version_min"] = float(min(r.version_min for r in reports.values()))
             metrics["eval/version_max"] = float(max(r.version_max for r in reports.values()))

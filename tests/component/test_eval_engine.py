@@ -1,5 +1,6 @@
-"""Evaluation of data.eval_files on the rollout engine: the report codec and its checks, the learner-side sums, and
-the worker-side runner against the real vLLM engine (answers compared with the engine's own greedy generation)."""
+"""The held-out evaluation on the rollout engines (the built-in task's probe and data.eval_files): the report codec
+and its checks, the learner-side sums, the worker-side runner against the real vLLM engine (answers compared with
+the engine's own greedy generation), and the probe on the transformers engine against the in-process probe."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import types
 import msgpack
 import pytest
 
-from asyncppo.data.heldout import eval_file_names
+from asyncppo.data.heldout import EvalSet, eval_file_names
 from asyncppo.rollout.evaluation import EvalRunner, eval_points
 from asyncppo.stream.evals import (
-    EvalAggregator, EvalReceiver, EvalReport, EvalReportError, EvalSender, FileScores, decode_report, encode_report,
+    TASK_SET, EvalAggregator, EvalReceiver, EvalReport, EvalReportError, EvalSender, FileScores, decode_report,
+    encode_report,
 )
 
 
@@ -29,6 +31,7 @@ def test_points_and_names():
     assert eval_points(5, 10) == [0, 5, 10]
     assert eval_file_names(["/a/test.jsonl", "/b/test.jsonl", "x.parquet", "/c/test.jsonl"]) == \
         ["test.jsonl", "test.jsonl#2", "x.parquet", "test.jsonl#3"]
+    assert eval_file_names(["/a/<task>", "/b/t.jsonl"], reserved=(TASK_SET,)) == ["<task>#2", "t.jsonl"]
 
 
 def test_report_round_trip_and_hand_computed_aggregate():
@@ -198,3 +201,148 @@ def test_eval_channel_with_curve_keys_takes_reports_only_from_key_holders():
         for s in (stranger, impostor, worker):
             s._sock.close(linger=0)
         receiver.close()
+
+
+# --- the built-in task's probe as one of the engine's held-out sets ------------------------------------------------
+def test_task_set_keeps_the_probes_metric_names_and_summary():
+    from asyncppo.learner.evaluation import EngineEvaluation
+
+    task = FileScores(prompts=4, greedy_reward=1.0, sampled=16, sampled_reward=8.0, tokens=40, answers=20)
+    rep = EvalReport(point=0, worker_id=0, version_min=0, version_max=0,
+                     files={TASK_SET: task, "f.jsonl": FileScores(**vars(task))})
+    point, metrics = EvalAggregator(num_workers=1).add(decode_report(encode_report(rep), num_workers=1))
+    assert metrics["eval/accuracy_greedy"] == 0.25 and metrics["eval/accuracy_sampled"] == 0.5
+    assert metrics["eval/f.jsonl/accuracy_greedy"] == 0.25 and not any("<task>" in k for k in metrics)
+    evaluation = EngineEvaluation.__new__(EngineEvaluation)  # the sums only: no socket
+    evaluation.logged = {}
+    assert evaluation.task_before_after() == {}
+    evaluation.logged = {0: metrics, 6: {**metrics, "eval/accuracy_greedy": 0.75}, 3: {"eval/f.jsonl/x": 1.0}}
+    assert evaluation.task_before_after() == {"eval_before": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.25},
+                                              "eval_after": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.75}}
+
+
+class _ScriptedEngine:
+    """Records the groups added; the test finishes them itself."""
+
+    def __init__(self):
+        self.added = []
+
+    def add_group(self, key, prompt_ids, spec):
+        self.added.append((key, spec))
+
+
+def test_task_set_scores_exact_ended_answers_with_paired_seeds():
+    import numpy as np
+
+    from asyncppo.rollout.engine import Completion, FinishedGroup
+
+    items = [types.SimpleNamespace(index=i, prompt_ids=[1, 2], answer=str(10 + i)) for i in range(3)]
+    probe = EvalSet(_Rows(items), samples=4, max_tokens=5, seed=7, paired=True, exact=True)
+    runner = _runner({"max_num_seqs": 64}, {TASK_SET: probe, "f": _Rows(items)}, decode=lambda ids: ids[0])
+    engine = _ScriptedEngine()
+    runner.on_version(0, loaded=False)
+    runner.admit(engine)
+    specs = dict(engine.added)
+    assert specs[f"eval:0:{TASK_SET}:1:s"].n == 4 and specs[f"eval:0:{TASK_SET}:1:s"].max_tokens == 5
+    assert specs[f"eval:0:{TASK_SET}:1:g"].temperature == 0.0 and specs["eval:0:f:1:s"].max_tokens == 8
+    assert specs[f"eval:0:{TASK_SET}:1:s"].seed == 7 + 7919  # trainer.seed + 7919 x index, the same at every point
+    report = None
+    for key, spec in engine.added:
+        answer = items[int(key.rsplit(":", 2)[1])].answer
+        ended = "stop" if key.endswith(":g") else "length"  # sampled answers never end: wrong for the probe
+        completions = [Completion(np.array([answer], dtype=object), np.zeros(1, np.float32), ended)] * spec.n
+        report = runner.finished(FinishedGroup(key, completions)) or report
+    assert report.files[TASK_SET].metrics()["accuracy_greedy"] == 1.0
+    assert report.files[TASK_SET].metrics()["accuracy_sampled"] == 0.0
+    assert report.files["f"].metrics()["accuracy_sampled"] == 1.0  # the reward function does not look at the end
+    engine.added.clear()
+    runner.on_version(2, loaded=True)
+    runner.admit(engine)
+    later = dict(engine.added)
+    assert later[f"eval:2:{TASK_SET}:1:s"].seed == specs[f"eval:0:{TASK_SET}:1:s"].seed  # paired across points
+    assert later["eval:2:f:1:s"].seed != specs["eval:0:f:1:s"].seed  # eval files: a fresh draw per point
+
+
+def test_task_probe_is_an_engine_set_with_the_probes_counts(tiny_tokenizer):
+    from asyncppo.config import load_config
+    from asyncppo.data.heldout import has_eval_sets, task_probe
+    from asyncppo.rollout.evaluation import eval_sets
+
+    cfg = load_config([])
+    assert has_eval_sets(cfg) and not has_eval_sets(load_config(["data.num_eval_prompts=0"]))
+    probe = task_probe(cfg)
+    shards = [eval_sets(cfg, tiny_tokenizer, w, 2)[TASK_SET] for w in range(2)]
+    assert sum(len(s.dataset.items) for s in shards) == len(probe.rows) == 256
+    assert sorted(it.answer for s in shards for it in s.dataset.items) == sorted(r["answer"] for r in probe.rows)
+    assert {(s.samples, s.max_tokens, s.seed, s.paired, s.exact) for s in shards} == \
+        {(4, probe.max_new_tokens, cfg.trainer.seed, True, True)}
+    assert probe.max_new_tokens == 5
+
+
+def _evaluate_on(engine, runner, version):
+    report = runner.on_version(version, loaded=True)
+    while report is None:
+        runner.admit(engine)
+        for done in engine.step():
+            report = runner.finished(done) or report
+    return report.files[TASK_SET].metrics()
+
+
+def _own_greedy_answers(engine, items, max_tokens):
+    """Each prompt's greedy answer from the engine (None where it does not end within ``max_tokens``)."""
+    from asyncppo.rollout.engine import SamplingSpec
+
+    for it in items:
+        engine.add_group(f"ref-{it.index}", it.prompt_ids, SamplingSpec(n=1, max_tokens=max_tokens, temperature=0.0))
+    answers = {}
+    while engine.num_unfinished_seqs():
+        for done in engine.step():
+            c = done.completions[0]
+            answers[int(done.key.split("-")[1])] = engine.decode(c.token_ids) if c.finish_reason == "stop" else None
+    return answers
+
+
+def test_probe_on_the_transformers_engine_matches_the_in_process_probe_and_repeats(tiny_model_dir, tiny_tokenizer):
+    """The same weights give the same probe numbers on the engine as in process (transformers generate on the same
+    model), and, seeded per request, the same sampled numbers twice. The briefly warm-started test model rarely
+    adds right, so the reference answers are the engine's own greedy ones: the in-process probe must find them."""
+    from asyncppo.config import load_config
+    from asyncppo.data.heldout import HeldOutProbe, task_probe
+    from asyncppo.rollout.engines import make_engine
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config(["data.num_eval_prompts=64", "trainer.eval_every=1", "trainer.total_steps=4"])
+    probe = task_probe(cfg)
+    items = [types.SimpleNamespace(index=i, prompt_ids=tiny_tokenizer.encode(r["prompt"]), answer=r["answer"])
+             for i, r in enumerate(probe.rows)]
+    engine = make_engine("hf", tiny_model_dir, max_model_len=32, seed=0, num_threads=1, max_num_seqs=64)
+    try:
+        own = _own_greedy_answers(engine, items, probe.max_new_tokens)
+        items = [types.SimpleNamespace(index=it.index, prompt_ids=it.prompt_ids, answer=own[it.index] or "none")
+                 for it in items]
+        held_out = EvalSet(_Rows(items), samples=probe.samples, max_tokens=probe.max_new_tokens, seed=probe.seed,
+                           paired=True, exact=True)
+        runner = _runner({"max_num_seqs": 64, "eval_every": 1}, {TASK_SET: held_out}, engine.decode)
+        first, second = _evaluate_on(engine, runner, 0), _evaluate_on(engine, runner, 1)
+    finally:
+        engine.close()
+    ended = sum(a is not None for a in own.values()) / len(own)
+    assert first["num_prompts"] == 64 and first["accuracy_greedy"] == ended > 0.5
+    assert first == second  # seeded per request: the same numbers at two points
+    rows = [dict(r, answer=it.answer) for r, it in zip(probe.rows, items)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    in_process = HeldOutProbe(rows, probe.temperature, probe.seed, probe.max_new_tokens).evaluate(model,
+                                                                                                 tiny_tokenizer)
+    assert abs(first["accuracy_greedy"] - in_process["accuracy_greedy"]) <= 2 / 64, (first, in_process)
+    assert abs(first["accuracy_sampled"] - in_process["accuracy_sampled"]) < 0.15, (first, in_process)  # 256 each
+
+
+def test_round_adds_every_sets_greedy_answers_first_and_takes_the_sets_in_turn():
+    items = [types.SimpleNamespace(index=i, prompt_ids=[1, 2], answer=str(i)) for i in range(3)]
+    runner = _runner({"max_num_seqs": 200}, {"a": _Rows(items), "b": _Rows(items[:2])}, decode=str)
+    engine = _ScriptedEngine()
+    runner.on_version(0, loaded=False)
+    runner.admit(engine)
+    assert [key for key, _ in engine.added] == [
+        "eval:0:a:0:g", "eval:0:b:0:g", "eval:0:a:1:g", "eval:0:b:1:g", "eval:0:a:2:g",
+        "eval:0:a:0:s", "eval:0:b:0:s", "eval:0:a:1:s", "eval:0:b:1:s", "eval:0:a:2:s"]

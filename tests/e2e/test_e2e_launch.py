@@ -252,8 +252,8 @@ def test_ctrl_c_stops_everything(tmp_path, signum):
 
 def test_eval_files_are_evaluated_on_the_rollout_engines(tmp_path):
     """data.eval_files runs on the rollout engines at step 0, every eval_every steps and on the final weights. The
-    file holds the built-in task's held-out prompts, which the learner also scores greedily with transformers on the
-    same weights at step 0 and at the end: the two independent evaluations must agree."""
+    file holds the built-in task's held-out prompts, which the task's probe (the same engines, its own seeds and
+    token budget) also scores at step 0 and at the end: the two evaluations must agree."""
     from asyncppo.data.tasks import get_task
 
     rows = get_task("addition", seed=0, num_eval=256).splits().eval

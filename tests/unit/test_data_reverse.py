@@ -88,7 +88,6 @@ def test_evaluator_generates_up_to_the_tasks_longest_answer(monkeypatch):
     import asyncppo.data.warmstart as ws
     from asyncppo.config import load_config
     from asyncppo.data.heldout import task_probe
-    from asyncppo.learner.task_eval import make_task_evaluator as _make_evaluator
 
     seen = []
     monkeypatch.setattr(ws, "answer_accuracy", lambda model, tok, rows, **kw: seen.append((len(rows), kw)) or 0.5)
@@ -101,7 +100,7 @@ def test_evaluator_generates_up_to_the_tasks_longest_answer(monkeypatch):
 
     for overrides, max_new in ((["data=reverse"], 49), ([], 5)):
         seen.clear()
-        out = _make_evaluator(task_probe(load_config(overrides)), tokenizer=None)(_Model())
+        out = task_probe(load_config(overrides)).evaluate(_Model(), tokenizer=None)
         assert out == {"accuracy_sampled": 0.5, "accuracy_greedy": 0.5}
         assert [kw["max_new_tokens"] for _, kw in seen] == [max_new, max_new]
         assert [n for n, _ in seen] == [4 * 256, 256]
