@@ -44,7 +44,6 @@ class EmbodiedWorkload:
     record_kind = "segment"
     pushes_initial_weights = True  # env workers hold no weights until the learner's first push
     streamed = False
-    can_evaluate = False
 
     def __init__(self, cfg, num_workers: int, output_dir: str, policy_spec=None):
         self.cfg, self.num_workers, self.output_dir = cfg, num_workers, output_dir
@@ -150,9 +149,6 @@ class EmbodiedWorkload:
     # --- evaluation, checkpoints, the end ----------------------------------------------------------------------
     def refresh_weights(self) -> None:
         """One rank: the trained policy is the saved one."""
-
-    def evaluate(self) -> Optional[dict]:
-        return None
 
     def checkpoint(self, version: int, logger) -> None:
         """Not supported for embodied runs yet (trainer.resume_from is refused): only the final policy is saved."""
