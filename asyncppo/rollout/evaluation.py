@@ -135,9 +135,13 @@ class EvalRunner:
         return _Round(point, version, queue, 0, {name: FileScores() for name in self.sets}, version)
 
     def admit(self, engine) -> None:
-        """Add evaluation groups while they fit in the evaluation's share of the engine."""
+        """Add evaluation groups while they fit in the evaluation's share of the engine. A group larger than the
+        whole share (``data.eval_samples`` > ``max_num_seqs // 2``) goes in alone when no evaluation group is in
+        flight: refused forever, it would leave the round unfinished and, since weights load between rounds, the
+        worker on its old weights."""
         r = self._round
-        while r is not None and r.queue and self._inflight_seqs + r.queue[0][4].n <= self.budget:
+        while r is not None and r.queue and (self._inflight_seqs == 0
+                                             or self._inflight_seqs + r.queue[0][4].n <= self.budget):
             key, _name, prompt_ids, answer, spec = r.queue[0]
             engine.add_group(key, prompt_ids, spec)
             r.queue.popleft()

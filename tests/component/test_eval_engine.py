@@ -156,6 +156,30 @@ def test_runner_against_vllm_greedy_answers(vllm_engine, tiny_tokenizer):
     vllm_engine.abort_all()
 
 
+def test_a_group_larger_than_the_evaluation_share_runs_alone_and_the_round_ends(vllm_engine, tiny_tokenizer):
+    """max_num_seqs=4 leaves evaluation 2 sequences, and a sampled group of eval_samples=4 needs 4: it must still
+    run (alone), or the round never ends and the worker, which loads weights between rounds, never loads any."""
+    from asyncppo.data.tasks import get_task
+
+    rows = get_task("addition", seed=0).splits().eval[:3]
+    items = [types.SimpleNamespace(index=i, prompt_ids=tiny_tokenizer.encode(r["prompt"]), answer=r["answer"])
+             for i, r in enumerate(rows)]
+    runner = _runner({"max_num_seqs": 4, "eval_samples": 4}, {"add.jsonl": _Rows(items)}, vllm_engine.decode)
+    runner.on_version(0, loaded=False)
+    report, steps, peak = None, 0, 0
+    while report is None and steps < 500:
+        runner.admit(vllm_engine)
+        peak = max(peak, vllm_engine.num_unfinished_seqs())
+        for done in vllm_engine.step():
+            report = runner.finished(done) or report
+        steps += 1
+    assert report is not None, "the round never finished"
+    scores = report.files["add.jsonl"]
+    assert (scores.prompts, scores.sampled, scores.answers) == (3, 12, 15)
+    assert peak == 4  # a sampled group alone; greedy ones two at a time (the share)
+    assert not runner.active and vllm_engine.num_unfinished_seqs() == 0
+
+
 def test_empty_shard_reports_at_once_and_resume_skips_past_points():
     runner = _runner({}, {"f": _Rows([])}, decode=str)
     rep = runner.on_version(0, loaded=False)
