@@ -111,3 +111,21 @@ def test_bad_hang_and_push_timeouts_are_refused_by_name(value):
     for name in ("hang_timeout_s", "push_timeout_s"):
         with pytest.raises(Exception, match=f"cluster.{name}"):
             load_config([f"cluster.{name}={value}"])
+
+
+def test_a_hang_with_no_replacement_left_ends_the_run_naming_the_worker():
+    """cluster.max_worker_restarts=0 (or the restarts used up): the hung worker ends the run with an error that says
+    which worker, why, for how long, and which option to raise; nothing is started."""
+    from types import SimpleNamespace
+
+    from asyncppo.launch.supervise import Supervisor, WorkerFailed
+
+    plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=False, max_worker_restarts=0,
+                           timeout_s=600.0)
+    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None)
+    supervisor = Supervisor(run, console=None, started_at=0.0)
+    with pytest.raises(WorkerFailed) as err:
+        supervisor._replace(1, "no answer to a control ping for 61s (hang timeout 60s)", hung=True)
+    assert str(err.value) == ("rollout worker 1 hung (no answer to a control ping for 61s (hang timeout 60s)) after "
+                              "0 restart(s), the limit (cluster.max_worker_restarts=0)")
+    assert supervisor.restarts == 0 and supervisor.incarnations == {0: 0, 1: 0}
