@@ -41,6 +41,18 @@ def _got(out, n: int, timeout: float = 60.0) -> list[tuple]:
     return sorted(out.get(timeout=timeout) for _ in range(n))
 
 
+def _start_two(ctx, fanout: WeightFanout, port: int, out) -> dict:
+    """Workers 0 and 1 (incarnation 0), each receiving 3 versions, joined to ``fanout``."""
+    procs = {}
+    for w in (0, 1):
+        fanout.add(w, 0)
+        procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
+        procs[w].start()
+    assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+    fanout.wait_joined([0, 1])
+    return procs
+
+
 def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weights():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -48,12 +60,7 @@ def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weig
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
     try:
-        for w in (0, 1):
-            fanout.add(w, 0)
-            procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
-            procs[w].start()
-        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
-        fanout.wait_joined([0, 1])
+        procs.update(_start_two(ctx, fanout, port, out))
         fanout.push_async(_weights(1), 1)
         fanout.wait()
         assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
@@ -124,14 +131,9 @@ def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
-    big = lambda v: {"w": torch.full((12 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 48 MiB
+    big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
     try:
-        for w in (0, 1):
-            fanout.add(w, 0)
-            procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
-            procs[w].start()
-        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
-        fanout.wait_joined([0, 1])
+        procs.update(_start_two(ctx, fanout, port, out))
         fanout.push_async(big(1), 1)
         assert fanout.retire_late(30) == []  # both took version 1 within the deadline
         assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
