@@ -245,7 +245,10 @@ class RolloutWorker(WorkerSkeleton):
     def _report_eval(self, report) -> None:
         if report is None:
             return
-        if not self.eval_sender.send(report, timeout_s=self.cfg.cluster.timeout_s):
+        phase, self.phase = self.phase, "sending"  # waiting for the learner to take it is not a hang
+        sent = self.eval_sender.send(report, timeout_s=self.cfg.cluster.timeout_s)
+        self.phase = phase
+        if not sent:
             log.warning("worker %d: the learner did not take the evaluation report of point %d", self.worker_id,
                         report.point)
         self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1
