@@ -194,7 +194,8 @@ def test_stopped_worker_is_replaced_as_hung_and_the_run_completes(tmp_path):
     silent, hang_s = int(m.group(1)), int(m.group(2))
     print(f"declared hung after {silent}s without an answer (hang timeout {hang_s}s); the replacement logged its "
           f"pid {replaced_after:.0f}s after SIGSTOP")
-    assert hang_s == 60 and hang_s <= silent < hang_s + 30  # the auto floor; nowhere near cluster.timeout_s (600)
+    # auto: the 60 s floor unless this machine's steps were slower than 6 s; nowhere near cluster.timeout_s (600)
+    assert 60 <= hang_s < 600 and hang_s <= silent < hang_s + 30
     train = _train_records(_records(out))
     assert [r["step"] for r in train] == list(range(1, steps + 1))
     assert train[0]["workers/hung"] == 0 and train[-1]["workers/hung"] == 1
