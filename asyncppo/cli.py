@@ -10,6 +10,7 @@ no traceback), anything else comes from the runner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
@@ -20,6 +21,7 @@ from asyncppo.config import ConfigError, ConfigWarning, config_to_yaml, load_con
 from asyncppo.config.convert import command as convert_command
 from asyncppo.launch.plan import format_plan
 from asyncppo.launch.resolve import plan_launch
+from asyncppo.launch.shared_device import SharedSplitError, check_shared_split, resolve_shared_device
 from asyncppo.report import write_report
 from asyncppo.report.advisor import format_table, plot, recommend, sweep
 from asyncppo.report.rates import measure
@@ -70,6 +72,10 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-gpus", type=int, metavar="M", default=None,
                    help="GPUs for training: M learner ranks with one GPU each; 0 runs one CPU learner "
                    "(same as cluster.train_gpus=M; the flag wins over an override)")
+    p.add_argument("--gpus", type=int, metavar="N", default=None,
+                   help="share N devices, each between one rollout engine (rollout.gpu_memory_utilization of its "
+                   "memory) and one learner rank (the rest); weights move through host shared memory. On a machine "
+                   "without an NVIDIA GPU the same placement runs on the CPU (same as cluster.shared_gpus=N)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config as YAML and the launch plan (placement, Ray, actors' environment, "
                    "model), then exit without starting anything")
@@ -200,6 +206,8 @@ def _load(args: argparse.Namespace):
         overrides.append(f"cluster.rollout_gpus={args.rollout_gpus}")
     if args.train_gpus is not None:
         overrides.append(f"cluster.train_gpus={args.train_gpus}")
+    if getattr(args, "gpus", None) is not None:
+        overrides.append(f"cluster.shared_gpus={args.gpus}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         cfg = load_config(overrides, config_dir=args.config_dir, config_file=args.config_file)
@@ -208,7 +216,7 @@ def _load(args: argparse.Namespace):
             print(f"asyncppo: warning: {w.message}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return cfg
+    return resolve_shared_device(cfg)  # --gpus N: cuda or cpu, settled once for every actor
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -218,7 +226,11 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         return _fail(f"{exc}\n(see {DOCS})")
     if args.dry_run:
         # The plan is printed as YAML comments so that the whole output still parses as the config.
-        plan = plan_launch(cfg)
+        try:
+            memory = check_shared_split(cfg)  # --gpus N: refused here when the learner cannot fit beside the engine
+        except SharedSplitError as exc:
+            return _fail(f"{exc}\n(see {DOCS})")
+        plan = dataclasses.replace(plan_launch(cfg), memory_lines=tuple(memory))
         lines = format_plan(plan.placement).splitlines() + plan.describe()
         sys.stdout.write(config_to_yaml(cfg))
         sys.stdout.write("".join(f"# {line}\n" for line in lines))
