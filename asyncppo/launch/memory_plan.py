@@ -151,9 +151,9 @@ def _problem(s: MemorySplit, kv_bytes: float) -> str:
     """Why the split cannot work, naming the option to change ("" when it fits)."""
     if s.learner_total > s.learner_budget:
         fix = (f"lower rollout.gpu_memory_utilization to {s.max_utilization:.2f} or less" if s.max_utilization > 0
-               else "the learner alone does not fit this device: use model.dtype=bfloat16, "
-                    "model.gradient_checkpointing=true, a smaller algorithm.micro_batch_size, or separate pools "
-                    "(--rollout-gpus/--train-gpus)")
+               else "the learner alone does not fit this device: shrink its activations "
+                    "(model.gradient_checkpointing=true, a smaller algorithm.micro_batch_size), use "
+                    "model.dtype=bfloat16 if it is float32, or separate pools (--rollout-gpus/--train-gpus)")
         return (f"the learner needs about {s.learner_total:.2f} GiB but only {s.learner_budget:.2f} GiB of the "
                 f"{s.device:.2f} GiB device are left beside the engine (rollout.gpu_memory_utilization="
                 f"{s.utilization:g}): {fix}")
