@@ -70,19 +70,26 @@ def discard_segment(path: str) -> None:
 def map_segment(path: str) -> torch.Tensor:
     """A uint8 tensor over the whole segment, shared with every process that maps the same file."""
     nbytes = os.path.getsize(path)
-    seg = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-    _page_lock(seg)
-    return seg
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
-def _page_lock(seg: torch.Tensor) -> None:
-    """On a CUDA machine, register the mapping as page-locked host memory so copies to and from the device are DMA
-    (and may be asynchronous); without CUDA, or if the driver refuses, the copies are plain ones."""
+def _page_lock(seg: torch.Tensor) -> bool:
+    """On a CUDA machine, register the mapping as page-locked host memory so copies to and from the device are DMA;
+    without CUDA, or if the driver refuses, the copies are plain ones. Returns whether it is registered."""
     if not torch.cuda.is_available():
-        return
+        return False
     try:
-        torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 0)
+        # cudaHostRegisterDefault = 0; the binding returns the CUDA error code (0: success) rather than raising
+        return int(torch.cuda.cudart().cudaHostRegister(seg.data_ptr(), seg.numel(), 0)) == 0
     except Exception:  # optional speed-up only: pageable copies are correct, just slower
+        return False
+
+
+def _page_unlock(seg: torch.Tensor) -> None:
+    """Undo :func:`_page_lock` before the mapping goes, so the driver keeps no registration of freed memory."""
+    try:
+        torch.cuda.cudart().cudaHostUnregister(seg.data_ptr())
+    except Exception:  # the mapping goes anyway; a leftover registration only costs the driver a table entry
         pass
 
 
@@ -94,6 +101,7 @@ class ShmChannel:
         self.segment, self.rank, self.path = segment, rank, path
         self._signal, self._meet = signal, meet
         self.bytes_moved = 0
+        self.page_locked = _page_lock(segment)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """``tensor`` (contiguous) from ``src`` to every rank, in place, through the segment."""
@@ -119,6 +127,8 @@ class ShmChannel:
         self.bytes_moved += total
 
     def close(self) -> None:
+        if self.page_locked and self.segment is not None:
+            _page_unlock(self.segment)
         self.segment = None
         if self.rank == 0 and self.path:
             discard_segment(self.path)

@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BLOCKED = ("ray", "zmq", "hydra", "omegaconf", "vllm")
+# what a bare GPU machine lacks (it has torch, transformers, msgpack, pyarrow)
+BLOCKED = ("ray", "zmq", "hydra", "omegaconf", "vllm", "wandb", "matplotlib", "gymnasium", "math_verify")
 RUN = """
 import sys
 for name in {blocked!r}:
