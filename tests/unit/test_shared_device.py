@@ -127,3 +127,12 @@ def test_impossible_split_is_refused_by_name(tmp_path, capsys):
 def test_gpus_excludes_the_separate_pools(capsys):
     assert cli.main(["launch", "--dry-run", "--gpus", "1", "--train-gpus", "1"]) == 2
     assert "cluster.shared_gpus" in capsys.readouterr().err
+
+
+def test_several_shared_devices_must_split_the_mini_batch_evenly():
+    from asyncppo.config import ConfigError
+
+    with pytest.raises(ConfigError, match="cluster.shared_gpus"):
+        load_config(["cluster.shared_gpus=3", "rollout.rollout_batch_size=8"])  # 4 mini-batches of 2 groups
+    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size"):
+        load_config(["cluster.shared_gpus=1", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"])
