@@ -129,7 +129,7 @@ def shared_mode(ctx: Context) -> dict:
             "rollout.rollout_batch_size=32" if cuda else "rollout.rollout_batch_size=8"]
     if cuda:
         args += ["model.dtype=bfloat16", "rollout.dtype=bfloat16", "rollout.response_length=64",
-                 "rollout.engine=" + ("vllm" if not missing_launch_stack() and _importable("vllm") else "hf")]
+                 "rollout.engine=" + ("vllm" if _importable("vllm") else "hf")]
     t0 = time.perf_counter()
     out, records = _launch(ctx, "shared-run", args, 540 if cuda else 300)
     wall = time.perf_counter() - t0

@@ -62,3 +62,25 @@ def test_shm_push_is_bit_exact_and_leaves_no_segment(tmp_path, monkeypatch):
     payload = 600_000 * 4 + 3000 * 7 * 2
     assert group.shm.bytes_moved >= 2 * payload
     group.close()
+
+
+def _joins_then_dies(port: int, shm_dir: str) -> None:
+    os.environ["ASYNCPPO_SHM_DIR"] = shm_dir
+    make_sync_group("127.0.0.1", port, 1, 2, backend="shm", timeout_s=10, store_prefix=PREFIX)
+    os._exit(0)  # gone without a word, as a killed engine process
+
+
+def test_a_dead_peer_fails_the_push_naming_the_group(tmp_path, monkeypatch):
+    import pytest
+
+    from asyncppo.sync import SyncGroupError
+
+    monkeypatch.setenv("ASYNCPPO_SHM_DIR", str(tmp_path))
+    port = find_free_port()
+    proc = mp.get_context("spawn").Process(target=_joins_then_dies, args=(port, str(tmp_path)))
+    proc.start()
+    group = make_sync_group("127.0.0.1", port, 0, 2, backend="shm", timeout_s=10, store_prefix=PREFIX)
+    proc.join(30)
+    with pytest.raises(SyncGroupError, match=rf"backend shm.*127.0.0.1:{port}|127.0.0.1:{port}.*backend shm"):
+        WeightSender(group, bucket_bytes=4 << 20).push(_state(1), version=1)
+    group.close()
