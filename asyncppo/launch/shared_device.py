@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from asyncppo.config.checks import mini_batch_prompts, uses_critic
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.config.devices import learner_ranks
 from asyncppo.launch.memory_plan import (
     DTYPE_BYTES, GIB, LearnerLoad, MemorySplit, ModelShape, describe_unknown, micro_batch_tokens, optimizer_bytes,
     shape_from_config, split_memory,
@@ -66,13 +67,15 @@ def model_shape(model_path: str) -> Optional[ModelShape]:
     """The shape from ``model_path/config.json``, or from the built-in model's recipe (its tiny vocabulary is a
     few dozen symbols); None when neither is readable."""
     if model_path.startswith("builtin:"):
-        from asyncppo.data.tiny import BUILTIN_MODELS, DEFAULT_ALPHABET, SPECIAL_TOKENS  # light: no torch
+        from asyncppo.data.tasks import get_task  # light: no torch
+        from asyncppo.data.tiny import BUILTIN_MODELS, SPECIAL_TOKENS  # light: no torch
 
         spec = BUILTIN_MODELS.get(model_path.split(":", 1)[1])
         if spec is None:
             return None
         h, heads = spec["hidden"], spec["heads"]
-        return ModelShape(vocab=len(DEFAULT_ALPHABET) + len(SPECIAL_TOKENS) + 32, hidden=h, layers=spec["layers"],
+        vocab = len(SPECIAL_TOKENS) + len(get_task(spec["task"]).alphabet())  # the character tokenizer
+        return ModelShape(vocab=vocab, hidden=h, layers=spec["layers"],
                           heads=heads, kv_heads=heads, head_dim=h // heads, intermediate=spec["intermediate"],
                           tied=False)
     try:
@@ -89,8 +92,11 @@ def learner_load(cfg: AsyncPPOConfig) -> LearnerLoad:
     rows = a.micro_batch_size or mini_batch_prompts(cfg) * ro.num_return_sequences_in_group
     tokens = micro_batch_tokens(rows, a.max_tokens_per_micro_batch, ro.prompt_length + ro.response_length)
     reference = a.use_kl_loss or a.add_token_level_kl
+    # model.shared_backbone on one rank: the critic is a value head on the actor (learner/value_head.py), ~free
+    value_head_only = cfg.model.shared_backbone and learner_ranks(cfg) <= 1
     return LearnerLoad(dtype_bytes=dtype_bytes, optimizer_bytes_per_param=optimizer_bytes(dtype_bytes),
-                       critic=uses_critic(cfg), reference=bool(reference), micro_batch_tokens=tokens,
+                       critic=uses_critic(cfg) and not value_head_only, reference=bool(reference),
+                       micro_batch_tokens=tokens,
                        gradient_checkpointing=cfg.model.gradient_checkpointing)
 
 
