@@ -17,8 +17,8 @@ import subprocess
 from typing import Callable, Optional
 
 from asyncppo.config.checks import mini_batch_prompts, uses_critic
-from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.devices import learner_ranks
+from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.memory_plan import (
     DTYPE_BYTES, GIB, LearnerLoad, MemorySplit, ModelShape, describe_unknown, micro_batch_tokens, optimizer_bytes,
     shape_from_config, split_memory,
