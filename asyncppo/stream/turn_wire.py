@@ -53,6 +53,8 @@ def turn_region(turns: TurnColumns, lengths: list) -> list:
 def read_turn_region(mv: memoryview, start: int, n: int, lengths: list) -> TurnColumns:
     """Parse the turn region that begins at ``start`` and must end exactly where ``mv`` ends."""
     size = mv.nbytes
+    if start == size:  # the header's 14th field alone: a header that does not match the frame's schema
+        raise WireError("schema", "group: the header has a 'turns' field but the frame has no turn region")
     table = struct.Struct(f"<{n}I{n}I")
     data = start + up(table.size)
     if data > size:
