@@ -28,9 +28,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from asyncppo.config.validate_text_env import ENV_ON_ERROR as ON_ERROR
 from asyncppo.envs.text_env import MalformedStep, normalize_init, normalize_step
 
-ON_ERROR = ("drop", "zero_reward")
 #: Fault kinds, counted in :attr:`EnvRunner.faults`.
 FAULT_KINDS = ("raised", "timeout", "malformed", "nonfinite_reward")
 
