@@ -15,8 +15,10 @@ from asyncppo.config import load_config
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, loss_mask
 from asyncppo.learner.ppo_targets import outcome_token_rewards, set_advantages
+from asyncppo.stream.records import TrajectoryGroup
 from asyncppo.stream.validate import GroupValidator
 from asyncppo.stream.wire import decode_group, encode_group
+from tests.unit.test_learner import _cfg, _updater, model_dir  # noqa: F401 (model_dir: a fixture)
 from tests.unit.test_stream_turns import ENV_POS, LIMITS, MODEL_POS, episode, group, single
 
 V = 48
@@ -128,3 +130,36 @@ def test_place_turn_rewards_keeps_each_row_summing_to_its_score():
     assert out.tolist() == [[0.5, 0, 0, 1.5], [0, -1.0, 0, 0]]
     with pytest.raises(ValueError, match="turn_rewards shape"):
         algo.place_turn_rewards(torch.zeros(2), turns[:, :3], mask)
+
+
+def _episodes(num_groups=3, n=3, seed=0, vocab=16):
+    """Groups of 2-turn episodes (model 3, env 2, model 3 tokens) with a reward per turn."""
+    rng = np.random.default_rng(seed)
+    groups = []
+    for g in range(num_groups):
+        samples = []
+        for _ in range(n):
+            lps = (-rng.random(8) * 3).astype(np.float32)
+            lps[3:5] = 0.0
+            turns = np.array([0.5 * rng.integers(0, 2), float(rng.integers(0, 2))])
+            samples.append(episode(response_ids=rng.integers(4, vocab, 8).astype(np.int32), behavior_logprobs=lps,
+                                   reward=float(turns.sum()), version_min=0, version_max=0, version_spans=None,
+                                   env_runs=np.array([[3, 2]]), turn_rewards=turns))
+        prompt = rng.integers(4, vocab, size=4).astype(np.int32)
+        groups.append(decode_group(encode_group(TrajectoryGroup(f"0-{g}", 0, prompt, samples))))
+    return groups
+
+
+@pytest.mark.parametrize("options", [dict(adv_estimator="gae"), dict(adv_estimator="grpo", use_kl_loss=True)])
+def test_a_ppo_step_on_multi_turn_groups(model_dir, options):  # noqa: F811 (the fixture)
+    cfg = _cfg(**options)
+    upd = _updater(cfg, model_dir)
+    before = torch.cat([p.detach().flatten() for p in upd.actor.parameters()]).clone()
+    batch = collate_groups(_episodes(), pad_token_id=0)
+    assert int(batch.response_mask.sum()) == 9 * 6
+    metrics = upd.step(batch)
+    assert not torch.equal(before, torch.cat([p.detach().flatten() for p in upd.actor.parameters()]))
+    for key in ("actor/approx_kl", "actor/entropy", "reward/mean"):
+        assert np.isfinite(metrics[key]), key
+    if options["adv_estimator"] == "gae":
+        assert "critic/vf_loss" in metrics
