@@ -38,6 +38,17 @@ def group_turns(group: Any) -> Optional[TurnColumns]:
         raise WireError("schema", str(e)) from None
 
 
+def pop_turns_field(header: list, num_fields: int) -> bool:
+    """Whether ``header`` (a group header of ``num_fields`` fields plus maybe the optional ``turns``) is a
+    multi-turn group's; the field is removed when present, and a wrong value is a ``schema`` error."""
+    if len(header) != num_fields + 1:
+        return False
+    if type(header[-1]) is not int or header[-1] != TURNS_FORMAT:
+        raise WireError("schema", f"group: field 'turns' must be the int {TURNS_FORMAT}, got {header[-1]!r}")
+    header.pop()
+    return True
+
+
 def turn_region(turns: TurnColumns, lengths: list) -> list:
     """The frame parts of the turn region, after checking the turn rules (a sender's bug is named at the sender)."""
     problem = check_turns(turns, lengths)

@@ -77,7 +77,7 @@ from asyncppo.stream.framing import pad as _pad
 from asyncppo.stream.framing import up as _up
 from asyncppo.stream.records import SampleColumns, TrajectoryGroup, check_spans  # noqa: F401
 from asyncppo.stream.spans import _I8, _bad_spans, _check_spans, _span_counts, _spans_region
-from asyncppo.stream.turn_wire import TURNS_FORMAT, group_turns, read_turn_region, turn_region
+from asyncppo.stream.turn_wire import TURNS_FORMAT, group_turns, pop_turns_field, read_turn_region, turn_region
 
 #: Version 3: per-token policy versions (a span count per sample in the table, a version-span region at the end).
 #: Version 2: columnar sample table (version 1 carried the per-sample scalars as msgpack lists in a map header).
@@ -321,11 +321,7 @@ def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
     header, data_start = _unpack_header(mv, max_bytes, list)
     if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
         raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
-    turns = len(header) == len(_HEADER_TYPES) + 1  # the optional trailing field: a multi-turn group
-    if turns:
-        if header[-1] != TURNS_FORMAT or type(header[-1]) is not int:
-            raise WireError("schema", f"group: field 'turns' must be the int {TURNS_FORMAT}, got {header[-1]!r}")
-        header.pop()
+    turns = pop_turns_field(header, len(_HEADER_TYPES))  # the optional trailing field: a multi-turn group
     if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
         raise _explain_header(header)
     kind, timings, n, p_n = header[1], header[7], header[8], header[10]
