@@ -207,13 +207,13 @@ def version_starts_in_env(turns: TurnColumns, spans: np.ndarray, span_offsets: S
 REWARD_SUM_RTOL = 1e-6
 
 
-def turn_content_problem(columns) -> Optional[tuple]:
+def turn_content_problem(columns, structure_checked: bool = False) -> Optional[tuple]:
     """``(reason, detail)`` of the first turn rule a group's columns (:class:`SampleColumns`) break, or None: the
-    structural rules, environment log-probs exactly 0, no version span starting on an environment token, finite
-    turn rewards summing to the sample's reward. ``reason`` is ``"turns"`` or ``"nonfinite"`` (the learner's door
-    counts it)."""
+    structural rules (skipped when ``structure_checked``: the wire decoder proved them for the columns it built),
+    environment log-probs exactly 0, no version span starting on an environment token, finite turn rewards summing
+    to the sample's reward. ``reason`` is ``"turns"`` or ``"nonfinite"`` (the learner's door counts it)."""
     turns, lengths, offsets = columns.turns, columns.lengths(), columns.offsets
-    problem = check_turns(turns, lengths)
+    problem = None if structure_checked else check_turns(turns, lengths)
     if problem is not None:
         return "turns", problem
     env = _env_positions(turns, offsets)

@@ -132,9 +132,9 @@ def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version
     if newest > learner_version or min(vmin) < 0:
         raise ContentError("version", f"versions [{min(vmin)}, {newest}] outside [0, learner version "
                                       f"{learner_version}]")
-    columns = group.as_columns()
-    if columns.turns is not None:  # a multi-turn episode (asyncppo.stream.turns)
-        problem = turn_content_problem(columns)
+    if group.turn_columns() is not None:  # a multi-turn episode (asyncppo.stream.turns)
+        # a columnar group came off the wire, whose decoder checked the segments' structure already
+        problem = turn_content_problem(group.as_columns(), structure_checked=group.columns is not None)
         if problem is not None:
             raise ContentError(*problem)
 
