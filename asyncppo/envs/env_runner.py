@@ -12,7 +12,9 @@ methods are coroutines, on the caller's asyncio loop under a semaphore of the sa
   regenerated.
 
 A thread whose call passed its deadline cannot be killed (Python has no safe way); it keeps its pool slot until
-the call returns, and :attr:`EnvRunner.stuck` says how many slots are held that way. Calls queued behind them still
+the call returns, and :attr:`EnvRunner.stuck` says how many slots are held that way. The pool's threads are daemon
+threads (the standard ``ThreadPoolExecutor`` joins its threads at interpreter exit, so one call hung forever would
+keep the worker process from exiting). Calls queued behind them still
 time out on their own deadline (counted from submission), so a hung environment costs throughput, never a stall
 without a named cause.
 """
@@ -23,6 +25,7 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import inspect
+import queue
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,6 +59,51 @@ def _run(fn: Callable, *args) -> Any:
     return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
+class _DaemonPool:
+    """``max_workers`` daemon threads taking calls from one queue; :meth:`submit` returns a standard Future."""
+
+    def __init__(self, max_workers: int, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._closed = False
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(max_workers)]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable, *args) -> cf.Future:
+        if self._closed:
+            raise RuntimeError("the environment runner was shut down")
+        fut: cf.Future = cf.Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to the waiter, which counts it
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        """Cancel queued calls and let idle threads end; a thread inside a call ends when the call returns."""
+        self._closed = True
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not None:
+                item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+
+
 class EnvRunner:
     """Runs text-environment calls with a bound on concurrency and a deadline each (module docstring)."""
 
@@ -67,7 +115,7 @@ class EnvRunner:
         if on_error not in ON_ERROR:
             raise ValueError(f"env.on_error={on_error!r}: allowed: {', '.join(ON_ERROR)}")
         self.max_concurrency, self.step_timeout_s, self.on_error = max_concurrency, float(step_timeout_s), on_error
-        self._pool = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="text-env")
+        self._pool = _DaemonPool(max_concurrency, "text-env")
         self._sem: Optional[asyncio.Semaphore] = None
         self._lock = threading.Lock()
         self.faults = collections.Counter({k: 0 for k in FAULT_KINDS})
@@ -175,7 +223,7 @@ class EnvRunner:
 
     def shutdown(self) -> None:
         """Stop taking calls; threads stuck in a hung call are left to finish on their own (never joined)."""
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown()
 
     def __enter__(self) -> "EnvRunner":
         return self

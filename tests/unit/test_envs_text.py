@@ -3,7 +3,10 @@ faults (raise, hang past the deadline, malformed observation, non-finite reward)
 
 import asyncio
 import copy
+import os
 import random
+import subprocess
+import sys
 import threading
 import time
 
@@ -198,3 +201,14 @@ def test_load_text_env():
         load_text_env("no_such_pkg.Env")
     with pytest.raises(ValueError, match="not a class with init"):
         load_text_env("asyncppo.envs.tools.parse_tool_calls")
+
+
+def test_a_call_hung_forever_does_not_keep_the_process_from_exiting():
+    code = ("import time\nfrom asyncppo.envs.env_runner import EnvRunner\n"
+            "class Hang:\n    def step(self, a):\n        time.sleep(3600)\n"
+            "r = EnvRunner(1, 0.2)\nprint(r.step(Hang(), 'x').fault)\n")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert out.returncode == 0 and out.stdout.strip() == "timeout", out.stderr[-2000:]
+    assert time.monotonic() - t0 < 30
