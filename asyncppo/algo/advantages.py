@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .normalize import group_mean_std, masked_whiten
+from .normalize import group_mean_std, masked_whiten, scores_to_token_rewards
 
 GROUP_STD_EPS = 1e-6
 WHITEN_EPS = 1e-8
@@ -46,6 +46,7 @@ __all__ = [
     "reinforce_plus_plus_advantages",
     "reinforce_plus_plus_baseline_advantages",
     "discounted_returns",
+    "place_turn_rewards",
     "clip_advantages",
     "GROUP_STD_EPS",
     "WHITEN_EPS",
@@ -93,12 +94,30 @@ def _scores(token_rewards: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     return torch.where(m, token_rewards, _zero(token_rewards)).sum(dim=-1)
 
 
+def place_turn_rewards(scores: torch.Tensor, turn_rewards: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Token rewards ``[B, T]`` for a batch with multi-turn samples: each turn reward where its turn ended (the
+    ``[B, T]`` ``turn_rewards``, on model tokens), plus whatever the learner's score processing (over-length
+    penalty, clipping, normalisation) changed the sample's score by, on its last model token.
+
+    So every row still sums to its processed score ``scores`` (what GRPO/RLOO read), a sample without turn rewards
+    gets its score on its last model token as in :func:`scores_to_token_rewards`, and with no processing at all the
+    turn rewards stand exactly where the turns ended (what GAE and return-to-go see)."""
+    if turn_rewards.shape != response_mask.shape:
+        raise ValueError(f"turn_rewards shape {tuple(turn_rewards.shape)} != response_mask shape "
+                         f"{tuple(response_mask.shape)}")
+    turn_rewards = turn_rewards.to(scores.dtype)
+    return scores_to_token_rewards(scores - turn_rewards.sum(dim=-1), response_mask) + turn_rewards
+
+
 @torch.no_grad()
 def gae_advantages(
     token_rewards, response_mask, *, values=None, group_index=None, gamma=1.0, lambd=1.0, norm_by_std=True,
     eps=GROUP_STD_EPS,
 ):
-    """Generalised advantage estimation with bootstrap value 0 after the last valid token."""
+    """Generalised advantage estimation with bootstrap value 0 after the last valid token.
+
+    Masked tokens inside a response (the environment tokens of a multi-turn episode) are skipped: the recursion
+    chains each model token's TD error to the *next model token's* value, never through an environment token."""
     m = _check(token_rewards, response_mask)
     if values is None:
         raise ValueError("adv_estimator 'gae' needs values [B, T] from the critic")

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import numpy as np
 import torch
 
+from asyncppo.learner.turn_batch import turn_arrays
 from asyncppo.stream.records import TrajectoryGroup
 
 
@@ -32,6 +33,9 @@ class TrainBatch:
     version_min: torch.Tensor  # [B] long
     prompt_len: int  # P (padded)
     token_versions: Optional[torch.Tensor] = None  # [B, T] long, policy version of each response token (0 on padding)
+    # [B, T] float, multi-turn samples' turn rewards at the last model token of each turn (None: no turn rewards
+    # in the batch); response_mask is then 0 on environment tokens too (asyncppo.learner.turn_batch)
+    turn_rewards: Optional[torch.Tensor] = None
     # Filled in by the learner before the update:
     old_logprobs: Optional[torch.Tensor] = None  # proximal policy (learner recompute) [B, T]
     ref_logprobs: Optional[torch.Tensor] = None
@@ -112,6 +116,13 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
     behavior[tok_row, tok_col] = lps
     token_versions = np.zeros((B, T), dtype=np.int64)
     token_versions[tok_row, tok_col] = versions
+    model_tokens, turn_rewards = turn_arrays(groups)  # multi-turn episodes: environment tokens leave the loss
+    if model_tokens is not None:
+        response_mask[tok_row, tok_col] = model_tokens
+    placed = None
+    if turn_rewards is not None:
+        placed = np.zeros((B, T), dtype=np.float32)
+        placed[tok_row[turn_rewards[0]], tok_col[turn_rewards[0]]] = turn_rewards[1]
     attention = torch.from_numpy(attention_mask)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
@@ -124,6 +135,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         version_min=torch.from_numpy(vmin),
         prompt_len=P,
         token_versions=torch.from_numpy(token_versions),
+        turn_rewards=None if placed is None else torch.from_numpy(placed),
     )
 
 

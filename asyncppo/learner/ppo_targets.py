@@ -66,6 +66,8 @@ def outcome_token_rewards(
         shift_only=alg.reward_shift,
         scale_only=alg.reward_scale,
     )
+    if batch.turn_rewards is not None:  # multi-turn: each turn's reward where the turn ended
+        return algo.place_turn_rewards(scores, batch.turn_rewards, mask)
     return algo.scores_to_token_rewards(scores, mask)
 
 

@@ -38,6 +38,8 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from asyncppo.stream.turns import TurnColumns, turns_from_samples
+
 
 @dataclass
 class Sample:
@@ -53,6 +55,11 @@ class Sample:
     # int64 [S, 2] rows (start_token_index, version), see check_spans; None: every token has version_min (only
     # valid when version_min == version_max)
     version_spans: Optional[np.ndarray] = None
+    # Multi-turn episodes (asyncppo.stream.turns): int64 [E, 2] rows (start, length) of the environment segments
+    # of the response (None: every token is the model's), and float64 [K] rewards, one per model turn (None: one
+    # outcome reward); then ``reward`` is their sum.
+    env_runs: Optional[np.ndarray] = None
+    turn_rewards: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
@@ -149,6 +156,7 @@ class SampleColumns(NamedTuple):
     reward_failed: list[bool]
     version_spans: np.ndarray  # int64 [sum S, 2] concatenated (start_token_index, version) rows
     span_offsets: list[int]  # n + 1 entries, span_offsets[0] == 0
+    turns: Optional[TurnColumns] = None  # environment segments and turn rewards; None for single-turn groups
 
     @classmethod
     def from_samples(cls, samples: list[Sample]) -> "SampleColumns":
@@ -168,6 +176,7 @@ class SampleColumns(NamedTuple):
             [s.reward_failed for s in samples],
             np.concatenate(spans) if spans else np.zeros((0, 2), np.int64),
             list(itertools.accumulate((sp.shape[0] for sp in spans), initial=0)),
+            turns_from_samples(samples),
         )
 
     def lengths(self) -> list[int]:
@@ -198,13 +207,19 @@ class SampleColumns(NamedTuple):
     def materialise(self) -> list[Sample]:
         ids, lps, off = self.response_ids, self.behavior_logprobs, self.offsets
         spans, soff = self.version_spans, self.span_offsets
-        return [
+        samples = [
             Sample(ids[a:b], lps[a:b], r, f, v0, v1, bad, spans[c:d])
             for a, b, r, f, v0, v1, bad, c, d in zip(
                 off, off[1:], self.reward, self.finish_reason, self.version_min, self.version_max, self.reward_failed,
                 soff, soff[1:],
             )
         ]
+        if self.turns is not None:
+            for j, s in enumerate(samples):
+                runs, rewards = self.turns.sample(j)
+                s.env_runs = runs if runs.shape[0] else None
+                s.turn_rewards = rewards if rewards.shape[0] else None
+        return samples
 
 
 class TrajectoryGroup:
@@ -269,6 +284,13 @@ class TrajectoryGroup:
         built from the Sample objects. What the learner's batch is built from (:mod:`asyncppo.learner.batch`)."""
         c = self._columns
         return c if c is not None else SampleColumns.from_samples(self._samples)
+
+    def turn_columns(self) -> Optional[TurnColumns]:
+        """The environment segments and turn rewards of a multi-turn group (:mod:`asyncppo.stream.turns`), None
+        for a single-turn group; no column store is built for a group made of Sample objects. ValueError when a
+        sample's turn arrays have the wrong type."""
+        c = self._columns
+        return c.turns if c is not None else turns_from_samples(self._samples)
 
     def sample_lengths(self) -> list[int]:
         """Response length of every sample (from the columns without materialising samples)."""

@@ -35,6 +35,7 @@ import numpy as np
 
 from asyncppo.stream.records import TrajectoryGroup
 from asyncppo.stream.segments import EnvSegment
+from asyncppo.stream.turns import turn_content_problem
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ CONTENT_REASONS = (
     "ticket",  # ticket not outstanding, already delivered (duplicate) or never granted
     "worker",  # ticket granted to another worker, or worker_id out of range
     "duplicate",  # group_id seen before
+    "turns",  # multi-turn episode: bad environment segments, env log-prob != 0, turn rewards != reward
     "error",  # a check itself failed unexpectedly (a bug, logged with its traceback): refused all the same
 )
 
@@ -130,6 +132,11 @@ def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version
     if newest > learner_version or min(vmin) < 0:
         raise ContentError("version", f"versions [{min(vmin)}, {newest}] outside [0, learner version "
                                       f"{learner_version}]")
+    if group.turn_columns() is not None:  # a multi-turn episode (asyncppo.stream.turns)
+        # a columnar group came off the wire, whose decoder checked the segments' structure already
+        problem = turn_content_problem(group.as_columns(), structure_checked=group.columns is not None)
+        if problem is not None:
+            raise ContentError(*problem)
 
 
 class Door:

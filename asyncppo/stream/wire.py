@@ -20,6 +20,9 @@ save. So a group travels as **one frame**::
   little-endian; ``16 * sum(span counts)`` bytes. A sample whose ``Sample.version_spans`` is None travels as the
   single span ``(0, version_min)``, so every decoded sample has at least one span (see
   :mod:`asyncppo.stream.records` for what spans mean).
+* turns (multi-turn episodes only): a 14th header field ``turns`` and, after the version spans, the
+  environment-segment run-lengths and per-turn rewards (:mod:`asyncppo.stream.turn_wire`). Single-turn groups have
+  neither, so their frames are exactly the frames of before.
 
 Every offset follows from the header and the table, so the receiver computes the exact frame length and refuses
 any other. The design goal is *few Python operations per message*, because on a small machine the stream's
@@ -74,6 +77,7 @@ from asyncppo.stream.framing import pad as _pad
 from asyncppo.stream.framing import up as _up
 from asyncppo.stream.records import SampleColumns, TrajectoryGroup, check_spans  # noqa: F401
 from asyncppo.stream.spans import _I8, _bad_spans, _check_spans, _span_counts, _spans_region
+from asyncppo.stream.turn_wire import TURNS_FORMAT, group_turns, pop_turns_field, read_turn_region, turn_region
 
 #: Version 3: per-token policy versions (a span count per sample in the table, a version-span region at the end).
 #: Version 2: columnar sample table (version 1 carried the per-sample scalars as msgpack lists in a map header).
@@ -254,11 +258,13 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     id_parts, lp_parts, ids_dt, lp_dt, lengths, rewards, vmin, vmax, flags, counts, span_src = _column_parts(group)
     table = _pack_table(n, lengths, rewards, vmin, vmax, flags, counts)  # also checks every scalar's type
     spans = _spans_region(span_src, counts, lengths, vmin, vmax)
+    turns = group_turns(group)  # multi-turn episodes only (asyncppo.stream.turn_wire)
+    turn_parts = [] if turns is None else turn_region(turns, lengths)
     try:
         timings = {str(k): float(v) for k, v in group.timings.items()}
         header = [SCHEMA_VERSION, "group", str(group.group_id), int(group.worker_id), int(group.prompt_index),
                   int(group.ticket), str(group.answer), timings, n, prompt.dtype.str, prompt.shape[0],
-                  ids_dt.str, lp_dt.str]
+                  ids_dt.str, lp_dt.str] + ([] if turns is None else [TURNS_FORMAT])
         parts: list[Any] = header_parts(MAGIC, header)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError("schema", f"group scalars are not representable: {e}") from None
@@ -269,6 +275,7 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     parts += lp_parts
     parts.append(_ZEROS[: _pad(total * lp_dt.itemsize)])
     parts.append(spans)
+    parts += turn_parts
     try:
         return b"".join(parts)  # numpy arrays are bytes-like when C-contiguous
     except TypeError:  # some array is a strided view: copy those into contiguous memory first
@@ -314,6 +321,7 @@ def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
     header, data_start = _unpack_header(mv, max_bytes, list)
     if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
         raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
+    turns = pop_turns_field(header, len(_HEADER_TYPES))  # the optional trailing field: a multi-turn group
     if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
         raise _explain_header(header)
     kind, timings, n, p_n = header[1], header[7], header[8], header[10]
@@ -329,7 +337,7 @@ def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
     header[9] = _dtype("prompt_ids", header[9])
     header[11] = _dtype("response_ids", header[11])
     header[12] = _dtype("behavior_logprobs", header[12])
-    return header, data_start
+    return header + [turns], data_start
 
 
 def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
@@ -341,7 +349,7 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     mv = _as_view(buf)
     size = mv.nbytes
     header, data_start = _checked_header(mv, max_bytes)
-    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt) = header
+    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt, turns) = header
 
     # Layout: every offset follows from the header and the table; the frame must end exactly where it says.
     table = _table(n)
@@ -359,7 +367,7 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     l_start = i_start + _up(total * i_dt.itemsize)
     s_start = l_start + _up(total * l_dt.itemsize)
     end = s_start + n_spans * _SPAN_BYTES
-    if end != size:  # (plain int arithmetic: nothing was allocated for what the table claims)
+    if (end > size) if turns else (end != size):  # (plain int arithmetic: nothing was allocated for what the table claims)
         raise WireError("malformed", f"message is {size} bytes, but its header and sample table describe {end}")
     # Alignment padding must be zero: a header that under-states a length by a few elements would otherwise
     # still describe a frame of the right size, and silently cut the prompt (or a response) short.
@@ -387,6 +395,7 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
         list(map(_FAILED_BY_FLAGS.__getitem__, flags)),
         spans,
         span_offsets,
+        read_turn_region(mv, end, n, lengths) if turns else None,
     )
     return TrajectoryGroup.from_columns(
         group_id, worker_id, np.frombuffer(mv, dtype=p_dt, count=p_n, offset=p_start), columns,

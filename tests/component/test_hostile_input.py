@@ -42,6 +42,16 @@ def make_group(gid, worker, ticket, version, rng, prompt_len=None, **over):
     return g
 
 
+def as_episode(lp_env=0.0, reward=1.5):
+    """Make sample 0 a 2-turn episode: model, model, environment, environment, model (asyncppo.stream.turns)."""
+    def f(g):
+        s = g.samples[0]
+        s.response_ids = np.arange(1, 6, dtype=np.int32)
+        s.behavior_logprobs = np.array([-1.0, -0.5, lp_env, 0.0, -0.25], np.float32)
+        s.env_runs, s.turn_rewards, s.reward = np.array([[2, 2]]), np.array([0.5, 1.0]), reward
+    return f
+
+
 def _hdr(frame):
     hlen = struct.unpack_from("<4sI", frame)[1]
     return hlen, msgpack.unpackb(frame[8:8 + hlen])
@@ -89,6 +99,10 @@ def wire_attacks(valid: bytes, rng, fresh):
     b = bytearray(valid)
     b[t + 28 * N] = 7  # flags: undefined bits
     out.append(bytes(b))
+    # a multi-turn group whose environment segment starts at the first response token (a model token must)
+    b = bytearray(fresh(e=as_episode()))
+    struct.pack_into("<q", b, len(b) - 16 - 16, 0)  # the one (start, length) row, before 2 float64 turn rewards
+    out.append(bytes(b))
     return out, ("multipart",)
 
 
@@ -135,6 +149,8 @@ def content_attacks(fresh, ticket_of_other, version_now):
         (fresh(ticket=10**9), "ticket"),
         (fresh(ticket=ticket_of_other, worker=1), "worker"),
         (fresh(t=lambda g: g.timings.update(gen_s=float("inf"))), "nonfinite"),
+        (fresh(e=as_episode(lp_env=-0.75)), "turns"),  # an environment token with a behaviour log-prob
+        (fresh(e=as_episode(reward=3.0)), "turns"),  # a reward that is not the sum of the turn rewards
     ]
 
 
@@ -181,7 +197,7 @@ def test_a_thousand_malformed_messages_do_not_reach_a_batch_and_every_valid_grou
                 assert t is not None
                 wait_for(lambda: version[0] >= t.min_version, "the learner to reach the ticket's min_version")
                 gid = f"0-{j}"
-                g = make_group(gid, 0, t.index, t.min_version, rng)
+                g = make_group(gid, 0, t.index, t.min_version, rng, **({"e": as_episode()} if j % 4 == 1 else {}))
                 frame = encode_group(g)
 
                 # Content attacks carry no one's ticket: on an unauthenticated stream a peer that names a held ticket
@@ -273,6 +289,7 @@ def test_a_thousand_malformed_messages_do_not_reach_a_batch_and_every_valid_grou
             assert np.array_equal(s.response_ids, r.response_ids)
             assert np.array_equal(s.behavior_logprobs, r.behavior_logprobs)
             assert s.reward == r.reward and s.version_min == r.version_min
+            assert np.array_equal(s.env_runs, r.env_runs) and np.array_equal(s.turn_rewards, r.turn_rewards)
     # nothing bad was admitted, every bad message counted exactly once, by the reason it was sent for
     total_bad = counts["wire"] + counts["content"]
     assert total_bad >= 1000, total_bad
