@@ -168,3 +168,18 @@ def test_merged_export_is_the_adapted_policy(model_dir, tmp_path):
     assert (got - want).abs().max().item() < 1e-5
     # only linear projections of the decoder layers carry adapters
     assert {n.split(".")[-3] for n in adapter_tensors(models.actor)} == set(LINEARS)
+
+
+def test_verl_lora_keys_convert():
+    from asyncppo.config.convert import convert
+
+    text = ("actor_rollout_ref:\n  model:\n    path: /models/q\n    lora_rank: 32\n    lora_alpha: 64\n"
+            "    target_modules: [q_proj, v_proj]\n    lora_adapter_path: /x\n")
+    result = convert(text, "verl")
+    assert result.values["model.lora_rank"] == 32 and result.values["model.lora_alpha"] == 64.0
+    assert result.values["model.lora_target_modules"] == ["q_proj", "v_proj"]
+    for key in ("lora_rank", "lora_alpha", "target_modules"):
+        assert result.entries["actor_rollout_ref.model." + key].status == "mapped"
+    assert result.entries["actor_rollout_ref.model.lora_adapter_path"].status == "unsupported"
+    assert convert(text.replace("[q_proj, v_proj]", "all-linear"), "verl").values[
+        "model.lora_target_modules"] == ["all-linear"]
