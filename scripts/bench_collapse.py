@@ -21,9 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 
 COLLAPSE = ["trainer.lr=2e-4", "algorithm.ppo_epochs=2", "algorithm.ppo_mini_batch_size=8"]
 VARIANTS = {
@@ -134,24 +131,9 @@ def main() -> None:
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    root = args.keep or tempfile.mkdtemp(prefix="bench_collapse_")
-    os.makedirs(root, exist_ok=True)
-    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
-    pending, running = list(names), []
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            cmd = [sys.executable, __file__, "--one", name, "--keep", root, "--steps", str(args.steps),
-                   "--eval-every", str(args.eval_every), *args.overrides]
-            log = open(os.path.join(root, f"{name}.log"), "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-        name, proc = running.pop(0)
-        if proc.wait() != 0:
-            print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
+    from inproc import run_variants
+
+    names, root = run_variants(__file__, args, VARIANTS, "bench_collapse_")
     report(names, root, args.window)
 
 

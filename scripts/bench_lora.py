@@ -17,9 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 
 LORA = ["model.lora_rank=8", "model.lora_alpha=16"]
 VARIANTS = {
@@ -106,24 +103,9 @@ def main() -> None:
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    root = args.keep or tempfile.mkdtemp(prefix="bench_lora_")
-    os.makedirs(root, exist_ok=True)
-    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
-    pending, running = list(names), []
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            cmd = [sys.executable, __file__, "--one", name, "--keep", root, "--steps", str(args.steps),
-                   "--eval-every", str(args.eval_every), *args.overrides]
-            log = open(os.path.join(root, f"{name}.log"), "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-        name, proc = running.pop(0)
-        if proc.wait() != 0:
-            print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
+    from inproc import run_variants
+
+    names, root = run_variants(__file__, args, VARIANTS, "bench_lora_")
     report(names, root)
 
 

@@ -130,3 +130,32 @@ class Timers:
         finally:
             for obj, name, original in saved:
                 setattr(obj, name, original)
+
+
+def run_variants(script: str, args, known: dict, prefix: str) -> tuple[list[str], str]:
+    """Train ``args.variants`` (comma-separated names of ``known``) as ``script --one NAME`` processes, at most
+    ``args.parallel`` at once, each writing ``<root>/<NAME>.jsonl`` (and its log); returns (names, root)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
+    root = args.keep or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(root, exist_ok=True)
+    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name = pending.pop(0)
+            cmd = [sys.executable, script, "--one", name, "--keep", root, "--steps", str(args.steps),
+                   "--eval-every", str(args.eval_every), *args.overrides]
+            log = open(os.path.join(root, f"{name}.log"), "w")
+            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        name, proc = running.pop(0)
+        if proc.wait() != 0:
+            print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
+    return names, root
