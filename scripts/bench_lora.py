@@ -83,11 +83,11 @@ def report(names: list[str], root: str) -> None:
         recs = [json.loads(line) for line in open(path)]
         ev = [r for r in recs if "eval" in r]
         info = next((r for r in recs if "sizes" in r), {"sizes": {}, "lr": float("nan")})
-        s, (a, b) = info["sizes"], (ev[0], ev[-1])
+        s, a, b = info["sizes"], ev[0]["eval"], ev[-1]["eval"]
         print(f"{name:<11} {info['lr']:>7.0e} {s.get('trainable', 0):>10} {s.get('optimizer_bytes', 0):>10} "
-              f"{s.get('push_bytes', 0):>10}   {a['eval']['sampled']:.3f} / {a['eval']['greedy']:.3f} -> "
-              f"{b['eval']['sampled']:.3f} / {b['eval']['greedy']:.3f} at step {b['step']} "
-              f"({b['eval']['sampled'] - a['eval']['sampled']:+.3f} / {b['eval']['greedy'] - a['eval']['greedy']:+.3f})")
+              f"{s.get('push_bytes', 0):>10}   {a['sampled']:.3f} / {a['greedy']:.3f} -> "
+              f"{b['sampled']:.3f} / {b['greedy']:.3f} at step {ev[-1]['step']} "
+              f"({b['sampled'] - a['sampled']:+.3f} / {b['greedy'] - a['greedy']:+.3f})")
 
 
 def main() -> None:

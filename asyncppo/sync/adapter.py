@@ -40,10 +40,11 @@ def split_adapter_name(name: str) -> tuple[str, str]:
     raise ValueError(f"{name!r} is not a LoRA adapter tensor (names end with {LORA_A!r} or {LORA_B!r})")
 
 
-def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
-    """``W0 + scale * B @ A`` in ``W0``'s dtype, the delta computed in float32 (peft's own merge order)."""
+def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``W0 + scale * B @ A`` in ``dtype`` (default ``W0``'s), computed in float32 (peft's own merge order)."""
     delta = (b.to(torch.float32) @ a.to(torch.float32)) * scale
-    return (base.to(torch.float32) + delta).to(base.dtype)
+    return (base.to(torch.float32) + delta).to(dtype or base.dtype)
 
 
 def adapter_numel(shapes: dict[str, tuple[int, ...]], rank: int, modules: Iterable[str]) -> int:
@@ -124,7 +125,10 @@ class AdapterMerger:
                             or a.shape[0] != b.shape[1]:
                         raise ValueError(f"LoRA push: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, "
                                          f"which do not make the base weight's {tuple(w0.shape)}")
-                    out.append((n, merged_weight(w0, a, b, self.scale)))
+                    # float32 out: the engine casts once to its own dtype (a bf16 W0 under an fp32 engine keeps
+                    # the adapter's precision)
+                    out.append((n, merged_weight(w0, a, b, self.scale, dtype=torch.promote_types(w0.dtype,
+                                                                                                  torch.float32))))
                 else:
                     out.append((n, self._base[n]))
         self.engine.update_weights(out)

@@ -183,3 +183,41 @@ def test_verl_lora_keys_convert():
     assert result.entries["actor_rollout_ref.model.lora_adapter_path"].status == "unsupported"
     assert convert(text.replace("[q_proj, v_proj]", "all-linear"), "verl").values[
         "model.lora_target_modules"] == ["all-linear"]
+
+
+class _Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def update_weights(self, named):
+        self.calls.append(dict(named))
+
+
+def test_merger_hands_whole_layer_groups_merged_onto_the_base_and_names_bad_pushes(model_dir):
+    from safetensors.torch import load_file
+
+    from asyncppo.sync.adapter import AdapterMerger
+
+    base = load_file(os.path.join(model_dir, "model.safetensors"))
+    w0 = base["model.layers.1.mlp.down_proj.weight"]  # [hidden, intermediate]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(RANK, w0.shape[1], generator=g), torch.randn(w0.shape[0], RANK, generator=g)
+    engine = _Recorder()
+    merger = AdapterMerger(engine, model_dir, scale=2.0)
+    module = "model.layers.1.mlp.down_proj"
+    for _ in range(2):  # the same adapter twice: merged onto W0 both times, not onto the previous merge
+        merger.update_weights([(module + ".lora_A.weight", a), (module + ".lora_B.weight", b)])
+    got = engine.calls[-1]
+    assert torch.equal(got[module + ".weight"], engine.calls[0][module + ".weight"])
+    assert torch.allclose(got[module + ".weight"], w0 + 2.0 * b @ a, atol=1e-6)
+    layer = {n for n in base if n.startswith("model.layers.1.")}
+    assert set(got) == layer  # the whole group, so vLLM reloads its fused layers whole
+    assert all(torch.equal(got[n], base[n]) for n in layer if n != module + ".weight")
+    with pytest.raises(ValueError, match="only one of lora_A / lora_B"):
+        merger.update_weights([(module + ".lora_A.weight", a)])
+    with pytest.raises(ValueError, match="not a LoRA adapter tensor"):
+        merger.update_weights([(module + ".weight", w0)])
+    with pytest.raises(KeyError, match="no base weight"):
+        merger.update_weights([("model.layers.9.x.lora_A.weight", a), ("model.layers.9.x.lora_B.weight", b)])
+    with pytest.raises(ValueError, match="do not make the base weight"):
+        merger.update_weights([(module + ".lora_A.weight", a.T), (module + ".lora_B.weight", b.T)])
