@@ -20,11 +20,12 @@ pytestmark = pytest.mark.slow
 STEPS = 30
 
 
+@pytest.mark.timeout(1800)  # about 90 s on an idle 2-core box; a step took 10-80 s under a load of 11-16
 def test_lora_run_learns_and_saves_the_merged_model_with_its_adapter(tmp_path):
     from transformers import AutoModelForCausalLM
 
     proc, records = _launch(tmp_path, "model.lora_rank=8", "model.lora_alpha=16", "trainer.lr=2e-3",
-                            f"trainer.total_steps={STEPS}", "trainer.eval_every=0", engine=None)
+                            f"trainer.total_steps={STEPS}", "trainer.eval_every=0", engine=None, timeout=1700)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert len(_train_records(records)) == STEPS
     run = tmp_path / "run"
