@@ -18,7 +18,6 @@ learning, not speed, is compared, and the result does not depend on timing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -118,21 +117,14 @@ def _mean(vals):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=50)
+    from inproc import run_variants, variant_parser
+
+    p = variant_parser(__doc__, steps=300, eval_every=50, variants="default,collapse,early-stop", parallel=3)
     p.add_argument("--window", type=int, default=50, help="learner steps per row of the statistics table")
-    p.add_argument("--variants", default="default,collapse,early-stop")
-    p.add_argument("--parallel", type=int, default=3, help="variants trained at once (one thread each)")
-    p.add_argument("--keep", default="", help="directory for the per-variant JSONL (default: a temp dir)")
-    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: train one variant into --keep
-    p.add_argument("overrides", nargs="*", help="config overrides added to every variant")
     args = p.parse_args()
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    from inproc import run_variants
-
     names, root = run_variants(__file__, args, VARIANTS, "bench_collapse_")
     report(names, root, args.window)
 

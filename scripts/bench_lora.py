@@ -14,7 +14,6 @@ the trainable parameters, the actor's optimiser state and the bytes one weight p
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -91,20 +90,12 @@ def report(names: list[str], root: str) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=160)
-    p.add_argument("--eval-every", type=int, default=40)
-    p.add_argument("--variants", default="full,lora-2e-3")
-    p.add_argument("--parallel", type=int, default=2, help="variants trained at once (one thread each)")
-    p.add_argument("--keep", default="", help="directory for the per-variant JSONL (default: a temp dir)")
-    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: train one variant into --keep
-    p.add_argument("overrides", nargs="*", help="config overrides added to every variant")
-    args = p.parse_args()
+    from inproc import run_variants, variant_parser
+
+    args = variant_parser(__doc__, steps=160, eval_every=40, variants="full,lora-2e-3", parallel=2).parse_args()
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    from inproc import run_variants
-
     names, root = run_variants(__file__, args, VARIANTS, "bench_lora_")
     report(names, root)
 

@@ -159,3 +159,18 @@ def run_variants(script: str, args, known: dict, prefix: str) -> tuple[list[str]
         if proc.wait() != 0:
             print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
     return names, root
+
+
+def variant_parser(doc: str, *, steps: int, eval_every: int, variants: str, parallel: int):
+    """The command line every variant benchmark shares (``--one`` is how :func:`run_variants` starts a variant)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--variants", default=variants)
+    p.add_argument("--parallel", type=int, default=parallel, help="variants trained at once (one thread each)")
+    p.add_argument("--keep", default="", help="directory for the per-variant JSONL (default: a temp dir)")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: train one variant into --keep
+    p.add_argument("overrides", nargs="*", help="config overrides added to every variant")
+    return p
