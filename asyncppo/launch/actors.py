@@ -69,11 +69,16 @@ class LearnerActor:
     def data_position(self, worker_id: int) -> dict:
         return self.service.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
-        return self.service.replace_worker(worker_id, incarnation)
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        return self.service.replace_worker(worker_id, incarnation, hung)
+
+    def health(self) -> dict:
+        return self.service.health()
 
 
-@ray.remote(max_restarts=0)
+# Two threads: run() in one, and the launcher's control ping (heartbeat) answered beside it (launch/hang.py); a
+# stopped or wedged process answers nothing, which is what the ping detects.
+@ray.remote(max_restarts=0, max_concurrency=2)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
                  incarnation: int = 0, position=None):
@@ -91,3 +96,6 @@ class RolloutActor:
 
     def run(self) -> dict:
         return self.worker.run()
+
+    def heartbeat(self) -> dict:
+        return self.worker.heartbeat()

@@ -1,6 +1,7 @@
 """Watch a started run until the learner finishes: progress on the console, dead rollout workers replaced, the end.
 
-The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies is
+The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies, or
+that hangs (launch/hang.py: no progress and no answer for ``cluster.hang_timeout_s``; killed through Ray first), is
 replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back its tickets and
 awaits the replacement in the weight sync (``LearnerWiring.replace_worker``), then a new actor of the next
 incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor dying, or
@@ -17,6 +18,7 @@ from typing import Any, Optional
 import ray
 
 from asyncppo.launch.console import RunConsole
+from asyncppo.launch.hang import HangWatch
 from asyncppo.launch.start import RunActors
 
 # Seconds the other actors get to exit on their own once the learner has published stop.
@@ -24,7 +26,7 @@ STOP_GRACE_S = 15.0
 
 
 class WorkerFailed(RuntimeError):
-    """A rollout worker died and may not be replaced (restarts used up, or an embodied run)."""
+    """A rollout worker died (or hung) and may not be replaced (restarts used up, or an embodied run)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -39,12 +41,17 @@ class Supervisor:
         self.run, self.console, self.started_at = run, console, started_at
         self.restarts = 0
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
+        cl = run.cfg_dict["cluster"]
+        self.hangs = None if run.plan.embodied else HangWatch(  # embodied workers answer no ping (yet)
+            lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
+            if self.hangs is not None:
+                pending = self._replace_hung(pending)
             for ref in done:
                 if ref in self.run.worker_refs:
                     replacement = self._worker_ended(ref)
@@ -68,25 +75,42 @@ class Supervisor:
         except ray.exceptions.RayError as exc:
             return self._replace(i, exc)
 
-    def _replace(self, i: int, exc: BaseException) -> Any:
+    def _replace_hung(self, pending: list) -> list:
+        """Kill and replace every worker the hang watch found hung; ``pending`` without their runs' refs (their
+        ends are not deaths to replace again), with their replacements'."""
+        for i, why in self.hangs.poll():
+            ref = next((r for r, w in self.run.worker_refs.items() if w == i), None)
+            if ref is None:
+                continue  # its run() already ended
+            del self.run.worker_refs[ref]
+            pending = [r for r in pending if r != ref]
+            pending.append(self._replace(i, why, hung=True))
+        return pending
+
+    def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
         plan, limit = self.run.plan, self.run.plan.max_worker_restarts
+        what = f"hung ({exc})" if hung else "died"
         if not plan.replace_dead_workers or self.restarts >= limit:
             raise WorkerFailed(
-                f"rollout worker {i} died"
+                f"rollout worker {i} {what}"
                 + (f" after {self.restarts} restart(s), the limit (cluster.max_worker_restarts={limit})"
-                   if plan.replace_dead_workers else "") + f": an actor failed:\n{exc}"
+                   if plan.replace_dead_workers or hung else "") + ("" if hung else f": an actor failed:\n{exc}")
             ) from None
         self.restarts += 1
         self.incarnations[i] += 1
-        print(f"[asyncppo] rollout worker {i} died ({_first_line(exc)}); starting a replacement "
-              f"(restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
+        print(f"[asyncppo] rollout worker {i} " + (f"{what}; killing it and starting" if hung else
+                                                   f"died ({_first_line(exc)}); starting")
+              + f" a replacement (restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
         try:
             ray.kill(self.run.workers[i])
         except Exception:
             pass
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
-        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]), timeout=plan.timeout_s)
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
+                           timeout=plan.timeout_s)
+        if self.hangs is not None:
+            self.hangs.started(i)
         return self.run.start_worker(i, self.incarnations[i], position)
 
     def _finish(self, pending: list) -> None:

@@ -51,16 +51,27 @@ class WorkerSkeleton:
         self._closables: list = []
         self._state = None  # the learner's newest control state
         self._seq = 0
+        # what the launcher's control ping reads (heartbeat(), launch/hang.py): the phase the loop is in and a
+        # counter of progress (decode steps, groups sent, weight loads) that only grows while the worker gets on
+        self.phase = "starting"  # starting | generating | waiting | sending | loading
+        self.progress = 0
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         self._open()
+        self.phase = "waiting"
         try:
             while self._turn():
                 pass
         finally:
             self._close()
         return dict(self.stats, worker_id=self.worker_id, version=self.version)
+
+    def heartbeat(self) -> dict:
+        """Answer the launcher's control ping (from another thread: plain reads only). A worker that is waiting
+        (for a ticket, for weights, for the learner to take a group) makes no progress and is not hung; one that is
+        generating must keep stepping (launch/hang.py)."""
+        return {"phase": self.phase, "progress": self.progress, "incarnation": self.incarnation}
 
     def _turn(self) -> bool:
         """One pass of the loop in the module docstring; False once the run is over."""
