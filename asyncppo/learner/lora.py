@@ -45,7 +45,8 @@ def lora_actor(base: nn.Module, model_cfg, adapter_dir: Optional[str] = None) ->
 
     model = get_peft_model(base, lora_config(model_cfg))
     if getattr(base, "is_gradient_checkpointing", False):
-        model.enable_input_require_grads()  # checkpointed blocks must see an input that requires grad
+        # reentrant checkpointing (older transformers' default) passes no gradient to a block whose input needs none
+        model.enable_input_require_grads()
     if adapter_dir is not None:
         from safetensors.torch import load_file  # heavy: safetensors
 

@@ -221,3 +221,14 @@ def test_merger_hands_whole_layer_groups_merged_onto_the_base_and_names_bad_push
         merger.update_weights([("model.layers.9.x.lora_A.weight", a), ("model.layers.9.x.lora_B.weight", b)])
     with pytest.raises(ValueError, match="do not make the base weight"):
         merger.update_weights([(module + ".lora_A.weight", a.T), (module + ".lora_B.weight", b.T)])
+
+
+def test_gradient_checkpointing_still_trains_the_adapters(model_dir):
+    """Every adapter moves in a step with activation checkpointing on (the embeddings below them are frozen)."""
+    cfg = _lora_cfg(gradient_checkpointing=True)
+    torch.manual_seed(0)
+    models = build_models(cfg, model_dir, None, CPU, 0, 1)
+    before = {n: t.clone() for n, t in adapter_tensors(models.actor).items()}
+    models.updater.step(_batches(0, 1)[0])
+    moved = [n for n, t in adapter_tensors(models.actor).items() if not torch.equal(t, before[n])]
+    assert len(moved) == len(before), sorted(set(before) - set(moved))[:3]
