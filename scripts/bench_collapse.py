@@ -18,12 +18,8 @@ learning, not speed, is compared, and the result does not depend on timing.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import subprocess
-import sys
-import tempfile
 
 COLLAPSE = ["trainer.lr=2e-4", "algorithm.ppo_epochs=2", "algorithm.ppo_mini_batch_size=8"]
 VARIANTS = {
@@ -121,37 +117,15 @@ def _mean(vals):
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--eval-every", type=int, default=50)
+    from inproc import run_variants, variant_parser
+
+    p = variant_parser(__doc__, steps=300, eval_every=50, variants="default,collapse,early-stop", parallel=3)
     p.add_argument("--window", type=int, default=50, help="learner steps per row of the statistics table")
-    p.add_argument("--variants", default="default,collapse,early-stop")
-    p.add_argument("--parallel", type=int, default=3, help="variants trained at once (one thread each)")
-    p.add_argument("--keep", default="", help="directory for the per-variant JSONL (default: a temp dir)")
-    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: train one variant into --keep
-    p.add_argument("overrides", nargs="*", help="config overrides added to every variant")
     args = p.parse_args()
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    names = [n for n in args.variants.split(",") if n]
-    unknown = [n for n in names if n not in VARIANTS]
-    if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
-    root = args.keep or tempfile.mkdtemp(prefix="bench_collapse_")
-    os.makedirs(root, exist_ok=True)
-    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
-    pending, running = list(names), []
-    while pending or running:
-        while pending and len(running) < args.parallel:
-            name = pending.pop(0)
-            cmd = [sys.executable, __file__, "--one", name, "--keep", root, "--steps", str(args.steps),
-                   "--eval-every", str(args.eval_every), *args.overrides]
-            log = open(os.path.join(root, f"{name}.log"), "w")
-            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
-        name, proc = running.pop(0)
-        if proc.wait() != 0:
-            print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
+    names, root = run_variants(__file__, args, VARIANTS, "bench_collapse_")
     report(names, root, args.window)
 
 

@@ -130,3 +130,47 @@ class Timers:
         finally:
             for obj, name, original in saved:
                 setattr(obj, name, original)
+
+
+def run_variants(script: str, args, known: dict, prefix: str) -> tuple[list[str], str]:
+    """Train ``args.variants`` (comma-separated names of ``known``) as ``script --one NAME`` processes, at most
+    ``args.parallel`` at once, each writing ``<root>/<NAME>.jsonl`` (and its log); returns (names, root)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    names = [n for n in args.variants.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
+    root = args.keep or tempfile.mkdtemp(prefix=prefix)
+    os.makedirs(root, exist_ok=True)
+    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
+    pending, running = list(names), []
+    while pending or running:
+        while pending and len(running) < args.parallel:
+            name = pending.pop(0)
+            cmd = [sys.executable, script, "--one", name, "--keep", root, "--steps", str(args.steps),
+                   "--eval-every", str(args.eval_every), *args.overrides]
+            log = open(os.path.join(root, f"{name}.log"), "w")
+            running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
+        name, proc = running.pop(0)
+        if proc.wait() != 0:
+            print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
+    return names, root
+
+
+def variant_parser(doc: str, *, steps: int, eval_every: int, variants: str, parallel: int):
+    """The command line every variant benchmark shares (``--one`` is how :func:`run_variants` starts a variant)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=steps)
+    p.add_argument("--eval-every", type=int, default=eval_every)
+    p.add_argument("--variants", default=variants)
+    p.add_argument("--parallel", type=int, default=parallel, help="variants trained at once (one thread each)")
+    p.add_argument("--keep", default="", help="directory for the per-variant JSONL (default: a temp dir)")
+    p.add_argument("--one", default="", help=argparse.SUPPRESS)  # internal: train one variant into --keep
+    p.add_argument("overrides", nargs="*", help="config overrides added to every variant")
+    return p

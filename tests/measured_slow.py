@@ -19,6 +19,9 @@ MEASURED_SLOW: dict[str, frozenset[str]] = {
     "test_data_warmstart.py": frozenset({
         "test_warmstart_improves_heldout_accuracy",  # 15.4 s
     }),
+    "test_lora_push.py": frozenset({
+        "test_adapter_push_bytes_and_engines_generate_with_the_merged_adapter",  # 24.1 s
+    }),
     "test_sync_engine.py": frozenset({
         "test_tied_float32_model_gets_its_output_layer_updated",  # 14.8 s
         "test_push_updates_a_running_vllm_engine_layer_group_by_layer_group",  # 14.5 s

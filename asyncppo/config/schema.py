@@ -154,6 +154,14 @@ class ModelConfig:
     dtype: str = "float32"  # learner compute dtype on GPU: bfloat16 | float32
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # --- LoRA through peft (docs/lora.md): the learner trains adapters only; the reference is the base model with
+    # the adapters disabled (no second copy); a weight push sends the adapters, which each engine merges onto its
+    # copy of the base weights. One learner rank, LLM runs only.
+    lora_rank: int = 0  # 0: off (full fine-tuning)
+    lora_alpha: float = 16.0  # the update is (lora_alpha / lora_rank) * B @ A
+    # peft target_modules: module name suffixes, or ["all-linear"] (every linear layer but the output layer)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    lora_dropout: float = 0.0  # on the adapters' input in training forwards (> 0: no single-pass steps)
     # --- embodied runs (env.id set): the MLP actor-critic of asyncppo.models.actor_critic -----------------------------
     shared_backbone: bool = False  # one trunk with policy and value heads (needs algorithm.loss_type=actor_critic)
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])

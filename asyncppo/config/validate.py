@@ -20,6 +20,7 @@ from asyncppo.config.checks import Checks, ConfigError, mini_batch_prompts, uses
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.validate_algorithm import check_algorithm
 from asyncppo.config.validate_cluster import check_cluster, check_engine_parallel
+from asyncppo.config.validate_lora import check_lora
 from asyncppo.config.validate_text_env import check_text_env
 
 __all__ = ["ConfigError", "check_config", "resolve_derived", "validate_config"]
@@ -183,7 +184,7 @@ def check_config(cfg: AsyncPPOConfig) -> tuple[list[str], list[str]]:
     """Return ``(errors, warnings)`` without raising; each error names key, value and what is allowed."""
     c = Checks()
     for part in (check_algorithm, _check_rollout, _check_model_data, _check_trainer, check_cluster, _check_env,
-                 check_text_env):
+                 check_text_env, check_lora):
         part(cfg, c)
     return c.errors, c.warnings
 

@@ -247,7 +247,8 @@ def _resolve_model(cfg: AsyncPPOConfig) -> str:
 
 def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional[str]]:
     """The weights the rollout engines start from and the line that says so: the checkpoint's actor when resuming
-    (checked against the configured model first, so a mismatch fails before any actor starts), else ``model_path``."""
+    (checked against the configured model first, so a mismatch fails before any actor starts), else ``model_path``
+    (also when resuming under LoRA: the engines merge every pushed adapter onto the base, sync/adapter.py)."""
     if not cfg.trainer.resume_from:
         return model_path, None
     # only when resuming: checkpoint reading and the critic rule of the PPO update bring torch
@@ -264,7 +265,10 @@ def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional
             f"trainer.resume_from: the checkpoint {ckpt.path!r} is at step {ckpt.version}, but trainer.total_steps="
             f"{cfg.trainer.total_steps} is the total number of steps, so there is nothing left to train"
         )
-    return ckpt.actor_dir, f"resuming from {ckpt.path} (step {ckpt.version})"
+    note = f"resuming from {ckpt.path} (step {ckpt.version})"
+    if cfg.model.lora_rank > 0:  # engines keep the base to merge adapters onto; the first push brings the adapter
+        return model_path, note
+    return ckpt.actor_dir, note
 
 
 def check_cluster(cfg: AsyncPPOConfig, resources: dict[str, float], node_gpus: list[float]) -> None:

@@ -9,11 +9,13 @@ once, before any training; the learner loop only uses the result.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Optional
 
 import torch
 
 from asyncppo.learner import distributed as D
+from asyncppo.learner.lora import ADAPTER_DIR, AdaptersOff, lora_actor
 from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
 from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
 from asyncppo.learner.value_head import build_critic
@@ -44,15 +46,21 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     update; ``resume`` is the checkpoint being resumed from, or ``None``."""
     dtype = torch_dtype(cfg.model.dtype) if device.type == "cuda" else torch.float32
     remote = cfg.model.trust_remote_code
-    actor_path = resume.actor_dir if resume is not None else model_path
-    actor = maybe_shard(load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing), world_size,
-                        device)
+    lora = cfg.model.lora_rank > 0  # LoRA: the actor is always the base + adapters (a resume loads its adapter)
+    actor_path = resume.actor_dir if resume is not None and not lora else model_path
+    actor = load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing)
+    if lora:
+        actor = lora_actor(actor, cfg.model, os.path.join(resume.actor_dir, ADAPTER_DIR) if resume else None)
+    actor = maybe_shard(actor, world_size, device)
     critic = (
         maybe_shard(build_critic(cfg, model_path, dtype, device, remote), world_size, device)
         if needs_critic(cfg)
         else None
     )
-    reference = load_reference(cfg.model.ref_path or model_path, dtype, device, remote) if needs_reference(cfg) else None
+    reference = None
+    if needs_reference(cfg):  # under LoRA the base is the actor with its adapters off: no second copy
+        reference = (AdaptersOff(actor) if lora and not cfg.model.ref_path
+                     else load_reference(cfg.model.ref_path or model_path, dtype, device, remote))
     if world_size > 1:
         updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
     else:

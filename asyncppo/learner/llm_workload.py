@@ -20,6 +20,7 @@ from asyncppo.learner import distributed as D
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.build import build_models
 from asyncppo.learner.dynamic_sampling import GroupFilter
+from asyncppo.learner.lora import LoraExport, adapter_tensors, is_lora
 from asyncppo.learner.ppo import needs_critic
 from asyncppo.learner.push import WeightPusher
 from asyncppo.learner.step_metrics import StepMeters
@@ -95,8 +96,11 @@ class LLMWorkload:
             state = C.restore(self.resume, self.updater, self.critic)
             self.samples_trained = int(state["extra"].get("samples_trained", 0))
         # pushes to every worker's own group (sync/fanout.py) and keeps plain_actor current (learner/push.py)
+        lora = is_lora(self.actor)  # LoRA: push the adapters; save the merged model + the adapter (learner/lora.py)
+        self.export = LoraExport(self.actor) if lora else self.plain_actor
         self.pusher = WeightPusher(self.actor, self.plain_actor, wiring.fanout, multi=self.multi,
-                                   gather_mode=tr.weight_push_gather, budget_bytes=tr.weight_push_budget_mb << 20)
+                                   gather_mode=tr.weight_push_gather, budget_bytes=tr.weight_push_budget_mb << 20,
+                                   **({"state_of": adapter_tensors} if lora else {}))
         self.streamed = self.pusher.streamed
         al, ro = cfg.algorithm, cfg.rollout
         self.group_filter = GroupFilter(wiring.admission, al.dynamic_sampling,
@@ -187,7 +191,7 @@ class LLMWorkload:
             D.broadcast_checkpoint(version)
             C.save_sharded(path, self.updater, self.critic)
 
-        ckpt = C.save_checkpoint(self.output_dir, version, actor=self.plain_actor, tokenizer=self.tokenizer,
+        ckpt = C.save_checkpoint(self.output_dir, version, actor=self.export, tokenizer=self.tokenizer,
                                  updater=self.updater, critic=self.critic, keep=self.cfg.trainer.keep_checkpoints,
                                  sharded=sharded if self.multi else None,
                                  extra={"samples_trained": self.samples_trained,
@@ -195,7 +199,7 @@ class LLMWorkload:
         logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
     def save_final(self, final_dir: str, version: int) -> None:
-        self.plain_actor.save_pretrained(final_dir)
+        self.export.save_pretrained(final_dir)
         self.tokenizer.save_pretrained(final_dir)
 
     def run_info(self) -> dict:

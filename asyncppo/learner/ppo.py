@@ -86,8 +86,9 @@ class PPOUpdate:
             isinstance(m, nn.Dropout) and m.p > 0 for model in (actor, critic) if model is not None for m in model.modules()
         )
         t = cfg.trainer
+        trainable = [p for p in actor.parameters() if p.requires_grad]  # a LoRA actor: its adapters (no base moments)
         self.actor_opt = torch.optim.AdamW(
-            actor.parameters(), lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
+            trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
         )
         schedule = lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
         self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, schedule)

@@ -29,8 +29,11 @@ class WeightPusher:
     """Pushes ``actor``'s weights through ``sender`` (a :class:`~asyncppo.sync.fanout.WeightFanout`) and keeps
     ``plain_actor`` (the actor itself on one rank) in step with the shards."""
 
-    def __init__(self, actor, plain_actor, sender, *, multi: bool, gather_mode: str, budget_bytes: int):
+    def __init__(self, actor, plain_actor, sender, *, multi: bool, gather_mode: str, budget_bytes: int,
+                 state_of=full_state_dict):
+        """``state_of(actor)``: the tensors one rank pushes (a LoRA actor: its adapters, learner/lora.py)."""
         self.actor = actor
+        self.state_of = state_of
         self.plain_actor = plain_actor
         self.sender = sender
         self.multi = multi
@@ -48,7 +51,7 @@ class WeightPusher:
         """Refresh plain_actor from the shards, one layer group at a time (no second full copy on rank 0);
         with one rank, the actor's own full state dict. Collective when sharded."""
         if not self.multi:
-            return full_state_dict(self.actor)
+            return self.state_of(self.actor)
         D.broadcast_gather(0)
         for named in iter_full_groups(self.actor, 0):
             self.mirror(named)

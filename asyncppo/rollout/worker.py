@@ -38,6 +38,7 @@ from asyncppo.rollout.groups import GroupBuilder, InFlight
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.stream.evals import EvalSender
+from asyncppo.sync.adapter import AdapterMerger
 from asyncppo.sync.engine_load import receive_into_engine
 
 log = logging.getLogger("asyncppo.rollout")
@@ -117,6 +118,9 @@ class RolloutWorker(WorkerSkeleton):
             **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
         )
         self._closables.append(self.engine)
+        # LoRA: pushes carry adapters, merged onto this engine's base weights (sync/adapter.py)
+        self.merger = (AdapterMerger(self.engine, self.model_path, cfg.model.lora_alpha / cfg.model.lora_rank)
+                       if cfg.model.lora_rank > 0 else None)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         dataset = build_prompt_dataset(cfg, self.model_path, split="train", tokenizer=tokenizer).shard(
             self.worker_id, self.num_workers)
@@ -156,8 +160,9 @@ class RolloutWorker(WorkerSkeleton):
         t0 = time.perf_counter()
         self.phase = "loading"
         # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
-        version = receive_into_engine(self.receiver, self.engine, flush_bytes=ro.weight_bucket_mb << 20,
-                                      model_config=self.model_path, dtype=ro.dtype)
+        # (adapters never touch the embeddings, so a LoRA push needs no tied-embedding alias: model_config None)
+        version = receive_into_engine(self.receiver, self.merger or self.engine, flush_bytes=ro.weight_bucket_mb << 20,
+                                      model_config=None if self.merger else self.model_path, dtype=ro.dtype)
         self.engine.set_weight_version(version)
         if busy:
             if ro.inflight_update == "recompute":

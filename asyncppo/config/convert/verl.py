@@ -196,6 +196,9 @@ def _rollout_and_data(ctx: Context) -> None:
     ctx.map(M + "path", "model.path", str, carry_default=False)
     ctx.map(M + "enable_gradient_checkpointing", "model.gradient_checkpointing", as_bool)
     ctx.map(M + "trust_remote_code", "model.trust_remote_code", as_bool)
+    ctx.map(M + "lora_rank", "model.lora_rank", as_int, carry_default=False)  # LoRA (docs/lora.md); 0 = off
+    ctx.map(M + "lora_alpha", "model.lora_alpha", float, carry_default=False)
+    ctx.map(M + "target_modules", "model.lora_target_modules", as_str_list, carry_default=False)
     ctx.map("critic.model.path", "model.critic_path", str, carry_default=False)
     ctx.map("data.train_files", "data.train_files", as_str_list, carry_default=False)
     ctx.map("data.val_files", "data.eval_files", as_str_list, carry_default=False)
