@@ -52,6 +52,18 @@ class ModelShape:
         head = 0 if self.tied else self.vocab * h
         return self.vocab * h + self.layers * per_layer + h + head
 
+    def linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in, out)`` of each linear projection of one decoder layer, by its Hugging Face module name."""
+        h, kv, q_out, mlp = self.hidden, self.kv_heads * self.head_dim, self.heads * self.head_dim, self.intermediate
+        return {"q_proj": (h, q_out), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q_out, h),
+                "gate_proj": (h, mlp), "up_proj": (h, mlp), "down_proj": (mlp, h)}
+
+    def adapter_params(self, rank: int, targets: list[str]) -> int:
+        """LoRA's trainable parameters: ``rank x (in + out)`` per adapted projection and layer (A is r x in, B out x r)."""
+        shapes = self.linear_shapes()
+        names = list(shapes) if "all-linear" in targets else [t for t in targets if t in shapes]
+        return self.layers * sum(rank * (shapes[n][0] + shapes[n][1]) for n in names)
+
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """One token's keys and values in every layer."""
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
@@ -79,6 +91,7 @@ class LearnerLoad:
     reference: bool
     micro_batch_tokens: int
     gradient_checkpointing: bool = False
+    adapter_params: int = 0  # LoRA (model.lora_rank > 0): only these train; peft keeps them, their grads and moments in fp32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +144,14 @@ def split_memory(shape: ModelShape, device_bytes: float, utilization: float, eng
     engine_weights = params * engine_dtype_bytes
     kv = engine - engine_weights - ENGINE_WORKSPACE_GIB * GIB
     weights = params * load.dtype_bytes
-    trio = weights + weights + params * load.optimizer_bytes_per_param  # weights, gradients, AdamW moments
-    critic = trio if load.critic else 0
+    full_trio = weights + weights + params * load.optimizer_bytes_per_param  # weights, gradients, AdamW moments
+    if load.adapter_params:  # the frozen base, then the adapters with their gradients and two moments, all fp32
+        gradients, optimizer = load.adapter_params * 4, load.adapter_params * 8
+        trio = weights + load.adapter_params * 4 + gradients + optimizer
+    else:
+        gradients, optimizer = weights, params * load.optimizer_bytes_per_param
+        trio = full_trio
+    critic = full_trio if load.critic else 0
     reference = weights if load.reference else 0
     act = activation_bytes(shape, load.micro_batch_tokens, load.dtype_bytes, load.gradient_checkpointing)
     total = trio + critic + reference + act
@@ -141,8 +160,8 @@ def split_memory(shape: ModelShape, device_bytes: float, utilization: float, eng
     split = MemorySplit(
         device=device_bytes / GIB, utilization=utilization, engine=engine / GIB, engine_weights=engine_weights / GIB,
         kv_cache=max(kv, 0) / GIB, kv_tokens=max(int(kv // shape.kv_bytes_per_token(engine_dtype_bytes)), 0),
-        learner_budget=budget / GIB, weights=weights / GIB, gradients=weights / GIB,
-        optimizer=params * load.optimizer_bytes_per_param / GIB, critic=critic / GIB, reference=reference / GIB,
+        learner_budget=budget / GIB, weights=weights / GIB, gradients=gradients / GIB,
+        optimizer=optimizer / GIB, critic=critic / GIB, reference=reference / GIB,
         activations=act / GIB, learner_total=total / GIB, max_utilization=max_util)
     return dataclasses.replace(split, problem=_problem(split, kv))
 

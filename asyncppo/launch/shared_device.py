@@ -85,19 +85,23 @@ def model_shape(model_path: str) -> Optional[ModelShape]:
         return None
 
 
-def learner_load(cfg: AsyncPPOConfig) -> LearnerLoad:
+def learner_load(cfg: AsyncPPOConfig, shape: Optional[ModelShape] = None) -> LearnerLoad:
     """What one learner rank holds, from the options (launch/memory_plan.py's rules)."""
     a, ro = cfg.algorithm, cfg.rollout
     dtype_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4) if cfg.cluster.shared_device == "cuda" else 4
     rows = a.micro_batch_size or mini_batch_prompts(cfg) * ro.num_return_sequences_in_group
     tokens = micro_batch_tokens(rows, a.max_tokens_per_micro_batch, ro.prompt_length + ro.response_length)
-    reference = a.use_kl_loss or a.add_token_level_kl
+    # under LoRA the reference is the actor with its adapters switched off (learner/lora.py): no second copy
+    lora = cfg.model.lora_rank > 0
+    reference = (a.use_kl_loss or a.add_token_level_kl) and not (lora and not cfg.model.ref_path)
     # model.shared_backbone on one rank: the critic is a value head on the actor (learner/value_head.py), ~free
     value_head_only = cfg.model.shared_backbone and learner_ranks(cfg) <= 1
     return LearnerLoad(dtype_bytes=dtype_bytes, optimizer_bytes_per_param=optimizer_bytes(dtype_bytes),
                        critic=uses_critic(cfg) and not value_head_only, reference=bool(reference),
                        micro_batch_tokens=tokens,
-                       gradient_checkpointing=cfg.model.gradient_checkpointing)
+                       gradient_checkpointing=cfg.model.gradient_checkpointing,
+                       adapter_params=shape.adapter_params(cfg.model.lora_rank, list(cfg.model.lora_target_modules))
+                       if lora and shape is not None else 0)
 
 
 def shared_split(cfg: AsyncPPOConfig) -> Optional[MemorySplit]:
@@ -106,7 +110,7 @@ def shared_split(cfg: AsyncPPOConfig) -> Optional[MemorySplit]:
     if device is None or shape is None:
         return None
     engine_bytes = DTYPE_BYTES.get(cfg.rollout.dtype, 4)
-    return split_memory(shape, device, cfg.rollout.gpu_memory_utilization, engine_bytes, learner_load(cfg))
+    return split_memory(shape, device, cfg.rollout.gpu_memory_utilization, engine_bytes, learner_load(cfg, shape))
 
 
 def check_shared_split(cfg: AsyncPPOConfig) -> list[str]:

@@ -54,6 +54,22 @@ def test_split_of_05b_bf16_with_fp32_adamw_on_80gib():
     assert s.problem == ""
 
 
+def test_lora_split_counts_the_adapters_alone():
+    """model.lora_rank=8 on every linear projection: the base stays bf16 and frozen, the adapters, their gradients and
+    AdamW moments are fp32; worked out from the 0.5B shape by hand."""
+    shape = shape_from_config(QWEN_05B)
+    # per layer, in + out: q 896+896, k 896+128, v 896+128, o 896+896, gate/up 896+4864, down 4864+896 = 22,912
+    assert shape.adapter_params(8, ["all-linear"]) == 24 * 8 * 22_912 == 4_399_104
+    assert shape.adapter_params(8, ["q_proj", "v_proj"]) == 24 * 8 * (1792 + 1024) == 540_672
+    load = LearnerLoad(dtype_bytes=2, optimizer_bytes_per_param=8, critic=False, reference=False,
+                       micro_batch_tokens=4096, adapter_params=4_399_104)
+    s = split_memory(shape, 80 * GIB, 0.5, 2, load)
+    assert s.weights * GIB == 988_065_536  # the frozen base, unchanged
+    assert s.gradients * GIB == 4_399_104 * 4 and s.optimizer * GIB == 4_399_104 * 8
+    # full fine-tuning's weights + gradients + moments were 988,065,536 x 2 + 3,952,262,144 = 5,928,393,216 bytes
+    assert (s.learner_total - s.activations) * GIB == 988_065_536 + 4_399_104 * 16 == 1_058_451_200
+
+
 def test_impossible_splits_name_the_option():
     shape = shape_from_config(QWEN_05B)
     light = LearnerLoad(dtype_bytes=2, optimizer_bytes_per_param=4, critic=False, reference=False,
