@@ -148,11 +148,31 @@ def _three_turn_group(engine, tok, model):
         np.testing.assert_allclose(c.logprobs[mask], lp[mask], atol=TOL, rtol=0)
         assert c.reward == 6.0 and c.ended == "done"
     assert eps.counters["turns"] == 6 and eps.counters["truncated"] == 0
+    return prompt, group
 
 
 def test_three_turn_episode_is_exact(chat_model, engine):
+    """... and the group goes out as one record that survives the wire and passes the learner's door."""
+    from types import SimpleNamespace
+
+    from asyncppo.rollout.episode_groups import EpisodeGroupBuilder
+    from asyncppo.rollout.worker import EngineMeter
+    from asyncppo.stream.validate import ContentLimits, GroupValidator
+    from asyncppo.stream.wire import decode_group, encode_group
+
     _, tok, model = chat_model
-    _three_turn_group(engine, tok, model)
+    prompt, group = _three_turn_group(engine, tok, model)
+    row = SimpleNamespace(prompt_ids=prompt, answer="", index=0)
+    flight = SimpleNamespace(row=row, ticket=SimpleNamespace(index=0), admitted_at=time.time(), version=0)
+    stats = {"reward_failures": 0, "gen_tokens": 0, "samples": 0}
+    record = decode_group(encode_group(EpisodeGroupBuilder(engine, 0, stats).build(group, flight, EngineMeter())))
+    limits = ContentLimits(vocab_size=len(tok), max_prompt_len=64, max_response_len=200, max_samples=2)
+    assert GroupValidator(limits, lambda: 0).check(record) is None
+    for s, c in zip(record.samples, group.completions):
+        np.testing.assert_array_equal(s.response_ids, c.token_ids)
+        np.testing.assert_array_equal(s.env_runs, c.env_runs)
+        np.testing.assert_array_equal(s.turn_rewards, [1.0, 2.0, 3.0])
+        assert s.reward == 6.0
 
 
 def test_three_turn_episode_is_exact_on_the_hf_engine(chat_model):
