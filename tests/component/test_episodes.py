@@ -75,8 +75,10 @@ def engine(chat_model):
     require_vllm()
     from asyncppo.rollout.engines import make_engine
 
+    # 32-token blocks (vLLM caches whole blocks only; the CPU default of 128 exceeds these short episodes), stats
+    # on so that the test can read the prefix cache's hits
     eng = make_engine("vllm", chat_model[0], dtype="float32", max_model_len=400, seed=0, kv_cache_gib=1,
-                      enable_prefix_caching=True)
+                      enable_prefix_caching=True, block_size=32, disable_log_stats=False)
     yield eng
     eng.close()
 
@@ -103,6 +105,10 @@ def _forward_logprobs(model, prompt, response) -> np.ndarray:
     ids = torch.tensor([list(prompt) + list(response)])
     lp = torch.log_softmax(model(input_ids=ids).logits[0, len(prompt) - 1: -1].double(), -1)
     return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).numpy()
+
+
+def _cached_prompt_tokens(engine) -> int:
+    return int(next(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prompt_tokens_cached"))
 
 
 def _prompt_ids(tok):
@@ -161,7 +167,9 @@ def test_three_turn_episode_is_exact(chat_model, engine):
     from asyncppo.stream.wire import decode_group, encode_group
 
     _, tok, model = chat_model
+    cached_before = _cached_prompt_tokens(engine)
     prompt, group = _three_turn_group(engine, tok, model)
+    assert _cached_prompt_tokens(engine) > cached_before  # later turns re-used their prefix from the cache
     row = SimpleNamespace(prompt_ids=prompt, answer="", index=0)
     flight = SimpleNamespace(row=row, ticket=SimpleNamespace(index=0), admitted_at=time.time(), version=0)
     stats = {"reward_failures": 0, "gen_tokens": 0, "samples": 0}
