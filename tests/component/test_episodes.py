@@ -261,3 +261,52 @@ def test_sleeping_environment_does_not_stall_other_groups(chat_model, engine):
     assert time.monotonic() - t0 >= 3 * 2.0 - 0.5  # the sleepy episode slept three times
     # while the sleepy episode's environment slept, the engine decoded the busy group (two sequences)
     assert len(steps_while_asleep) >= 20 and max(steps_while_asleep) == 2
+
+
+class RaisingEnv(ScriptedEnv):
+    def step(self, action_text):
+        super().step(action_text)
+        raise RuntimeError("tool crashed")
+
+
+@pytest.fixture(scope="module")
+def hf_engine(chat_model):
+    from asyncppo.rollout.engines import make_engine
+
+    eng = make_engine("hf", chat_model[0], dtype="float32", max_model_len=400, seed=0, num_threads=1)
+    yield eng
+    eng.close()
+
+
+def _one_group(engine, tok, envs, on_error="zero_reward", **kw):
+    with EnvRunner(max_concurrency=4, step_timeout_s=30, on_error=on_error) as runner:
+        eps = _episodes(engine, tok, runner, **kw)
+        eps.add_group("g", _prompt_ids(tok), SamplingSpec(n=len(envs), max_tokens=200, temperature=1.0, seed=4), envs)
+        [group] = _run(eps, 1)
+        eps.close()
+    return group, eps.counters
+
+
+def test_limits_turns_budget_and_faults(chat_model, hf_engine):
+    """``max_turns`` ends an episode after its last allowed turn; the token budget (model and environment tokens)
+    truncates, counted; a raising environment zeroes its turn (``zero_reward``) or drops the group (``drop``)."""
+    _, tok, _ = chat_model
+    group, counters = _one_group(hf_engine, tok, [ScriptedEnv()], max_turns=2)
+    c = group.completions[0]
+    assert c.ended == "max_turns" and len(c.turn_rewards) == 2 and c.env_runs.shape == (1, 2)
+    assert counters["max_turns"] == 1 and counters["truncated"] == 0
+
+    # 12 model tokens, then the first reply (> 20 tokens) does not fit in a budget of 30
+    group, counters = _one_group(hf_engine, tok, [ScriptedEnv()], response_length=30, turn_max=12)
+    c = group.completions[0]
+    assert c.ended == "truncated" and c.finish_reason == "length" and counters["truncated"] == 1
+    assert c.num_tokens <= 30 and c.env_runs.shape == (0, 2) and len(c.turn_rewards) == 1
+    # a budget smaller than one turn's cap: the turn gets what remains
+    group, _ = _one_group(hf_engine, tok, [ScriptedEnv()], response_length=5, turn_max=12)
+    assert group.completions[0].num_tokens <= 5
+
+    group, counters = _one_group(hf_engine, tok, [ScriptedEnv(), RaisingEnv()])
+    assert not group.dropped and group.completions[1].ended == "raised"
+    assert list(group.completions[1].turn_rewards) == [0.0] and group.completions[0].reward == 6.0
+    group, counters = _one_group(hf_engine, tok, [ScriptedEnv(), RaisingEnv()], on_error="drop")
+    assert group.dropped and "tool crashed" in group.detail and counters["dropped_groups"] == 1
