@@ -53,7 +53,7 @@ class GroupBuilder:
         return self._score(self.reward_fn, self.engine.decode(c.token_ids), flight.row.answer)
 
     def _turn_fields(self, c) -> dict:
-        """Extra :class:`Sample` fields of a completion (multi-turn episodes: rollout/episode_groups.py)."""
+        """Extra :class:`Sample` fields of a completion (multi-turn episodes: envs/episode_groups.py)."""
         return {}
 
     def build(self, done: FinishedGroup, flight: InFlight, meter) -> TrajectoryGroup:

@@ -1,4 +1,4 @@
-"""Multi-turn episodes through the real vLLM CPU engine (rollout/episodes.py).
+"""Multi-turn episodes through the real vLLM CPU engine (envs/episodes.py).
 
 * A scripted 3-turn environment: the episode's sequence is prompt + model ids + environment ids exactly (the
   environment's ids are its chat rendering, appended), with the mask as environment runs, and a transformers
@@ -26,7 +26,7 @@ from asyncppo.envs.chat import build_chat_tokenizer, turn_ids
 from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.text_env import TextEnv
 from asyncppo.rollout.engine import SamplingSpec
-from asyncppo.rollout.episodes import EpisodeEngine
+from asyncppo.envs.episodes import EpisodeEngine
 
 TOL = 2e-5
 REPLIES = ["first reply", "second reply"]
@@ -161,7 +161,7 @@ def test_three_turn_episode_is_exact(chat_model, engine):
     """... and the group goes out as one record that survives the wire and passes the learner's door."""
     from types import SimpleNamespace
 
-    from asyncppo.rollout.episode_groups import EpisodeGroupBuilder
+    from asyncppo.envs.episode_groups import EpisodeGroupBuilder
     from asyncppo.rollout.worker import EngineMeter
     from asyncppo.stream.validate import ContentLimits, GroupValidator
     from asyncppo.stream.wire import decode_group, encode_group

@@ -38,7 +38,7 @@ import numpy as np
 from asyncppo.envs.chat import IM_END, turn_ids
 from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
 
-from .engine import Completion, FinishedGroup, SamplingSpec
+from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
 
 #: Episode counters (``EpisodeEngine.counters``).
 COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens")
@@ -139,7 +139,7 @@ class EpisodeEngine:
         finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
         for done in finished:
             ep = self._requests.pop(done.key, None)
-            if ep is not None:
+            if ep is not None and ep.ended is None:  # None/ended: its group was dropped meanwhile
                 self._on_turn(ep, done.completions[0])
         return self._collect()
 
@@ -161,7 +161,12 @@ class EpisodeEngine:
         self.engine.recompute_inflight()
 
     def abort_all(self) -> list[str]:
+        """Drop every group in flight (shutdown); the environments of unfinished episodes are closed."""
         self.engine.abort_all()
+        for eps in self._groups.values():
+            for ep in eps:
+                if ep.ended is None:
+                    self._waiters.submit(self.runner.close, ep.env)
         keys = sorted(self._groups)
         self._groups.clear()
         self._requests.clear()
@@ -197,7 +202,7 @@ class EpisodeEngine:
             if what == "step":
                 ep.turn_rewards[-1] = 0.0
             if out.drop or what == "init":
-                self._dropped.setdefault(ep.group, out.detail)
+                return self._drop_group(ep.group, out.fault, out.detail)
             return self._end(ep, out.fault)
         if what == "init":
             if ep.prompt_ids is None:
@@ -259,6 +264,14 @@ class EpisodeEngine:
         if why in ("truncated", "max_turns"):
             self.counters[why] += 1
         self._waiters.submit(self.runner.close, ep.env)
+
+    def _drop_group(self, key: str, why: str, detail: str) -> None:
+        """End every episode of the group now (their environments close; a turn still in the engine runs out and
+        is discarded: the engine interface has no per-request abort)."""
+        self._dropped.setdefault(key, detail)
+        for ep in self._groups[key]:
+            if ep.ended is None:
+                self._end(ep, why)
 
     def _collect(self) -> list[EpisodeGroup]:
         out = []
