@@ -40,6 +40,10 @@ from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
 
 from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
 
+#: Turn ``k`` of episode ``j`` samples with seed ``spec.seed + j + k * TURN_SEED_STRIDE``: turn 0 follows the
+#: single-turn convention (sample ``j`` of a group: ``seed + j``), later turns stay clear of other groups' seeds.
+TURN_SEED_STRIDE = 1_000_033
+
 #: Episode counters (``EpisodeEngine.counters``).
 COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens")
 
@@ -232,8 +236,8 @@ class EpisodeEngine:
         stops = tuple(ep.spec.stop_token_ids) + ((self._stop_id,) if self._stop_id is not None else ())
         spec = SamplingSpec(n=1, max_tokens=min(left, self.turn_max_tokens or left),
                             temperature=ep.spec.temperature, top_p=ep.spec.top_p, top_k=ep.spec.top_k,
-                            seed=None if ep.spec.seed is None else ep.spec.seed + 7919 * ep.index
-                            + len(ep.turn_rewards), stop_token_ids=stops)
+                            seed=None if ep.spec.seed is None else ep.spec.seed + ep.index
+                            + TURN_SEED_STRIDE * len(ep.turn_rewards), stop_token_ids=stops)
         key = ep.request_key
         self._requests[key] = ep
         self.engine.add_group(key, ep.prompt_ids + ep.ids, spec)
