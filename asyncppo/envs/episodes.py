@@ -118,6 +118,8 @@ class EpisodeEngine:
         # the threads that wait on environment calls (each bounded by the runner's own pool and deadline)
         self._waiters = cf.ThreadPoolExecutor(max(1, runner.max_concurrency), thread_name_prefix="episode-env")
 
+    idle_wait_s = 0.05  # how long step() waits for an environment when the engine has nothing to decode
+
     @property
     def max_num_seqs(self) -> int:
         return self.engine.max_num_seqs
@@ -138,8 +140,10 @@ class EpisodeEngine:
 
     def step(self) -> list[EpisodeGroup]:
         """Take the environments' answers (re-entering the engine), run one engine step, hand its finished turns
-        to their environments; return the groups whose episodes all ended."""
-        self._take_env_results()
+        to their environments; return the groups whose episodes all ended. With the engine empty and episodes at
+        their environments, waits up to ``idle_wait_s`` for an answer instead of returning at once (no spinning)."""
+        idle = not self.engine.num_unfinished_seqs() and self._at_env
+        self._take_env_results(self.idle_wait_s if idle else 0.0)
         finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
         for done in finished:
             ep = self._requests.pop(done.key, None)
@@ -186,12 +190,13 @@ class EpisodeEngine:
         fut = self._waiters.submit(call, ep.env, arg)
         fut.add_done_callback(lambda f, ep=ep, what=what: self._results.put((ep, what, f)))
 
-    def _take_env_results(self) -> None:
+    def _take_env_results(self, wait_s: float) -> None:
         while True:
             try:
-                ep, what, fut = self._results.get_nowait()
+                ep, what, fut = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
             except queue.Empty:
                 return
+            wait_s = 0.0
             self._at_env -= 1
             try:
                 outcome: EnvOutcome = fut.result()
