@@ -157,8 +157,8 @@ def _three_turn_group(engine, tok, model):
     return prompt, group
 
 
-def test_three_turn_episode_is_exact(chat_model, engine):
-    """... and the group goes out as one record that survives the wire and passes the learner's door."""
+def _record_through_door(engine, tok, prompt, group, learner_version: int):
+    """The group as the worker would send it, encoded, decoded, and admitted by the learner's door."""
     from types import SimpleNamespace
 
     from asyncppo.envs.episode_groups import EpisodeGroupBuilder
@@ -166,16 +166,22 @@ def test_three_turn_episode_is_exact(chat_model, engine):
     from asyncppo.stream.validate import ContentLimits, GroupValidator
     from asyncppo.stream.wire import decode_group, encode_group
 
-    _, tok, model = chat_model
-    cached_before = _cached_prompt_tokens(engine)
-    prompt, group = _three_turn_group(engine, tok, model)
-    assert _cached_prompt_tokens(engine) > cached_before  # later turns re-used their prefix from the cache
     row = SimpleNamespace(prompt_ids=prompt, answer="", index=0)
     flight = SimpleNamespace(row=row, ticket=SimpleNamespace(index=0), admitted_at=time.time(), version=0)
     stats = {"reward_failures": 0, "gen_tokens": 0, "samples": 0}
     record = decode_group(encode_group(EpisodeGroupBuilder(engine, 0, stats).build(group, flight, EngineMeter())))
     limits = ContentLimits(vocab_size=len(tok), max_prompt_len=64, max_response_len=200, max_samples=2)
-    assert GroupValidator(limits, lambda: 0).check(record) is None
+    assert GroupValidator(limits, lambda: learner_version).check(record) is None
+    return record
+
+
+def test_three_turn_episode_is_exact(chat_model, engine):
+    """... and the group goes out as one record that survives the wire and passes the learner's door."""
+    _, tok, model = chat_model
+    cached_before = _cached_prompt_tokens(engine)
+    prompt, group = _three_turn_group(engine, tok, model)
+    assert _cached_prompt_tokens(engine) > cached_before  # later turns re-used their prefix from the cache
+    record = _record_through_door(engine, tok, prompt, group, learner_version=0)
     for s, c in zip(record.samples, group.completions):
         np.testing.assert_array_equal(s.response_ids, c.token_ids)
         np.testing.assert_array_equal(s.env_runs, c.env_runs)
@@ -233,6 +239,10 @@ def test_weight_update_between_turns(chat_model, engine):
         later = mask & (np.arange(len(resp)) >= first_env)
         np.testing.assert_allclose(c.logprobs[:first_env], lp_old[:first_env], atol=TOL, rtol=0)
         np.testing.assert_allclose(c.logprobs[later], lp_new[later], atol=TOL, rtol=0)
+        record = _record_through_door(engine, tok, prompt, group, learner_version=1)
+        s = record.samples[0]
+        assert (s.version_min, s.version_max) == (0, 1)
+        np.testing.assert_array_equal(s.token_versions(), c.versions)
     finally:
         engine.update_weights(old.state_dict().items())
         engine.set_weight_version(2)
