@@ -2,8 +2,8 @@
 ``env.step_timeout_s``, ``env.on_error``; docs/environments.md).
 
 Why ``env.text_env`` is refused for a launch today: the protocol, the parsing and the off-loop runner exist
-(:mod:`asyncppo.envs`), but the engine loop that runs episodes does not yet; a run that accepted the option would
-silently train single-turn. The format is still checked first, so the message names the real problem.
+(:mod:`asyncppo.envs`), and so does the loop that runs episodes through an engine (:mod:`asyncppo.envs.episodes`),
+but the rollout worker does not use it yet; a run that accepted the option would silently train single-turn. The format is still checked first, so the message names the real problem.
 """
 
 from __future__ import annotations
@@ -32,5 +32,5 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("env.text_env", e.text_env, f"is a text environment; env.id={e.id!r} asks for a gymnasium run: "
                 "set one of them")
     else:
-        c.error("env.text_env", e.text_env, "the multi-turn rollout loop is not built yet (docs/environments.md, "
-                "Status); the protocol is usable from Python through asyncppo.envs.text_env")
+        c.error("env.text_env", e.text_env, "the multi-turn rollout loop is not wired into launch yet "
+                "(docs/environments.md, Status); episodes run from Python through asyncppo.envs.episodes")

@@ -5,5 +5,6 @@ the weight broadcast, exactly as LLM workers do. Submodules import torch and gym
 
 Text environments for multi-turn episodes (docs/environments.md): ``text_env`` (the per-episode ``init`` / ``step``
 protocol, skyrl-gym's shape), ``tools`` (tool-call parsing), ``chat`` (rendering turns as appended token ids) and
-``env_runner`` (environment calls off the loop, with a deadline each).
+``env_runner`` (environment calls off the loop, with a deadline each), ``episodes`` (multi-turn episodes around a
+streaming rollout engine) and ``episode_groups`` (a finished group of episodes as the stream record).
 """

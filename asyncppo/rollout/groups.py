@@ -48,12 +48,19 @@ class GroupBuilder:
             log.warning("worker %d: the reward function failed %d time(s) so far (the samples score 0.0); "
                         "last error: %s", self.worker_id, count, err)
 
+    def _reward(self, c, flight: InFlight) -> tuple[float, bool, Any]:
+        """(reward, failed, error) of one completion: the reward function over its decoded text."""
+        return self._score(self.reward_fn, self.engine.decode(c.token_ids), flight.row.answer)
+
+    def _turn_fields(self, c) -> dict:
+        """Extra :class:`Sample` fields of a completion (multi-turn episodes: envs/episode_groups.py)."""
+        return {}
+
     def build(self, done: FinishedGroup, flight: InFlight, meter) -> TrajectoryGroup:
         t0 = time.perf_counter()
         samples = []
         for c in done.completions:
-            text = self.engine.decode(c.token_ids)
-            reward, failed, err = self._score(self.reward_fn, text, flight.row.answer)
+            reward, failed, err = self._reward(c, flight)
             if failed:
                 self._report_failure(err)
             versions = c.versions if c.versions is not None else np.full(len(c.token_ids), flight.version)
@@ -70,6 +77,7 @@ class GroupBuilder:
                     version_max=int(spans[-1, 1]),
                     reward_failed=bool(failed),
                     version_spans=spans,
+                    **self._turn_fields(c),
                 )
             )
         self.stats["samples"] += len(samples)

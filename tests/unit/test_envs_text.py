@@ -188,7 +188,7 @@ def test_env_options_are_validated_with_the_option_named():
                               ("max_concurrency", 0, "env.max_concurrency=0: must be > 0"),
                               ("max_turns", -1, "env.max_turns=-1: must be > 0"),
                               ("text_env", "not-a-path", "must be a dotted class path"),
-                              ("text_env", "my_pkg.envs.MyEnv", "multi-turn rollout loop is not built yet")):
+                              ("text_env", "my_pkg.envs.MyEnv", "multi-turn rollout loop is not wired into launch yet")):
         bad = copy.deepcopy(cfg)
         setattr(bad.env, key, value)
         errors, _ = check_config(bad)

@@ -1,0 +1,303 @@
+"""Multi-turn episodes in continuous generation: a small state machine per episode around a streaming engine.
+
+Why a wrapper and not a new engine: the engine only ever sees single-turn requests of ``n=1`` (prompt ids in,
+token ids + behaviour log-probs + per-token versions out), so vLLM and the transformers backend run episodes
+alike and none of their weight-update machinery changes. An episode moves through
+
+    init (environment thread) -> generate (engine) -> step (environment thread) -> generate -> ... -> done
+
+A sequence whose turn ended *leaves the engine* while its environment works: the call runs in a thread of
+:class:`asyncppo.envs.env_runner.EnvRunner` (bounded by ``env.max_concurrency``, a deadline of
+``env.step_timeout_s``), so other groups' sequences fill its slots. The next turn re-enters the engine as a new
+request whose prompt is the *whole prefix as token ids*: prompt + the model's ids as sampled + the environment's
+ids as rendered by :func:`asyncppo.envs.chat.turn_ids` (appended, never re-tokenized). With vLLM's prefix caching
+(``enable_prefix_caching``) the prefix's keys/values are reused where the cache still holds them; a request is
+salted with the weight version, so a prefix cached under older weights is recomputed, never reused.
+
+A group of ``n`` episodes is ``n`` requests of ``n=1`` (each episode has its own environment and its own turn
+boundaries) and goes out once all ``n`` ended, as one :class:`EpisodeGroup` whose completions carry ``env_runs``
+and ``turn_rewards`` (the trajectory form of docs/environments.md).
+
+Limits: ``max_turns`` model turns; a total budget of ``response_length`` tokens after the prompt, model and
+environment tokens alike (each turn's ``max_tokens`` is what remains, capped by ``turn_max_tokens`` when set); an
+episode that runs out of budget ends there, counted in ``counters["truncated"]``.
+
+Versions: every model token keeps the version the engine stamped on it (an update may land inside a turn or between
+two); an environment token takes the version of the model token before it (the convention of docs/environments.md).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import queue
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from asyncppo.envs.chat import IM_END, turn_ids
+from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
+
+from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
+
+#: Turn ``k`` of episode ``j`` samples with seed ``spec.seed + j + k * TURN_SEED_STRIDE``: turn 0 follows the
+#: single-turn convention (sample ``j`` of a group: ``seed + j``), later turns stay clear of other groups' seeds.
+TURN_SEED_STRIDE = 1_000_033
+
+#: Episode counters (``EpisodeEngine.counters``).
+COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens")
+
+
+@dataclass
+class EpisodeCompletion(Completion):
+    """One finished episode: the response after the prompt (model and environment tokens), its mask as run-lengths
+    of environment segments (``env_runs``: int64 ``[E, 2]`` rows ``(start, length)``), one reward per model turn,
+    and why it ended (``done``, ``max_turns``, ``truncated`` or a fault kind)."""
+
+    env_runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
+    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
+    ended: str = "done"
+
+    @property
+    def reward(self) -> float:
+        return float(self.turn_rewards.sum())
+
+
+@dataclass
+class EpisodeGroup(FinishedGroup):
+    """A group whose ``n`` episodes all ended. ``dropped``: an environment fault under ``env.on_error=drop``
+    discarded it (the caller releases its admission slot and does not train it); ``detail`` says why."""
+
+    dropped: bool = False
+    detail: str = ""
+
+
+@dataclass
+class _Episode:
+    group: str
+    index: int
+    env: Any
+    prompt_ids: list
+    spec: SamplingSpec
+    ids: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    versions: list = field(default_factory=list)
+    env_runs: list = field(default_factory=list)
+    turn_rewards: list = field(default_factory=list)
+    last_finish: str = "stop"
+    model_stop_text: str = ""
+    ended: Optional[str] = None
+
+    @property
+    def request_key(self) -> str:
+        return f"{self.group}|ep{self.index}|turn{len(self.turn_rewards)}"
+
+
+class EpisodeEngine:
+    """Runs groups of multi-turn episodes through a :class:`~asyncppo.rollout.engine.StreamingEngine`.
+
+    ``tokenizer`` renders environment turns (its chat template) and decodes the model's turns for the environment;
+    ``runner`` makes the environment calls. Drive it like a streaming engine: :meth:`add_group`, then :meth:`step`
+    until the groups come back. Weight updates go to the wrapped engine (``engine``) as before."""
+
+    def __init__(self, engine: Any, tokenizer: Any, runner: EnvRunner, *, max_turns: int, response_length: int,
+                 turn_max_tokens: Optional[int] = None, stop_text: str = IM_END):
+        if max_turns < 1 or response_length < 1:
+            raise ValueError(f"episodes: max_turns={max_turns} and response_length={response_length} must be >= 1")
+        self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
+        self.max_turns, self.response_length, self.turn_max_tokens = max_turns, response_length, turn_max_tokens
+        self.stop_text = stop_text
+        stop_id = tokenizer.convert_tokens_to_ids(stop_text)
+        self._stop_id = stop_id if isinstance(stop_id, int) and stop_id != tokenizer.unk_token_id else None
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._groups: dict[str, list[_Episode]] = {}
+        self._dropped: dict[str, str] = {}
+        self._requests: dict[str, _Episode] = {}  # engine request key -> episode generating
+        self._at_env = 0  # episodes whose environment is working
+        self._results: queue.SimpleQueue = queue.SimpleQueue()
+        # the threads that wait on environment calls (each bounded by the runner's own pool and deadline)
+        self._waiters = cf.ThreadPoolExecutor(max(1, runner.max_concurrency), thread_name_prefix="episode-env")
+
+    idle_wait_s = 0.05  # how long step() waits for an environment when the engine has nothing to decode
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.engine.max_num_seqs
+
+    # ------------------------------------------------------------------------------------------------ interface
+    def add_group(self, key: str, prompt_ids: Optional[Sequence[int]], spec: SamplingSpec, envs: Sequence[Any],
+                  prompt_messages: Optional[list] = None) -> None:
+        """Start ``spec.n`` episodes, one per environment in ``envs``. ``prompt_ids`` None: the prompt is the
+        chat rendering of what the environment's ``init`` returns (with its ``tools``). Never blocks."""
+        if len(envs) != spec.n:
+            raise ValueError(f"episodes: group {key!r} has n={spec.n} samples but {len(envs)} environments")
+        if key in self._groups:
+            raise ValueError(f"episodes: group key {key!r} is already in flight")
+        ids = None if prompt_ids is None else [int(t) for t in prompt_ids]
+        self._groups[key] = [_Episode(key, j, env, ids, spec) for j, env in enumerate(envs)]
+        for ep in self._groups[key]:
+            self._to_env(ep, "init", list(prompt_messages or []))
+
+    def step(self) -> list[EpisodeGroup]:
+        """Take the environments' answers (re-entering the engine), run one engine step, hand its finished turns
+        to their environments; return the groups whose episodes all ended. With the engine empty and episodes at
+        their environments, waits up to ``idle_wait_s`` for an answer instead of returning at once (no spinning)."""
+        idle = not self.engine.num_unfinished_seqs() and self._at_env
+        self._take_env_results(self.idle_wait_s if idle else 0.0)
+        finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
+        for done in finished:
+            ep = self._requests.pop(done.key, None)
+            if ep is not None and ep.ended is None:  # None/ended: its group was dropped meanwhile
+                self._on_turn(ep, done.completions[0])
+        return self._collect()
+
+    def num_unfinished_seqs(self) -> int:
+        """Episodes started and not ended: in the engine or waiting for their environment."""
+        return sum(ep.ended is None for eps in self._groups.values() for ep in eps)
+
+    def num_running_seqs(self) -> int:
+        """Sequences in the engine (what fills its slots; an episode at its environment holds none)."""
+        return self.engine.num_unfinished_seqs()
+
+    def num_at_env(self) -> int:
+        return self._at_env
+
+    def set_weight_version(self, version: int) -> None:
+        self.engine.set_weight_version(version)
+
+    def recompute_inflight(self) -> None:
+        self.engine.recompute_inflight()
+
+    def abort_all(self) -> list[str]:
+        """Drop every group in flight (shutdown); the environments of unfinished episodes are closed."""
+        self.engine.abort_all()
+        for eps in self._groups.values():
+            for ep in eps:
+                if ep.ended is None:
+                    self._waiters.submit(self.runner.close, ep.env)
+        keys = sorted(self._groups)
+        self._groups.clear()
+        self._requests.clear()
+        return keys
+
+    def close(self) -> None:
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+
+    # ------------------------------------------------------------------------------------------------ transitions
+    def _to_env(self, ep: _Episode, what: str, arg: Any) -> None:
+        self._at_env += 1
+        call = self.runner.init if what == "init" else self.runner.step
+        fut = self._waiters.submit(call, ep.env, arg)
+        fut.add_done_callback(lambda f, ep=ep, what=what: self._results.put((ep, what, f)))
+
+    def _take_env_results(self, wait_s: float) -> None:
+        while True:
+            try:
+                ep, what, fut = self._results.get(timeout=wait_s) if wait_s > 0 else self._results.get_nowait()
+            except queue.Empty:
+                return
+            wait_s = 0.0
+            self._at_env -= 1
+            try:
+                outcome: EnvOutcome = fut.result()
+            except Exception as e:  # the runner turns faults into outcomes; this is a bug in the glue, named
+                outcome = EnvOutcome(done=True, fault="raised", detail=f"{type(e).__name__}: {e}",
+                                     drop=self.runner.on_error == "drop")
+            if ep.ended is None and ep.group in self._groups:
+                self._after_env(ep, what, outcome)
+
+    def _after_env(self, ep: _Episode, what: str, out: EnvOutcome) -> None:
+        if out.fault is not None:
+            if what == "step":
+                ep.turn_rewards[-1] = 0.0
+            if out.drop or what == "init":
+                return self._drop_group(ep.group, out.fault, out.detail)
+            return self._end(ep, out.fault)
+        if what == "init":
+            if ep.prompt_ids is None:
+                text = self.tokenizer.apply_chat_template(out.observations, tools=getattr(ep.env, "tools", None)
+                                                          or None, tokenize=False, add_generation_prompt=True)
+                ep.prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            return self._generate(ep)
+        ep.turn_rewards[-1] = float(out.reward)
+        if out.done:
+            return self._end(ep, "done")
+        if len(ep.turn_rewards) >= self.max_turns:
+            return self._end(ep, "max_turns")
+        env_ids = turn_ids(self.tokenizer, out.observations, tools=getattr(ep.env, "tools", None),
+                           model_stop_text=ep.model_stop_text)
+        if len(ep.ids) + len(env_ids) >= self.response_length:  # no room left for one more model token
+            return self._end(ep, "truncated")
+        ep.env_runs.append((len(ep.ids), len(env_ids)))
+        ep.ids += env_ids
+        ep.logprobs += [0.0] * len(env_ids)
+        ep.versions += [ep.versions[-1]] * len(env_ids)
+        self.counters["env_tokens"] += len(env_ids)
+        self._generate(ep)
+
+    def _generate(self, ep: _Episode) -> None:
+        """Re-enter the engine with the whole prefix as ids; this turn may use what the budget leaves."""
+        left = self.response_length - len(ep.ids)
+        stops = tuple(ep.spec.stop_token_ids) + ((self._stop_id,) if self._stop_id is not None else ())
+        spec = SamplingSpec(n=1, max_tokens=min(left, self.turn_max_tokens or left),
+                            temperature=ep.spec.temperature, top_p=ep.spec.top_p, top_k=ep.spec.top_k,
+                            seed=None if ep.spec.seed is None else ep.spec.seed + ep.index
+                            + TURN_SEED_STRIDE * len(ep.turn_rewards), stop_token_ids=stops)
+        key = ep.request_key
+        self._requests[key] = ep
+        self.engine.add_group(key, ep.prompt_ids + ep.ids, spec)
+
+    def _on_turn(self, ep: _Episode, c: Completion) -> None:
+        ids = [int(t) for t in c.token_ids]
+        if c.versions is not None:
+            versions = [int(v) for v in c.versions]
+        else:
+            versions = [int(getattr(self.engine, "version", 0))] * len(ids)
+        ep.ids += ids
+        ep.logprobs += [float(x) for x in c.logprobs]
+        ep.versions += versions
+        ep.turn_rewards.append(0.0)
+        ep.last_finish = c.finish_reason
+        self.counters["turns"] += 1
+        self.counters["model_tokens"] += len(ids)
+        stopped = c.finish_reason == "stop" and ids
+        ep.model_stop_text = self.stop_text if stopped and ids[-1] == self._stop_id else ""
+        if len(ep.ids) >= self.response_length:
+            return self._end(ep, "truncated")  # the budget is spent: no environment reply would fit
+        action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        self._to_env(ep, "step", action)
+
+    def _end(self, ep: _Episode, why: str) -> None:
+        ep.ended = why
+        self.counters["episodes"] += 1
+        if why in ("truncated", "max_turns"):
+            self.counters[why] += 1
+        self._waiters.submit(self.runner.close, ep.env)
+
+    def _drop_group(self, key: str, why: str, detail: str) -> None:
+        """End every episode of the group now (their environments close; a turn still in the engine runs out and
+        is discarded: the engine interface has no per-request abort)."""
+        self._dropped.setdefault(key, detail)
+        for ep in self._groups[key]:
+            if ep.ended is None:
+                self._end(ep, why)
+
+    def _collect(self) -> list[EpisodeGroup]:
+        out = []
+        for key in [k for k, eps in self._groups.items() if all(ep.ended is not None for ep in eps)]:
+            eps = self._groups.pop(key)
+            if key in self._dropped:
+                self.counters["dropped_groups"] += 1
+                out.append(EpisodeGroup(key, [], dropped=True, detail=self._dropped.pop(key)))
+                continue
+            out.append(EpisodeGroup(key, [_completion(ep) for ep in eps]))
+        return out
+
+
+def _completion(ep: _Episode) -> EpisodeCompletion:
+    finish = "length" if ep.ended == "truncated" else ep.last_finish
+    return EpisodeCompletion(
+        token_ids=np.asarray(ep.ids, dtype=np.int32), logprobs=np.asarray(ep.logprobs, dtype=np.float32),
+        finish_reason=finish, versions=np.asarray(ep.versions, dtype=np.int64),
+        env_runs=np.asarray(ep.env_runs, dtype=np.int64).reshape(-1, 2),
+        turn_rewards=np.asarray(ep.turn_rewards, dtype=np.float64), ended=ep.ended or "done")
