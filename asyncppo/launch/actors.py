@@ -72,8 +72,12 @@ class LearnerActor:
     def replace_worker(self, worker_id: int, incarnation: int) -> dict:
         return self.service.replace_worker(worker_id, incarnation)
 
+    def note_restart(self, restarts: int, steps_lost: int) -> int:
+        return self.service.note_restart(restarts, steps_lost)
 
-@ray.remote(max_restarts=0)
+
+# Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() generates.
+@ray.remote(max_restarts=0, max_concurrency=2)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
                  incarnation: int = 0, position=None):
@@ -91,3 +95,7 @@ class RolloutActor:
 
     def run(self) -> dict:
         return self.worker.run()
+
+    def reconnect(self, endpoints, position=None) -> None:
+        """A restarted learner's addresses and the data position to resume from (rollout/skeleton.py)."""
+        self.worker.request_reconnect(endpoints, position)

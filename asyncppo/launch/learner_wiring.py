@@ -111,7 +111,15 @@ class LearnerProcess:
 
     def setup(self) -> Endpoints:
         self.loop.version = start = self.workload.start_version()
+        self.loop.run_metrics = {"learner/restarts": 0, "learner/steps_lost": 0}
         return self.wiring.bind(start, self.workload.saved_position())
+
+    def note_restart(self, restarts: int, steps_lost: int) -> int:
+        """This learner replaces one that died (launch/learner_restart.py): push the checkpoint's weights first and
+        report the restart in every metrics record. Returns the version training resumes from."""
+        self.loop.push_first = True
+        self.loop.run_metrics = {"learner/restarts": restarts, "learner/steps_lost": steps_lost}
+        return self.loop.version
 
     @property
     def addresses(self) -> Optional[LearnerAddresses]:

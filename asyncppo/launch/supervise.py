@@ -17,6 +17,7 @@ from typing import Any, Optional
 import ray
 
 from asyncppo.launch.console import RunConsole
+from asyncppo.launch.learner_restart import LearnerRestarter
 from asyncppo.launch.start import RunActors
 
 # Seconds the other actors get to exit on their own once the learner has published stop.
@@ -39,9 +40,12 @@ class Supervisor:
         self.run, self.console, self.started_at = run, console, started_at
         self.restarts = 0
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
+        self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
+        self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
+        learner_refs = [r for r in pending if r not in self.run.worker_refs]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
@@ -51,7 +55,19 @@ class Supervisor:
                     if replacement is not None:
                         pending.append(replacement)
                     continue
-                ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
+                if ref not in learner_refs:
+                    continue  # a rank of a learner that was restarted
+                try:
+                    ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
+                except ray.exceptions.RayError as exc:
+                    if not self.learner_restarts.may_restart(exc):
+                        self.learner_restarts.refuse(exc)
+                        raise
+                    learner_ref, learner_refs = self.learner_restarts.restart(exc)
+                    pending = [r for r in pending if r in self.run.worker_refs] + learner_refs
+                    pending += [self._replace_orphan(i) for i in self.orphans]
+                    self.orphans = []
+                    break
                 if ref == learner_ref:
                     self._finish(pending)
                     return 0
@@ -86,7 +102,18 @@ class Supervisor:
             pass
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
-        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]), timeout=plan.timeout_s)
+        try:
+            position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
+                               timeout=plan.timeout_s)
+        except ray.exceptions.RayActorError:  # the learner died too: its restart replaces this worker
+            self.orphans.append(i)
+            return None
+        return self.run.start_worker(i, self.incarnations[i], position)
+
+    def _replace_orphan(self, i: int) -> Any:
+        """A worker that died while the learner was dead, replaced by the restarted learner."""
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
+                           timeout=self.run.plan.timeout_s)
         return self.run.start_worker(i, self.incarnations[i], position)
 
     def _finish(self, pending: list) -> None:

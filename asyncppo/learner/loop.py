@@ -94,6 +94,11 @@ class LearnerLoop:
         self._joined = False  # the weight push may still be running: the shutdown waits for it
         self._in_group = False  # this rank joined the learner group: the shutdown leaves it
         self._engine_eval = None  # the held-out evaluation on the rollout engines, when the workload has one
+        # set by the launcher when it restarted a dead learner (launch/learner_restart.py): the live workers hold
+        # the dead learner's newer weights, so the checkpoint's are pushed before any ticket; the restart count and
+        # the steps it lost go into every metrics record
+        self.push_first = False
+        self.run_metrics: dict = {}
 
     def run(self, wiring: Optional[Wiring], master_addr: Optional[str] = None, master_port: Optional[int] = None,
             bind_host: Optional[str] = None) -> dict:
@@ -174,7 +179,7 @@ class LearnerLoop:
         generate before it with their engine's weights stamped 0, an older stamp than the truth, which only errs
         towards the lag guard). A workload whose workers start with no weights pushes version 0 too."""
         wiring.control.publish(version=start, weights_version=start)
-        if start > 0 or self.workload.pushes_initial_weights:
+        if start > 0 or self.workload.pushes_initial_weights or self.push_first:
             self.workload.push(start)
             self.pushed_version = start
 
@@ -201,6 +206,7 @@ class LearnerLoop:
         wiring.admission.set_version(self.version)
         wiring.control.publish(version=self.version, weights_version=self.pushed_version)
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
+        metrics.update(self.run_metrics)
         return metrics
 
     def _push_due(self, wiring, last: bool) -> bool:

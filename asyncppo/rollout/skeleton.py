@@ -13,7 +13,16 @@ The loop is a small state machine, one :meth:`WorkerSkeleton._turn` per pass:
 3. **work** - :meth:`_work`: admit, generate or step, send what is finished, or wait without spinning.
 
 A subclass provides ``_open_workload`` (its engine or env, and what it needs), ``_on_weights_announced`` and
-``_work``; it may add to ``_before_close``.
+``_work``; it may add to ``_before_close`` and ``_drop_work``.
+
+**A restarted learner.** When the learner process dies, the launcher starts a new one from the latest checkpoint
+(launch/learner_restart.py) on new addresses, and hands them to every live worker with the data position the
+checkpoint holds (:meth:`WorkerSkeleton.request_reconnect`, called from another thread). The worker notices it at
+the top of its next turn (or while it retries a send): it drops the work in flight (the new learner never granted
+those tickets, and their draws are drawn again from the position), forgets its tickets, closes its channels (the
+dead learner's weight-sync group with them) and opens new ones on the new addresses, joining a new two-rank group.
+Its weights count as none (version -1) until the new learner's first push, which comes before any ticket is served:
+the engine may hold newer weights than the checkpoint, which the new learner never trained from.
 """
 
 from __future__ import annotations
@@ -51,6 +60,9 @@ class WorkerSkeleton:
         self._closables: list = []
         self._state = None  # the learner's newest control state
         self._seq = 0
+        self._channels: list = []  # what _open_channels opened: closed and reopened when the learner is restarted
+        self._sync_incarnation = incarnation  # the group a restarted learner forms with us is its incarnation 0
+        self._reconnect_to = None  # (endpoints, data position) of a restarted learner, set from another thread
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -64,6 +76,8 @@ class WorkerSkeleton:
 
     def _turn(self) -> bool:
         """One pass of the loop in the module docstring; False once the run is over."""
+        if self._reconnect_to is not None:
+            self._reconnect()
         state = self._read_control()
         if state is not None and state.stop:
             return False
@@ -87,6 +101,34 @@ class WorkerSkeleton:
     def _before_close(self) -> None:
         """Release what must go before the channels close (e.g. abort the sequences in flight)."""
 
+    def _drop_work(self, position) -> None:
+        """A restarted learner (at ``self.endpoints`` now): forget the work in flight, resume the draws at
+        ``position`` and move what the workload itself connects to the learner."""
+
+    # ------------------------------------------------------------------------------------------------------------
+    def request_reconnect(self, endpoints: Endpoints, position=None) -> None:
+        """The launcher restarted the learner: move to ``endpoints`` at the next turn (module docstring)."""
+        self._reconnect_to = (endpoints, position)
+
+    def _reconnect(self) -> None:
+        endpoints, position = self._reconnect_to
+        self._reconnect_to = None
+        self.endpoints = endpoints
+        self._drop_work(position)
+        self._pending.clear()
+        for channel in reversed(self._channels):
+            try:
+                channel.close()
+            except Exception:  # the old learner is gone: its sockets and group may fail to close cleanly
+                pass
+            self._closables.remove(channel)
+        self._channels = []
+        self._state, self.version, self._sync_incarnation = None, -1, 0
+        self.stats["learner_reconnects"] = self.stats.get("learner_reconnects", 0) + 1
+        print(f"[asyncppo] {self.role} {self.worker_id}: the learner was restarted; reconnecting"
+              + (f" from draw {position['next']}" if position else ""), flush=True)
+        self._open_channels()
+
     # ------------------------------------------------------------------------------------------------------------
     def _open(self) -> None:
         self._open_workload()
@@ -96,7 +138,7 @@ class WorkerSkeleton:
         """The weight-sync group, then the trajectory sender, the control subscription and the admission client."""
         cfg, ep = self.cfg, self.endpoints
         if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
-            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self.incarnation)
+            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self._sync_incarnation)
         else:
             rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
         self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,
@@ -109,6 +151,7 @@ class WorkerSkeleton:
         self.control = ControlSubscriber(ep.control, curve=ep.curve)
         self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
         self._closables += [self.sender, self.control, self.admission]
+        self._channels = [self.group, self.sender, self.control, self.admission]
 
     def _close(self) -> None:
         try:
@@ -137,6 +180,6 @@ class WorkerSkeleton:
         """Retry ``send_once()`` (one bounded attempt) until the learner takes it; False when a stop came first."""
         while not send_once():
             state = self._read_control()
-            if state is not None and state.stop:
-                return False
+            if (state is not None and state.stop) or self._reconnect_to is not None:
+                return False  # a restarted learner re-draws this work from its data position
         return True
