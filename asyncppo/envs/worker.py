@@ -20,6 +20,7 @@ worker raises :class:`EnvError` naming the env, the index and the step, and the 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -67,7 +68,9 @@ class EnvWorker(WorkerSkeleton):
     def _open(self) -> None:
         super()._open()
         e = self.cfg.env
-        print(f"[asyncppo] env worker {self.worker_id}: {e.num_envs} x {e.id} ({e.vectorization}), segments of "
+        print(f"[asyncppo] env worker {self.worker_id}"
+              + (f" (incarnation {self.incarnation})" if self.incarnation else "")
+              + f": pid {os.getpid()}, {e.num_envs} x {e.id} ({e.vectorization}), segments of "
               f"{e.segment_length} steps, obs {self.desc.obs_shape}, "
               f"{'discrete' if self.desc.discrete else 'continuous'} actions ({self.desc.action_dim})", flush=True)
 

@@ -29,15 +29,20 @@ from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.staleness import AdmissionClient
 from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
 from asyncppo.stream.endpoints import Endpoints
-from asyncppo.sync import WeightReceiver, make_sync_group
+from asyncppo.sync import SyncGroupError, WeightReceiver, make_sync_group
 from asyncppo.sync.fanout import member_prefix
 
 log = logging.getLogger("asyncppo.rollout")
+
+# Seconds without a control message (repeated every 0.2 s) after which a failed weight receive is blamed on a dead
+# learner, whose restart the worker then awaits.
+LEARNER_SILENT_S = 3.0
 
 
 class WorkerSkeleton:
@@ -75,7 +80,24 @@ class WorkerSkeleton:
         return dict(self.stats, worker_id=self.worker_id, version=self.version)
 
     def _turn(self) -> bool:
-        """One pass of the loop in the module docstring; False once the run is over."""
+        """One pass of the loop in the module docstring; False once the run is over. A weight receive that fails
+        because the learner died (its control channel went silent) waits for the restarted learner instead of
+        ending the worker; any other failure ends it (the launcher replaces it)."""
+        try:
+            return self._pass()
+        except SyncGroupError:
+            if self.control.heard(LEARNER_SILENT_S) or not self._await_reconnect():
+                raise
+            return True
+
+    def _await_reconnect(self) -> bool:
+        """Wait up to ``cluster.timeout_s`` for the launcher to hand over a restarted learner's addresses."""
+        deadline = time.monotonic() + self.cfg.cluster.timeout_s
+        while self._reconnect_to is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self._reconnect_to is not None
+
+    def _pass(self) -> bool:
         if self._reconnect_to is not None:
             self._reconnect()
         state = self._read_control()
