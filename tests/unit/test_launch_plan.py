@@ -23,8 +23,9 @@ def test_plan_from_the_config_alone():
 
 
 @pytest.mark.parametrize("overrides, restarts", [
-    ([], 0),  # no checkpoints (save_every=0): a restart would start over, so auto_resume defaults off
-    (["trainer.save_every=10"], 3),  # checkpoints: on, up to trainer.max_learner_restarts
+    ([], 3),  # checkpoints by default (save_every=20): on, up to trainer.max_learner_restarts
+    (["trainer.save_every=0"], 0),  # no checkpoints: a restart would start over, so auto_resume defaults off
+    (["trainer.save_every=10"], 3),
     (["trainer.save_every=10", "trainer.max_learner_restarts=1"], 1),
     (["trainer.save_every=10", "trainer.auto_resume=false"], 0),
     (["trainer.auto_resume=true"], 3),  # forced without checkpoints: restarts from version 0
