@@ -249,6 +249,13 @@ class ClusterConfig:
     max_tickets_per_worker: int = 0  # tickets one worker connection may hold; 0: 2 * (groups it asks for) + 2
     logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
     max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
+    # a rollout worker with no decode step, no group and no answer to a control ping for this long is hung: killed
+    # and replaced like a dead one (launch/hang.py). null: auto, from the learner's measured step time with a floor
+    # (config/deadlines.py: max(60 s, 10 x median step seconds), at most timeout_s)
+    hang_timeout_s: Optional[float] = None
+    # deadline of each weight push per worker; a worker that misses it is retired from the weight sync and replaced
+    # as hung, while the others are served. null: hang_timeout_s (resolved as above)
+    push_timeout_s: Optional[float] = None
     # extra Ray resources every learner / rollout bundle asks for (e.g. {learner_node: 1}): pins roles to nodes
     learner_resources: dict[str, float] = field(default_factory=dict)
     rollout_resources: dict[str, float] = field(default_factory=dict)

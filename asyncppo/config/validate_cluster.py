@@ -64,6 +64,10 @@ def check_cluster(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.choice("cluster.auth", k.auth, C.AUTH_MODES)
     c.non_negative("cluster.max_tickets_per_worker", k.max_tickets_per_worker)
     c.non_negative("cluster.max_worker_restarts", k.max_worker_restarts)
+    for name in ("hang_timeout_s", "push_timeout_s"):  # null: auto (config/deadlines.py)
+        value = getattr(k, name)
+        if value is not None and not (0 < value <= k.timeout_s):
+            c.error(f"cluster.{name}", value, "must be null (auto) or in (0, cluster.timeout_s]")
     if not (k.logprob_tolerance is not None and 0 <= k.logprob_tolerance < float("inf")):
         c.error("cluster.logprob_tolerance", k.logprob_tolerance, "must be finite and >= 0")
     _check_addresses(k, c)

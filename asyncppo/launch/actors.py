@@ -69,14 +69,18 @@ class LearnerActor:
     def data_position(self, worker_id: int) -> dict:
         return self.service.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
-        return self.service.replace_worker(worker_id, incarnation)
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        return self.service.replace_worker(worker_id, incarnation, hung)
 
-    def note_restart(self, restarts: int, steps_lost: int) -> int:
-        return self.service.note_restart(restarts, steps_lost)
+    def health(self) -> dict:
+        return self.service.health()
+
+    def note_restart(self, restarts: int, steps_lost: int, incarnations: dict) -> int:
+        return self.service.note_restart(restarts, steps_lost, incarnations)
 
 
-# Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() generates.
+# Two threads: run() in one, and beside it the launcher's control ping (heartbeat, launch/hang.py; a stopped or
+# wedged process answers nothing, which is what the ping detects) or a restarted learner's endpoints (reconnect).
 @ray.remote(max_restarts=0, max_concurrency=2)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
@@ -99,3 +103,6 @@ class RolloutActor:
     def reconnect(self, endpoints, position=None) -> None:
         """A restarted learner's addresses and the data position to resume from (rollout/skeleton.py)."""
         self.worker.request_reconnect(endpoints, position)
+
+    def heartbeat(self) -> dict:
+        return self.worker.heartbeat()

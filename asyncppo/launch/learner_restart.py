@@ -69,8 +69,9 @@ class LearnerRestarter:
         """The learner's process died (not an error it raised, which a restart would only repeat)."""
         return isinstance(exc, ray.exceptions.RayActorError) and self.restarts < self.limit
 
-    def restart(self, exc: BaseException) -> tuple[Any, list]:
-        """Restart the learner ranks and reconnect the live workers; returns rank 0's run() ref and every rank's."""
+    def restart(self, exc: BaseException, incarnations: dict[int, int]) -> tuple[Any, list]:
+        """Restart the learner ranks and reconnect the live workers (each in its current incarnation, which names
+        its weight-sync group); returns rank 0's run() ref and every rank's."""
         run, plan = self.run, self.run.plan
         self.restarts += 1
         done = last_logged_step(plan.output_dir)
@@ -82,9 +83,9 @@ class LearnerRestarter:
               f"(restart {self.restarts} of at most {self.limit})", file=sys.stderr, flush=True)
         run.kill_learners()
         run.start_learners(cfg_dict)
-        version = ray.get(run.learner.note_restart.remote(self.restarts, 0), timeout=plan.timeout_s)
+        version = ray.get(run.learner.note_restart.remote(self.restarts, 0, incarnations), timeout=plan.timeout_s)
         self.steps_lost += max(0, done - version)
-        ray.get(run.learner.note_restart.remote(self.restarts, self.steps_lost), timeout=plan.timeout_s)
+        ray.get(run.learner.note_restart.remote(self.restarts, self.steps_lost, incarnations), timeout=plan.timeout_s)
         for i, worker in list(run.workers.items()):
             if i not in run.worker_refs.values():
                 continue  # dead and awaiting its replacement (launch/supervise.py starts it)

@@ -83,11 +83,12 @@ class LearnerWiring:
         """Where worker ``worker_id``'s prompt sequence starts (a resumed run's workers; data/position.py)."""
         return self.ledger.trained.of(worker_id)
 
-    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
-        """The launcher saw worker ``worker_id`` die and starts incarnation ``incarnation`` (WorkerLedger.replace).
-        Called from the launcher's thread while the loop trains (the actor is threaded; all of it is locked)."""
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        """The launcher saw worker ``worker_id`` die (or killed it as hung) and starts incarnation ``incarnation``
+        (WorkerLedger.replace). Called from the launcher's thread while the loop trains (the actor is threaded; all
+        of it is locked)."""
         return self.ledger.replace(worker_id, incarnation, self.admission_server, self.fanout,
-                                   self.cfg.cluster.timeout_s)
+                                   self.cfg.cluster.timeout_s, hung=hung)
 
     def close(self) -> None:
         """Release every bound socket, group and thread in binding order, each on its own: one failing close must
@@ -114,9 +115,13 @@ class LearnerProcess:
         self.loop.run_metrics = {"learner/restarts": 0, "learner/steps_lost": 0}
         return self.wiring.bind(start, self.workload.saved_position())
 
-    def note_restart(self, restarts: int, steps_lost: int) -> int:
-        """This learner replaces one that died (launch/learner_restart.py): push the checkpoint's weights first and
-        report the restart in every metrics record. Returns the version training resumes from."""
+    def note_restart(self, restarts: int, steps_lost: int, incarnations: dict) -> int:
+        """This learner replaces one that died (launch/learner_restart.py): await each live worker in the
+        incarnation it runs (its weight-sync group's name), push the checkpoint's weights first and report the
+        restart in every metrics record. Returns the version training resumes from."""
+        for worker_id, incarnation in incarnations.items():
+            if incarnation:
+                self.wiring.fanout.add(int(worker_id), int(incarnation), join=False)
         self.loop.push_first = True
         self.loop.run_metrics = {"learner/restarts": restarts, "learner/steps_lost": steps_lost}
         return self.loop.version
@@ -136,8 +141,14 @@ class LearnerProcess:
     def data_position(self, worker_id: int) -> dict:
         return self.wiring.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
-        return self.wiring.replace_worker(worker_id, incarnation)
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        return self.wiring.replace_worker(worker_id, incarnation, hung)
+
+    def health(self) -> dict:
+        """What the launcher's hang watch needs from rank 0 (launch/hang.py): the recent step durations (the auto
+        deadlines scale with them) and the workers retired for missing a push deadline."""
+        fanout = self.wiring.fanout if self.wiring.bound else None
+        return {"step_seconds": list(self.loop.step_seconds), "push_late": list(fanout.hung) if fanout else []}
 
 
 def llm_learner(cfg, model_path: str, num_workers: int, output_dir: str, rank: int = 0,

@@ -27,6 +27,7 @@ class WorkerLedger:
         self.accepted = DataPosition(saved_position)
         self.restarts: dict[int, int] = {}
         self.tickets_returned = 0
+        self.hung = 0  # replacements of a worker that hung rather than died (launch/hang.py)
         self._lock = threading.Lock()
 
     def door(self, validator) -> "_RecordingDoor":
@@ -42,8 +43,9 @@ class WorkerLedger:
             f.write(json.dumps({"step": step, "groups": [[g.group_id, g.ticket, g.prompt_index] for g in groups]})
                     + "\n")
 
-    def replace(self, worker_id: int, incarnation: int, admission_server, fanout, timeout_s: float) -> dict:
-        """Worker ``worker_id`` died; incarnation ``incarnation`` is starting. Its tickets go back to the pool (a group
+    def replace(self, worker_id: int, incarnation: int, admission_server, fanout, timeout_s: float,
+                hung: bool = False) -> dict:
+        """Worker ``worker_id`` died (or hung and was killed: ``hung``); incarnation ``incarnation`` is starting. Its tickets go back to the pool (a group
         of it still on the way is then refused at the door), its weight-sync member is retired and a new one awaited
         (handed the current weights when it joins). Returns where the replacement's prompt sequence resumes."""
         with self._lock:
@@ -52,12 +54,14 @@ class WorkerLedger:
         self.tickets_returned += len(returned)
         fanout.replace(worker_id, incarnation)
         self.restarts[worker_id] = self.restarts.get(worker_id, 0) + 1
-        log.warning("rollout worker %d died: %d ticket(s) %s returned to the pool; starting incarnation %d at "
-                    "draw %d", worker_id, len(returned), returned[:8], incarnation, position["next"])
+        self.hung += bool(hung)
+        log.warning("rollout worker %d %s: %d ticket(s) %s returned to the pool; starting incarnation %d at "
+                    "draw %d", worker_id, "hung" if hung else "died", len(returned), returned[:8], incarnation, position["next"])
         return position
 
     def metrics(self, fanout) -> dict[str, int]:
         return {"workers/restarts": sum(self.restarts.values()), "workers/tickets_returned": self.tickets_returned,
+                "workers/hung": self.hung,
                 "workers/sync_failures": len(fanout.failures)}
 
 

@@ -1,6 +1,7 @@
 """Watch a started run until the learner finishes: progress on the console, dead rollout workers replaced, the end.
 
-The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies is
+The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies, or
+that hangs (launch/hang.py: no progress and no answer for ``cluster.hang_timeout_s``; killed through Ray first), is
 replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back its tickets and
 awaits the replacement in the weight sync (``LearnerWiring.replace_worker``), then a new actor of the next
 incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor dying, or
@@ -18,6 +19,7 @@ import ray
 
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.learner_restart import LearnerRestarter
+from asyncppo.launch.hang import HangWatch
 from asyncppo.launch.start import RunActors
 
 # Seconds the other actors get to exit on their own once the learner has published stop.
@@ -25,7 +27,7 @@ STOP_GRACE_S = 15.0
 
 
 class WorkerFailed(RuntimeError):
-    """A rollout worker died and may not be replaced (restarts used up, or an embodied run)."""
+    """A rollout worker died (or hung) and may not be replaced (restarts used up, or an embodied run)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -42,6 +44,9 @@ class Supervisor:
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
         self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
+        cl = run.cfg_dict["cluster"]
+        self.hangs = None if run.plan.embodied else HangWatch(  # embodied workers answer no ping (yet)
+            lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
@@ -49,6 +54,8 @@ class Supervisor:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
+            if self.hangs is not None:
+                pending = self._replace_hung(pending)
             for ref in done:
                 if ref in self.run.worker_refs:
                     replacement = self._worker_ended(ref)
@@ -63,8 +70,9 @@ class Supervisor:
                     if not self.learner_restarts.may_restart(exc):
                         self.learner_restarts.refuse(exc)
                         raise
-                    learner_ref, learner_refs = self.learner_restarts.restart(exc)
+                    learner_ref, learner_refs = self.learner_restarts.restart(exc, self.incarnations)
                     pending = [r for r in pending if r in self.run.worker_refs] + learner_refs
+                    self._after_learner_restart()
                     pending += [self._replace_orphan(i) for i in self.orphans]
                     self.orphans = []
                     break
@@ -73,6 +81,14 @@ class Supervisor:
                     return 0
                 # A follower learner rank returned: keep waiting for rank 0.
         return 1
+
+    def _after_learner_restart(self) -> None:
+        """The hang watch reads the new learner, and every worker's clock starts again: the restart kept the
+        supervisor from pinging them, and their reconnection is a wait on the learner, not a hang."""
+        if self.hangs is not None:
+            self.hangs.learner, self.hangs._health_ref = self.run.learner, None
+            for i in self.run.workers:
+                self.hangs.started(i)
 
     def _worker_ended(self, ref: Any) -> Optional[Any]:
         """A worker's run() ended: normally (the learner told it to stop) -> None; by dying -> the ref of its
@@ -84,18 +100,34 @@ class Supervisor:
         except ray.exceptions.RayError as exc:
             return self._replace(i, exc)
 
-    def _replace(self, i: int, exc: BaseException) -> Any:
+    def _replace_hung(self, pending: list) -> list:
+        """Kill and replace every worker the hang watch found hung; ``pending`` without their runs' refs (their
+        ends are not deaths to replace again), with their replacements'."""
+        for i, why in self.hangs.poll():
+            ref = next((r for r, w in self.run.worker_refs.items() if w == i), None)
+            if ref is None:
+                continue  # its run() already ended
+            del self.run.worker_refs[ref]
+            pending = [r for r in pending if r != ref]
+            replacement = self._replace(i, why, hung=True)
+            if replacement is not None:
+                pending.append(replacement)
+        return pending
+
+    def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
         plan, limit = self.run.plan, self.run.plan.max_worker_restarts
+        what = f"hung ({exc})" if hung else "died"
         if not plan.replace_dead_workers or self.restarts >= limit:
             raise WorkerFailed(
-                f"rollout worker {i} died"
+                f"rollout worker {i} {what}"
                 + (f" after {self.restarts} restart(s), the limit (cluster.max_worker_restarts={limit})"
-                   if plan.replace_dead_workers else "") + f": an actor failed:\n{exc}"
+                   if plan.replace_dead_workers or hung else "") + ("" if hung else f": an actor failed:\n{exc}")
             ) from None
         self.restarts += 1
         self.incarnations[i] += 1
-        print(f"[asyncppo] rollout worker {i} died ({_first_line(exc)}); starting a replacement "
-              f"(restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
+        print(f"[asyncppo] rollout worker {i} " + (f"{what}; killing it and starting" if hung else
+                                                   f"died ({_first_line(exc)}); starting")
+              + f" a replacement (restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
         try:
             ray.kill(self.run.workers[i])
         except Exception:
@@ -103,17 +135,21 @@ class Supervisor:
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
         try:
-            position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
+            position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
                                timeout=plan.timeout_s)
         except ray.exceptions.RayActorError:  # the learner died too: its restart replaces this worker
             self.orphans.append(i)
             return None
+        if self.hangs is not None:
+            self.hangs.started(i)
         return self.run.start_worker(i, self.incarnations[i], position)
 
     def _replace_orphan(self, i: int) -> Any:
         """A worker that died while the learner was dead, replaced by the restarted learner."""
         position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
                            timeout=self.run.plan.timeout_s)
+        if self.hangs is not None:
+            self.hangs.started(i)
         return self.run.start_worker(i, self.incarnations[i], position)
 
     def _finish(self, pending: list) -> None:

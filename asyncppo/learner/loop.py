@@ -20,6 +20,7 @@ membership are wiring: the launcher binds them and hands them in as a :class:`Wi
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
@@ -28,6 +29,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from asyncppo.config.deadlines import push_timeout
 from asyncppo.learner.step_metrics import make_logger
 from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
@@ -99,6 +101,8 @@ class LearnerLoop:
         # the steps it lost go into every metrics record
         self.push_first = False
         self.run_metrics: dict = {}
+        # recent step durations: the auto push and hang deadlines scale with them (config/deadlines.py)
+        self.step_seconds: collections.deque = collections.deque(maxlen=50)
 
     def run(self, wiring: Optional[Wiring], master_addr: Optional[str] = None, master_port: Optional[int] = None,
             bind_host: Optional[str] = None) -> dict:
@@ -129,7 +133,9 @@ class LearnerLoop:
                                                                  if work.resumed_from() else ""))
         self._announce_start(wiring, start)
         for step in range(start + 1, tr.total_steps + 1):
+            t_step = time.monotonic()
             metrics = self._train_step(step, wiring, buffer)
+            self.step_seconds.append(time.monotonic() - t_step)
             logger.log(step, metrics)
             if self._engine_eval is not None:
                 self._engine_eval.poll(logger)
@@ -197,7 +203,7 @@ class LearnerLoop:
         self.version += 1
         last = step == self.cfg.trainer.total_steps
         if self._push_due(wiring, last):
-            wiring.fanout.wait()
+            self._finish_push(wiring)
             wiring.control.publish(version=self.version, weights_version=self.version)
             work.push(self.version)
             self.pushed_version = self.version
@@ -208,6 +214,16 @@ class LearnerLoop:
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
         metrics.update(self.run_metrics)
         return metrics
+
+    def push_deadline(self) -> float:
+        """Seconds a worker gets to take a push (``cluster.push_timeout_s``, auto: config/deadlines.py)."""
+        cl = self.cfg.cluster
+        return push_timeout(cl.push_timeout_s, cl.hang_timeout_s, list(self.step_seconds), cl.timeout_s)
+
+    def _finish_push(self, wiring) -> None:
+        """Wait for the previous push; a worker that does not take it within the push deadline is retired from
+        the weight sync (the launcher replaces it as hung, launch/hang.py) instead of holding up the others."""
+        wiring.fanout.retire_late(self.push_deadline())
 
     def _push_due(self, wiring, last: bool) -> bool:
         """Every ``sync_every`` versions; at the end only for an evaluation on the engines (nobody else generates
@@ -241,7 +257,7 @@ class LearnerLoop:
     def _finish(self, wiring, buffer, summary: dict, saved_version: int) -> dict:
         """The last checkpoint, evaluations and the final weights; ``summary.json``."""
         tr, work, logger = self.cfg.trainer, self.workload, self._logger
-        wiring.fanout.wait()
+        self._finish_push(wiring)
         if tr.save_every and saved_version != self.version:
             work.checkpoint(self.version, logger)
         work.refresh_weights()

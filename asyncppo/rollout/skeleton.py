@@ -66,18 +66,28 @@ class WorkerSkeleton:
         self._state = None  # the learner's newest control state
         self._seq = 0
         self._channels: list = []  # what _open_channels opened: closed and reopened when the learner is restarted
-        self._sync_incarnation = incarnation  # the group a restarted learner forms with us is its incarnation 0
         self._reconnect_to = None  # (endpoints, data position) of a restarted learner, set from another thread
+        # what the launcher's control ping reads (heartbeat(), launch/hang.py): the phase the loop is in and a
+        # counter of progress (decode steps, groups sent, weight loads) that only grows while the worker gets on
+        self.phase = "starting"  # starting | generating | waiting | sending | loading
+        self.progress = 0
 
     # ------------------------------------------------------------------------------------------------------------
     def run(self) -> dict:
         self._open()
+        self.phase = "waiting"
         try:
             while self._turn():
                 pass
         finally:
             self._close()
         return dict(self.stats, worker_id=self.worker_id, version=self.version)
+
+    def heartbeat(self) -> dict:
+        """Answer the launcher's control ping (from another thread: plain reads only). A worker that is waiting
+        (for a ticket, for weights, for the learner to take a group) makes no progress and is not hung; one that is
+        generating must keep stepping (launch/hang.py)."""
+        return {"phase": self.phase, "progress": self.progress, "incarnation": self.incarnation}
 
     def _turn(self) -> bool:
         """One pass of the loop in the module docstring; False once the run is over. A weight receive that fails
@@ -86,6 +96,7 @@ class WorkerSkeleton:
         try:
             return self._pass()
         except SyncGroupError:
+            self.phase = "waiting"  # on the learner: silent means dead, and a dead one is being restarted
             if self.control.heard(LEARNER_SILENT_S) or not self._await_reconnect():
                 raise
             return True
@@ -145,7 +156,8 @@ class WorkerSkeleton:
                 pass
             self._closables.remove(channel)
         self._channels = []
-        self._state, self.version, self._sync_incarnation = None, -1, 0
+        self._state, self.version = None, -1
+        self.phase = "waiting"  # joining the new learner's weight sync is a wait on the learner, not a hang
         self.stats["learner_reconnects"] = self.stats.get("learner_reconnects", 0) + 1
         print(f"[asyncppo] {self.role} {self.worker_id}: the learner was restarted; reconnecting"
               + (f" from draw {position['next']}" if position else ""), flush=True)
@@ -160,7 +172,7 @@ class WorkerSkeleton:
         """The weight-sync group, then the trajectory sender, the control subscription and the admission client."""
         cfg, ep = self.cfg, self.endpoints
         if ep.sync_per_worker:  # one two-rank group per worker and incarnation (sync/fanout.py)
-            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self._sync_incarnation)
+            rank, world, prefix = 1, 2, member_prefix(ep.sync_prefix, self.worker_id, self.incarnation)
         else:
             rank, world, prefix = 1 + self.worker_id, ep.sync_world_size, ep.sync_prefix
         self.group = make_sync_group(ep.sync_host, ep.sync_port, rank=rank, world_size=world,

@@ -95,8 +95,10 @@ class RolloutWorker(WorkerSkeleton):
             self._evaluate()
         self._admit()
         if self.engine.num_unfinished_seqs():
+            self.phase = "generating"
             self._step()
         else:
+            self.phase = "waiting"
             self._idle()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -171,6 +173,7 @@ class RolloutWorker(WorkerSkeleton):
             self._draining = True
             return
         t0 = time.perf_counter()
+        self.phase = "loading"
         # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
         version = receive_into_engine(self.receiver, self.engine, flush_bytes=ro.weight_bucket_mb << 20,
                                       model_config=self.model_path, dtype=ro.dtype)
@@ -189,6 +192,8 @@ class RolloutWorker(WorkerSkeleton):
         self.version = version
         self._draining = False
         self.stats["weight_loads"] += 1
+        self.progress += 1
+        self.phase = "waiting"  # until the next turn says what it does
         log.info("worker %d loaded weights v%d in %.3fs (%d sequences in flight)", self.worker_id, version,
                  now - t0, self.engine.num_unfinished_seqs())
 
@@ -241,6 +246,7 @@ class RolloutWorker(WorkerSkeleton):
         self.meter.busy_s += time.perf_counter() - t0
         self.meter.steps += 1
         self.meter.running_sum += running
+        self.progress += 1
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now
         for done in finished:
@@ -260,17 +266,22 @@ class RolloutWorker(WorkerSkeleton):
     def _report_eval(self, report) -> None:
         if report is None:
             return
+        phase, self.phase = self.phase, "sending"  # waiting for the learner to take it is not a hang
         deadline, sent = time.monotonic() + self.cfg.cluster.timeout_s, False
         while not sent and time.monotonic() < deadline and self._reconnect_to is None:  # a restarted learner:
             sent = self.eval_sender.send(report, timeout_s=1.0)  # the report goes nowhere, the round is redone
+        self.phase = phase
         if not sent and self._reconnect_to is None:
             log.warning("worker %d: the learner did not take the evaluation report of point %d", self.worker_id,
                         report.point)
         self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1
 
     def _send(self, group) -> None:
+        phase, self.phase = self.phase, "sending"  # the learner not taking a group is not this worker's hang
         if self._send_until_sent(lambda: self.sender.send(group, timeout_s=1.0)):
             self.stats["groups_sent"] += 1
+            self.progress += 1
+        self.phase = phase
 
     def _idle(self) -> None:
         """Nothing in the engine: wait for newer weights (a ticket needs them) or for tickets, without spinning."""

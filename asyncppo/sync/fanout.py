@@ -62,6 +62,16 @@ class _Member:
     last_version: int = -1  # the last version this member took
 
 
+def _drain(member: _Member) -> None:
+    """Drop every push queued for a retired member (each counted as done)."""
+    while True:
+        try:
+            member.queue.get_nowait()
+            member.queue.task_done()
+        except queue.Empty:
+            return
+
+
 class WeightFanout:
     """Rank 0 of one two-rank sync group per worker, all on one store. Thread-safe: the learner's loop pushes while
     the launcher's calls (:meth:`replace`) change the membership."""
@@ -80,6 +90,9 @@ class WeightFanout:
         self._streamed_version: Optional[int] = None  # version of the newest push_groups (no snapshot kept)
         self.failures: list[str] = []  # one line per retired member: who, which version, why
         self.late: list[str] = []  # members retired because they did not take a push within timeout_s
+        # members retired by retire_late (the push deadline): (worker id, incarnation, why); the launcher replaces
+        # them as hung (launch/hang.py)
+        self.hung: list[tuple[int, int, str]] = []
         self._closing = False
         self._threads: list[threading.Thread] = []
 
@@ -192,13 +205,8 @@ class WeightFanout:
             self.failures.append(why)
             if late:
                 self.late.append(why)
-        # drain whatever was queued, so wait() does not block on a member that will never take it
-        while True:
-            try:
-                member.queue.get_nowait()
-                member.queue.task_done()
-            except queue.Empty:
-                break
+                self.hung.append((member.worker_id, member.incarnation, why))
+        _drain(member)  # so wait() does not block on a member that will never take what was queued
         log.warning("%s; the member is retired", why)
 
     # ------------------------------------------------------------------------------------------- pushes
@@ -290,6 +298,36 @@ class WeightFanout:
                 raise SyncGroupError(f"rollout worker(s) {names} did not take the weights pushed to them within "
                                      f"{self.timeout_s if timeout_s is None else timeout_s:.0f}s (cluster.timeout_s)")
             time.sleep(0.01)
+
+    def retire_late(self, deadline_s: float) -> list[str]:
+        """Wait up to ``deadline_s`` for every live member to take every queued push; retire each one still busy
+        then, and return why (also kept in :attr:`hung`). Unlike :meth:`wait`, nothing is raised: the members that
+        took the weights already hold them, and the late one is the launcher's to replace (``cluster.push_timeout_s``,
+        docs/reliability.md). Its pusher thread may stay blocked in the broadcast until the peer is killed (the
+        connection resets) or the group timeout ends it; it holds no lock and nobody waits for it."""
+        deadline = time.monotonic() + deadline_s
+        while True:
+            with self._lock:
+                busy = [m for m in self._members.values() if m.state == "ready" and m.queue.unfinished_tasks]
+            if not busy:
+                return []
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        retired = []
+        for m in busy:
+            why = (f"rollout worker {m.worker_id} (incarnation {m.incarnation}) did not take the weights pushed to it "
+                   f"within {deadline_s:.0f}s (cluster.push_timeout_s); it last took v{m.last_version}")
+            with self._lock:
+                if m.state != "ready":
+                    continue
+                m.state = "failed"
+                self.failures.append(why)
+                self.hung.append((m.worker_id, m.incarnation, why))
+            _drain(m)  # what is queued behind the stuck push will never be taken
+            log.warning("%s; the member is retired", why)
+            retired.append(why)
+        return retired
 
     def versions(self) -> dict[int, int]:
         """The last version each live member took (-1: none yet)."""

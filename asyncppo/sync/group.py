@@ -23,6 +23,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
@@ -203,6 +204,33 @@ def make_sync_group(
     return group_on_store(store, host, port, rank, world_size, backend, timeout_s, store_prefix)
 
 
+# How every weight-sync NCCL group handles a peer that stops (docs/reliability.md, "NCCL and gloo"), read by
+# ProcessGroupNCCL when it is constructed: CleanUpOnly (2) aborts the group's communicator on a timeout or a peer's
+# error and raises in the caller, and the process lives on; torch's default (3, SkipCleanUp) tears the whole process
+# down, so one wedged engine would kill the learner. Blocking wait makes the pusher thread's wait() block on the
+# collective and raise at the group timeout, instead of returning while the GPU stream is stuck.
+NCCL_SYNC_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+_NCCL_ENV_LOCK = threading.Lock()  # the fan-out forms groups from several threads; the environment is shared
+
+
+def _nccl_group(prefixed: Any, rank: int, world_size: int, timeout: timedelta) -> Any:
+    """A ProcessGroupNCCL with the group timeout and :data:`NCCL_SYNC_ENV`, set for its construction only (the
+    learner ranks' own FSDP group keeps torch's defaults)."""
+    with _NCCL_ENV_LOCK:
+        saved = {k: os.environ.get(k) for k in NCCL_SYNC_ENV}
+        os.environ.update(NCCL_SYNC_ENV)
+        try:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
 def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int, backend: str, timeout_s: float,
                    store_prefix: str = "") -> SyncGroup:
     """Form a group on an existing store (rank 0 may serve many groups from one store, each under its own
@@ -217,9 +245,7 @@ def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int,
                   else dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts))
             device = torch.device("cpu")
         else:
-            opts = dist.ProcessGroupNCCL.Options()
-            opts._timeout = timeout
-            pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+            pg = _nccl_group(prefixed, rank, world_size, timeout)
             device = torch.device("cuda", torch.cuda.current_device())
     except Exception as e:
         raise SyncGroupError(

@@ -41,6 +41,18 @@ def _got(out, n: int, timeout: float = 60.0) -> list[tuple]:
     return sorted(out.get(timeout=timeout) for _ in range(n))
 
 
+def _start_two(ctx, fanout: WeightFanout, port: int, out) -> dict:
+    """Workers 0 and 1 (incarnation 0), each receiving 3 versions, joined to ``fanout``."""
+    procs = {}
+    for w in (0, 1):
+        fanout.add(w, 0)
+        procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
+        procs[w].start()
+    assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+    fanout.wait_joined([0, 1])
+    return procs
+
+
 def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weights():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -48,12 +60,7 @@ def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weig
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
     try:
-        for w in (0, 1):
-            fanout.add(w, 0)
-            procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
-            procs[w].start()
-        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
-        fanout.wait_joined([0, 1])
+        procs.update(_start_two(ctx, fanout, port, out))
         fanout.push_async(_weights(1), 1)
         fanout.wait()
         assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
@@ -112,6 +119,43 @@ def test_a_member_that_does_not_take_a_push_is_named_within_the_timeout():
         fanout.close()
         for p in procs:
             p.kill()
+            p.join()
+
+
+def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_time():
+    """SIGSTOP one receiver between two pushes: the next push is too large for the sockets' buffers to absorb, so its
+    broadcast to the stopped process blocks. ``retire_late`` retires that member at the push deadline and names it;
+    the other member loaded the new weights meanwhile, and nothing waits for the group timeout (60 s here)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = find_free_port()
+    fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
+    procs = {}
+    big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
+    try:
+        procs.update(_start_two(ctx, fanout, port, out))
+        fanout.push_async(big(1), 1)
+        assert fanout.retire_late(30) == []  # both took version 1 within the deadline
+        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        fanout.push_async(big(2), 2)
+        assert out.get(timeout=30) == (0, 0, 2, 2.0)  # the running member loaded version 2 ...
+        served = time.monotonic() - t0
+        retired = fanout.retire_late(5)  # ... and the stopped one is cut off at the deadline, not the timeout
+        waited = time.monotonic() - t0
+        print(f"worker 0 served after {served:.2f}s; worker 1 retired after {waited:.2f}s")
+        assert served < 5 and 5 <= waited < 15, (served, waited)
+        assert len(retired) == 1 and "rollout worker 1 (incarnation 0)" in retired[0]
+        assert "cluster.push_timeout_s" in retired[0] and "last took v1" in retired[0]
+        assert [(w, g) for w, g, _ in fanout.hung] == [(1, 0)]
+        assert fanout.ready() == [0] and fanout.versions() == {0: 2}
+        fanout.push_async(big(3), 3)  # later pushes go to the live member alone, without waiting
+        assert fanout.retire_late(30) == [] and out.get(timeout=30) == (0, 0, 3, 3.0)
+    finally:
+        fanout.close()
+        for p in procs.values():
+            p.kill()  # SIGKILL ends a stopped process too
             p.join()
 
 

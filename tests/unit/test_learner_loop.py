@@ -68,10 +68,12 @@ class _Workload:
 
 def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0):
     cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every),
-                          trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s))
+                          trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s, hang_timeout_s=None,
+                                                                   push_timeout_s=None))
     loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
     wiring = SimpleNamespace(control=_Recorder(), admission=_Recorder(), admission_server=_Recorder(),
-                             fanout=SimpleNamespace(wait=lambda: None, behind=lambda: False))
+                             fanout=SimpleNamespace(wait=lambda: None, retire_late=lambda deadline_s: [],
+                                                    behind=lambda: False))
     return loop, wiring
 
 
