@@ -61,7 +61,7 @@ class LearnerRestarter:
 
     def __init__(self, run: RunActors):
         self.run = run
-        self.limit = run.plan.max_learner_restarts
+        self.limit = getattr(run.plan, "max_learner_restarts", 0)  # a plan without it restarts nothing
         self.restarts = 0
         self.steps_lost = 0
 
