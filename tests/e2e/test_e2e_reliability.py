@@ -309,13 +309,16 @@ def test_killed_learner_comes_back_by_itself(tmp_path):
     every group once: no prompt trained twice, none lost beyond the re-drawn ones."""
     k, steps, every = 1, 16, 4
     out = tmp_path / "run"
+    # slow scoring (0.1 s a sample, ~1.6 s a step) until the kill, so that it lands between two checkpoints
     run = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", f"trainer.save_every={every}",
-                 "rollout.max_num_seqs=16")
+                 "rollout.max_num_seqs=16", "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
+    (out / "SLOW").touch()
     try:
         _wait_for_step(run, out, 6)
         workers = _worker_pids(out)
         (learner,) = _descendant_pids(run.proc.pid, "LearnerActor")
         os.kill(learner, signal.SIGKILL)
+        (out / "SLOW").unlink()
     finally:
         code, stdout, stderr = run.finish(900)
     assert code == 0, stdout[-3000:] + stderr[-5000:]
