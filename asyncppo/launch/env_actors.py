@@ -41,8 +41,8 @@ class EnvLearnerActor:
     def data_position(self, worker_id: int) -> dict:
         return self.service.data_position(worker_id)
 
-    def replace_worker(self, worker_id: int, incarnation: int) -> dict:
-        return self.service.replace_worker(worker_id, incarnation)
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        return self.service.replace_worker(worker_id, incarnation, hung)
 
     def note_restart(self, restarts: int, steps_lost: int, incarnations: dict) -> int:
         return self.service.note_restart(restarts, steps_lost, incarnations)
