@@ -38,6 +38,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from asyncppo.report.runs import surviving_steps  # noqa: E402  (the repository's package, run from anywhere)
+
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 8  # rollout.num_return_sequences_in_group of the built-in task
 
@@ -98,16 +101,6 @@ class Run:
                 return what() or None
             time.sleep(poll_s)
         return None
-
-
-def surviving(lines: list[dict]) -> list[dict]:
-    """Records after learner restarts: what a dead learner logged past its checkpoint was lost with it."""
-    kept: list[dict] = []
-    for line in lines:
-        while kept and kept[-1]["step"] >= line["step"]:
-            kept.pop()
-        kept.append(line)
-    return kept
 
 
 def draw(group_id: str) -> tuple[int, int, int]:
@@ -233,13 +226,13 @@ def check_end(run: Run, steps: int, k: int) -> list[str]:
     problems = []
     if run.proc.returncode != 0:
         problems.append(f"the run exited {run.proc.returncode}")
-    recs = surviving(run.records())
+    recs = surviving_steps(run.records())
     if [r["step"] for r in recs] != list(range(1, steps + 1)):
         problems.append(f"steps trained: {[r['step'] for r in recs][:5]}... not 1..{steps}")
     worst = max((r["staleness/max"] for r in run.records()), default=0)
     if worst > k:
         problems.append(f"staleness/max reached {worst} > {k}")
-    groups = [g for line in surviving(run.trained_lines()) for g in line["groups"]]
+    groups = [g for line in surviving_steps(run.trained_lines()) for g in line["groups"]]
     draws = [(draw(g[0])[0], draw(g[0])[2]) for g in groups]
     if len(set(draws)) != len(draws):
         problems.append(f"{len(draws) - len(set(draws))} prompt(s) trained twice")

@@ -135,16 +135,16 @@ class RunActors:
 
     def kill_learners(self) -> None:
         """Kill every learner rank (rank 0 died: the others cannot go on without it)."""
-        for actor in self.learners:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+        _kill(self.learners)
 
     def stop_all(self) -> None:
         """Kill every actor started (an actor already gone is fine)."""
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+        _kill(self.actors)
+
+
+def _kill(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass

@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from typing import Any
 
 import torch
 
-from asyncppo.learner.checkpoint import (META_FILE, CheckpointError, _complete_steps, _prune, _read_latest,
-                                         _write_latest, checkpoints_root)
+from asyncppo.learner.checkpoint import (META_FILE, CheckpointError, _complete_steps, _read_latest, checkpoints_root,
+                                         publish, unfinished)
 
 POLICY_FILE = "policy.pt"
 KIND = "embodied"
@@ -29,23 +28,11 @@ KIND = "embodied"
 def save_embodied(output_dir: str, version: int, state: dict[str, Any], keep: int = 2) -> str:
     """Write ``state`` (plain tensors, numbers and lists: it is read back with ``weights_only=True``) as the
     checkpoint of ``version``; returns its directory."""
-    root = checkpoints_root(output_dir)
-    os.makedirs(root, exist_ok=True)
-    name = f"step_{int(version)}"
-    tmp, final = os.path.join(root, f".tmp-{name}"), os.path.join(root, name)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    root, name, tmp = unfinished(output_dir, version)
     torch.save(dict(state, version=int(version)), os.path.join(tmp, POLICY_FILE))
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
         json.dump({"kind": KIND, "version": int(version), "saved_at": time.time()}, f)
-    if os.path.exists(final):  # a resumed run writing into the run directory it resumed from
-        trash = os.path.join(root, f".old-{name}-{os.getpid()}")
-        os.rename(final, trash)
-        shutil.rmtree(trash, ignore_errors=True)
-    os.rename(tmp, final)
-    _write_latest(root, name)
-    _prune(root, keep)
-    return final
+    return publish(root, tmp, name, keep)
 
 
 def resolve_embodied(path: str) -> tuple[str, int]:

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncppo.report.runs import surviving_steps
 from test_e2e_launch import ASYNCPPO, REPO, _train_records
 
 pytestmark = pytest.mark.slow
@@ -290,17 +291,6 @@ def test_killed_learner_resumes_exactly(tmp_path):
     for name, tensor in want.items():
         assert torch.equal(tensor, got[name]), f"{name} differs after resuming"
     run.assert_no_leftovers()
-
-
-def surviving_steps(lines: list[dict]) -> list[dict]:
-    """The per-step records that count after learner restarts: a restarted learner logs again from its checkpoint's
-    step + 1, and what the dead one logged from there on was lost with its weights."""
-    kept: list[dict] = []
-    for line in lines:
-        while kept and kept[-1]["step"] >= line["step"]:
-            kept.pop()
-        kept.append(line)
-    return kept
 
 
 def test_killed_learner_comes_back_by_itself(tmp_path):
