@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """The fault drill: one short real launch, five faults injected one after another, and a table of what each cost.
 
-    python scripts/fault_drill.py                      # 2 rollout workers (vLLM, CPU), 60 steps, k=1, save_every=5
-    python scripts/fault_drill.py --steps 80 --out runs/drill
+    python scripts/fault_drill.py                      # 2 rollout workers (vLLM, CPU), 150 steps, k=1, save_every=5
+    python scripts/fault_drill.py --steps 200 --out runs/drill
 
 Faults, in order, each once the run has recovered from the previous one and trained a few more steps:
 
@@ -14,7 +14,8 @@ Faults, in order, each once the run has recovered from the previous one and trai
 5. ``dropped connection``: every TCP connection between a worker and the learner (trajectories, control, tickets,
    weight sync) is aborted with ``ss -K``, as a network fault would.
 
-For each: *detected after* = seconds from the injection to the launcher's or learner's line naming the fault;
+While a fault recovers, the workers score 0.3 s a sample (``paced_exact``), so the run does not finish before the
+recovery is seen; otherwise it runs at full speed. For each: *detected after* = seconds from the injection to the launcher's or learner's line naming the fault;
 *recovered after* = seconds until the affected side trained again (a group of the replaced or reconnected worker,
 or a step of the restarted learner); *steps lost* = ``learner/steps_lost`` added; *samples re-drawn* = groups whose
 prompts are drawn again (the tickets taken back from a dead worker, or the groups the lost steps had trained) x the
@@ -43,6 +44,25 @@ from asyncppo.report.runs import surviving_steps  # noqa: E402  (the repository'
 
 REPO = Path(__file__).resolve().parents[1]
 GROUP = 8  # rollout.num_return_sequences_in_group of the built-in task
+PACE_S = 0.3  # seconds per scored sample while a fault recovers, so the run does not end first
+SLOW = "DRILL_SLOW"  # the marker file in the run directory that asks for that pace
+
+
+def paced_exact(response_text: str, answer: str, **kw) -> float:
+    """The built-in task's exact match (the drill's ``rollout.reward_fn``, run by the rollout workers), slowed to
+    ``PACE_S`` a sample while ``<run dir>/DRILL_SLOW`` exists: the drill keeps the run from finishing while a fault
+    recovers (an engine starts in ~30-60 s; the run trains a step in ~0.2 s), and runs it at full speed otherwise.
+    The worker finds its run directory from its stdout, which the launcher points at ``<run dir>/logs/``."""
+    from asyncppo.data.rewards import exact_match
+
+    marker = _marker.setdefault("path", os.path.join(os.path.dirname(os.path.dirname(
+        os.readlink("/proc/self/fd/1"))), SLOW))
+    if os.path.exists(marker):
+        time.sleep(PACE_S)
+    return exact_match(response_text, answer, **kw)
+
+
+_marker: dict = {}
 
 
 class Run:
@@ -158,12 +178,14 @@ class Drill:
         returned0, lost0 = self._metric("workers/tickets_returned"), self._metric("learner/steps_lost")
         restarts0 = self._metric("learner/restarts")
         check = recovered or self._trained_by(worker, lines, same_process)
+        (self.run.out / SLOW).touch()
         t0 = time.time()
         action()
         seen = self.run.wait(self._line_after(offset, detect), self.recover_s)
         detected = time.time() - t0 if seen else None
         back = self.run.wait(check, self.recover_s)
         recovered_s = time.time() - t0 if back else None
+        (self.run.out / SLOW).unlink(missing_ok=True)
         redrawn = self._metric("workers/tickets_returned") - returned0
         if self._metric("learner/restarts") > restarts0:  # the new learner's counters started again from 0
             redrawn = self._metric("workers/tickets_returned")
@@ -260,7 +282,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=150)
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--out", default="")
     ap.add_argument("--recover-s", type=float, default=300.0, help="seconds a fault may take to recover")
@@ -271,6 +293,7 @@ def main() -> int:
                     "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.rollout_workers=2",
                     "rollout.max_num_seqs=16", f"rollout.max_staleness={args.staleness}",
                     f"trainer.total_steps={args.steps}", "trainer.save_every=5", "cluster.max_worker_restarts=8",
+                    "rollout.reward_fn=scripts.fault_drill:paced_exact",
                     *args.overrides])
     drill = Drill(run, args.recover_s)
     t_start = time.time()
