@@ -155,9 +155,10 @@ class Drill:
 
     def _trained_by(self, worker: int, after_lines: int, same_process: bool = False):
         """Recovered: a group of ``worker`` trained after the first ``after_lines`` lines of trained_groups.jsonl,
-        from a newer incarnation (its replacement) or, when ``same_process`` may recover by itself, drawn after
-        everything it could have had in flight at the fault."""
-        inc0, draw0 = self._incarnation(worker), self._max_draw(worker) + 3 if same_process else 1 << 62
+        from a newer incarnation (its replacement) or, when ``same_process`` may recover by itself, drawn 7 or more
+        draws past its newest trained one: a worker holds at most 6 tickets (``2 x max_num_seqs / n + 2``), so
+        such a draw took a ticket granted after the fault."""
+        inc0, draw0 = self._incarnation(worker), self._max_draw(worker) + 7 if same_process else 1 << 62
 
         def check():
             for line in self.run.trained_lines()[after_lines:]:
