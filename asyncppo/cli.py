@@ -10,21 +10,21 @@ no traceback), anything else comes from the runner.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import warnings
 from typing import Callable, Optional, Sequence
 
 from asyncppo import __version__
-from asyncppo.config import ConfigError, ConfigWarning, config_to_yaml, load_config
-from asyncppo.config.convert import command as convert_command
+from asyncppo.config import ConfigError
 from asyncppo.launch.plan import format_plan
 from asyncppo.launch.resolve import plan_launch
-from asyncppo.report import write_report
-from asyncppo.report.advisor import format_table, plot, recommend, sweep
-from asyncppo.report.rates import measure
-from asyncppo.report.runs import RunDirError
-from asyncppo.report.workloads import SWITCH_S, workload
+from asyncppo.launch.shared_device import SharedSplitError, check_shared_split, resolve_shared_device
+from asyncppo.selftest import command as selftest_command
+
+# Hydra and OmegaConf (the config loader, `convert`, `report`, `advise`) are imported inside the handlers that need
+# them, so that `asyncppo selftest` runs on a bare GPU machine that has neither (asyncppo/selftest/).
 
 DOCS = "docs/configuration.md"
 
@@ -70,6 +70,10 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--train-gpus", type=int, metavar="M", default=None,
                    help="GPUs for training: M learner ranks with one GPU each; 0 runs one CPU learner "
                    "(same as cluster.train_gpus=M; the flag wins over an override)")
+    p.add_argument("--gpus", type=int, metavar="N", default=None,
+                   help="share N devices, each between one rollout engine (rollout.gpu_memory_utilization of its "
+                   "memory) and one learner rank (the rest); weights move through host shared memory. On a machine "
+                   "without an NVIDIA GPU the same placement runs on the CPU (same as cluster.shared_gpus=N)")
     p.add_argument("--dry-run", action="store_true",
                    help="print the resolved config as YAML and the launch plan (placement, Ray, actors' environment, "
                    "model), then exit without starting anything")
@@ -83,6 +87,12 @@ def _add_launch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_convert(sub: argparse._SubParsersAction) -> None:
+    try:
+        from asyncppo.config.convert import command as convert_command  # optional: hydra, omegaconf
+    except ImportError as exc:
+        why = f"unavailable here: {exc}"
+        sub.add_parser("convert", help=why, description=why).set_defaults(func=lambda args: _fail(why, code=1))
+        return
     convert_command.add_arguments(_subcommand(sub, "convert", convert_command.HELP, convert_command.DESCRIPTION,
                                               convert_command.EPILOG))
 
@@ -113,6 +123,9 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
+    from asyncppo.report import write_report  # optional: omegaconf, matplotlib
+    from asyncppo.report.runs import RunDirError  # optional: omegaconf
+
     try:
         paths = write_report(*args.runs, out_dir=args.out)
     except RunDirError as exc:
@@ -137,6 +150,10 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
+    from asyncppo.report.advisor import format_table, plot, recommend, sweep  # optional: omegaconf, matplotlib
+    from asyncppo.report.rates import measure  # optional: omegaconf
+    from asyncppo.report.workloads import SWITCH_S, workload  # optional: omegaconf
+
     if (args.run is None) == (args.workload is None):
         return _fail("advise needs exactly one of RUN_DIR or --workload NAME")
     try:
@@ -171,6 +188,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 # name -> adds the subcommand's parser (which sets func=handler(args) -> exit code)
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "launch": _add_launch, "report": _add_report, "advise": _add_advise, "convert": _add_convert,
+    "selftest": selftest_command.add_parser,
 }
 
 
@@ -195,11 +213,15 @@ def _fail(msg: str, code: int = 2) -> int:
 
 def _load(args: argparse.Namespace):
     """Compose + validate; warnings go to stderr. Raises ConfigError."""
+    from asyncppo.config import ConfigWarning, load_config  # optional: hydra, omegaconf
+
     overrides = list(args.overrides)
     if args.rollout_gpus is not None:
         overrides.append(f"cluster.rollout_gpus={args.rollout_gpus}")
     if args.train_gpus is not None:
         overrides.append(f"cluster.train_gpus={args.train_gpus}")
+    if getattr(args, "gpus", None) is not None:
+        overrides.append(f"cluster.shared_gpus={args.gpus}")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ConfigWarning)
         cfg = load_config(overrides, config_dir=args.config_dir, config_file=args.config_file)
@@ -208,7 +230,7 @@ def _load(args: argparse.Namespace):
             print(f"asyncppo: warning: {w.message}", file=sys.stderr)
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno)
-    return cfg
+    return resolve_shared_device(cfg)  # --gpus N: cuda or cpu, settled once for every actor
 
 
 def _cmd_launch(args: argparse.Namespace) -> int:
@@ -216,10 +238,18 @@ def _cmd_launch(args: argparse.Namespace) -> int:
         cfg = _load(args)
     except ConfigError as exc:
         return _fail(f"{exc}\n(see {DOCS})")
+    except ImportError as exc:  # a bare machine: `asyncppo selftest` runs there, `launch` needs the whole stack
+        return _fail(f"launch needs Hydra and OmegaConf, which cannot be imported here ({exc})", code=1)
     if args.dry_run:
         # The plan is printed as YAML comments so that the whole output still parses as the config.
-        plan = plan_launch(cfg)
+        try:
+            memory = check_shared_split(cfg)  # --gpus N: refused here when the learner cannot fit beside the engine
+        except SharedSplitError as exc:
+            return _fail(f"{exc}\n(see {DOCS})")
+        plan = dataclasses.replace(plan_launch(cfg), memory_lines=tuple(memory))
         lines = format_plan(plan.placement).splitlines() + plan.describe()
+        from asyncppo.config import config_to_yaml  # optional: omegaconf
+
         sys.stdout.write(config_to_yaml(cfg))
         sys.stdout.write("".join(f"# {line}\n" for line in lines))
         sys.stdout.flush()

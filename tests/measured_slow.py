@@ -10,6 +10,9 @@ a deadline on purpose, or start processes and engines of their own. Keyed by fil
 SLOW_SECONDS = 5.0
 
 MEASURED_SLOW: dict[str, frozenset[str]] = {
+    "test_selftest_bare.py": frozenset({
+        "test_selftest_runs_without_the_launch_stack",  # ~15 s: builds a model, starts an engine process
+    }),
     "test_checkpoint_sharded.py": frozenset({
         "test_two_rank_checkpoint_round_trip_is_bit_exact",  # 24.8 s
     }),

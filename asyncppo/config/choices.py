@@ -51,3 +51,5 @@ LOSS_TYPES = ("actor", "actor_critic")
 LR_SCHEDULES = ("constant", "linear")
 ENV_VECTORIZATION = ("sync", "async")
 ACTIVATIONS = ("tanh", "relu", "elu")
+
+SHARED_DEVICES = ("auto", "cuda", "cpu")  # cluster.shared_device

@@ -232,6 +232,11 @@ class ClusterConfig:
     rollout_gpus: int = 0
     train_gpus: int = 0
     rollout_workers: int = 1  # CPU rollout actors when rollout_gpus == 0
+    # --gpus N: N devices, each shared by one engine (rollout.gpu_memory_utilization of its memory) and one learner
+    # rank (the rest); weights move through host shared memory, not NCCL (launch/shared_device.py, sync/shm.py)
+    shared_gpus: int = 0
+    shared_device: str = "auto"  # shared_gpus > 0: cuda | cpu | auto (cuda when this machine shows an NVIDIA GPU)
+    device_memory_gib: float = 0.0  # one device's memory for the shared-mode memory plan; 0: ask nvidia-smi
     cpus_per_worker: float = 1.0
     gpus_per_node: int = 0  # GPUs per machine, for the plan's checks (a TP engine stays on one node); 0: unknown
     address: Optional[str] = None  # join an existing Ray cluster ("auto" or "host:port"); None: start a local one

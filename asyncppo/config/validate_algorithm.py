@@ -163,10 +163,10 @@ def _check_schedule(cfg: AsyncPPOConfig, c: Checks) -> None:
     if 0 < a.max_tokens_per_micro_batch < seq_len:
         c.error("algorithm.max_tokens_per_micro_batch", a.max_tokens_per_micro_batch,
                 f"must be 0 (off) or >= prompt_length + response_length = {seq_len} so that one sample fits")
-    tg = cfg.cluster.train_gpus
+    tg = cfg.cluster.shared_gpus or cfg.cluster.train_gpus  # learner ranks (--gpus N: one per shared device)
     mini_prompts = mini_batch_prompts(cfg)
     if tg > 1 and mini_prompts > 0 and mini_prompts % tg:
-        c.error("cluster.train_gpus", tg, f"must divide the mini-batch of {mini_prompts} prompt groups so every "
+        c.error("cluster.shared_gpus" if cfg.cluster.shared_gpus else "cluster.train_gpus", tg, f"must divide the mini-batch of {mini_prompts} prompt groups so every "
                 "learner rank gets the same whole groups")
     elif tg > 1 and a.micro_batch_size > 0 and (mini_samples // tg) % a.micro_batch_size:
         c.error("algorithm.micro_batch_size", a.micro_batch_size, f"must divide each learner rank's share of "

@@ -47,6 +47,7 @@ def check_cluster(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("cluster.rollout_workers", k.rollout_workers, "must be >= 1 when cluster.rollout_gpus=0 (CPU "
                 "rollout actors)")
     c.positive("cluster.cpus_per_worker", k.cpus_per_worker)
+    check_shared_device(cfg, c)
     c.non_negative("cluster.gpus_per_node", k.gpus_per_node)
     c.non_empty("cluster.bind_address", k.bind_address)
     ports = {}
@@ -95,3 +96,23 @@ def _check_addresses(k, c: Checks) -> None:
                         "cluster.cpus_per_worker, rollout_gpus and train_gpus)")
             elif not (isinstance(amount, (int, float)) and 0 < amount < float("inf")):
                 c.error(f"cluster.{key}.{name}", amount, "must be a finite amount > 0")
+
+
+def check_shared_device(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """``--gpus N`` (cluster.shared_gpus): each device holds one engine and one learner rank, so it excludes the
+    separate pools and an engine wider than one device (the memory split itself: launch/memory_plan.py)."""
+    k = cfg.cluster
+    c.non_negative("cluster.shared_gpus", k.shared_gpus)
+    c.choice("cluster.shared_device", k.shared_device, C.SHARED_DEVICES)
+    c.non_negative("cluster.device_memory_gib", k.device_memory_gib)
+    if k.shared_gpus <= 0:
+        return
+    if k.rollout_gpus or k.train_gpus:
+        c.error("cluster.shared_gpus", k.shared_gpus, f"--gpus N shares each device between an engine and a learner "
+                f"rank, so it cannot be combined with --rollout-gpus/--train-gpus (cluster.rollout_gpus="
+                f"{k.rollout_gpus}, cluster.train_gpus={k.train_gpus}): use one or the other")
+    if cfg.rollout.tensor_parallel_size > 1:
+        c.error("rollout.tensor_parallel_size", cfg.rollout.tensor_parallel_size, "must be 1 with --gpus N "
+                "(cluster.shared_gpus): a shared device holds one whole engine beside one learner rank")
+    if cfg.env.id:
+        c.error("cluster.shared_gpus", k.shared_gpus, "is for LLM runs; embodied runs use --train-gpus/--rollout-gpus")

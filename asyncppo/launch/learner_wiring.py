@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Optional
 
+from asyncppo.config.devices import engines_on_gpu, learner_on_gpu, shared_mode
 from asyncppo.envs.spaces import describe_env
 from asyncppo.launch.addresses import LearnerAddresses, discover_learner_addresses
 from asyncppo.launch.learner_sockets import LearnerSockets
@@ -53,7 +54,8 @@ class LearnerWiring:
         log.info("learner sockets: bind %s, advertise %s (%s)", host, public, self.addresses.reason)
         # Authentication (docs/security.md): CURVE beyond loopback (cluster.auth=auto) or when forced.
         self.keys = (self.keys or CurveKeys.generate()) if auth_enabled(cl.auth, host) else None
-        backend = backend_for(cl.train_gpus > 0, cl.rollout_gpus > 0)
+        # --gpus N: engine and learner rank share one device, where NCCL refuses two ranks: host shared memory
+        backend = "shm" if shared_mode(self.cfg) else backend_for(learner_on_gpu(self.cfg), engines_on_gpu(self.cfg))
         self.sockets = LearnerSockets(self.cfg, host, self.keys, self.num_workers, start_version, backend,
                                       closables=self._closables)
         self.ledger = WorkerLedger(self.output_dir, saved_position)  # data positions, restarts (membership.py)

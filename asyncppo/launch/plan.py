@@ -12,6 +12,8 @@ Rules:
   node's links on every layer). ``N = 0``: ``cluster.rollout_workers`` CPU rollout actors; with TP > 1 each one's
   engine runs TP worker processes, so the actor reserves TP x ``cluster.cpus_per_worker`` CPUs.
 * ``cluster.train_gpus = M > 0``: M learner ranks, one GPU each; ``M = 0``: one CPU learner.
+* ``cluster.shared_gpus = N > 0`` (``--gpus N``): N learner ranks and N engines, learner rank i and engine i on
+  device i; on CUDA each asks for half a GPU of one shared one-GPU bundle (launch/shared_device.py).
 * Every role asks for ``cluster.cpus_per_worker`` CPUs.
 * Learner rank 0 also hosts the trajectory sink, the admission controller, the control publisher and rank 0 of
   the weight-sync group, whose world is learner rank 0 plus every rollout engine.
@@ -34,10 +36,11 @@ class RolePlacement:
     kind: str  # "learner" | "rollout"
     rank: int  # index among roles of the same kind
     device: str  # "gpu" | "cpu"
-    gpus: int  # GPUs this role reserves (0, 1, or TP x PP for a rollout engine)
+    gpus: float  # GPUs this role reserves (0, 1, TP x PP for a rollout engine, 0.5 on a shared device)
     cpus: float  # CPUs this role reserves
     gpu_ids: tuple[int, ...] = ()  # positions in its pool (learner or rollout GPUs); Ray picks the physical devices
     tp: int = 1  # tensor-parallel ranks of a rollout engine (processes on CPU)
+    shared: bool = False  # --gpus N: this role shares device gpu_ids[0] with the other kind's role of its rank
 
 
 @dataclass
@@ -61,7 +64,7 @@ class PlacementPlan:
         return [r for r in self.roles if r.kind == "rollout"]
 
     @property
-    def total_gpus(self) -> int:
+    def total_gpus(self) -> float:
         return sum(r.gpus for r in self.roles)
 
     @property
@@ -82,6 +85,8 @@ def engine_width(cfg: AsyncPPOConfig) -> int:
 def num_rollout_engines(cfg: AsyncPPOConfig) -> int:
     """Rollout actors to start: one per engine."""
     cl = cfg.cluster
+    if cl.shared_gpus > 0:
+        return cl.shared_gpus
     return cl.rollout_gpus // engine_width(cfg) if cl.rollout_gpus > 0 else cl.rollout_workers
 
 
@@ -104,16 +109,27 @@ def check_engine_fits(cfg: AsyncPPOConfig, node_gpus: list[float]) -> None:
             "rollout.tensor_parallel_size")
 
 
+def _shared_roles(cfg: AsyncPPOConfig) -> list[RolePlacement]:
+    """``--gpus N``: learner rank i and engine i on device i, each with half of it on CUDA."""
+    cl = cfg.cluster
+    on_gpu, cpus = cl.shared_device == "cuda", float(cl.cpus_per_worker)
+    device, share = ("gpu", 0.5) if on_gpu else ("cpu", 0.0)
+    return [RolePlacement(f"{kind}-{i}", kind, i, device, share, cpus, (i,), 1, True)
+            for kind in ("learner", "rollout") for i in range(cl.shared_gpus)]
+
+
 def make_placement_plan(cfg: AsyncPPOConfig) -> PlacementPlan:
     cl = cfg.cluster
     cpus = float(cl.cpus_per_worker)
     roles: list[RolePlacement] = []
-    if cl.train_gpus > 0:
+    if cl.shared_gpus > 0:
+        roles = _shared_roles(cfg)
+    elif cl.train_gpus > 0:
         roles += [RolePlacement(f"learner-{i}", "learner", i, "gpu", 1, cpus, (i,)) for i in range(cl.train_gpus)]
     else:
         roles.append(RolePlacement("learner-0", "learner", 0, "cpu", 0, cpus))
     width, tp = engine_width(cfg), max(1, int(cfg.rollout.tensor_parallel_size))
-    for i in range(num_rollout_engines(cfg)):
+    for i in range(num_rollout_engines(cfg) if not cl.shared_gpus else 0):
         if cl.rollout_gpus > 0:
             ids = tuple(range(i * width, (i + 1) * width))
             roles.append(RolePlacement(f"rollout-{i}", "rollout", i, "gpu", width, cpus, ids, tp))
@@ -136,7 +152,7 @@ def format_plan(plan: PlacementPlan) -> str:
     """A human-readable table of the plan (what ``--dry-run`` prints)."""
     lines = [
         f"placement plan: {len(plan.learners)} learner rank(s), {len(plan.rollouts)} rollout worker(s) "
-        f"[engine={plan.engine}], {plan.total_gpus} GPU(s), {plan.total_cpus:g} CPU(s) in total",
+        f"[engine={plan.engine}], {plan.total_gpus:g} GPU(s), {plan.total_cpus:g} CPU(s) in total",
         f"  {'role':<12} {'kind':<8} {'device':<7} {'gpus':>4} {'cpus':>5}  notes",
     ]
     for r in plan.roles:
@@ -153,10 +169,14 @@ def format_plan(plan: PlacementPlan) -> str:
                                                                else "") + "; " + notes)
             elif r.tp > 1:
                 notes = f"engine {r.rank}: TP={r.tp} engine processes on CPU; " + notes
-        lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4} {r.cpus:>5g}  {notes}")
+        if r.shared:
+            notes = f"shares device {r.gpu_ids[0]} with {'rollout' if r.kind == 'learner' else 'learner'}-{r.rank}; " \
+                    + notes
+        lines.append(f"  {r.name:<12} {r.kind:<8} {r.device:<7} {r.gpus:>4g} {r.cpus:>5g}  {notes}")
     ports = ", ".join(f"{k.removesuffix('_port')}={v or 'auto'}" for k, v in plan.ports.items())
     lines.append(f"  ports: {ports} (bind {plan.bind_address}, advertise {plan.advertise_address})")
     # sync/fanout.py: one group per worker (LLM engines and env workers alike), so one worker's death breaks nobody
-    lines.append(f"  weight sync: {len(plan.rollouts)} two-rank group(s), learner rank 0 + one worker each")
+    shm = " over host shared memory (shared devices: no NCCL)" if any(r.shared for r in plan.roles) else ""
+    lines.append(f"  weight sync: {len(plan.rollouts)} two-rank group(s), learner rank 0 + one worker each{shm}")
     lines.append(f"  ray: {plan.ray_address or 'local instance started by the launcher'}")
     return "\n".join(lines)

@@ -25,7 +25,9 @@ import os
 from typing import Any, Optional
 
 from asyncppo.config.hosts import is_loopback
+from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.launch.shared_device import SharedSplitError, check_shared_split
 from asyncppo.launch.plan import (
     PlacementPlan, check_engine_fits, make_placement_plan, num_rollout_engines, rollout_bundle,
 )
@@ -61,16 +63,45 @@ class LaunchPlan:
     worker_model_path: str = ""  # the rollout engines' starting weights: the checkpoint's actor when resuming
     resume_note: Optional[str] = None  # "resuming from PATH (step N)", printed when the run starts
     max_learner_restarts: int = 0  # learner deaths restarted from the latest checkpoint (0: a death ends the run)
+    shared_devices: int = 0  # --gpus N: bundle i holds learner rank i and engine i (launch/shared_device.py)
+    memory_lines: tuple[str, ...] = ()  # the shared device's memory split (launch/memory_plan.py)
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The placement group's bundles: one per role, or one per shared device."""
+        if self.shared_devices:
+            return [self.worker_bundle] * self.shared_devices
+        return [self.learner_bundle] * self.num_learners + [self.worker_bundle] * self.num_workers
+
+    def learner_slot(self, rank: int) -> tuple[int, dict[str, float]]:
+        """Learner rank ``rank``'s bundle index and the resources it asks for there."""
+        if self.shared_devices:
+            return rank, self._half()
+        return rank, self.learner_bundle
+
+    def worker_slot(self, index: int) -> tuple[int, dict[str, float]]:
+        """Rollout worker ``index``'s bundle index and the resources it asks for there."""
+        if self.shared_devices:
+            return index, self._half()
+        return self.num_learners + index, self.worker_bundle
+
+    def _half(self) -> dict[str, float]:
+        """One of the two actors of a shared bundle: half its CPUs and half its GPU (Ray's fractional GPUs give both
+        the same device)."""
+        return {k: v / 2 for k, v in self.worker_bundle.items()}
 
     def describe(self) -> list[str]:
         """The resolved facts beyond the placement table, one line each (``--dry-run`` prints them)."""
         init = {k: v for k, v in self.ray_init.items() if k != "runtime_env"}
         env = self.ray_init.get("runtime_env", {}).get("env_vars", {})
+        bundles = (f"bundles: {self.num_learners} x learner {self.learner_bundle}, {self.num_workers} x rollout "
+                   f"{self.worker_bundle} (placement group, PACK)")
+        if self.shared_devices:
+            bundles = (f"bundles: {self.shared_devices} x shared device {self.worker_bundle}, its learner rank and its "
+                       f"engine asking for {self._half()} each (placement group, PACK)")
         lines = [
             f"run directory: {self.output_dir}",
             f"ray.init: {init}" + ("; Ray's control plane on loopback" if self.ray_on_loopback else ""),
-            f"bundles: {self.num_learners} x learner {self.learner_bundle}, {self.num_workers} x rollout "
-            f"{self.worker_bundle} (placement group, PACK)",
+            bundles,
             f"actor environment: {' '.join(f'{k}={v}' for k, v in sorted(env.items()))}",
             "dead rollout workers: " + (f"replaced, up to {self.max_worker_restarts} restart(s) in the run"
                                         if self.replace_dead_workers else "end the run"),
@@ -86,7 +117,7 @@ class LaunchPlan:
                          "when the run starts")
         if self.resume_note:
             lines.append(self.resume_note)
-        return lines
+        return lines + list(self.memory_lines)
 
 
 def actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
@@ -104,7 +135,7 @@ def actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "PYTHONWARNINGS": "ignore",
     }
-    if cfg.cluster.rollout_gpus == 0:
+    if not engines_on_gpu(cfg):
         env["VLLM_TARGET_DEVICE"] = "cpu"
     env.update({key: os.environ[key] for key in _PASSED_ENV if key in os.environ})
     return env
@@ -123,6 +154,10 @@ def _bundles(cfg: AsyncPPOConfig) -> tuple[dict[str, float], dict[str, float]]:
     """The learner's and one rollout engine's Ray bundle; custom Ray resources pin roles to nodes
     (``cluster.learner_resources`` / ``rollout_resources``)."""
     cl = cfg.cluster
+    if cl.shared_gpus > 0:  # one bundle per device, for its learner rank and its engine (LaunchPlan._half)
+        both = {"CPU": 2.0 * float(cl.cpus_per_worker), **({"GPU": 1.0} if cl.shared_device == "cuda" else {})}
+        both.update({k: float(v) for k, v in {**cl.learner_resources, **cl.rollout_resources}.items()})
+        return both, both
     learner = {"CPU": 1.0, "GPU": 1.0} if cl.train_gpus > 0 else {"CPU": 1.0}
     learner.update({k: float(v) for k, v in cl.learner_resources.items()})
     worker = {**rollout_bundle(cfg), **{k: float(v) for k, v in cl.rollout_resources.items()}}
@@ -141,6 +176,8 @@ def plan_launch(cfg: AsyncPPOConfig) -> LaunchPlan:
         init["address"] = cl.address
     else:
         needed = max(1, cl.train_gpus) + rollout_bundle(cfg)["CPU"] * num_workers  # the placement group's CPUs
+        if cl.shared_gpus:
+            needed = worker_bundle["CPU"] * cl.shared_gpus
         init["num_cpus"] = max(os.cpu_count() or 1, int(math.ceil(needed)))
     init["runtime_env"] = {"env_vars": actor_env(cfg)}
     return LaunchPlan(
@@ -149,7 +186,8 @@ def plan_launch(cfg: AsyncPPOConfig) -> LaunchPlan:
         worker_bundle=worker_bundle, ray_init=init, ray_on_loopback=ray_on_loopback(cfg),
         replace_dead_workers=cl.max_worker_restarts > 0,
         max_worker_restarts=cl.max_worker_restarts, timeout_s=cl.timeout_s,
-        model_source=cfg.env.id or cfg.model.path, max_learner_restarts=learner_restarts(cfg),
+        model_source=cfg.env.id or cfg.model.path, shared_devices=cl.shared_gpus,
+        max_learner_restarts=learner_restarts(cfg),
     )
 
 
@@ -164,6 +202,10 @@ def learner_restarts(cfg: AsyncPPOConfig) -> int:
 def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
     """The plan with every check made that needs no cluster (module docstring); raises :class:`LaunchError`."""
     plan = plan_launch(cfg)
+    try:  # --gpus N: the model and its optimizer must fit beside the engine (launch/memory_plan.py)
+        plan = dataclasses.replace(plan, memory_lines=tuple(check_shared_split(cfg)))
+    except SharedSplitError as exc:
+        raise LaunchError(str(exc)) from None
     _check_output_dir(cfg, plan.output_dir)
     if plan.embodied:
         _check_env(cfg)
@@ -256,6 +298,8 @@ def check_cluster(cfg: AsyncPPOConfig, resources: dict[str, float], node_gpus: l
     """The checks that need Ray up: ``resources`` is ``ray.cluster_resources()``, ``node_gpus`` the GPUs of each
     alive node. Refused here, before a placement group would wait for what no node holds."""
     want_gpus = cfg.cluster.rollout_gpus + cfg.cluster.train_gpus
+    if cfg.cluster.shared_gpus and cfg.cluster.shared_device == "cuda":
+        want_gpus = cfg.cluster.shared_gpus
     have_gpus = int(resources.get("GPU", 0))
     if want_gpus > have_gpus:
         raise LaunchError(

@@ -68,7 +68,7 @@ class RunActors:
     def reserve(self) -> None:
         """One placement group holding every role's bundle."""
         p = self.plan
-        bundles = [p.learner_bundle] * p.num_learners + [p.worker_bundle] * p.num_workers
+        bundles = p.bundles()
         self.pg = placement_group(bundles, strategy="PACK")
         if not self.pg.wait(timeout_seconds=PLACEMENT_WAIT_S):
             raise LaunchError(f"Ray could not reserve {bundles} within {PLACEMENT_WAIT_S} s: not enough free resources")
@@ -78,7 +78,7 @@ class RunActors:
         rank 0 binds its sockets and says where it listens."""
         p = self.plan
         self.learners = [
-            self._placed(self.learner_cls, r, p.learner_bundle).remote(
+            self._placed(self.learner_cls, *p.learner_slot(r)).remote(
                 cfg_dict or self.cfg_dict, p.model_path, p.num_workers, p.output_dir, r, p.num_learners)
             for r in range(p.num_learners)
         ]
@@ -92,13 +92,14 @@ class RunActors:
         """Write ``placement.json`` and fail now if any role's node cannot reach the learner's sockets."""
         p, e = self.plan, self.endpoints
         nodes = bundle_nodes(self.pg)
-        roles = {f"learner-{r}": r for r in range(p.num_learners)}
-        roles.update({f"rollout-{i}": p.num_learners + i for i in range(p.num_workers)})
+        roles = {f"learner-{r}": p.learner_slot(r)[0] for r in range(p.num_learners)}
+        roles.update({f"rollout-{i}": p.worker_slot(i)[0] for i in range(p.num_workers)})
         PlacementRecord(
             learner=self.addresses.as_dict(),
             roles={role: dataclasses.asdict(nodes[index]) for role, index in roles.items()},
             endpoints={"trajectory": e.trajectory, "control": e.control, "admission": e.admission, "eval": e.eval,
-                       "sync_host": e.sync_host, "sync_port": e.sync_port, "auth": e.curve is not None},
+                       "sync_host": e.sync_host, "sync_port": e.sync_port, "auth": e.curve is not None,
+                       "sync_backend": e.sync_backend, "shared_devices": p.shared_devices},
         ).write(p.output_dir)
         for role, index in roles.items():  # fail now, not after cluster.timeout_s, if a role cannot reach them
             if role != "learner-0":
@@ -109,8 +110,8 @@ class RunActors:
         its bundle; returns the ref of its run()."""
         p = self.plan
         if incarnation:  # a bundle whose node died may have been re-placed elsewhere
-            check_reachable(self.addresses, f"rollout-{i}", bundle_nodes(self.pg)[p.num_learners + i], p.timeout_s)
-        actor = self._placed(self.rollout_cls, p.num_learners + i, p.worker_bundle).remote(
+            check_reachable(self.addresses, f"rollout-{i}", bundle_nodes(self.pg)[p.worker_slot(i)[0]], p.timeout_s)
+        actor = self._placed(self.rollout_cls, *p.worker_slot(i)).remote(
             self.cfg_dict, i, p.num_workers, self.endpoints, p.worker_model_path, incarnation, position)
         self.actors.append(actor)
         self.workers[i] = actor

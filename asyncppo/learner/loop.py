@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from asyncppo.config.deadlines import push_timeout
+from asyncppo.config.devices import learner_on_gpu
 from asyncppo.learner.step_metrics import make_logger
 from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
@@ -153,7 +154,7 @@ class LearnerLoop:
             self._in_group = True  # set first: a half-made group is still left at shutdown
             return D.init_learner_group(self.rank, self.world_size, master_addr, master_port,
                                         timeout_s=cl.timeout_s, bind_host=bind_host)
-        return torch.device("cuda" if torch.cuda.is_available() and cl.train_gpus > 0 else "cpu")
+        return torch.device("cuda" if torch.cuda.is_available() and learner_on_gpu(self.cfg) else "cpu")
 
     def _join_workers(self, wiring) -> None:
         """Wait until every worker joined its weight-sync group; the deadline counts from here, not from start-up."""

@@ -62,4 +62,4 @@ class WeightPusher:
             return
         D.broadcast_gather(0)
         push_layer_groups(self.sender, self.actor, version, self.budget_bytes,
-                          device=torch.device("cpu") if self.sender.backend == "gloo" else None, on_group=self.mirror)
+                          device=torch.device("cpu") if self.sender.backend in ("gloo", "shm") else None, on_group=self.mirror)

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from asyncppo.config.devices import learner_ranks
+
 
 class SharedValueHead(nn.Module):
     """V(s_t) = w . h_t + b on the actor's final hidden state ``h_t``; zero-initialised so V starts at 0."""
@@ -37,7 +39,7 @@ def shares_actor_body(critic: nn.Module | None) -> bool:
 
 def uses_shared_head(cfg) -> bool:
     """Whether this run's critic is a value head on the actor: ``model.shared_backbone`` on one learner rank."""
-    return bool(cfg.model.shared_backbone) and cfg.cluster.train_gpus <= 1
+    return bool(cfg.model.shared_backbone) and learner_ranks(cfg) <= 1
 
 
 def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool) -> nn.Module:

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.config.devices import engines_on_gpu
 from asyncppo.data.datasets import build_prompt_dataset
 from asyncppo.data.position import group_key, resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
@@ -111,7 +112,7 @@ class RolloutWorker(WorkerSkeleton):
         self.engine = make_engine(
             ro.engine, self.model_path, dtype=ro.dtype, max_model_len=ro.prompt_length + ro.response_length,
             seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
-            device="cuda" if cfg.cluster.rollout_gpus > 0 else "cpu", kv_cache_gib=ro.kv_cache_gib,
+            device="cuda" if engines_on_gpu(cfg) else "cpu", kv_cache_gib=ro.kv_cache_gib,
             enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
             **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),

@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from asyncppo.sync.broadcast import WeightSender, _as_named_list
 from asyncppo.sync.group_stream import GroupStream
-from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on_store
+from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on_store, stages_on_host
 
 log = logging.getLogger("asyncppo.sync")
 
@@ -237,7 +237,7 @@ class WeightFanout:
         """Snapshot ``tensors`` once and queue them for every member; members joining later get the newest."""
         named = _as_named_list(tensors)
         with torch.no_grad():
-            snap = [(n, t.detach().to("cpu" if self.backend == "gloo" else t.device, copy=True)) for n, t in named]
+            snap = [(n, t.detach().to("cpu" if stages_on_host(self.backend) else t.device, copy=True)) for n, t in named]
         with self._lock:
             self._latest = (snap, int(version))
             for m in self._members.values():

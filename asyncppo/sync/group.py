@@ -31,7 +31,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+from asyncppo.sync import shm as shm_path
+
+BACKENDS = ("gloo", "nccl", "shm")  # shm: gloo signals + a shared-memory segment (sync/shm.py), for one device
 _STORE_PREFIX = "asyncppo/weight-sync"
 
 
@@ -51,19 +53,33 @@ class SyncGroup:
     address: str  # "host:port" of the store, for error messages
     timeout_s: float
     store: Any = field(repr=False, default=None)  # kept alive: rank 0's store serves the others
+    shm: Optional[shm_path.ShmChannel] = field(repr=False, default=None)  # backend "shm": the bytes' path
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Broadcast ``tensor`` (contiguous, on :attr:`device`) from ``src`` in place, and wait for it."""
         try:
-            self.pg.broadcast([tensor], _bcast_opts(src)).wait()
+            if self.shm is not None:
+                self.shm.broadcast(tensor, src)
+            else:
+                self._pg_broadcast(tensor, src)
         except RuntimeError as e:
             raise SyncGroupError(
                 f"weight-sync broadcast failed (rank {self.rank}/{self.world_size}, store {self.address}, "
                 f"backend {self.backend}, timeout {self.timeout_s}s): {e}"
             ) from e
 
+    def _pg_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        self.pg.broadcast([tensor], _bcast_opts(src)).wait()
+
+    def _meet(self) -> None:
+        """Every rank reaches this point (a one-element all-reduce: gloo has no cheaper barrier with a deadline)."""
+        self.pg.allreduce([torch.zeros(1)]).wait()
+
     def close(self) -> None:
         """Release the backend's connections; the group is unusable afterwards."""
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         shutdown = getattr(self.pg, "shutdown", None)
         if shutdown is not None:
             try:
@@ -79,6 +95,11 @@ def _bcast_opts(src: int):
     opts.rootRank = src
     opts.rootTensor = 0
     return opts
+
+
+def stages_on_host(backend: str) -> bool:
+    """Whether a push's tensors travel from host memory (gloo, and shm's segment), so snapshots go to the CPU."""
+    return backend in ("gloo", "shm")
 
 
 def backend_for(learner_on_gpu: bool, engines_on_gpu: bool) -> str:
@@ -238,8 +259,13 @@ def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int,
     address, timeout, who = f"{host}:{port}", timedelta(seconds=timeout_s), f"rank {rank}/{world_size}"
     prefixed = dist.PrefixStore(f"{_STORE_PREFIX}/{store_prefix}" if store_prefix else _STORE_PREFIX, store)
 
+    segment = ""
+    if backend == "shm":  # rank 0 makes the segment before the pair forms, so rank 1 finds it once it has
+        segment = shm_path.segment_path(store_prefix or str(port))  # both ranks know it; the host may differ
+        if rank == 0:
+            shm_path.create_segment(segment)
     try:
-        if backend == "gloo":
+        if backend in ("gloo", "shm"):
             gloo_opts = _gloo_options(host, rank, timeout)
             pg = (dist.ProcessGroupGloo(prefixed, rank, world_size, timeout) if gloo_opts is None
                   else dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts))
@@ -248,12 +274,22 @@ def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int,
             pg = _nccl_group(prefixed, rank, world_size, timeout)
             device = torch.device("cuda", torch.cuda.current_device())
     except Exception as e:
+        if segment and rank == 0:
+            shm_path.discard_segment(segment)
         raise SyncGroupError(
             f"the weight-sync group at {address} did not form within {timeout_s}s ({who}, backend {backend}): "
             f"not every one of the {world_size} ranks joined ({type(e).__name__}: {e})"
         ) from e
     group = SyncGroup(pg=pg, rank=rank, world_size=world_size, backend=backend, device=device,
                       address=address, timeout_s=float(timeout_s), store=store)
+    if backend == "shm":
+        try:
+            group.shm = shm_path.attach(rank, segment, group._pg_broadcast, group._meet)
+        except (OSError, RuntimeError) as e:
+            group.close()
+            raise SyncGroupError(f"the shared-memory segment {segment} of the weight-sync group at {address} could "
+                                 f"not be mapped ({who}): {e}; set ASYNCPPO_SHM_DIR to a writable local "
+                                 "directory") from e
     if backend == "nccl":
         # NCCL connects lazily; a first tiny broadcast makes a missing rank fail here, with the address, not
         # in the middle of the first weight push.

@@ -91,8 +91,9 @@ def test_unknown_key_exits_2_naming_it():
 
 
 def test_unknown_flag_exits_2():
-    res = _run("launch", "--dry-run", "--gpus", "2")
-    assert res.returncode == 2 and "--gpus" in res.stderr
+    # (--gpus, the example this test used, is now a flag: the shared-device mode)
+    res = _run("launch", "--dry-run", "--gpu-count", "2")
+    assert res.returncode == 2 and "--gpu-count" in res.stderr
 
 
 def test_warning_goes_to_stderr_and_run_continues():
