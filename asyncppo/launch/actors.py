@@ -75,8 +75,8 @@ class LearnerActor:
     def health(self) -> dict:
         return self.service.health()
 
-    def note_restart(self, restarts: int, steps_lost: int, incarnations: dict) -> int:
-        return self.service.note_restart(restarts, steps_lost, incarnations)
+    def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
+        return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 
 
 # Two threads: run() in one, and beside it the launcher's control ping (heartbeat, launch/hang.py; a stopped or

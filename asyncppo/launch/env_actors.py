@@ -44,8 +44,8 @@ class EnvLearnerActor:
     def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
         return self.service.replace_worker(worker_id, incarnation, hung)
 
-    def note_restart(self, restarts: int, steps_lost: int, incarnations: dict) -> int:
-        return self.service.note_restart(restarts, steps_lost, incarnations)
+    def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
+        return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 
 
 # Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() steps the env.

@@ -76,16 +76,17 @@ class LearnerRestarter:
         self.restarts += 1
         done = last_logged_step(plan.output_dir)
         cfg_dict = copy.deepcopy(run.cfg_dict)
-        if has_checkpoint(plan.output_dir):
+        resumable = has_checkpoint(plan.output_dir)
+        if resumable:
             cfg_dict["trainer"]["resume_from"] = plan.output_dir
         first = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
-        print(f"[asyncppo] learner died after step {done} ({first}); restarting it from the latest checkpoint "
-              f"(restart {self.restarts} of at most {self.limit})", file=sys.stderr, flush=True)
+        print(f"[asyncppo] learner died after step {done} ({first}); restarting it from "
+              + ("the latest checkpoint" if resumable else "the start (no checkpoint yet)")
+              + f" (restart {self.restarts} of at most {self.limit})", file=sys.stderr, flush=True)
         run.kill_learners()
         run.start_learners(cfg_dict)
-        version = ray.get(run.learner.note_restart.remote(self.restarts, 0, incarnations), timeout=plan.timeout_s)
-        self.steps_lost += max(0, done - version)
-        ray.get(run.learner.note_restart.remote(self.restarts, self.steps_lost, incarnations), timeout=plan.timeout_s)
+        version, self.steps_lost = ray.get(run.learner.note_restart.remote(
+            self.restarts, done, self.steps_lost, incarnations), timeout=plan.timeout_s)
         for i, worker in list(run.workers.items()):
             if i not in run.worker_refs.values():
                 continue  # dead and awaiting its replacement (launch/supervise.py starts it)
