@@ -80,6 +80,36 @@ def _read_json_array(path: Path, stats: DatasetStats) -> Iterator[tuple[int, obj
         yield i, row
 
 
+def iter_file_rows(p: str, stats: DatasetStats) -> Iterator[tuple[int, object]]:
+    """``(line or row number, row)`` of one JSONL / JSON / Parquet file; a row that is not valid JSON comes as the
+    exception. A missing, unreadable or corrupt *file* is an error naming it (never a silent empty dataset)."""
+    path = Path(p)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {p!r}")
+    suffix = path.suffix.lower()
+    reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".json": _read_json_array}.get(suffix)
+    if reader is None:
+        raise ValueError(f"dataset file {p!r}: unsupported extension {suffix!r}; allowed: .jsonl .json .parquet")
+    try:
+        yield from reader(path, stats)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "a .json dataset" in str(exc):
+            raise
+        raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
+    except Exception as exc:  # pyarrow raises its own error types for corrupt files
+        raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
+
+
+def count_bad_row(stats: DatasetStats, msg: str, bad_here: int) -> None:
+    """Count one skipped row; log the first few of a file (``bad_here``: this file's count so far, this one
+    included), keep the first 20 messages in ``stats.bad_examples``."""
+    stats.bad_rows += 1
+    if len(stats.bad_examples) < 20:
+        stats.bad_examples.append(msg)
+    if bad_here <= MAX_WARNINGS_PER_FILE:
+        log.warning(msg)
+
+
 def read_rows(
     paths: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer", stats: Optional[DatasetStats] = None
 ) -> list[dict]:
@@ -87,35 +117,16 @@ def read_rows(
     stats = stats if stats is not None else DatasetStats()
     rows: list[dict] = []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file not found: {p!r}")
-        suffix = path.suffix.lower()
-        reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".json": _read_json_array}.get(suffix)
-        if reader is None:
-            raise ValueError(f"dataset file {p!r}: unsupported extension {suffix!r}; allowed: .jsonl .json .parquet")
         bad_here = 0
-        try:
-            for where, row in reader(path, stats):
-                reason = _row_problem(row, prompt_key, answer_key)
-                if reason is None:
-                    ans = row[answer_key]
-                    ans = ans if isinstance(ans, str) else str(ans)
-                    rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
-                    continue
-                stats.bad_rows += 1
-                bad_here += 1
-                msg = f"{p}:{where}: {reason}; row skipped"
-                if len(stats.bad_examples) < 20:
-                    stats.bad_examples.append(msg)
-                if bad_here <= MAX_WARNINGS_PER_FILE:
-                    log.warning(msg)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            if isinstance(exc, ValueError) and "a .json dataset" in str(exc):
-                raise
-            raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
-        except Exception as exc:  # pyarrow raises its own error types for corrupt files
-            raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
+        for where, row in iter_file_rows(p, stats):
+            reason = _row_problem(row, prompt_key, answer_key)
+            if reason is None:
+                ans = row[answer_key]
+                ans = ans if isinstance(ans, str) else str(ans)
+                rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
+                continue
+            bad_here += 1
+            count_bad_row(stats, f"{p}:{where}: {reason}; row skipped", bad_here)
         if bad_here > MAX_WARNINGS_PER_FILE:
             log.warning("%s: %d unreadable rows skipped in total", p, bad_here)
     return rows
