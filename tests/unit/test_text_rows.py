@@ -83,7 +83,7 @@ def test_rows_from_the_config(tmp_path):
 
     train = _write_jsonl(tmp_path / "train.jsonl", [GOOD])
     with pytest.warns(UserWarning, match="built-in synthetic-task model"):  # the tiny model: not this test's point
-        cfg = load_config(overrides=[f"data.train_files=[{train}]", "env.text_env_config={timeout:5}"])
+        cfg = load_config(overrides=[f"data.train_files=[{train}]", "+env.text_env_config.timeout=5"])
     assert build_text_env_rows(cfg)[0].extras["reward_spec"]["ground_truth"] == "72"
     assert cfg.env.text_env_config == {"timeout": 5}
     with pytest.raises(ValueError, match="data.eval_files is empty"):
