@@ -107,3 +107,49 @@ def test_make_text_env_passes_config_and_extras_as_skyrl_train_does(tmp_path):
     assert env.env_config == {"timeout": 5}
     with pytest.raises(ValueError, match=r"env.text_env='test_text_rows.TakesNoArguments': constructing it"):
         make_text_env(TakesNoArguments, row.episode_extras())
+
+
+def _find_the_number_class():
+    """The example of docs/environments.md ("Bring your own environment"), as written there."""
+    skyrl = pytest.importorskip("skyrl_gym.envs.base_text_env", reason="skyrl-gym is the optional extra asyncppo[envs]")
+
+    def last_number(text):
+        tail = text.rsplit("####", 1)[-1].strip().split()
+        return int(tail[0]) if tail and tail[0].lstrip("-").isdigit() else None
+
+    class FindTheNumber(skyrl.BaseTextEnv):
+        def __init__(self, env_config=None, extras=None):
+            super().__init__()
+            self.answer = int(extras["reward_spec"]["ground_truth"])  # the dataset row's fields arrive as extras
+            self.max_turns = extras["max_turns"]                       # set to the run's env.max_turns
+            self.partial = float((env_config or {}).get("partial", 0.0))  # +env.text_env_config.partial=0.1
+
+        def step(self, action):
+            self.turns += 1
+            guess = last_number(action)
+            if guess == self.answer:
+                return {"observations": [], "reward": 1.0, "done": True, "metadata": {}}
+            if guess is None or self.turns >= self.max_turns:
+                return {"observations": [], "reward": 0.0, "done": True, "metadata": {}}
+            hint = "too high" if guess > self.answer else "too low"
+            return {"observations": [{"role": "user", "content": f"{hint}; answer again as '#### N'"}],
+                    "reward": self.partial, "done": False, "metadata": {}}
+
+    return FindTheNumber
+
+
+def test_the_documented_environment_runs_through_the_runner(tmp_path):
+    from asyncppo.envs.env_runner import EnvRunner
+
+    row = dict(GOOD, reward_spec={"method": "rule", "ground_truth": "37"})
+    [r] = read_text_env_rows([_write_jsonl(tmp_path / "rows.jsonl", [row])])
+    env = make_text_env(_find_the_number_class(), r.episode_extras(), {"partial": 0.1}, max_turns=3)
+    with EnvRunner(max_concurrency=1, step_timeout_s=30) as runner:
+        assert runner.init(env, r.prompt_messages).observations == PROMPT
+        high, low, right = (runner.step(env, f"I think #### {n}") for n in (50, 20, 37))
+    assert high.fault is None and high.reward == 0.1 and not high.done
+    assert high.observations == [{"role": "user", "content": "too high; answer again as '#### N'"}]
+    assert low.observations[0]["content"].startswith("too low") and (right.reward, right.done) == (1.0, True)
+    env = make_text_env(type(env), r.episode_extras(), max_turns=1)
+    out = env.step("#### 12")
+    assert (out["reward"], out["done"]) == (0.0, True)  # wrong, and out of tries
