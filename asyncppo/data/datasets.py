@@ -13,7 +13,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from .tasks import get_task
 
@@ -100,14 +100,28 @@ def iter_file_rows(p: str, stats: DatasetStats) -> Iterator[tuple[int, object]]:
         raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
 
 
-def count_bad_row(stats: DatasetStats, msg: str, bad_here: int) -> None:
-    """Count one skipped row; log the first few of a file (``bad_here``: this file's count so far, this one
-    included), keep the first 20 messages in ``stats.bad_examples``."""
-    stats.bad_rows += 1
-    if len(stats.bad_examples) < 20:
-        stats.bad_examples.append(msg)
-    if bad_here <= MAX_WARNINGS_PER_FILE:
-        log.warning(msg)
+def iter_good_rows(
+    paths: Sequence[str], problem: Callable[[object], Optional[str]], stats: DatasetStats
+) -> Iterator[tuple[str, object, dict]]:
+    """``(file, line or row number, row)`` of each row in which ``problem(row)`` finds nothing wrong (None); every
+    other row is skipped, counted in ``stats`` and logged with its file, line and reason (the first few of a file,
+    then a total; the first 20 kept in ``stats.bad_examples``)."""
+    for p in paths:
+        bad_here = 0
+        for where, row in iter_file_rows(p, stats):
+            reason = problem(row)
+            if reason is None:
+                yield p, where, row
+                continue
+            bad_here += 1
+            stats.bad_rows += 1
+            msg = f"{p}:{where}: {reason}; row skipped"
+            if len(stats.bad_examples) < 20:
+                stats.bad_examples.append(msg)
+            if bad_here <= MAX_WARNINGS_PER_FILE:
+                log.warning(msg)
+        if bad_here > MAX_WARNINGS_PER_FILE:
+            log.warning("%s: %d unreadable rows skipped in total", p, bad_here)
 
 
 def read_rows(
@@ -116,19 +130,10 @@ def read_rows(
     """Read ``{prompt, answer}`` rows from JSONL / JSON / Parquet files, skipping (and counting) bad rows."""
     stats = stats if stats is not None else DatasetStats()
     rows: list[dict] = []
-    for p in paths:
-        bad_here = 0
-        for where, row in iter_file_rows(p, stats):
-            reason = _row_problem(row, prompt_key, answer_key)
-            if reason is None:
-                ans = row[answer_key]
-                ans = ans if isinstance(ans, str) else str(ans)
-                rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
-                continue
-            bad_here += 1
-            count_bad_row(stats, f"{p}:{where}: {reason}; row skipped", bad_here)
-        if bad_here > MAX_WARNINGS_PER_FILE:
-            log.warning("%s: %d unreadable rows skipped in total", p, bad_here)
+    for _, _, row in iter_good_rows(paths, lambda r: _row_problem(r, prompt_key, answer_key), stats):
+        ans = row[answer_key]
+        ans = ans if isinstance(ans, str) else str(ans)
+        rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
     return rows
 
 

@@ -17,13 +17,10 @@ stats and reported with its file and line; a file with no usable row at all is a
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
-from .datasets import MAX_WARNINGS_PER_FILE, DatasetStats, count_bad_row, iter_file_rows
-
-log = logging.getLogger(__name__)
+from .datasets import DatasetStats, iter_good_rows
 
 OBJECT_FIELDS = ("reward_spec", "extra_info")  # SkyRL's fields that environments read as mappings
 
@@ -74,19 +71,10 @@ def read_text_env_rows(paths: Sequence[str], *, prompt_key: str = "prompt", env_
         raise ValueError("text environment rows: no dataset files given (data.train_files)")
     stats = stats if stats is not None else DatasetStats()
     rows: list[TextEnvRow] = []
-    for p in paths:
-        bad_here = 0
-        for where, row in iter_file_rows(p, stats):
-            reason = text_row_problem(row, prompt_key, env_class_key)
-            if reason is not None:
-                bad_here += 1
-                count_bad_row(stats, f"{p}:{where}: {reason}; row skipped", bad_here)
-                continue
-            extras = {k: v for k, v in row.items() if k not in (prompt_key, env_class_key)}
-            rows.append(TextEnvRow(index=len(rows), prompt_messages=[dict(m) for m in row[prompt_key]],
-                                   env_class=row.get(env_class_key), extras=extras, source=f"{p}:{where}"))
-        if bad_here > MAX_WARNINGS_PER_FILE:
-            log.warning("%s: %d unusable rows skipped in total", p, bad_here)
+    for p, where, row in iter_good_rows(paths, lambda r: text_row_problem(r, prompt_key, env_class_key), stats):
+        extras = {k: v for k, v in row.items() if k not in (prompt_key, env_class_key)}
+        rows.append(TextEnvRow(index=len(rows), prompt_messages=[dict(m) for m in row[prompt_key]],
+                               env_class=row.get(env_class_key), extras=extras, source=f"{p}:{where}"))
     if not rows:
         raise ValueError(f"text environment rows: no usable row in {list(paths)} ({stats.rows_read} read, "
                          f"{stats.bad_rows} bad; first: {stats.bad_examples[:3]})")

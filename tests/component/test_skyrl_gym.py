@@ -79,15 +79,10 @@ def _scripted_sequence(tok, row, answers):
 @pytest.fixture(scope="module")
 def answering_model(tmp_path_factory, rows):
     """A tiny Qwen2 fitted to the scripted answers (model tokens only) until greedy decoding reproduces them."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from test_episodes import tiny_chat_qwen2
 
     tok = build_chat_tokenizer()
-    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      bos_token_id=tok.bos_token_id, use_sliding_window=False)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.float32)
+    model = tiny_chat_qwen2(tok)
     seqs = [_scripted_sequence(tok, row, answers) for row, (_, _, answers) in zip(rows, ROWS)]
     width = max(len(ids) for ids, _ in seqs)
     ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s, _ in seqs])
