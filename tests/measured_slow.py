@@ -13,6 +13,9 @@ MEASURED_SLOW: dict[str, frozenset[str]] = {
     "test_episodes.py": frozenset({
         "test_sleeping_environment_does_not_stall_other_groups",  # 6.2 s: its environment sleeps 3 x 2 s on purpose
     }),
+    "test_skyrl_gym.py": frozenset({
+        "test_gsm8k_multi_turn_on_the_vllm_engine",  # 18.9 s: starts its own vLLM engine (load ~7)
+    }),
     "test_selftest_bare.py": frozenset({
         "test_selftest_runs_without_the_launch_stack",  # ~15 s: builds a model, starts an engine process
     }),

@@ -292,6 +292,7 @@ class EnvConfig:
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to gymnasium.make
     # Text environments (docs/environments.md; the protocol layer asyncppo.envs.text_env, not yet run by launch):
     text_env: Optional[str] = None  # dotted class path of a per-episode text environment, e.g. my_pkg.envs.MyEnv
+    text_env_config: dict[str, Any] = field(default_factory=dict)  # the environment's env_config (skyrl-gym's)
     max_turns: int = 4  # model turns per episode at most
     max_concurrency: int = 16  # environment calls running at once per rollout worker (a bounded thread pool)
     step_timeout_s: float = 30.0  # deadline of one init/step call; past it the episode is handled per on_error

@@ -13,7 +13,7 @@ import logging
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 from .tasks import get_task
 
@@ -80,44 +80,60 @@ def _read_json_array(path: Path, stats: DatasetStats) -> Iterator[tuple[int, obj
         yield i, row
 
 
+def iter_file_rows(p: str, stats: DatasetStats) -> Iterator[tuple[int, object]]:
+    """``(line or row number, row)`` of one JSONL / JSON / Parquet file; a row that is not valid JSON comes as the
+    exception. A missing, unreadable or corrupt *file* is an error naming it (never a silent empty dataset)."""
+    path = Path(p)
+    if not path.is_file():
+        raise FileNotFoundError(f"dataset file not found: {p!r}")
+    suffix = path.suffix.lower()
+    reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".json": _read_json_array}.get(suffix)
+    if reader is None:
+        raise ValueError(f"dataset file {p!r}: unsupported extension {suffix!r}; allowed: .jsonl .json .parquet")
+    try:
+        yield from reader(path, stats)
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, ValueError) and "a .json dataset" in str(exc):
+            raise
+        raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
+    except Exception as exc:  # pyarrow raises its own error types for corrupt files
+        raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
+
+
+def iter_good_rows(
+    paths: Sequence[str], problem: Callable[[object], Optional[str]], stats: DatasetStats
+) -> Iterator[tuple[str, object, dict]]:
+    """``(file, line or row number, row)`` of each row in which ``problem(row)`` finds nothing wrong (None); every
+    other row is skipped, counted in ``stats`` and logged with its file, line and reason (the first few of a file,
+    then a total; the first 20 kept in ``stats.bad_examples``)."""
+    for p in paths:
+        bad_here = 0
+        for where, row in iter_file_rows(p, stats):
+            reason = problem(row)
+            if reason is None:
+                yield p, where, row
+                continue
+            bad_here += 1
+            stats.bad_rows += 1
+            msg = f"{p}:{where}: {reason}; row skipped"
+            if len(stats.bad_examples) < 20:
+                stats.bad_examples.append(msg)
+            if bad_here <= MAX_WARNINGS_PER_FILE:
+                log.warning(msg)
+        if bad_here > MAX_WARNINGS_PER_FILE:
+            log.warning("%s: %d unreadable rows skipped in total", p, bad_here)
+
+
 def read_rows(
     paths: Sequence[str], prompt_key: str = "prompt", answer_key: str = "answer", stats: Optional[DatasetStats] = None
 ) -> list[dict]:
     """Read ``{prompt, answer}`` rows from JSONL / JSON / Parquet files, skipping (and counting) bad rows."""
     stats = stats if stats is not None else DatasetStats()
     rows: list[dict] = []
-    for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise FileNotFoundError(f"dataset file not found: {p!r}")
-        suffix = path.suffix.lower()
-        reader = {".jsonl": _read_jsonl, ".parquet": _read_parquet, ".json": _read_json_array}.get(suffix)
-        if reader is None:
-            raise ValueError(f"dataset file {p!r}: unsupported extension {suffix!r}; allowed: .jsonl .json .parquet")
-        bad_here = 0
-        try:
-            for where, row in reader(path, stats):
-                reason = _row_problem(row, prompt_key, answer_key)
-                if reason is None:
-                    ans = row[answer_key]
-                    ans = ans if isinstance(ans, str) else str(ans)
-                    rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
-                    continue
-                stats.bad_rows += 1
-                bad_here += 1
-                msg = f"{p}:{where}: {reason}; row skipped"
-                if len(stats.bad_examples) < 20:
-                    stats.bad_examples.append(msg)
-                if bad_here <= MAX_WARNINGS_PER_FILE:
-                    log.warning(msg)
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            if isinstance(exc, ValueError) and "a .json dataset" in str(exc):
-                raise
-            raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
-        except Exception as exc:  # pyarrow raises its own error types for corrupt files
-            raise ValueError(f"dataset file {p!r} could not be read: {exc}") from exc
-        if bad_here > MAX_WARNINGS_PER_FILE:
-            log.warning("%s: %d unreadable rows skipped in total", p, bad_here)
+    for _, _, row in iter_good_rows(paths, lambda r: _row_problem(r, prompt_key, answer_key), stats):
+        ans = row[answer_key]
+        ans = ans if isinstance(ans, str) else str(ans)
+        rows.append({"prompt": row[prompt_key], "answer": extract_final_answer(ans)})
     return rows
 
 

@@ -24,6 +24,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from omegaconf import OmegaConf
+
 
 class TextEnv:
     """Base class (optional: any object with ``init`` and ``step`` will do). Constructed per episode as
@@ -118,3 +120,24 @@ def load_text_env(path: str) -> type:
             or not callable(getattr(cls, "init", None)):
         raise ValueError(f"env.text_env={path!r}: not a class with init() and step() (got {cls!r:.80})")
     return cls
+
+
+def make_text_env(cls: type, extras: Optional[Mapping] = None, env_config: Optional[Mapping] = None, *,
+                  max_turns: Optional[int] = None) -> Any:
+    """One episode's environment, constructed as skyrl-train constructs skyrl-gym environments:
+    ``cls(env_config=..., extras=...)``, keywords, with ``env_config`` an OmegaConf ``DictConfig`` (skyrl-gym's
+    environments read it by attribute or by key) and ``extras`` the dataset row's fields (all but the prompt and
+    ``env_class``; :meth:`asyncppo.data.text_rows.TextEnvRow.episode_extras`) plus ``max_turns`` (``env.max_turns``),
+    which skyrl-train adds and e.g. skyrl-gym's multi-turn GSM8K environment reads. A row's own ``max_turns``
+    gives way to the run's, as in skyrl-train. ValueError naming ``env.text_env`` when the constructor raises, so
+    that a class that does not take these arguments is reported as such rather than as a fault of one episode."""
+    extras = dict(extras or {})
+    if max_turns is not None:
+        extras["max_turns"] = int(max_turns)
+    config = OmegaConf.create(dict(env_config or {}))
+    try:
+        return cls(env_config=config, extras=extras)
+    except Exception as e:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        raise ValueError(f"env.text_env={name!r}: constructing it as cls(env_config=..., extras=...) with the row's "
+                         f"fields {sorted(extras)} failed: {type(e).__name__}: {e}") from e

@@ -51,17 +51,22 @@ class ScriptedEnv(TextEnv):
         return [{"role": "user", "content": REPLIES[turn - 1]}], float(turn), False, {}
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory):
+def tiny_chat_qwen2(tok):
+    """A random 2-layer Qwen2 (fp32, seed 0) over the chat tokenizer ``tok``."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    tok = build_chat_tokenizer()
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
                       tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                       bos_token_id=tok.bos_token_id, use_sliding_window=False)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).to(torch.float32).eval()
+    return Qwen2ForCausalLM(cfg).to(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    tok = build_chat_tokenizer()
+    model = tiny_chat_qwen2(tok).eval()
     out = str(tmp_path_factory.mktemp("chat-model"))
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
