@@ -30,7 +30,8 @@ from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
 from asyncppo.rollout.engine import SamplingSpec
 
-skyrl_gym = pytest.importorskip("skyrl_gym", reason="skyrl-gym is the optional extra asyncppo[envs]")
+# skyrl-gym is the optional extra asyncppo[envs], which the README's install and CI put in: a missing package fails
+# this module loudly rather than skipping it, so a broken install cannot pass
 from skyrl_gym.envs.base_text_env import BaseTextEnv  # noqa: E402
 from skyrl_gym.envs.gsm8k import utils as gsm8k_utils  # noqa: E402
 
