@@ -27,11 +27,16 @@ TAG = new_tag("e2e-episodes")
 
 
 def _run(args: list, timeout: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
+    # tests/ on the path of the run's actors too: they import the faulty environment from tests/episode_envs.py
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=path, **{TAG_VAR: TAG})
     return subprocess.run([*ASYNCPPO, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
+    """The guess game, with groups whose hidden number is 0 broken by their environment (tests/episode_envs.py)
+    under ``env.on_error=drop``: those groups are dropped and their tickets given back, and the run still trains
+    every step within the bound."""
     from vllm_required import require_vllm
 
     require_vllm()
@@ -42,7 +47,8 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
                  "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
                  "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
-                 "data.num_eval_prompts=16"], timeout=900)
+                 "data.num_eval_prompts=16",
+                 "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=drop"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if "reward/mean" in r]
@@ -56,7 +62,9 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     # test_episodes.py and the learner's unit tests check the mask token by token)
     assert all(0.3 < r["episodes/env_token_frac"] < 0.99 for r in train), [r["episodes/env_token_frac"] for r in train]
     assert all(r["response_length/mean"] <= 16 < r["response_length/max"] for r in train), train[-1]
-    assert all(r["episodes/env_faults"] == 0 and r["episodes/dropped_groups"] == 0 for r in train)
+    # every fault dropped its group (one fault per dropped group: its other episodes end when the group goes)
+    faults = sum(r["episodes/env_faults"] for r in train)
+    assert faults >= 1 and sum(r["episodes/dropped_groups"] for r in train) >= 1, faults
     # (a random policy does emit <tool_call> tokens now and then: counted as tool errors, the run goes on)
     assert all(r["episodes/tool_errors"] >= 0 and r["episodes/env_s_per_step"] >= 0 for r in train)
     assert max(r["staleness/max"] for r in train) <= k
