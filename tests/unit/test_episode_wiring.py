@@ -70,3 +70,24 @@ def test_counting_runner_counts_tool_calls_and_errors():
         runner.step(env, "no call at all")
         assert runner.tools.counts == {"calls": 1, "unknown": 1, "malformed": 1}
         assert runner.calls == 3
+
+
+def test_launch_refuses_a_tokenizer_without_chat_template_and_a_class_that_does_not_import(tmp_path):
+    import pytest
+
+    from asyncppo.config import load_config
+    from asyncppo.data.tiny import build_tokenizer
+    from asyncppo.envs.chat import build_chat_tokenizer
+    from asyncppo.launch.text_env_check import check_text_env_launch
+
+    plain, chat = tmp_path / "plain", tmp_path / "chat"
+    build_tokenizer().save_pretrained(plain)
+    build_chat_tokenizer().save_pretrained(chat)
+    cfg = load_config(["env.text_env=asyncppo.envs.examples.GuessEnv", f"model.path={plain}"])
+    with pytest.raises(ValueError, match=r"env.text_env='asyncppo.envs.examples.GuessEnv' needs a tokenizer with a "
+                                         r"chat template .* model.path=.*plain.* has none"):
+        check_text_env_launch(cfg, str(plain))
+    check_text_env_launch(cfg, str(chat))  # accepted
+    cfg.env.text_env = "no_such_pkg.Env"
+    with pytest.raises(ValueError, match="env.text_env='no_such_pkg.Env': cannot import"):
+        check_text_env_launch(cfg, str(chat))
