@@ -19,16 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 
 from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env
 from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
-from asyncppo.data.position import group_key
 from asyncppo.rollout.engine import SamplingSpec
-from asyncppo.rollout.groups import InFlight
 from asyncppo.rollout.worker import EngineMeter, RolloutWorker
 
 log = logging.getLogger("asyncppo.rollout")
@@ -109,19 +106,11 @@ class EpisodeRolloutWorker(RolloutWorker):
     def _occupied(self) -> int:
         return self.engine.num_running_seqs()
 
-    def _add_group(self, ticket) -> None:
-        ro, s = self.cfg.rollout, self.cfg.rollout.sampling
-        n = ro.num_return_sequences_in_group
-        self._seq, row = next(self._prompts)
-        key = group_key(self.worker_id, self.incarnation, self._seq)
-        seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
-        spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
-                            top_k=s.top_k, seed=seed)
+    def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
-        envs = [self.env_class({}, extras=dict(extras)) for _ in range(n)]
+        envs = [self.env_class({}, extras=dict(extras)) for _ in range(spec.n)]
         # the environment's init renders the prompt (with its tools); the row's text is its first user message
         self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
-        self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
 
     def _finish_group(self, done) -> None:
         flight = self._in_flight.pop(done.key)

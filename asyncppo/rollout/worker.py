@@ -233,8 +233,12 @@ class RolloutWorker(WorkerSkeleton):
         seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
         spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, seed=seed)
-        self.engine.add_group(key, row.prompt_ids, spec)
+        self._start_group(key, row, spec)
         self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
+
+    def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        """Hand the group to the engine (a subclass may start episodes instead of single turns)."""
+        self.engine.add_group(key, row.prompt_ids, spec)
 
     def _step(self) -> None:
         running = min(self._occupied(), self.cfg.rollout.max_num_seqs)
