@@ -127,6 +127,7 @@ def _check_trainer(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.non_negative("trainer.eval_every", t.eval_every)
     c.non_negative("trainer.save_every", t.save_every)
     c.positive("trainer.keep_checkpoints", t.keep_checkpoints)
+    c.non_negative("trainer.max_learner_restarts", t.max_learner_restarts)
     if t.resume_from is not None:
         c.non_empty("trainer.resume_from", t.resume_from)
     c.non_negative("trainer.sft_warmup_steps", t.sft_warmup_steps)

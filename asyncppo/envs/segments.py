@@ -51,6 +51,10 @@ class SegmentBuilder:
                          "load_s": 0.0}
         self.t = 0
 
+    def discard(self) -> None:
+        """Drop the segment being collected (its ticket belonged to a learner that died); the episodes go on."""
+        self._alloc()
+
     def start(self, obs: np.ndarray) -> None:
         _check_finite("observation", obs, self.desc.env_id, 0, self.worker_id)
         self.obs = obs.astype(np.float32, copy=False)

@@ -20,12 +20,14 @@ worker raises :class:`EnvError` naming the env, the index and the step, and the 
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.data.position import group_key
 from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
@@ -40,8 +42,9 @@ class EnvWorker(WorkerSkeleton):
     role = "env worker"
 
     def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
-                 device: str = "cpu"):
-        super().__init__(cfg, worker_id, num_workers, endpoints)  # incarnation 0: env workers are not replaced
+                 device: str = "cpu", incarnation: int = 0):
+        # incarnation: a replacement of a worker that died (launch/supervise.py) names its group and segments by it
+        super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)
         self.device = torch.device(device)
         self.version = -1  # no weights yet: the learner pushes version 0 before any ticket can be served
         self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0}
@@ -65,7 +68,9 @@ class EnvWorker(WorkerSkeleton):
     def _open(self) -> None:
         super()._open()
         e = self.cfg.env
-        print(f"[asyncppo] env worker {self.worker_id}: {e.num_envs} x {e.id} ({e.vectorization}), segments of "
+        print(f"[asyncppo] env worker {self.worker_id}"
+              + (f" (incarnation {self.incarnation})" if self.incarnation else "")
+              + f": pid {os.getpid()}, {e.num_envs} x {e.id} ({e.vectorization}), segments of "
               f"{e.segment_length} steps, obs {self.desc.obs_shape}, "
               f"{'discrete' if self.desc.discrete else 'continuous'} actions ({self.desc.action_dim})", flush=True)
 
@@ -82,6 +87,11 @@ class EnvWorker(WorkerSkeleton):
             self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
             return
         self._step()
+
+    def _drop_work(self, position) -> None:
+        """A restarted learner: the segment being collected loses its ticket; the env steps on from where it is."""
+        self._ticket = None
+        self.builder.discard()
 
     def _load_weights(self, state) -> None:
         t0 = time.perf_counter()
@@ -119,7 +129,7 @@ class EnvWorker(WorkerSkeleton):
                  policy_s=t1 - t0, env_s=t2 - t1)
         self.stats["env_steps"] += self.cfg.env.num_envs
         if b.full:
-            self._send(b.finish(self._ticket.index, f"{self.worker_id}-{self._seq}"))
+            self._send(b.finish(self._ticket.index, group_key(self.worker_id, self.incarnation, self._seq)))
             self._seq += 1
             self._ticket = None
 

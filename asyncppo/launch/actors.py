@@ -75,9 +75,12 @@ class LearnerActor:
     def health(self) -> dict:
         return self.service.health()
 
+    def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
+        return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 
-# Two threads: run() in one, and the launcher's control ping (heartbeat) answered beside it (launch/hang.py); a
-# stopped or wedged process answers nothing, which is what the ping detects.
+
+# Two threads: run() in one, and beside it the launcher's control ping (heartbeat, launch/hang.py; a stopped or
+# wedged process answers nothing, which is what the ping detects) or a restarted learner's endpoints (reconnect).
 @ray.remote(max_restarts=0, max_concurrency=2)
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
@@ -99,6 +102,10 @@ class RolloutActor:
 
     def run(self) -> dict:
         return self.worker.run()
+
+    def reconnect(self, endpoints, position=None) -> None:
+        """A restarted learner's addresses and the data position to resume from (rollout/skeleton.py)."""
+        self.worker.request_reconnect(endpoints, position)
 
     def heartbeat(self) -> dict:
         return self.worker.heartbeat()

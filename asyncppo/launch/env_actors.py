@@ -14,7 +14,8 @@ from asyncppo.launch.actors import _config, pin_cpus, set_learner_threads
 from asyncppo.launch.console import redirect_output
 
 
-@ray.remote(max_restarts=0)
+# Threaded: the launcher calls replace_worker / note_restart while run() trains (launch/membership.py locks).
+@ray.remote(max_restarts=0, max_concurrency=4)
 class EnvLearnerActor:
     def __init__(self, cfg_dict: dict, model_path: str, num_workers: int, output_dir: str, rank: int = 0,
                  world_size: int = 1, keys=None):
@@ -37,10 +38,21 @@ class EnvLearnerActor:
     def run(self, master_addr=None, master_port=None) -> dict:
         return self.service.run(master_addr, master_port)
 
+    def data_position(self, worker_id: int) -> dict:
+        return self.service.data_position(worker_id)
 
-@ray.remote(max_restarts=0)
+    def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
+        return self.service.replace_worker(worker_id, incarnation, hung)
+
+    def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
+        return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
+
+
+# Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() steps the env.
+@ray.remote(max_restarts=0, max_concurrency=2)
 class EnvRolloutActor:
-    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str = ""):
+    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str = "",
+                 incarnation: int = 0, position=None):
         # torch and gymnasium are imported in the actor's process only, never in the launcher
         import torch  # heavy: torch
 
@@ -52,7 +64,12 @@ class EnvRolloutActor:
         torch.set_num_threads(1)
         cfg = _config(cfg_dict)
         device = "cuda" if cfg.cluster.rollout_gpus > 0 and torch.cuda.is_available() else "cpu"
-        self.worker = EnvWorker(cfg, worker_id, num_workers, endpoints, device=device)
+        # position: env workers draw no dataset, so a replacement only needs its incarnation
+        self.worker = EnvWorker(cfg, worker_id, num_workers, endpoints, device=device, incarnation=incarnation)
 
     def run(self) -> dict:
         return self.worker.run()
+
+    def reconnect(self, endpoints, position=None) -> None:
+        """A restarted learner's addresses (rollout/skeleton.py)."""
+        self.worker.request_reconnect(endpoints, position)

@@ -114,7 +114,21 @@ class LearnerProcess:
 
     def setup(self) -> Endpoints:
         self.loop.version = start = self.workload.start_version()
+        self.loop.run_metrics = {"learner/restarts": 0, "learner/steps_lost": 0}
         return self.wiring.bind(start, self.workload.saved_position())
+
+    def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple[int, int]:
+        """This learner replaces one that died after ``steps_done`` steps (launch/learner_restart.py): await each
+        live worker in the incarnation it runs (its weight-sync group's name), push the checkpoint's weights first
+        and report the restart in every metrics record. Returns the version training resumes from and the steps
+        lost in the run (``lost_before`` plus those the dead learner trained after its checkpoint)."""
+        for worker_id, incarnation in incarnations.items():
+            if incarnation:
+                self.wiring.fanout.add(int(worker_id), int(incarnation), join=False)
+        lost = lost_before + max(0, steps_done - self.loop.version)
+        self.loop.push_first = True
+        self.loop.run_metrics = {"learner/restarts": restarts, "learner/steps_lost": lost}
+        return self.loop.version, lost
 
     @property
     def addresses(self) -> Optional[LearnerAddresses]:

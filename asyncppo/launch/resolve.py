@@ -56,13 +56,14 @@ class LaunchPlan:
     worker_bundle: dict[str, float]  # one bundle per engine with all its GPUs (TP x PP)
     ray_init: dict[str, Any]  # ray.init keyword arguments, the actors' environment included
     ray_on_loopback: bool  # a local (or loopback) Ray cluster: Ray's own control plane stays on loopback
-    replace_dead_workers: bool  # LLM runs replace a dead rollout worker; embodied runs end on any death
+    replace_dead_workers: bool  # a dead rollout (or env) worker is replaced (cluster.max_worker_restarts > 0)
     max_worker_restarts: int
     timeout_s: float
     model_source: str  # model.path as configured, or the gymnasium env id of an embodied run
     model_path: str = ""  # the learner's model ("" for embodied runs, and before resolve_plan)
     worker_model_path: str = ""  # the rollout engines' starting weights: the checkpoint's actor when resuming
     resume_note: Optional[str] = None  # "resuming from PATH (step N)", printed when the run starts
+    max_learner_restarts: int = 0  # learner deaths restarted from the latest checkpoint (0: a death ends the run)
     shared_devices: int = 0  # --gpus N: bundle i holds learner rank i and engine i (launch/shared_device.py)
     memory_lines: tuple[str, ...] = ()  # the shared device's memory split (launch/memory_plan.py)
 
@@ -105,6 +106,8 @@ class LaunchPlan:
             f"actor environment: {' '.join(f'{k}={v}' for k, v in sorted(env.items()))}",
             "dead rollout workers: " + (f"replaced, up to {self.max_worker_restarts} restart(s) in the run"
                                         if self.replace_dead_workers else "end the run"),
+            "a dead learner: " + (f"restarted from the latest checkpoint, up to {self.max_learner_restarts} time(s)"
+                                  if self.max_learner_restarts else "ends the run (trainer.auto_resume off)"),
         ]
         if self.embodied:
             lines.append(f"model: the MLP actor-critic of env {self.model_source} (no model directory)")
@@ -182,10 +185,19 @@ def plan_launch(cfg: AsyncPPOConfig) -> LaunchPlan:
         output_dir=os.path.abspath(cfg.trainer.output_dir), embodied=bool(cfg.env.id), placement=placement,
         num_learners=num_learners, num_workers=num_workers, learner_bundle=learner_bundle,
         worker_bundle=worker_bundle, ray_init=init, ray_on_loopback=ray_on_loopback(cfg),
-        replace_dead_workers=not cfg.env.id and cl.max_worker_restarts > 0,
+        replace_dead_workers=cl.max_worker_restarts > 0,
         max_worker_restarts=cl.max_worker_restarts, timeout_s=cl.timeout_s,
         model_source=cfg.env.id or cfg.model.path, shared_devices=cl.shared_gpus,
+        max_learner_restarts=learner_restarts(cfg),
     )
+
+
+def learner_restarts(cfg: AsyncPPOConfig) -> int:
+    """How many learner deaths the launcher restarts: ``trainer.auto_resume`` (on by default when checkpoints are
+    written) caps it at ``trainer.max_learner_restarts``; without checkpoints a restart would start over."""
+    tr = cfg.trainer
+    on = tr.save_every > 0 if tr.auto_resume is None else bool(tr.auto_resume)
+    return tr.max_learner_restarts if on else 0
 
 
 def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
@@ -198,7 +210,7 @@ def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
     _check_output_dir(cfg, plan.output_dir)
     if plan.embodied:
         _check_env(cfg)
-        return plan
+        return dataclasses.replace(plan, resume_note=_embodied_resume_note(cfg))
     _check_data(cfg)
     model_path = _resolve_model(cfg)
     if cfg.env.text_env:
@@ -232,8 +244,23 @@ def _check_env(cfg: AsyncPPOConfig) -> None:
         describe_env(cfg.env)
     except EnvError as exc:
         raise LaunchError(str(exc)) from None
-    if cfg.trainer.resume_from:
-        raise LaunchError("trainer.resume_from is not supported for embodied runs yet")
+
+
+def _embodied_resume_note(cfg: AsyncPPOConfig) -> Optional[str]:
+    """An embodied resume: its checkpoint exists and leaves steps to train (learner/embodied_checkpoint.py)."""
+    if not cfg.trainer.resume_from:
+        return None
+    from asyncppo.learner.checkpoint import CheckpointError  # heavy: torch
+    from asyncppo.learner.embodied_checkpoint import resolve_embodied  # heavy: torch
+
+    try:
+        path, version = resolve_embodied(cfg.trainer.resume_from)
+    except CheckpointError as exc:
+        raise LaunchError(str(exc)) from None
+    if version >= cfg.trainer.total_steps:
+        raise LaunchError(f"trainer.resume_from: the checkpoint {path!r} is at step {version}, but "
+                          f"trainer.total_steps={cfg.trainer.total_steps}: nothing left to train")
+    return f"resuming from {path} (step {version})"
 
 
 def _check_data(cfg: AsyncPPOConfig) -> None:

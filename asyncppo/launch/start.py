@@ -73,12 +73,13 @@ class RunActors:
         if not self.pg.wait(timeout_seconds=PLACEMENT_WAIT_S):
             raise LaunchError(f"Ray could not reserve {bundles} within {PLACEMENT_WAIT_S} s: not enough free resources")
 
-    def start_learners(self) -> None:
-        """Start every learner rank; rank 0 binds its sockets and says where it listens."""
+    def start_learners(self, cfg_dict: dict | None = None) -> None:
+        """Start every learner rank (with ``cfg_dict``: a restarted learner's config, launch/learner_restart.py);
+        rank 0 binds its sockets and says where it listens."""
         p = self.plan
         self.learners = [
             self._placed(self.learner_cls, *p.learner_slot(r)).remote(
-                self.cfg_dict, p.model_path, p.num_workers, p.output_dir, r, p.num_learners)
+                cfg_dict or self.cfg_dict, p.model_path, p.num_workers, p.output_dir, r, p.num_learners)
             for r in range(p.num_learners)
         ]
         self.actors += self.learners
@@ -110,9 +111,8 @@ class RunActors:
         p = self.plan
         if incarnation:  # a bundle whose node died may have been re-placed elsewhere
             check_reachable(self.addresses, f"rollout-{i}", bundle_nodes(self.pg)[p.worker_slot(i)[0]], p.timeout_s)
-        extra = () if p.embodied else (incarnation, position)
         actor = self._placed(self.rollout_cls, *p.worker_slot(i)).remote(
-            self.cfg_dict, i, p.num_workers, self.endpoints, p.worker_model_path, *extra)
+            self.cfg_dict, i, p.num_workers, self.endpoints, p.worker_model_path, incarnation, position)
         self.actors.append(actor)
         self.workers[i] = actor
         ref = actor.run.remote()
@@ -126,18 +126,26 @@ class RunActors:
         self.start_learners()
         self.record_placement()
         master = ray.get(self.learner.group_address.remote()) if p.num_learners > 1 else (None, None)
-        positions = [None] * p.num_workers if p.embodied else ray.get(
-            [self.learner.data_position.remote(i) for i in range(p.num_workers)], timeout=p.timeout_s)
+        positions = ray.get([self.learner.data_position.remote(i) for i in range(p.num_workers)],
+                            timeout=p.timeout_s)
         for i in range(p.num_workers):
             self.start_worker(i, 0, positions[i])
         learner_ref = self.learner.run.remote(*master)
         follower_refs = [f.run.remote(*master) for f in self.learners[1:]]
         return learner_ref, [learner_ref, *follower_refs, *self.worker_refs]
 
+    def kill_learners(self) -> None:
+        """Kill every learner rank (rank 0 died: the others cannot go on without it)."""
+        _kill(self.learners)
+
     def stop_all(self) -> None:
         """Kill every actor started (an actor already gone is fine)."""
-        for actor in self.actors:
-            try:
-                ray.kill(actor)
-            except Exception:
-                pass
+        _kill(self.actors)
+
+
+def _kill(actors: list) -> None:
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception:  # already gone
+            pass

@@ -18,6 +18,7 @@ from typing import Any, Optional
 import ray
 
 from asyncppo.launch.console import RunConsole
+from asyncppo.launch.learner_restart import LearnerRestarter
 from asyncppo.launch.hang import HangWatch
 from asyncppo.launch.start import RunActors
 
@@ -41,12 +42,15 @@ class Supervisor:
         self.run, self.console, self.started_at = run, console, started_at
         self.restarts = 0
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
+        self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
+        self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
         cl = run.cfg_dict["cluster"]
         self.hangs = None if run.plan.embodied else HangWatch(  # embodied workers answer no ping (yet)
             lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
+        learner_refs = [r for r in pending if r not in self.run.worker_refs]
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
@@ -58,12 +62,33 @@ class Supervisor:
                     if replacement is not None:
                         pending.append(replacement)
                     continue
-                ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
+                if ref not in learner_refs:
+                    continue  # a rank of a learner that was restarted
+                try:
+                    ray.get(ref)  # raises the actor's error (an actor that died, or an exception in it)
+                except ray.exceptions.RayError as exc:
+                    if not self.learner_restarts.may_restart(exc):
+                        self.learner_restarts.refuse(exc)
+                        raise
+                    learner_ref, learner_refs = self.learner_restarts.restart(exc, self.incarnations)
+                    pending = [r for r in pending if r in self.run.worker_refs] + learner_refs
+                    self._after_learner_restart()
+                    pending += [self._replace_orphan(i) for i in self.orphans]
+                    self.orphans = []
+                    break
                 if ref == learner_ref:
                     self._finish(pending)
                     return 0
                 # A follower learner rank returned: keep waiting for rank 0.
         return 1
+
+    def _after_learner_restart(self) -> None:
+        """The hang watch reads the new learner, and every worker's clock starts again: the restart kept the
+        supervisor from pinging them, and their reconnection is a wait on the learner, not a hang."""
+        if self.hangs is not None:
+            self.hangs.learner, self.hangs._health_ref = self.run.learner, None
+            for i in self.run.workers:
+                self.hangs.started(i)
 
     def _worker_ended(self, ref: Any) -> Optional[Any]:
         """A worker's run() ended: normally (the learner told it to stop) -> None; by dying -> the ref of its
@@ -84,7 +109,9 @@ class Supervisor:
                 continue  # its run() already ended
             del self.run.worker_refs[ref]
             pending = [r for r in pending if r != ref]
-            pending.append(self._replace(i, why, hung=True))
+            replacement = self._replace(i, why, hung=True)
+            if replacement is not None:
+                pending.append(replacement)
         return pending
 
     def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
@@ -107,8 +134,20 @@ class Supervisor:
             pass
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
-        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
-                           timeout=plan.timeout_s)
+        try:
+            position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
+                               timeout=plan.timeout_s)
+        except ray.exceptions.RayActorError:  # the learner died too: its restart replaces this worker
+            self.orphans.append(i)
+            return None
+        if self.hangs is not None:
+            self.hangs.started(i)
+        return self.run.start_worker(i, self.incarnations[i], position)
+
+    def _replace_orphan(self, i: int) -> Any:
+        """A worker that died while the learner was dead, replaced by the restarted learner."""
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
+                           timeout=self.run.plan.timeout_s)
         if self.hangs is not None:
             self.hangs.started(i)
         return self.run.start_worker(i, self.incarnations[i], position)

@@ -154,12 +154,7 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    root = checkpoints_root(output_dir)
-    os.makedirs(root, exist_ok=True)
-    name = f"step_{int(version)}"
-    tmp = os.path.join(root, f".tmp-{name}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    root, name, tmp = unfinished(output_dir, version)
     actor_dir = os.path.join(tmp, ACTOR_DIR)
     actor.save_pretrained(actor_dir)
     tokenizer.save_pretrained(actor_dir)
@@ -178,6 +173,22 @@ def save_checkpoint(
     }
     with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
         json.dump(meta, f, indent=1)
+    return Checkpoint(publish(root, tmp, name, keep), int(version))
+
+
+def unfinished(output_dir: str, version: int) -> tuple[str, str, str]:
+    """``(checkpoints root, step name, empty temporary directory)`` for writing the checkpoint of ``version``."""
+    root = checkpoints_root(output_dir)
+    os.makedirs(root, exist_ok=True)
+    name = f"step_{int(version)}"
+    tmp = os.path.join(root, f".tmp-{name}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return root, name, tmp
+
+
+def publish(root: str, tmp: str, name: str, keep: int) -> str:
+    """Rename the finished ``tmp`` to ``root/name``, point ``latest`` at it and prune; returns its path."""
     final = os.path.join(root, name)
     if os.path.exists(final):  # e.g. a resumed run writing into the run dir it resumed from
         trash = os.path.join(root, f".old-{name}-{os.getpid()}")
@@ -186,7 +197,7 @@ def save_checkpoint(
     os.rename(tmp, final)
     _write_latest(root, name)
     _prune(root, keep)
-    return Checkpoint(final, int(version))
+    return final
 
 
 def _write_latest(root: str, name: str) -> None:

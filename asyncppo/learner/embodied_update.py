@@ -197,3 +197,20 @@ class EmbodiedPPO:
 
     def state_dict(self) -> dict:
         return {"opts": [o.state_dict() for o in self.opts], "scheds": [s.state_dict() for s in self.scheds]}
+
+    def resume_state(self) -> dict:
+        """What a checkpoint adds to :meth:`state_dict` for an exact continuation: the mini-batch generator and the
+        reward scaler's statistics (plain tensors and numbers, so ``torch.load(weights_only=True)`` reads them)."""
+        state = dict(self.state_dict(), gen=self.gen.get_state())
+        if self.scaler is not None:
+            state["reward_rms"] = self.scaler.rms.state_dict()
+        return state
+
+    def load_resume_state(self, state: dict) -> None:
+        for opt, saved in zip(self.opts, state["opts"]):
+            opt.load_state_dict(saved)
+        for sched, saved in zip(self.scheds, state["scheds"]):
+            sched.load_state_dict(saved)
+        self.gen.set_state(state["gen"])
+        if self.scaler is not None and "reward_rms" in state:
+            self.scaler.rms.load_state_dict(state["reward_rms"])

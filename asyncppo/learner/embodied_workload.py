@@ -15,7 +15,9 @@ and its metrics:
   LLM runs.
 
 Env workers start at version -1 and act only after loading the learner's first push, so version 0 is the same
-network everywhere. Checkpoints and resume are not supported for embodied runs yet; the final policy is saved.
+network everywhere. Checkpoints (every ``trainer.save_every`` versions) hold the policy, its optimiser and the
+return window (learner/embodied_checkpoint.py); ``trainer.resume_from`` continues from one, and the launcher's
+learner restart uses the same path. The final policy is saved too.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Optional
 import numpy as np
 import torch
 
+from asyncppo.learner.embodied_checkpoint import load_embodied, resolve_embodied, save_embodied
 from asyncppo.learner.embodied_update import EmbodiedPPO
 from asyncppo.metrics import BusyMeter, RateMeter
 from asyncppo.models.actor_critic import ActorCritic
@@ -52,22 +55,29 @@ class EmbodiedWorkload:
         self.recent: collections.deque = collections.deque(maxlen=100)
         self.env_steps = 0
         self.segment_door: Optional[SegmentDoor] = None
+        self.resume: Optional[tuple[str, int]] = None  # (checkpoint dir, version) being resumed from
 
     def start_version(self) -> int:
-        if self.cfg.trainer.resume_from:
-            raise ValueError("trainer.resume_from is not supported for embodied runs yet")
-        return 0
+        if self.cfg.trainer.resume_from and self.resume is None:
+            self.resume = resolve_embodied(self.cfg.trainer.resume_from)
+        return self.resume[1] if self.resume else 0
 
     def saved_position(self) -> dict:
-        return {}
+        return {}  # env workers draw no dataset: nothing to position
 
     def resumed_from(self) -> Optional[str]:
-        return None
+        return self.resume[0] if self.resume else None
 
     def build(self, device, wiring) -> None:
         self.wiring = wiring
         self.policy = ActorCritic(self.policy_spec).to(device)
         self.updater = EmbodiedPPO(self.cfg, self.policy, device)
+        if self.resume is not None:
+            state = load_embodied(self.resume[0])
+            self.policy.load_state_dict(state["policy"])
+            self.updater.load_resume_state(state["updater"])
+            self.recent.extend(state.get("recent", []))
+            self.env_steps = int(state.get("env_steps", 0))
 
     def follow(self) -> int:
         raise RuntimeError("embodied runs train on one learner rank")
@@ -151,7 +161,11 @@ class EmbodiedWorkload:
         """One rank: the trained policy is the saved one."""
 
     def checkpoint(self, version: int, logger) -> None:
-        """Not supported for embodied runs yet (trainer.resume_from is refused): only the final policy is saved."""
+        t0 = time.perf_counter()
+        path = save_embodied(self.output_dir, version, {
+            "policy": self.policy.state_dict(), "updater": self.updater.resume_state(),
+            "recent": list(self.recent), "env_steps": self.env_steps}, keep=self.cfg.trainer.keep_checkpoints)
+        logger.message(f"checkpoint {path} written in {time.perf_counter() - t0:.2f}s")
 
     def save_final(self, final_dir: str, version: int) -> None:
         os.makedirs(final_dir, exist_ok=True)

@@ -97,6 +97,11 @@ class LearnerLoop:
         self._joined = False  # the weight push may still be running: the shutdown waits for it
         self._in_group = False  # this rank joined the learner group: the shutdown leaves it
         self._engine_eval = None  # the held-out evaluation on the rollout engines, when the workload has one
+        # set by the launcher when it restarted a dead learner (launch/learner_restart.py): the live workers hold
+        # the dead learner's newer weights, so the checkpoint's are pushed before any ticket; the restart count and
+        # the steps it lost go into every metrics record
+        self.push_first = False
+        self.run_metrics: dict = {}
         # recent step durations: the auto push and hang deadlines scale with them (config/deadlines.py)
         self.step_seconds: collections.deque = collections.deque(maxlen=50)
 
@@ -181,7 +186,7 @@ class LearnerLoop:
         generate before it with their engine's weights stamped 0, an older stamp than the truth, which only errs
         towards the lag guard). A workload whose workers start with no weights pushes version 0 too."""
         wiring.control.publish(version=start, weights_version=start)
-        if start > 0 or self.workload.pushes_initial_weights:
+        if start > 0 or self.workload.pushes_initial_weights or self.push_first:
             self.workload.push(start)
             self.pushed_version = start
 
@@ -208,6 +213,7 @@ class LearnerLoop:
         wiring.admission.set_version(self.version)
         wiring.control.publish(version=self.version, weights_version=self.pushed_version)
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
+        metrics.update(self.run_metrics)
         return metrics
 
     def push_deadline(self) -> float:

@@ -16,6 +16,19 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 
+def surviving_steps(records: list[dict]) -> list[dict]:
+    """The per-step records (of ``metrics.jsonl`` or ``trained_groups.jsonl``) that count after learner restarts: a
+    restarted learner logs again from its checkpoint's step + 1, and what the dead one logged from there on was lost
+    with its weights (launch/learner_restart.py)."""
+    kept: list[dict] = []
+    for record in records:
+        step = record.get("step")
+        while isinstance(step, int) and kept and isinstance(kept[-1].get("step"), int) and kept[-1]["step"] >= step:
+            kept.pop()
+        kept.append(record)
+    return kept
+
+
 class RunDirError(ValueError):
     """The directory is not a run directory (no metrics.jsonl), or its files cannot be read."""
 
@@ -102,7 +115,7 @@ def load_run(path: str, name: Optional[str] = None) -> Run:
         raise RunDirError(f"{path!r} is not a run directory: it has no metrics.jsonl")
     rows = _read_jsonl(metrics)
     # A record is a training step when the learner wrote it (it carries policy_version or any non-eval key).
-    records = [r for r in rows if any(not k.startswith("eval/") and k != "step" for k in r)]
+    records = surviving_steps([r for r in rows if any(not k.startswith("eval/") and k != "step" for k in r)])
     evals = [r for r in rows if any(k.startswith("eval/") for k in r)]
     summary: dict = {}
     summary_path = os.path.join(path, "summary.json")

@@ -87,11 +87,19 @@ class EvalRunner:
         self._decode, self._reward_fn, self._score = decode, reward_fn, score
         self.budget = max(1, ro.max_num_seqs // 2)  # sequences evaluation may hold in the engine at once
         self.temperature, self.top_p, self.top_k = ro.sampling.temperature, ro.sampling.top_p, ro.sampling.top_k
-        self._points = collections.deque(eval_points(cfg.trainer.eval_every, cfg.trainer.total_steps))
+        self._eval_every, self._total_steps = cfg.trainer.eval_every, cfg.trainer.total_steps
+        self._points = collections.deque(eval_points(self._eval_every, self._total_steps))
         self._skip_until_loaded = resumed  # version 0 is a placeholder stamp until the checkpoint's push lands
         self._round: Optional[_Round] = None
         self._inflight_seqs = 0
         self._answers: dict[str, str] = {}  # engine key -> reference answer, for groups in the engine
+
+    def restart(self) -> None:
+        """A restarted learner: the round in the engine was aborted; the points from the checkpoint on are due
+        again once its weights have loaded (points before it are the dead learner's history)."""
+        self._round, self._inflight_seqs, self._answers = None, 0, {}
+        self._points = collections.deque(eval_points(self._eval_every, self._total_steps))
+        self._skip_until_loaded = True
 
     # ------------------------------------------------------------------------------------------------------------
     def on_version(self, version: int, loaded: bool) -> Optional[EvalReport]:

@@ -13,22 +13,36 @@ The loop is a small state machine, one :meth:`WorkerSkeleton._turn` per pass:
 3. **work** - :meth:`_work`: admit, generate or step, send what is finished, or wait without spinning.
 
 A subclass provides ``_open_workload`` (its engine or env, and what it needs), ``_on_weights_announced`` and
-``_work``; it may add to ``_before_close``.
+``_work``; it may add to ``_before_close`` and ``_drop_work``.
+
+**A restarted learner.** When the learner process dies, the launcher starts a new one from the latest checkpoint
+(launch/learner_restart.py) on new addresses, and hands them to every live worker with the data position the
+checkpoint holds (:meth:`WorkerSkeleton.request_reconnect`, called from another thread). The worker notices it at
+the top of its next turn (or while it retries a send): it drops the work in flight (the new learner never granted
+those tickets, and their draws are drawn again from the position), forgets its tickets, closes its channels (the
+dead learner's weight-sync group with them) and opens new ones on the new addresses, joining a new two-rank group.
+Its weights count as none (version -1) until the new learner's first push, which comes before any ticket is served:
+the engine may hold newer weights than the checkpoint, which the new learner never trained from.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import time
 
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.staleness import AdmissionClient
 from asyncppo.stream.channels import ControlSubscriber, TrajectorySender
 from asyncppo.stream.endpoints import Endpoints
-from asyncppo.sync import WeightReceiver, make_sync_group
+from asyncppo.sync import SyncGroupError, WeightReceiver, make_sync_group
 from asyncppo.sync.fanout import member_prefix
 
 log = logging.getLogger("asyncppo.rollout")
+
+# Seconds without a control message (repeated every 0.2 s) after which a failed weight receive is blamed on a dead
+# learner, whose restart the worker then awaits.
+LEARNER_SILENT_S = 3.0
 
 
 class WorkerSkeleton:
@@ -51,6 +65,8 @@ class WorkerSkeleton:
         self._closables: list = []
         self._state = None  # the learner's newest control state
         self._seq = 0
+        self._channels: list = []  # what _open_channels opened: closed and reopened when the learner is restarted
+        self._reconnect_to = None  # (endpoints, data position) of a restarted learner, set from another thread
         # what the launcher's control ping reads (heartbeat(), launch/hang.py): the phase the loop is in and a
         # counter of progress (decode steps, groups sent, weight loads) that only grows while the worker gets on
         self.phase = "starting"  # starting | generating | waiting | sending | loading
@@ -74,7 +90,27 @@ class WorkerSkeleton:
         return {"phase": self.phase, "progress": self.progress, "incarnation": self.incarnation}
 
     def _turn(self) -> bool:
-        """One pass of the loop in the module docstring; False once the run is over."""
+        """One pass of the loop in the module docstring; False once the run is over. A weight receive that fails
+        because the learner died (its control channel went silent) waits for the restarted learner instead of
+        ending the worker; any other failure ends it (the launcher replaces it)."""
+        try:
+            return self._pass()
+        except SyncGroupError:
+            self.phase = "waiting"  # on the learner: silent means dead, and a dead one is being restarted
+            if self.control.heard(LEARNER_SILENT_S) or not self._await_reconnect():
+                raise
+            return True
+
+    def _await_reconnect(self) -> bool:
+        """Wait up to ``cluster.timeout_s`` for the launcher to hand over a restarted learner's addresses."""
+        deadline = time.monotonic() + self.cfg.cluster.timeout_s
+        while self._reconnect_to is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return self._reconnect_to is not None
+
+    def _pass(self) -> bool:
+        if self._reconnect_to is not None:
+            self._reconnect()
         state = self._read_control()
         if state is not None and state.stop:
             return False
@@ -98,6 +134,35 @@ class WorkerSkeleton:
     def _before_close(self) -> None:
         """Release what must go before the channels close (e.g. abort the sequences in flight)."""
 
+    def _drop_work(self, position) -> None:
+        """A restarted learner (at ``self.endpoints`` now): forget the work in flight, resume the draws at
+        ``position`` and move what the workload itself connects to the learner."""
+
+    # ------------------------------------------------------------------------------------------------------------
+    def request_reconnect(self, endpoints: Endpoints, position=None) -> None:
+        """The launcher restarted the learner: move to ``endpoints`` at the next turn (module docstring)."""
+        self._reconnect_to = (endpoints, position)
+
+    def _reconnect(self) -> None:
+        endpoints, position = self._reconnect_to
+        self._reconnect_to = None
+        self.endpoints = endpoints
+        self._drop_work(position)
+        self._pending.clear()
+        for channel in reversed(self._channels):
+            try:
+                channel.close()
+            except Exception:  # the old learner is gone: its sockets and group may fail to close cleanly
+                pass
+            self._closables.remove(channel)
+        self._channels = []
+        self._state, self.version = None, -1
+        self.phase = "waiting"  # joining the new learner's weight sync is a wait on the learner, not a hang
+        self.stats["learner_reconnects"] = self.stats.get("learner_reconnects", 0) + 1
+        print(f"[asyncppo] {self.role} {self.worker_id}: the learner was restarted; reconnecting"
+              + (f" from draw {position['next']}" if position else ""), flush=True)
+        self._open_channels()
+
     # ------------------------------------------------------------------------------------------------------------
     def _open(self) -> None:
         self._open_workload()
@@ -120,6 +185,7 @@ class WorkerSkeleton:
         self.control = ControlSubscriber(ep.control, curve=ep.curve)
         self.admission = AdmissionClient(ep.admission, self.worker_id, curve=ep.curve)
         self._closables += [self.sender, self.control, self.admission]
+        self._channels = [self.group, self.sender, self.control, self.admission]
 
     def _close(self) -> None:
         try:
@@ -148,6 +214,6 @@ class WorkerSkeleton:
         """Retry ``send_once()`` (one bounded attempt) until the learner takes it; False when a stop came first."""
         while not send_once():
             state = self._read_control()
-            if state is not None and state.stop:
-                return False
+            if (state is not None and state.stop) or self._reconnect_to is not None:
+                return False  # a restarted learner re-draws this work from its data position
         return True

@@ -80,6 +80,7 @@ class RolloutWorker(WorkerSkeleton):
         self._draining = False  # weights are waiting for the sequences in flight to finish
         self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
         self.evaluator = None  # an EvalRunner when the run has held-out sets (rollout/evaluation.py)
+        self._loads_before = 0  # weight loads before the current learner's first push (a restarted learner)
 
     # ------------------------------------------------------------------------------------------------------------
     def _on_weights_announced(self, state) -> bool:
@@ -129,6 +130,7 @@ class RolloutWorker(WorkerSkeleton):
             self.worker_id, self.num_workers)
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
                                      self.position)
+        self._dataset = dataset
         self.stats["dataset"] = dataset.stats.as_dict()
         self._announce(len(dataset))
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
@@ -156,6 +158,24 @@ class RolloutWorker(WorkerSkeleton):
               f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}"
               + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
               flush=True)
+
+    def _drop_work(self, position) -> None:
+        """A restarted learner (rollout/skeleton.py): abort every group in the engine (training and evaluation),
+        resume the prompt sequence at the checkpoint's data position, and report evaluations to the new learner."""
+        self.engine.abort_all()
+        self._in_flight.clear()
+        self._draining = False
+        self._announce_seen.clear()
+        self.position = position
+        self._prompts = resume_draws(self._dataset.iterate(seed=self.cfg.data.seed + self.worker_id,
+                                                           shuffle=self.cfg.data.shuffle), position)
+        if self.evaluator is not None:
+            self.evaluator.restart()
+            self._loads_before = self.stats["weight_loads"]
+            self._closables.remove(self.eval_sender)
+            self.eval_sender.close()
+            self.eval_sender = EvalSender(self.endpoints.eval, curve=self.endpoints.curve)
+            self._closables.append(self.eval_sender)
 
     def _before_close(self) -> None:
         if getattr(self, "engine", None) is not None and self._in_flight:
@@ -262,16 +282,19 @@ class RolloutWorker(WorkerSkeleton):
     def _evaluate(self) -> None:
         """Start the evaluation a new weight version makes due, and keep its groups flowing into the engine
         (rollout/evaluation.py says when and how much)."""
-        self._report_eval(self.evaluator.on_version(self.version, loaded=self.stats["weight_loads"] > 0))
+        loaded = self.stats["weight_loads"] > self._loads_before  # since the (restarted) learner's first push
+        self._report_eval(self.evaluator.on_version(self.version, loaded=loaded))
         self.evaluator.admit(self.model_engine)
 
     def _report_eval(self, report) -> None:
         if report is None:
             return
         phase, self.phase = self.phase, "sending"  # waiting for the learner to take it is not a hang
-        sent = self.eval_sender.send(report, timeout_s=self.cfg.cluster.timeout_s)
+        deadline, sent = time.monotonic() + self.cfg.cluster.timeout_s, False
+        while not sent and time.monotonic() < deadline and self._reconnect_to is None:  # a restarted learner:
+            sent = self.eval_sender.send(report, timeout_s=1.0)  # the report goes nowhere, the round is redone
         self.phase = phase
-        if not sent:
+        if not sent and self._reconnect_to is None:
             log.warning("worker %d: the learner did not take the evaluation report of point %d", self.worker_id,
                         report.point)
         self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1

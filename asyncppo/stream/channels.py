@@ -333,6 +333,17 @@ class ControlSubscriber:
                 self._drain()
         return self._state
 
+    def heard(self, timeout_s: float) -> bool:
+        """Whether any control message arrives within ``timeout_s``. The learner repeats its state every 0.2 s, so
+        seconds of silence mean it is gone (a worker then awaits a restarted learner: rollout/skeleton.py)."""
+        deadline = time.monotonic() + timeout_s
+        while not self._drain():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            self._sock.poll(int(min(remaining, 0.2) * 1000))
+        return True
+
     def wait_for(
         self, predicate: Callable[[ControlState], bool], timeout_s: Optional[float] = None
     ) -> Optional[ControlState]:

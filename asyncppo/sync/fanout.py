@@ -37,6 +37,7 @@ from datetime import timedelta
 from typing import Optional
 
 import torch
+import torch.distributed as dist
 
 from asyncppo.sync.broadcast import WeightSender, _as_named_list
 from asyncppo.sync.group_stream import GroupStream
@@ -137,10 +138,19 @@ class WeightFanout:
         """The launcher restarted worker ``worker_id`` as incarnation ``incarnation``: retire the old member, await the new."""
         self.add(worker_id, incarnation)
 
+    def _member_store(self):
+        """A store client of the member's own. One client serialises its calls, and the rendezvous of a member that
+        never comes (a worker that died while its group formed) waits holding it until ``timeout_s``: on a shared
+        client every other member's rendezvous (a replacement's, a restarted learner's workers') would wait too."""
+        host = self.host.strip("[]")
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)  # a wildcard bind
+        return dist.TCPStore(host, self.port, 2, False, timedelta(seconds=self.timeout_s))
+
     def _form(self, member: _Member) -> None:
         prefix = member_prefix(self.run_prefix, member.worker_id, member.incarnation)
         try:
-            group = group_on_store(self.store, self.host, self.port, 0, 2, self.backend, self.timeout_s, prefix)
+            group = group_on_store(self._member_store(), self.host, self.port, 0, 2, self.backend, self.timeout_s,
+                                   prefix)
         except Exception as e:
             self._fail(member, f"worker {member.worker_id} (incarnation {member.incarnation}) did not join the "
                                f"weight-sync group within {self.timeout_s:.0f}s (cluster.timeout_s): {e}")

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -65,6 +67,71 @@ def test_cartpole_learns_through_the_asynchronous_machinery(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["buffer"]["dropped_stale"] == 0
     assert sum(summary["rejected"].values()) == 0
+    deadline = time.time() + 20
+    while _env_actors(out) and time.time() < deadline:
+        time.sleep(1)
+    assert not _env_actors(out), f"processes left behind: {_env_actors(out)}"
+
+
+def _records(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip().endswith("}")]
+
+
+def _wait(proc: subprocess.Popen, out: Path, what, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while not what():
+        assert proc.poll() is None, f"the run ended early ({proc.returncode})"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.5)
+
+
+def _pids(out: Path, marker: str) -> list[int]:
+    """Pids of this run's actor processes whose command line contains ``marker`` (see :func:`_env_actors`)."""
+    return [int(line.split()[0]) for line in _env_actors(out) if marker in line]
+
+
+def test_cartpole_survives_a_killed_learner_and_a_killed_worker(tmp_path):
+    """One launch, two faults: SIGKILL the learner after a checkpoint (the launcher restarts it from there, the env
+    workers stay up and reconnect), then SIGKILL an env worker (it is replaced). The run finishes every step within
+    the staleness bound, and the restarted learner continued the checkpoint's training state."""
+    k, steps, every = 1, 30, 5
+    out = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "asyncppo", "launch", "env=cartpole", f"trainer.total_steps={steps}",
+         f"rollout.max_staleness={k}", f"trainer.output_dir={out}", "trainer.logger.wandb=false",
+         "cluster.rollout_workers=2", f"trainer.save_every={every}"],
+        cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(tmp_path / "out.txt", "w"),
+        stderr=open(tmp_path / "err.txt", "w"), text=True)  # files, not pipes: nothing fills up
+    try:
+        _wait(proc, out, lambda: len(_records(out)) >= 7)
+        (learner,) = _pids(out, "EnvLearnerActor")
+        os.kill(learner, signal.SIGKILL)
+        _wait(proc, out, lambda: any(r.get("learner/restarts") for r in _records(out)[-1:])
+              and _records(out)[-1]["step"] >= 12)
+        worker = max(_pids(out, "EnvRolloutActor"))
+        os.kill(worker, signal.SIGKILL)
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
+    assert "learner restarted at step 5" in stderr and "died" in stderr and "starting a replacement" in stderr, \
+        stderr[-3000:]
+    records = [r for r in _records(out) if "env_steps" in r]
+    restart = next(i for i, r in enumerate(records) if r["learner/restarts"])
+    assert records[restart]["step"] == every + 1  # the new learner went on from the checkpoint
+    assert records[restart]["learner/steps_lost"] == records[restart - 1]["step"] - every
+    # its env-step count was restored from the checkpoint: it counts only the steps that survived
+    assert records[restart]["env_steps"] == (every + 1) * 8 * 32
+    assert records[-1]["step"] == steps and records[-1]["env_steps"] == steps * 8 * 32
+    assert max(r["staleness/max"] for r in records) <= k
+    logs = {p.name: p.read_text() for p in (out / "logs").glob("worker-*.log")}
+    assert sum("the learner was restarted; reconnecting" in text for text in logs.values()) == 2
+    assert any(re.search(r"env worker \d \(incarnation 1\): pid", text) for text in logs.values())
     deadline = time.time() + 20
     while _env_actors(out) and time.time() < deadline:
         time.sleep(1)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from asyncppo.report.runs import surviving_steps
 from test_e2e_launch import ASYNCPPO, REPO, _train_records
 
 pytestmark = pytest.mark.slow
@@ -259,7 +260,9 @@ def test_killed_learner_resumes_exactly(tmp_path):
     assert code == 0, out[-3000:] + err[-3000:]
     run.assert_no_leftovers()
 
-    run = _start(cut_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact_then_hang")
+    # auto_resume off: this test resumes by hand (test_killed_learner_comes_back_by_itself covers the automatic way)
+    run = _start(cut_dir, *EXACT, "rollout.reward_fn=tests.reliability_helpers:exact_then_hang",
+                 "trainer.auto_resume=false")
     try:
         _wait_for_step(run, cut_dir, 4)  # step 4 is trained; the worker hangs in step 5's first group
         assert (cut_dir / "checkpoints" / "latest").read_text().strip() == "step_3"
@@ -287,4 +290,49 @@ def test_killed_learner_resumes_exactly(tmp_path):
     assert any(not torch.equal(step3[name], t) for name, t in want.items())  # steps 4-6 did change the weights
     for name, tensor in want.items():
         assert torch.equal(tensor, got[name]), f"{name} differs after resuming"
+    run.assert_no_leftovers()
+
+
+def test_killed_learner_comes_back_by_itself(tmp_path):
+    """SIGKILL the learner mid-run with checkpoints on: the launcher restarts it from the latest checkpoint, the
+    rollout workers stay up and reconnect, the run finishes all its steps (exit 0), and the surviving steps trained
+    every group once: no prompt trained twice, none lost beyond the re-drawn ones."""
+    k, steps, every = 1, 16, 4
+    out = tmp_path / "run"
+    # slow scoring (0.1 s a sample, ~1.6 s a step) until the kill, so that it lands between two checkpoints
+    run = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", f"trainer.save_every={every}",
+                 "rollout.max_num_seqs=16", "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
+    (out / "SLOW").touch()
+    try:
+        _wait_for_step(run, out, 6)
+        workers = _worker_pids(out)
+        (learner,) = _descendant_pids(run.proc.pid, "LearnerActor")
+        os.kill(learner, signal.SIGKILL)
+        (out / "SLOW").unlink()
+    finally:
+        code, stdout, stderr = run.finish(900)
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
+    assert "learner died after step" in stderr and "learner restarted at step 4" in stderr, stderr[-3000:]
+    records = _train_records(_records(out))
+    lost = max(r["step"] for r in records[:next(i for i, r in enumerate(records) if r.get("learner/restarts"))])
+    train = surviving_steps(records)
+    assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert train[0]["learner/restarts"] == 0 and train[-1]["learner/restarts"] == 1
+    assert train[-1]["learner/steps_lost"] == lost - every >= 2  # the steps since the checkpoint, trained again
+    assert max(r["staleness/max"] for r in records) <= k
+    # the workers stayed up: the same processes, reconnected to the new learner
+    assert _worker_pids(out) == workers
+    for i in workers:
+        assert "the learner was restarted; reconnecting" in (out / "logs" / f"worker-{i}.log").read_text()
+    # No prompt trained twice: the surviving steps' groups name distinct (worker, draw) pairs, B per step, and each
+    # worker's draws form its sequence from 0 without a gap beyond the draws still in flight at the end.
+    lines = [json.loads(line) for line in (out / "trained_groups.jsonl").read_text().splitlines()]
+    groups = [g for line in surviving_steps(lines) for g in line["groups"]]
+    assert len(groups) == steps * 4
+    draws = [(g[0].split("-")[0].split(".")[0], int(g[0].split("-")[1])) for g in groups]
+    assert len(set(draws)) == len(draws), "a prompt was trained twice"
+    assert len({g[1] for g in groups}) == len(groups), "a ticket was trained twice"
+    for w in {d[0] for d in draws}:
+        mine = sorted(s for x, s in draws if x == w)
+        assert len(set(range(mine[-1] + 1)) - set(mine)) <= 2 * 4, (w, mine)  # at most the groups in flight
     run.assert_no_leftovers()

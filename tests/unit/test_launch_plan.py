@@ -17,7 +17,21 @@ def test_plan_from_the_config_alone():
     assert plan.worker_bundle == {"CPU": 1.0, "GPU": 1.0, "rollout_node": 1.0}
     assert plan.ray_on_loopback and plan.replace_dead_workers and plan.model_path == ""
     assert plan.ray_init["runtime_env"]["env_vars"]["OMP_WAIT_POLICY"]
-    assert not plan_launch(load_config(["env=cartpole"])).replace_dead_workers  # embodied runs end on a death
+    # embodied runs replace a dead env worker too (they ended on a death before)
+    assert plan_launch(load_config(["env=cartpole"])).replace_dead_workers
+    assert not plan_launch(load_config(["env=cartpole", "cluster.max_worker_restarts=0"])).replace_dead_workers
+
+
+@pytest.mark.parametrize("overrides, restarts", [
+    ([], 3),  # checkpoints by default (save_every=20): on, up to trainer.max_learner_restarts
+    (["trainer.save_every=0"], 0),  # no checkpoints: a restart would start over, so auto_resume defaults off
+    (["trainer.save_every=10"], 3),
+    (["trainer.save_every=10", "trainer.max_learner_restarts=1"], 1),
+    (["trainer.save_every=10", "trainer.auto_resume=false"], 0),
+    (["trainer.auto_resume=true"], 3),  # forced without checkpoints: restarts from version 0
+])
+def test_learner_restarts_follow_auto_resume(overrides, restarts):
+    assert plan_launch(load_config(overrides)).max_learner_restarts == restarts
 
 
 def test_ray_stays_on_loopback_only_for_a_local_or_loopback_cluster():
