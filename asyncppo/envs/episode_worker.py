@@ -103,6 +103,13 @@ class EpisodeRolloutWorker(RolloutWorker):
         self.meter = EpisodeMeter(self.engine, self.runner)
         self.stats["dropped_groups"] = 0
 
+    def _announce(self, num_prompts: int) -> None:
+        super()._announce(num_prompts)
+        e = self.cfg.env
+        print(f"[asyncppo] rollout worker {self.worker_id}: episodes of {e.text_env}, max_turns={e.max_turns}, "
+              f"max_tokens_per_turn={e.max_tokens_per_turn}, on_error={e.on_error}, "
+              f"prefix caching={'on' if self._engine_opts() else 'n/a'}", flush=True)
+
     def _occupied(self) -> int:
         return self.engine.num_running_seqs()
 
