@@ -290,13 +290,14 @@ class EnvConfig:
     reward_scale: float = 1.0  # constant factor on rewards before any normalisation
     reward_clip: Optional[float] = None  # clip scaled rewards to [-c, c]
     kwargs: dict[str, Any] = field(default_factory=dict)  # passed to gymnasium.make
-    # Text environments (docs/environments.md; the protocol layer asyncppo.envs.text_env, not yet run by launch):
+    # Text environments (docs/environments.md; run by asyncppo.envs.episode_worker when text_env is set):
     text_env: Optional[str] = None  # dotted class path of a per-episode text environment, e.g. my_pkg.envs.MyEnv
     text_env_config: dict[str, Any] = field(default_factory=dict)  # the environment's env_config (skyrl-gym's)
     max_turns: int = 4  # model turns per episode at most
     max_concurrency: int = 16  # environment calls running at once per rollout worker (a bounded thread pool)
     step_timeout_s: float = 30.0  # deadline of one init/step call; past it the episode is handled per on_error
     on_error: str = "zero_reward"  # drop | zero_reward: what a raising, hung or malformed environment costs
+    max_tokens_per_turn: Optional[int] = None  # model tokens per turn at most (None: what the episode budget leaves)
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Checks of the text-environment options (``env.text_env``, ``env.max_turns``, ``env.max_concurrency``,
 ``env.step_timeout_s``, ``env.on_error``; docs/environments.md).
 
-Why ``env.text_env`` is refused for a launch today: the protocol, the parsing and the off-loop runner exist
-(:mod:`asyncppo.envs`), and so does the loop that runs episodes through an engine (:mod:`asyncppo.envs.episodes`),
-but the rollout worker does not use it yet; a run that accepted the option would silently train single-turn. The format is still checked first, so the message names the real problem.
+Only the format is checked here (config/ imports nothing of envs/): whether the class imports and whether the
+model's tokenizer has a chat template are launch checks (launch/text_env_check.py), and the rollout worker for
+these runs is :mod:`asyncppo.envs.episode_worker`.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.choice("env.on_error", e.on_error, ENV_ON_ERROR)
     for key in ("max_turns", "max_concurrency", "step_timeout_s"):
         c.positive(f"env.{key}", getattr(e, key))
+    c.optional_positive("env.max_tokens_per_turn", e.max_tokens_per_turn)
     if e.text_env is None:
         return
     if not isinstance(e.text_env, str) or not _DOTTED_CLASS.match(e.text_env):
@@ -31,6 +32,3 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
     elif e.id is not None:
         c.error("env.text_env", e.text_env, f"is a text environment; env.id={e.id!r} asks for a gymnasium run: "
                 "set one of them")
-    else:
-        c.error("env.text_env", e.text_env, "the multi-turn rollout loop is not wired into launch yet "
-                "(docs/environments.md, Status); episodes run from Python through asyncppo.envs.episodes")

@@ -70,6 +70,7 @@ class EpisodeGroup(FinishedGroup):
 
     dropped: bool = False
     detail: str = ""
+    prompt_ids: list = field(default_factory=list)  # the prompt the episodes rendered (the record's prompt)
 
 
 @dataclass
@@ -138,22 +139,31 @@ class EpisodeEngine:
         for ep in self._groups[key]:
             self._to_env(ep, "init", list(prompt_messages or []))
 
-    def step(self) -> list[EpisodeGroup]:
+    def step(self) -> list:
         """Take the environments' answers (re-entering the engine), run one engine step, hand its finished turns
         to their environments; return the groups whose episodes all ended. With the engine empty and episodes at
-        their environments, waits up to ``idle_wait_s`` for an answer instead of returning at once (no spinning)."""
+        their environments, waits up to ``idle_wait_s`` for an answer instead of returning at once (no spinning).
+
+        A group some other caller added to the wrapped engine directly (the rollout worker's single-turn evaluation
+        groups) is returned as the engine finished it, untouched."""
         idle = not self.engine.num_unfinished_seqs() and self._at_env
         self._take_env_results(self.idle_wait_s if idle else 0.0)
         finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
+        foreign = []
         for done in finished:
-            ep = self._requests.pop(done.key, None)
-            if ep is not None and ep.ended is None:  # None/ended: its group was dropped meanwhile
+            if done.key not in self._requests:
+                foreign.append(done)
+                continue
+            ep = self._requests.pop(done.key)
+            if ep.ended is None:  # ended: its group was dropped meanwhile
                 self._on_turn(ep, done.completions[0])
-        return self._collect()
+        return foreign + self._collect()
 
     def num_unfinished_seqs(self) -> int:
-        """Episodes started and not ended: in the engine or waiting for their environment."""
-        return sum(ep.ended is None for eps in self._groups.values() for ep in eps)
+        """Episodes started and not ended (in the engine or waiting for their environment), plus the sequences of
+        groups added to the wrapped engine directly."""
+        foreign = max(0, self.engine.num_unfinished_seqs() - len(self._requests))
+        return foreign + sum(ep.ended is None for eps in self._groups.values() for ep in eps)
 
     def num_running_seqs(self) -> int:
         """Sequences in the engine (what fills its slots; an episode at its environment holds none)."""
@@ -290,7 +300,12 @@ class EpisodeEngine:
                 self.counters["dropped_groups"] += 1
                 out.append(EpisodeGroup(key, [], dropped=True, detail=self._dropped.pop(key)))
                 continue
-            out.append(EpisodeGroup(key, [_completion(ep) for ep in eps]))
+            if any(ep.prompt_ids != eps[0].prompt_ids for ep in eps):
+                self.counters["dropped_groups"] += 1
+                out.append(EpisodeGroup(key, [], dropped=True, detail="its environments rendered different prompts "
+                                        "(one record has one prompt: the n environments of a group must agree)"))
+                continue
+            out.append(EpisodeGroup(key, [_completion(ep) for ep in eps], prompt_ids=list(eps[0].prompt_ids)))
         return out
 
 

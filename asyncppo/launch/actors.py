@@ -88,7 +88,10 @@ class RolloutActor:
         # torch and the engine stack are imported in the actor's process only, never in the launcher
         import torch  # heavy: torch
 
-        from asyncppo.rollout.worker import RolloutWorker  # heavy: torch, the rollout engines
+        if cfg_dict["env"].get("text_env"):  # multi-turn episodes (docs/environments.md)
+            from asyncppo.envs.episode_worker import EpisodeRolloutWorker as RolloutWorker  # heavy: the engines
+        else:
+            from asyncppo.rollout.worker import RolloutWorker  # heavy: torch, the rollout engines
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")  # a replacement appends
         logging.basicConfig(level=logging.WARNING)

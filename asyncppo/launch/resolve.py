@@ -27,6 +27,7 @@ from typing import Any, Optional
 from asyncppo.config.hosts import is_loopback
 from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.launch.text_env_check import check_text_env_launch
 from asyncppo.launch.shared_device import SharedSplitError, check_shared_split
 from asyncppo.launch.plan import (
     PlacementPlan, check_engine_fits, make_placement_plan, num_rollout_engines, rollout_bundle,
@@ -212,6 +213,11 @@ def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
         return dataclasses.replace(plan, resume_note=_embodied_resume_note(cfg))
     _check_data(cfg)
     model_path = _resolve_model(cfg)
+    if cfg.env.text_env:
+        try:
+            check_text_env_launch(cfg, model_path)
+        except ValueError as exc:
+            raise LaunchError(str(exc)) from None
     worker_model_path, note = _resolve_resume(cfg, model_path)
     return dataclasses.replace(plan, model_path=model_path, worker_model_path=worker_model_path, resume_note=note)
 

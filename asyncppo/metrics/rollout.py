@@ -51,6 +51,34 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
+def episode_metrics(groups: list) -> dict[str, float]:
+    """Multi-turn metrics of a step's groups (docs/environments.md); empty when no sample has turns.
+
+    From the records: turns per episode (model turns: one turn reward each) and the fraction of response tokens
+    the environment wrote (its runs). From the worker's counters in the groups' timings (deltas since the previous
+    group, so the sums are exact): tool calls and tool errors read in the model's turns, environment seconds per
+    call, episodes truncated by the token budget, groups dropped by an environment fault, environment faults."""
+    columns = [c for c in (g.turn_columns() for g in groups) if c is not None]
+    turns = [k for c in columns for k in c.reward_counts() if k]
+    if not turns:
+        return {}
+    env_tokens = sum(int(c.env_runs[:, 1].sum()) for c in columns)
+    tokens = sum(n for g in groups for n in g.sample_lengths())
+
+    def total(key: str) -> float:
+        return float(sum(g.timings.get(key, 0.0) for g in groups))
+
+    calls = total("env_calls")
+    return {
+        "episodes/turns_mean": float(statistics.fmean(turns)), "episodes/turns_max": float(max(turns)),
+        "episodes/env_token_frac": env_tokens / tokens if tokens else 0.0,
+        "episodes/tool_calls": total("tool_calls"), "episodes/tool_errors": total("tool_errors"),
+        "episodes/env_s_per_step": total("env_s") / calls if calls else 0.0,
+        "episodes/truncated": total("episodes_truncated"), "episodes/dropped_groups": total("episodes_dropped"),
+        "episodes/env_faults": total("env_faults"),
+    }
+
+
 class EngineTotals:
     """Per-step rollout metrics plus run totals (for the summary: occupancy, push p50/p99, lengths)."""
 
@@ -84,6 +112,7 @@ class EngineTotals:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
         return {
+            **episode_metrics(groups),
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
             # engine seconds per decode step and sequences per step: the advisor's generation-speed curve
             "rollout/decode_step_s": busy / steps if steps else 0.0,

@@ -117,12 +117,15 @@ class RolloutWorker(WorkerSkeleton):
             enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
             num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
             **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
+            **self._engine_opts(),
         )
+        self.model_engine = self.engine  # what weights load into and evaluation runs on (a subclass may wrap engine)
         self._closables.append(self.engine)
         # LoRA: pushes carry adapters, merged onto this engine's base weights (sync/adapter.py)
         self.merger = (AdapterMerger(self.engine, self.model_path, cfg.model.lora_alpha / cfg.model.lora_rank)
                        if cfg.model.lora_rank > 0 else None)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
+        self.tokenizer = tokenizer
         dataset = build_prompt_dataset(cfg, self.model_path, split="train", tokenizer=tokenizer).shard(
             self.worker_id, self.num_workers)
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
@@ -137,6 +140,14 @@ class RolloutWorker(WorkerSkeleton):
         if self.evaluator is not None:
             self.eval_sender = EvalSender(self.endpoints.eval, curve=self.endpoints.curve)
             self._closables.append(self.eval_sender)
+
+    def _engine_opts(self) -> dict:
+        """Extra backend options (a subclass that needs e.g. vLLM's prefix caching adds them)."""
+        return {}
+
+    def _occupied(self) -> int:
+        """Sequences holding an engine slot: what admission room and occupancy count."""
+        return self.engine.num_unfinished_seqs()
 
     def _announce(self, num_prompts: int) -> None:
         ro = self.cfg.rollout
@@ -181,7 +192,7 @@ class RolloutWorker(WorkerSkeleton):
         self.phase = "loading"
         # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
         # (adapters never touch the embeddings, so a LoRA push needs no tied-embedding alias: model_config None)
-        version = receive_into_engine(self.receiver, self.merger or self.engine, flush_bytes=ro.weight_bucket_mb << 20,
+        version = receive_into_engine(self.receiver, self.merger or self.model_engine, flush_bytes=ro.weight_bucket_mb << 20,
                                       model_config=None if self.merger else self.model_path, dtype=ro.dtype)
         self.engine.set_weight_version(version)
         if busy:
@@ -214,7 +225,7 @@ class RolloutWorker(WorkerSkeleton):
                 return
             room = ro.prompts_per_call
         else:
-            room = max(0, ro.max_num_seqs - self.engine.num_unfinished_seqs()) // n
+            room = max(0, ro.max_num_seqs - self._occupied()) // n
         want = room - len(self._pending) - self.admission.open_requests
         if want > 0:
             self.admission.request(want)
@@ -242,11 +253,15 @@ class RolloutWorker(WorkerSkeleton):
         seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
         spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
                             top_k=s.top_k, seed=seed)
-        self.engine.add_group(key, row.prompt_ids, spec)
+        self._start_group(key, row, spec)
         self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
 
+    def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        """Hand the group to the engine (a subclass may start episodes instead of single turns)."""
+        self.engine.add_group(key, row.prompt_ids, spec)
+
     def _step(self) -> None:
-        running = min(self.engine.num_unfinished_seqs(), self.cfg.rollout.max_num_seqs)
+        running = min(self._occupied(), self.cfg.rollout.max_num_seqs)
         t0 = time.perf_counter()
         finished = self.engine.step()
         self.meter.busy_s += time.perf_counter() - t0
@@ -259,15 +274,17 @@ class RolloutWorker(WorkerSkeleton):
             if self.evaluator is not None and self.evaluator.owns(done.key):
                 self._report_eval(self.evaluator.finished(done))
                 continue
-            group = self.builder.build(done, self._in_flight.pop(done.key), self.meter)
-            self._send(group)
+            self._finish_group(done)
+
+    def _finish_group(self, done) -> None:
+        self._send(self.builder.build(done, self._in_flight.pop(done.key), self.meter))
 
     def _evaluate(self) -> None:
         """Start the evaluation a new weight version makes due, and keep its groups flowing into the engine
         (rollout/evaluation.py says when and how much)."""
         loaded = self.stats["weight_loads"] > self._loads_before  # since the (restarted) learner's first push
         self._report_eval(self.evaluator.on_version(self.version, loaded=loaded))
-        self.evaluator.admit(self.engine)
+        self.evaluator.admit(self.model_engine)
 
     def _report_eval(self, report) -> None:
         if report is None:

@@ -1,0 +1,141 @@
+"""The rollout worker for text environments: the LLM worker's loop, with multi-turn episodes instead of single turns.
+
+Why a subclass here and not a branch in :mod:`asyncppo.rollout.worker`: the episode loop lives in envs/, which
+imports the rollout engine's types, so rollout/ cannot import envs/ without a cycle; launch/ picks this class when
+``env.text_env`` is set. What differs from the single-turn worker, and nothing else:
+
+* the engine is wrapped in :class:`~asyncppo.envs.episodes.EpisodeEngine` (vLLM with prefix caching and 32-token
+  blocks, so a turn that re-enters with its whole prefix reuses the cached part); weights still load into the
+  wrapped engine (``model_engine``), and evaluation groups go to it directly and stay single-turn;
+* admission room counts the sequences *in the engine* (``num_running_seqs``: an episode waiting for its
+  environment holds no slot), while step-or-idle asks ``num_unfinished_seqs`` (that episode still needs steps);
+* a group gets ``n`` environments ``cls({}, extras=row fields)``, and its record the prompt the episodes rendered;
+* a group dropped by an environment fault (``env.on_error=drop``) gives its ticket back, so the slot is granted again;
+* the meter adds episode counters to the group's timings (turns, truncations, tool calls, environment seconds),
+  which the learner turns into step metrics (:func:`asyncppo.metrics.rollout.episode_metrics`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from asyncppo.envs.env_runner import EnvRunner
+from asyncppo.envs.episode_groups import EpisodeGroupBuilder
+from asyncppo.envs.episodes import EpisodeEngine
+from asyncppo.envs.text_env import load_text_env
+from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
+from asyncppo.rollout.engine import SamplingSpec
+from asyncppo.rollout.worker import EngineMeter, RolloutWorker
+
+log = logging.getLogger("asyncppo.rollout")
+
+#: vLLM caches whole blocks only; its CPU default (128 tokens) is longer than a short turn's prefix.
+PREFIX_BLOCK_SIZE = 32
+
+
+def tool_names(env) -> list:
+    """The names of the tools an environment declares (JSON schemas, OpenAI's nested form or flat)."""
+    names = []
+    for tool in getattr(env, "tools", None) or []:
+        if isinstance(tool, dict):
+            name = (tool.get("function") or {}).get("name") or tool.get("name")
+            if name:
+                names.append(str(name))
+    return names
+
+
+class CountingRunner(EnvRunner):
+    """An :class:`EnvRunner` that also counts the tool calls in each action it hands an environment (read with the
+    template's own syntax; a malformed call or a call of an undeclared tool counts as a tool error)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.tools = ToolCallCounter()
+
+    def step(self, env, action_text: str):
+        if "<tool_call>" in action_text:
+            self.tools.add(parse_tool_calls(action_text, tool_names(env) or None))
+        return super().step(env, action_text)
+
+
+class EpisodeMeter(EngineMeter):
+    """The engine meter plus what the episodes did since the last group was sent (deltas of run counters)."""
+
+    def __init__(self, episodes: EpisodeEngine, runner: CountingRunner):
+        super().__init__()
+        self.episodes, self.runner = episodes, runner
+        self._last = self._totals()
+
+    def _totals(self) -> dict[str, float]:
+        c, tools = self.episodes.counters, self.runner.tools.counts
+        return {"episode_turns": c["turns"], "episodes_ended": c["episodes"], "episodes_truncated": c["truncated"],
+                "episodes_dropped": c["dropped_groups"], "tool_calls": tools["calls"],
+                "tool_errors": tools["malformed"] + tools["unknown"], "env_calls": self.runner.calls,
+                "env_s": self.runner.seconds, "env_faults": sum(self.runner.faults.values())}
+
+    def take(self) -> dict[str, float]:
+        now = self._totals()
+        delta = {k: float(now[k] - self._last[k]) for k in now}
+        self._last = now
+        return {**super().take(), **delta}
+
+
+class EpisodeRolloutWorker(RolloutWorker):
+    """:class:`RolloutWorker` running ``env.text_env`` episodes (module docstring)."""
+
+    def _engine_opts(self) -> dict:
+        return {"enable_prefix_caching": True, "block_size": PREFIX_BLOCK_SIZE} if self.cfg.rollout.engine == "vllm" \
+            else {}
+
+    def _open_workload(self) -> None:
+        super()._open_workload()
+        e, ro = self.cfg.env, self.cfg.rollout
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"env.text_env={e.text_env!r}: the tokenizer of model.path={self.cfg.model.path!r} has "
+                             "no chat template, which renders the environment's turns")
+        self.env_class = load_text_env(e.text_env)
+        self.runner = CountingRunner(e.max_concurrency, e.step_timeout_s, e.on_error)
+        self.engine = EpisodeEngine(self.model_engine, self.tokenizer, self.runner, max_turns=e.max_turns,
+                                    response_length=ro.response_length, turn_max_tokens=e.max_tokens_per_turn)
+        self._closables += [self.engine, _Shutdown(self.runner)]
+        self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
+        self.meter = EpisodeMeter(self.engine, self.runner)
+        self.stats["dropped_groups"] = 0
+
+    def _announce(self, num_prompts: int) -> None:
+        super()._announce(num_prompts)
+        e = self.cfg.env
+        print(f"[asyncppo] rollout worker {self.worker_id}: episodes of {e.text_env}, max_turns={e.max_turns}, "
+              f"max_tokens_per_turn={e.max_tokens_per_turn}, on_error={e.on_error}, "
+              f"prefix caching={'on' if self._engine_opts() else 'n/a'}", flush=True)
+
+    def _occupied(self) -> int:
+        return self.engine.num_running_seqs()
+
+    def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
+        envs = [self.env_class({}, extras=dict(extras)) for _ in range(spec.n)]
+        # the environment's init renders the prompt (with its tools); the row's text is its first user message
+        self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
+
+    def _finish_group(self, done) -> None:
+        flight = self._in_flight.pop(done.key)
+        if done.dropped:
+            self.admission.release(flight.ticket)
+            self.stats["dropped_groups"] += 1
+            log.warning("worker %d: group %s dropped (%s); its ticket is given back", self.worker_id, done.key,
+                        done.detail)
+            return
+        flight = dataclasses.replace(flight, row=dataclasses.replace(flight.row, prompt_ids=list(done.prompt_ids)))
+        self._send(self.builder.build(done, flight, self.meter))
+
+
+class _Shutdown:
+    """Closes the runner's pool with the worker (the worker's closables call ``close()``)."""
+
+    def __init__(self, runner: EnvRunner):
+        self.runner = runner
+
+    def close(self) -> None:
+        self.runner.shutdown()
