@@ -35,7 +35,8 @@ MODES = {
 }
 
 
-def run_once(label: str, args, root: str) -> dict:
+def run_once(label: str, args, root: str, mode: str = "") -> dict:
+    """One launch in ``MODES[mode or label]``, its run directory ``root/label``."""
     out = os.path.join(root, label)
     cmd = [
         sys.executable, "-m", "asyncppo", "launch", *args.preset,
@@ -43,7 +44,7 @@ def run_once(label: str, args, root: str) -> dict:
         f"trainer.total_steps={args.steps}",
         "trainer.logger.wandb=false",
         "trainer.eval_every=0",
-        *[m.format(k=args.staleness) for m in MODES[label]],
+        *[m.format(k=args.staleness) for m in MODES[mode or label]],
         *args.overrides,
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
