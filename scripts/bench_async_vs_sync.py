@@ -144,6 +144,10 @@ def main() -> None:
             if r is not base:
                 print(f"speed-up of {r['label']} over sync in learner time to {base['samples']} samples: "
                       f"{base['train_s'] / r['train_s']:.2f}x (whole launch {base['wall_s'] / r['wall_s']:.2f}x)")
+    save_results(results, root)
+
+
+def save_results(results: list, root: str) -> None:
     with open(os.path.join(root, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"[bench] run directories and results.json under {root}")

@@ -22,7 +22,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_async_vs_sync import run_once  # noqa: E402  (a sibling script: the same launch and read-out)
+from bench_async_vs_sync import run_once, save_results  # noqa: E402  (a sibling script: the same launch and read-out)
 
 ENV = "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv"
 
@@ -34,7 +34,7 @@ ROWS = [
     ("rollout busy", "rollout_busy", "{:.2f}"),
     ("train busy", "train_busy", "{:.2f}"),
     ("turns per episode", "turns_mean", "{:.2f}"),
-    ("env seconds per call", "env_s_per_call", "{:.3f}"),
+    ("env seconds per call (init, step)", "env_s_per_call", "{:.3f}"),
     ("lag max", "lag_max", "{:.0f}"),
 ]
 
@@ -90,9 +90,7 @@ def main() -> None:
             for ms in latencies[1:]:
                 print(f"{mode}: throughput at {ms} ms / at 0 ms = "
                       f"{own[ms]['samples_per_s'] / own[0]['samples_per_s']:.2f}")
-    with open(os.path.join(root, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    print(f"[bench] run directories and results.json under {root}")
+    save_results(results, root)
 
 
 if __name__ == "__main__":
