@@ -4,12 +4,14 @@
 The guess game (``data=guess``) behind a tool that takes ``latency_s`` to answer every turn
 (``asyncppo.envs.examples.ToolLatencyGuessEnv``: the step *awaits* the latency, the CPU stays free), run with
 ``sync`` and ``async-cont`` of scripts/bench_async_vs_sync.py at each latency, same seed, steps and trained samples.
-For each run it prints trained samples/s (learner time), engine occupancy, env wait (the fraction of the learner's
-time the engine sat empty while episodes waited for their environment, ``episodes/env_wait_s``), rollout and train
-busy fractions and turns per episode; then each mode's throughput at the highest latency over its throughput at 0.
+For each run it prints trained samples/s (over learner time: all steps, and the steady last three quarters),
+engine occupancy, env wait (the fraction of the learner's time the engine sat empty while episodes waited for
+their environment, ``episodes/env_wait_s``), rollout and train busy fractions and turns per episode; then each
+mode's throughput at every latency over its throughput at 0.
 
-    python scripts/bench_tool_latency.py --steps 20 --latencies 0,50,200
-    python scripts/bench_tool_latency.py --modes async-cont --latencies 0,200 env.max_concurrency=256
+    python scripts/bench_tool_latency.py --steps 30 rollout.rollout_batch_size=4 rollout.max_num_seqs=64 \
+        algorithm.use_kl_loss=false env.max_concurrency=128
+    python scripts/bench_tool_latency.py --modes async-cont --staleness 8 --latencies 0,200 env.max_concurrency=128
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from bench_async_vs_sync import run_once, save_results  # noqa: E402  (a sibling
 ENV = "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv"
 
 ROWS = [
-    ("trained samples / s", "samples_per_s", "{:.1f}"),
+    ("trained samples / s, all steps", "samples_per_s", "{:.1f}"),
+    ("trained samples / s, steady (last 3/4 of the steps)", "steady_per_s", "{:.1f}"),
     ("learner time (s)", "train_s", "{:.1f}"),
     ("engine occupancy", "occupancy", "{:.2f}"),
     ("env wait", "env_wait", "{:.2f}"),
@@ -44,7 +47,13 @@ def episode_readout(run_dir: str, train_s: float) -> dict:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     train = [r for r in rows if "reward/mean" in r]
     wait = sum(r.get("episodes/env_wait_s", 0.0) for r in train)
-    return {"env_wait": wait / train_s if train_s else float("nan"),
+    # steady state, as the busy fractions: the first quarter of the steps (engine load, the pipeline filling with
+    # whole episodes, which latency lengthens) left out
+    first = len(train) // 4
+    steady = train[first:]
+    before = train[first - 1]["samples_trained"] if first else 0
+    return {"steady_per_s": (train[-1]["samples_trained"] - before) / sum(r["time/step_s"] for r in steady),
+            "env_wait": wait / train_s if train_s else float("nan"),
             "turns_mean": sum(r.get("episodes/turns_mean", 0.0) for r in train) / max(len(train), 1),
             "env_s_per_call": sum(r.get("episodes/env_s_per_step", 0.0) for r in train) / max(len(train), 1)}
 
@@ -89,7 +98,8 @@ def main() -> None:
         if 0 in own:
             for ms in latencies[1:]:
                 print(f"{mode}: throughput at {ms} ms / at 0 ms = "
-                      f"{own[ms]['samples_per_s'] / own[0]['samples_per_s']:.2f}")
+                      f"{own[ms]['samples_per_s'] / own[0]['samples_per_s']:.2f} (all steps), "
+                      f"{own[ms]['steady_per_s'] / own[0]['steady_per_s']:.2f} (steady)")
     save_results(results, root)
 
 
