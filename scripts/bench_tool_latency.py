@@ -37,7 +37,7 @@ ROWS = [
     ("rollout busy", "rollout_busy", "{:.2f}"),
     ("train busy", "train_busy", "{:.2f}"),
     ("turns per episode", "turns_mean", "{:.2f}"),
-    ("env seconds per call (init, step)", "env_s_per_call", "{:.3f}"),
+    ("env seconds per call (init, step, close)", "env_s_per_call", "{:.3f}"),
     ("lag max", "lag_max", "{:.0f}"),
 ]
 
