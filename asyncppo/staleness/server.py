@@ -34,6 +34,7 @@ from typing import Optional
 import zmq
 
 from asyncppo.staleness.controller import AdmissionController
+from asyncppo.staleness.fairness import HoldingClock, next_holder, startup_cap
 from asyncppo.staleness.tickets import ADMISSION_REASONS, MAXMSGSIZE, REQUEST_SPEC
 from asyncppo.stream.endpoints import bind_socket
 from asyncppo.stream.errors import REASONS, WireError
@@ -62,6 +63,8 @@ class AdmissionServer:
         max_tickets_per_peer: Optional[int] = None,
         max_pending: int = 1024,
         curve: Optional[CurveKeys] = None,
+        fair_tickets: bool = True,
+        expected_workers: Optional[int] = None,
     ):
         self.controller = controller
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -77,6 +80,10 @@ class AdmissionServer:
             raise ValueError(f"max_tickets_per_peer must be >= 1 or None, got {max_tickets_per_peer}")
         self.max_tickets_per_peer = max_tickets_per_peer
         self.max_pending = max(1, int(max_pending))
+        self.fair_tickets = bool(fair_tickets)  # False: arrival order (the rule before fair tickets, for comparison)
+        self.expected_workers = expected_workers  # fair_tickets: an equal share each until this many have asked
+        self._asked: set[int] = set()
+        self.holding = HoldingClock()  # per worker: seconds holding >= 1 ticket (its engine has work)
         self._pending: collections.deque[tuple[bytes, int, int]] = collections.deque()  # (identity, worker, req)
         self._lock = threading.Lock()  # grants/held: the server thread writes, the learner's feeder claims
         self._grants: dict[int, _Grant] = {}  # granted, not yet delivered as a group, not released
@@ -122,6 +129,8 @@ class AdmissionServer:
                                                 f"{len(self._pending)} in all")
                     continue
                 self._pending.append((identity, f["worker_id"], f["req"]))
+                self.holding.seen(f["worker_id"])
+                self._asked.add(f["worker_id"])
             elif kind == "cancel":
                 self._pending = collections.deque(
                     p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
@@ -140,13 +149,15 @@ class AdmissionServer:
 
     def _forget_locked(self, index: int) -> _Grant:
         g = self._grants.pop(index)
+        self.holding.add(g.worker_id, -1)
         self._held[g.identity] -= 1
         if self._held[g.identity] <= 0:
             del self._held[g.identity]
         return g
 
     def _serve_pending(self) -> None:
-        """Answer parked requests in arrival order, skipping connections at their holding limit."""
+        """Answer parked requests: each free ticket to the waiting connection holding fewest (``fair``, see
+        :mod:`asyncppo.staleness.fairness`), or in arrival order (``fair=False``); never past a connection's cap."""
         if not self._pending:
             return
         if self.controller.stopped:
@@ -154,29 +165,47 @@ class AdmissionServer:
                 identity, _, req = self._pending.popleft()
                 self._send(identity, encode_message("stop", req=req))
             return
-        limit = self.max_tickets_per_peer
-        kept: collections.deque[tuple[bytes, int, int]] = collections.deque()
-        while self._pending:
-            identity, worker, req = entry = self._pending.popleft()
-            if limit is not None and self._held[identity] >= limit:
-                kept.append(entry)  # parked until one of its groups arrives or a ticket comes back
-                continue
+        queues: dict[bytes, collections.deque] = {}  # per connection: (arrival position, worker, req)
+        for pos, (identity, worker, req) in enumerate(self._pending):
+            queues.setdefault(identity, collections.deque()).append((pos, worker, req))
+        served: set[tuple[bytes, int]] = set()
+        while queues:
+            identity = self._pick(queues)
+            if identity is None:
+                break  # every waiting connection is at its holding limit
             ticket = self.controller.try_acquire()
             if ticket is None:
-                kept.append(entry)
-                kept.extend(self._pending)
                 break
+            _, worker, req = queues[identity].popleft()
+            if not queues[identity]:
+                del queues[identity]
+            served.add((identity, req))
+            self._grant(identity, worker, req, ticket)
+        if served:
+            self._pending = collections.deque(p for p in self._pending if (p[0], p[2]) not in served)
+
+    def _pick(self, queues: dict) -> Optional[bytes]:
+        """The connection the next ticket goes to; its oldest parked request is served."""
+        limit = self.max_tickets_per_peer
+        by_age = sorted(queues, key=lambda identity: queues[identity][0][0])
+        if self.fair_tickets:
+            window = (self.controller.k + 1) * self.controller.B
+            return next_holder(by_age, self._held,
+                               startup_cap(window, self.expected_workers, len(self._asked), limit))
+        return next((i for i in by_age if limit is None or self._held[i] < limit), None)  # arrival order
+
+    def _grant(self, identity: bytes, worker: int, req: int, ticket) -> None:
+        with self._lock:
+            self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
+            self._held[identity] += 1
+            self.holding.add(worker, +1)
+        msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
+        if self._send(identity, msg):
+            self.granted_by_worker[worker] += 1
+        else:
             with self._lock:
-                self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
-                self._held[identity] += 1
-            msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
-            if self._send(identity, msg):
-                self.granted_by_worker[worker] += 1
-            else:
-                with self._lock:
-                    self._forget_locked(ticket.index)
-                self.controller.release(ticket)
-        self._pending = kept
+                self._forget_locked(ticket.index)
+            self.controller.release(ticket)
 
     # ------------------------------------------------------------------------------------------ ledger
     def claim(self, index: int, worker_id: int, version_min: int) -> Optional[str]:
@@ -245,6 +274,12 @@ class AdmissionServer:
     def stop(self) -> None:
         """Tell every waiting and future client to stop (the controller grants nothing more)."""
         self.controller.stop()
+        self.holding.freeze()
+
+    def summary(self) -> dict:
+        """For summary.json: the ticket rule, grants and busy fraction (:class:`HoldingClock`) per worker."""
+        return {"fair_tickets": self.fair_tickets, "granted_by_worker": dict(sorted(self.granted_by_worker.items())),
+                "busy_by_worker": self.holding.busy_fractions()}
 
     @property
     def num_pending(self) -> int:
