@@ -6,7 +6,7 @@ asks for 64 groups at once) parks all its requests first and takes the whole poo
 
 The rule. Each free ticket goes to the waiting connection that *holds* the fewest tickets (granted, group not yet
 arrived), among those below the per-connection cap (``cluster.max_tickets_per_worker``); ties go to the connection
-whose oldest parked request is oldest. Repeated for every free ticket, this is water-filling: a worker that asks
+served least recently (round-robin), then to the oldest parked request. Repeated for every free ticket, this is water-filling: a worker that asks
 for little gets all it asks, workers that each want more than an equal share end up holding equal shares (within
 one ticket), and a worker that waits is served before any worker holding more than it, so none starves. A worker's
 demand is what it holds plus what it has parked, i.e. its free engine slots: holdings follow demand up to the
@@ -24,9 +24,9 @@ from typing import Hashable, Iterable, Mapping, Optional
 
 def next_holder(waiting: Iterable[Hashable], held: Mapping[Hashable, int],
                 cap: Optional[int] = None) -> Optional[Hashable]:
-    """The connection the next free ticket goes to: among ``waiting`` (connections with a parked request, in the
-    order of their oldest parked request) and below ``cap`` tickets held, the one holding fewest; the earliest of
-    equals. None if every waiting connection is at its cap."""
+    """The connection the next free ticket goes to: among ``waiting`` (connections with a parked request, in
+    tie-break order: least recently served first) and below ``cap`` tickets held, the one holding fewest; the
+    earliest of equals. None if every waiting connection is at its cap."""
     best, best_held = None, None
     for key in waiting:
         h = held.get(key, 0)

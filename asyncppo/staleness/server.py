@@ -83,6 +83,7 @@ class AdmissionServer:
         self.fair_tickets = bool(fair_tickets)  # False: arrival order (the rule before fair tickets, for comparison)
         self.expected_workers = expected_workers  # fair_tickets: an equal share each until this many have asked
         self._asked: set[int] = set()
+        self._last_served: dict[bytes, int] = {}  # connection -> grant count when it was last served (ties)
         self.holding = HoldingClock()  # per worker: seconds holding >= 1 ticket (its engine has work)
         self._pending: collections.deque[tuple[bytes, int, int]] = collections.deque()  # (identity, worker, req)
         self._lock = threading.Lock()  # grants/held: the server thread writes, the learner's feeder claims
@@ -180,6 +181,7 @@ class AdmissionServer:
             if not queues[identity]:
                 del queues[identity]
             served.add((identity, req))
+            self._last_served[identity] = self.controller.granted
             self._grant(identity, worker, req, ticket)
         if served:
             self._pending = collections.deque(p for p in self._pending if (p[0], p[2]) not in served)
@@ -187,11 +189,12 @@ class AdmissionServer:
     def _pick(self, queues: dict) -> Optional[bytes]:
         """The connection the next ticket goes to; its oldest parked request is served."""
         limit = self.max_tickets_per_peer
-        by_age = sorted(queues, key=lambda identity: queues[identity][0][0])
-        if self.fair_tickets:
+        if self.fair_tickets:  # ties: the connection served least recently, then the oldest request (round-robin)
+            by_turn = sorted(queues, key=lambda i: (self._last_served.get(i, -1), queues[i][0][0]))
             window = (self.controller.k + 1) * self.controller.B
-            return next_holder(by_age, self._held,
+            return next_holder(by_turn, self._held,
                                startup_cap(window, self.expected_workers, len(self._asked), limit))
+        by_age = sorted(queues, key=lambda identity: queues[identity][0][0])
         return next((i for i in by_age if limit is None or self._held[i] < limit), None)  # arrival order
 
     def _grant(self, identity: bytes, worker: int, req: int, ticket) -> None:
