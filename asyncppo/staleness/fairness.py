@@ -6,13 +6,13 @@ asks for 64 groups at once) parks all its requests first and takes the whole poo
 
 The rule. Each free ticket goes to the waiting connection that *holds* the fewest tickets (granted, group not yet
 arrived), among those below the per-connection cap (``cluster.max_tickets_per_worker``); ties go to the connection
-served least recently (round-robin), then to the oldest parked request. Repeated for every free ticket, this is water-filling: a worker that asks
-for little gets all it asks, workers that each want more than an equal share end up holding equal shares (within
-one ticket), and a worker that waits is served before any worker holding more than it, so none starves. A worker's
-demand is what it holds plus what it has parked, i.e. its free engine slots: holdings follow demand up to the
-equal share. Tickets already granted are never taken back; so that the first engine up does not take the whole pool
-before the second one asks, each connection holds at most an equal share of the in-flight window until every
-expected worker has asked once (:func:`startup_cap`).
+served least recently (round-robin), then to the oldest parked request. Repeated for every free ticket, this is
+water-filling: a worker that asks for little gets all it asks, workers that each want more than an equal share end
+up holding equal shares (within one ticket), and a worker that waits is served before any worker holding more than
+it, so none starves. A worker's demand is what it holds plus what it has parked, i.e. its free engine slots:
+holdings follow demand up to the equal share. Tickets already granted are never taken back; so that the first engine
+up does not take the whole pool before the second one asks, each connection holds at most an equal share of the
+in-flight window until every expected worker has asked once (:func:`startup_cap`).
 """
 
 from __future__ import annotations

@@ -14,13 +14,15 @@ Messages are small msgpack maps (never pickle), validated field by field; a malf
 * the ROUTER is ``ROUTER_MANDATORY``: a grant that cannot be delivered (the worker is gone) is released at once.
 
 Who holds what. Every grant is recorded with the connection (ROUTER identity) and worker id it went to, until the
-worker's group arrives (:meth:`AdmissionServer.claim`, called by the learner's content validator) or the ticket comes
-back. So a ticket can be released only over the connection that holds it, a group is accepted only for a ticket its
-worker holds (once), and ``held_by`` can list a dead worker's tickets. Each connection may *hold* at most
-``max_tickets_per_peer`` tickets: requests beyond that are parked (served once its groups arrive), never refused, so a
-worker under backpressure is only slowed; the pending queue is bounded per connection and in total, and requests
-beyond those bounds are refused and counted. Nothing a peer sends raises: every refusal is a count in ``rejected``.
-Replies are range-checked on the client too.
+worker's group arrives (:meth:`AdmissionServer.claim`, called by the learner's content validator) or the ticket
+comes back. So a ticket can be released only over the connection that holds it, a group is accepted only for a
+ticket its worker holds (once), and ``held_by`` can list a dead worker's tickets. Each connection may *hold* at most
+``max_tickets_per_peer`` tickets: requests beyond that are parked (served once its groups arrive), never refused, so
+a worker under backpressure is only slowed. Who of several waiting connections gets a free ticket is max-min fair by
+tickets held (:mod:`asyncppo.staleness.fairness`), so one engine with a large ``max_num_seqs`` cannot take the whole
+window while another idles; ``fair_tickets=False`` keeps arrival order, for comparison. The pending queue is bounded
+per connection and in total, and requests beyond those bounds are refused and counted. Nothing a peer sends raises:
+every refusal is a count in ``rejected``. Replies are range-checked on the client too.
 """
 
 from __future__ import annotations
