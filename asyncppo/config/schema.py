@@ -260,6 +260,8 @@ class ClusterConfig:
     timeout_s: float = 600.0
     auth: str = "auto"  # ZeroMQ CURVE: auto (on when bind_address is not loopback), curve (always), off
     max_tickets_per_worker: int = 0  # tickets one worker connection may hold; 0: 2 * (groups it asks for) + 2
+    # each free ticket to the waiting worker holding fewest (max-min fair, staleness/fairness.py); false: arrival order
+    fair_tickets: bool = True
     logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
     max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
     # a rollout worker with no decode step, no group and no answer to a control ping for this long is hung: killed
