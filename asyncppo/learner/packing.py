@@ -1,10 +1,11 @@
 """Packed forwards: several sequences concatenated into one row, no padding between them.
 
 Why: the padded layout (:mod:`asyncppo.learner.batch`) gives every row of a forward the width of its longest
-sequence. Sorting by length and trimming (:mod:`asyncppo.learner.forward`) removes most of that waste on short
-tasks, but on long-tailed lengths a micro-batch filled by token count still holds rows of very different lengths, and
-the padding is real work in every layer. Packing lays the valid tokens of a micro-batch end to end in rows of at
-most ``capacity`` tokens (first-fit decreasing), so a forward processes (almost) only real tokens.
+sequence. Sorting by length and trimming (:mod:`asyncppo.learner.forward`) removes some of that waste, but on
+long-tailed lengths a micro-batch filled by token count still holds rows of very different lengths, and the padding
+is real work in every layer. Packing lays the valid tokens of a forward end to end in rows (first-fit decreasing),
+so a forward processes (almost) only real tokens. How wide the rows are follows the attention kernel
+(:func:`pack_capacity`): up to the token budget with varlen attention, as wide as the longest sequence otherwise.
 
 How attention stays inside each sequence: the packed rows are passed with ``attention_mask=None`` and position ids
 that restart at 0 for every sequence. transformers (5.x) reads restarting position ids as packed sequences: on
@@ -25,13 +26,40 @@ import torch
 from asyncppo.config.schema import AlgorithmConfig
 
 
-def pack_capacity(alg: AlgorithmConfig) -> int:
-    """Tokens per packed row, 0 when forwards stay padded. ``pack_sequences`` null (auto) packs exactly when a token
-    budget is set; ``true`` without a budget packs each forward's rows into a single row."""
+PADDED = 0  # no packing: the padded, trimmed forward
+ONE_ROW = -1  # every sequence of a forward in one row (varlen attention, no token budget)
+LONGEST = -2  # rows as wide as the forward's longest sequence (mask-based attention)
+
+
+def uses_varlen_attention(model) -> bool:
+    """Whether ``model`` runs flash-attention, whose packed path is varlen (cost per sequence, not per row)."""
+    return str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "").startswith("flash")
+
+
+def pack_capacity(alg: AlgorithmConfig, varlen: bool) -> int:
+    """Tokens per packed row (``PADDED``: forwards stay padded). ``pack_sequences`` null (auto) packs exactly when a
+    token budget is set.
+
+    Why the width depends on the attention: with varlen attention (flash-attention) a row's width costs nothing in
+    attention, so rows are filled up to the token budget (one row without a budget) and padding all but vanishes.
+    Through a block-diagonal mask (sdpa, eager: CPU) attention is computed over the whole row and masked, so a row
+    of ``C`` tokens costs ``C`` per token in attention; rows as wide as the forward's longest sequence keep that cost
+    what the padded layout pays, while the short sequences fill each other's padding."""
     on = alg.pack_sequences if alg.pack_sequences is not None else alg.max_tokens_per_micro_batch > 0
     if not on:
-        return 0
-    return alg.max_tokens_per_micro_batch if alg.max_tokens_per_micro_batch > 0 else -1  # -1: one row, any length
+        return PADDED
+    if not varlen:
+        return LONGEST
+    return alg.max_tokens_per_micro_batch if alg.max_tokens_per_micro_batch > 0 else ONE_ROW
+
+
+def row_width(lengths: list[int], capacity: int) -> int:
+    """The token capacity of the packed rows of sequences of ``lengths`` (at least the longest of them)."""
+    if capacity == ONE_ROW:
+        return sum(lengths)
+    if capacity == LONGEST:
+        return max(lengths)
+    return max(capacity, max(lengths))
 
 
 @dataclass
@@ -65,18 +93,17 @@ def _first_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:
                 break
         else:
             rows.append([i])
-            free.append(max(capacity, lengths[i]) - lengths[i])
+            free.append(capacity - lengths[i])
     return rows
 
 
 def pack_rows(batch, capacity: int, pad_token_id: int = 0) -> PackedRows:
-    """Pack the valid tokens (prompt and response) of every row of ``batch`` (a ``TrainBatch``) into rows of at most
-    ``capacity`` tokens (a longer sequence gets a row of its own; ``capacity`` < 0: one row holding everything)."""
+    """Pack the valid tokens (prompt and response) of every row of ``batch`` (a ``TrainBatch``) into rows of
+    :func:`row_width` tokens at most."""
     mask = batch.attention_mask.bool()
     lengths = mask.sum(dim=1).tolist()
     prompt_lens = mask[:, : batch.prompt_len].sum(dim=1).tolist()
-    cap = sum(lengths) if capacity < 0 else capacity
-    rows = _first_fit_decreasing(lengths, cap)
+    rows = _first_fit_decreasing(lengths, row_width(lengths, capacity))
     width = max(sum(lengths[i] for i in row) for row in rows)  # as packed_slots counts it
     device = batch.input_ids.device
     input_ids = torch.full((len(rows), width), pad_token_id, dtype=batch.input_ids.dtype, device=device)
@@ -110,7 +137,7 @@ def unpack(x: torch.Tensor, packed: PackedRows, response_mask: torch.Tensor) -> 
 
 def packed_slots(lengths: list[int], capacity: int) -> int:
     """Slots of the packed forward over sequences of ``lengths``: rows x the widest row's fill."""
-    rows = _first_fit_decreasing(lengths, sum(lengths) if capacity < 0 else capacity)
+    rows = _first_fit_decreasing(lengths, row_width(lengths, capacity))
     return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
 
 

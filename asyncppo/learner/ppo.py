@@ -39,7 +39,7 @@ from asyncppo.learner.forward import (
     chunked, forward_footprint, policy_forward, policy_value_forward, response_logits, value_forward,
 )
 from asyncppo.learner.metric_mean import MetricMean
-from asyncppo.learner.packing import pack_capacity, pad_fraction
+from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards, set_advantages
 from asyncppo.learner.schedule import lr_lambda
@@ -114,7 +114,7 @@ class PPOUpdate:
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy version: the batch's targets (steps 1-3 of the module docstring), then the PPO epochs."""
         batch = batch.to(self.device)
-        batch.pack_capacity = pack_capacity(self.alg)
+        batch.pack_capacity = pack_capacity(self.alg, uses_varlen_attention(self.actor))
         self._footprints = []
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
