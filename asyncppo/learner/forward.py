@@ -29,7 +29,9 @@ def used_columns(batch: TrainBatch) -> tuple[int, int]:
     """``[lo, hi)``: the columns holding any token of this batch (first prompt column to longest response end)."""
     used = batch.attention_mask.any(dim=0)
     lo = int(used.nonzero()[0, 0]) if bool(used.any()) else 0
-    longest = int(batch.response_mask.sum(dim=1).max().item()) if batch.size else 0
+    # the response's extent from the attention mask: a multi-turn sample's response_mask is 0 on its environment
+    # tokens, so its sum would fall short of where the sample's last model token sits
+    longest = int(batch.attention_mask[:, batch.prompt_len:].sum(dim=1).max().item()) if batch.size else 0
     lo = min(lo, batch.prompt_len - 1)  # the logit predicting the first response token sits at column P - 1
     return lo, batch.prompt_len + max(1, longest)
 

@@ -186,3 +186,18 @@ def test_pack_sequences_option(model_dir):
     alg.pack_sequences, alg.max_tokens_per_micro_batch = True, 0
     assert pack_capacity(alg, varlen=True) == ONE_ROW
     assert not uses_varlen_attention(load_actor(model_dir, torch.float32, torch.device("cpu")))  # sdpa on CPU
+
+
+def test_multi_turn_episode_packed_and_padded_agree_to_its_last_model_token(model_dir):
+    """A multi-turn response is longer than its model-token count (environment tokens are masked out of the
+    loss but read): both layouts must cover it to its end, where its last turn's model tokens sit."""
+    from tests.unit.test_learner_turns import MODEL_POS, arrived
+
+    actor = load_actor(model_dir, torch.float64, torch.device("cpu"))
+    batch = collate_groups([arrived()], pad_token_id=0)
+    batch.input_ids = batch.input_ids % actor.config.vocab_size
+    padded = policy_forward(actor, batch, 1.0, False)[0]
+    batch.pack_capacity = ONE_ROW
+    packed = policy_forward(actor, batch, 1.0, False)[0]
+    torch.testing.assert_close(packed, padded, rtol=1e-9, atol=1e-11)
+    assert (padded[0, MODEL_POS] != 0).all()  # every model token has its log-prob, the last turn's included
