@@ -87,7 +87,7 @@ class AlgorithmConfig:
     micro_batch_size: int = 0  # samples per micro-batch; 0 = whole mini-batch
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (overrides micro_batch_size when > 0)
     # forwards on packed rows (sequences end to end, no padding; learner/packing.py): null = on when
-    # max_tokens_per_micro_batch > 0 (rows of that many tokens), true = always (one row per forward without a budget)
+    # max_tokens_per_micro_batch > 0, true = always, false = padded forwards
     pack_sequences: Optional[bool] = None
     # --- off-policy correction ------------------------------------------------------------
     off_policy_correction: str = "decoupled"  # none | decoupled | tis
