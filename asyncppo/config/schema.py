@@ -86,6 +86,9 @@ class AlgorithmConfig:
     ppo_num_mini_batches: int = 0  # with ppo_mini_batch_size 0: split each batch into this many; 0 = one
     micro_batch_size: int = 0  # samples per micro-batch; 0 = whole mini-batch
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (overrides micro_batch_size when > 0)
+    # forwards on packed rows (sequences end to end, no padding; learner/packing.py): null = on when
+    # max_tokens_per_micro_batch > 0, true = always, false = padded forwards
+    pack_sequences: Optional[bool] = None
     # --- off-policy correction ------------------------------------------------------------
     off_policy_correction: str = "decoupled"  # none | decoupled | tis
     off_policy_cap: float = 2.0  # truncation cap of the behaviour importance weight
