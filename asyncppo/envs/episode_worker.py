@@ -29,7 +29,7 @@ from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.data.datasets import PromptItem
-from asyncppo.data.text_row_draws import TextRowDataset, text_env_rows_in
+from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
 from asyncppo.data.text_rows import TextEnvRow
 from asyncppo.envs.text_env import load_text_env, make_text_env
 from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
@@ -122,12 +122,8 @@ class EpisodeRolloutWorker(RolloutWorker):
         return self.engine.num_running_seqs()
 
     def _train_dataset(self, tokenizer):
-        d = self.cfg.data
-        if d.eval_files and text_env_rows_in(list(d.eval_files), d.prompt_key, "data.eval_files"):
-            raise ValueError(f"data.eval_files={list(d.eval_files)}: SkyRL-format rows are not evaluated yet "
-                             "(evaluation is single-turn); leave data.eval_files empty or give {prompt, answer} rows")
-        if d.train_files and text_env_rows_in(list(d.train_files), d.prompt_key, "data.train_files"):
-            return TextRowDataset.from_files(list(d.train_files), prompt_key=d.prompt_key)
+        if draws_text_env_rows(self.cfg):
+            return TextRowDataset.from_files(list(self.cfg.data.train_files), prompt_key=self.cfg.data.prompt_key)
         return super()._train_dataset(tokenizer)
 
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:

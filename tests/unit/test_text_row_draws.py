@@ -74,3 +74,22 @@ class _CharTokenizer:
 
     def encode(self, text: str, **_):
         return [ord(c) for c in text]
+
+
+def test_launch_check_refuses_rows_a_run_cannot_draw(tmp_path):
+    from asyncppo.config import load_config
+    from asyncppo.envs.chat import build_chat_tokenizer
+    from asyncppo.launch.text_env_check import check_text_env_launch
+
+    chat = tmp_path / "chat"
+    build_chat_tokenizer().save_pretrained(chat)
+    skyrl = _skyrl_rows(tmp_path / "a.jsonl", 2)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")  # a chat prompt without content
+    base = ["env.text_env=asyncppo.envs.examples.GuessEnv", f"model.path={chat}"]
+    check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]"]), str(chat))  # accepted
+    with pytest.raises(ValueError, match=r"data.eval_files=.*a.jsonl.*SkyRL-format rows are not evaluated"):
+        check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]", f"data.eval_files=[{skyrl}]"]),
+                              str(chat))
+    with pytest.raises(ValueError, match=r"no usable row in .*bad.jsonl"):
+        check_text_env_launch(load_config([*base, f"data.train_files=[{bad}]"]), str(chat))
