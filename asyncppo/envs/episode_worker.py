@@ -25,12 +25,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from asyncppo.envs.env_runner import EnvRunner
-from asyncppo.envs.episode_groups import EpisodeGroupBuilder
-from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.data.datasets import PromptItem
 from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
 from asyncppo.data.text_rows import TextEnvRow
+from asyncppo.envs.env_runner import EnvRunner
+from asyncppo.envs.episode_groups import EpisodeGroupBuilder
+from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
 from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
 from asyncppo.rollout.engine import SamplingSpec
