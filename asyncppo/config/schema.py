@@ -86,6 +86,9 @@ class AlgorithmConfig:
     ppo_num_mini_batches: int = 0  # with ppo_mini_batch_size 0: split each batch into this many; 0 = one
     micro_batch_size: int = 0  # samples per micro-batch; 0 = whole mini-batch
     max_tokens_per_micro_batch: int = 0  # token budget per micro-batch (overrides micro_batch_size when > 0)
+    # forwards on packed rows (sequences end to end, no padding; learner/packing.py): null = on when
+    # max_tokens_per_micro_batch > 0, true = always, false = padded forwards
+    pack_sequences: Optional[bool] = None
     # --- off-policy correction ------------------------------------------------------------
     off_policy_correction: str = "decoupled"  # none | decoupled | tis
     off_policy_cap: float = 2.0  # truncation cap of the behaviour importance weight
@@ -260,6 +263,8 @@ class ClusterConfig:
     timeout_s: float = 600.0
     auth: str = "auto"  # ZeroMQ CURVE: auto (on when bind_address is not loopback), curve (always), off
     max_tickets_per_worker: int = 0  # tickets one worker connection may hold; 0: 2 * (groups it asks for) + 2
+    # each free ticket to the waiting worker holding fewest (max-min fair, staleness/fairness.py); false: arrival order
+    fair_tickets: bool = True
     logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
     max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
     # a rollout worker with no decode step, no group and no answer to a control ping for this long is hung: killed

@@ -239,16 +239,22 @@ class PromptDataset:
 
     def iterate(self, seed: int = 0, shuffle: bool = True) -> Iterator[PromptItem]:
         """Endless pass over the items, reshuffled each epoch from ``seed`` (deterministic)."""
-        if not self.items:
-            raise ValueError("cannot iterate an empty dataset (all rows bad, skipped or sharded away?)")
-        epoch = 0
-        while True:
-            order = list(range(len(self.items)))
-            if shuffle:
-                random.Random(seed * 1_000_003 + epoch).shuffle(order)
-            for i in order:
-                yield self.items[i]
-            epoch += 1
+        yield from endless_draws(self.items, seed, shuffle)
+
+
+def endless_draws(items: Sequence, seed: int = 0, shuffle: bool = True) -> Iterator:
+    """The run's prompt order over ``items``: endless epochs, each reshuffled from ``seed`` (deterministic), shared
+    by every row format so that draw numbers (data/position.py) mean the same thing whatever the rows are."""
+    if not items:
+        raise ValueError("cannot iterate an empty dataset (all rows bad, skipped or sharded away?)")
+    epoch = 0
+    while True:
+        order = list(range(len(items)))
+        if shuffle:
+            random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        for i in order:
+            yield items[i]
+        epoch += 1
 
 
 def build_prompt_dataset(cfg, model_path: str, split: str = "train", tokenizer=None) -> PromptDataset:

@@ -9,7 +9,12 @@ imports the rollout engine's types, so rollout/ cannot import envs/ without a cy
   wrapped engine (``model_engine``), and evaluation groups go to it directly and stay single-turn;
 * admission room counts the sequences *in the engine* (``num_running_seqs``: an episode waiting for its
   environment holds no slot), while step-or-idle asks ``num_unfinished_seqs`` (that episode still needs steps);
-* a group gets ``n`` environments ``cls({}, extras=row fields)``, and its record the prompt the episodes rendered;
+* rows: ``data.train_files`` in SkyRL's format (``prompt`` a list of chat messages) are drawn as
+  :class:`~asyncppo.data.text_row_draws.TextRowDataset` (the same shards, order and draw numbers as prompt rows);
+  a group of such a row gets ``n`` environments ``make_text_env(cls, row extras, env.text_env_config,
+  max_turns=env.max_turns)`` whose ``init`` gets the row's messages; a text prompt row (the task's, or a
+  ``{prompt, answer}`` file) gets ``cls({}, extras={prompt, answer, index})`` and its text as one user message;
+  either way the group's record carries the prompt the episodes rendered;
 * a group dropped by an environment fault (``env.on_error=drop``) gives its ticket back, so the slot is granted again;
 * the meter adds episode counters to the group's timings (turns, truncations, tool calls, environment seconds),
   which the learner turns into step metrics (:func:`asyncppo.metrics.rollout.episode_metrics`).
@@ -20,10 +25,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from asyncppo.data.datasets import PromptItem
+from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
+from asyncppo.data.text_rows import TextEnvRow
 from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
-from asyncppo.envs.text_env import load_text_env
+from asyncppo.envs.text_env import load_text_env, make_text_env
 from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
 from asyncppo.rollout.engine import SamplingSpec
 from asyncppo.rollout.worker import EngineMeter, RolloutWorker
@@ -117,7 +125,18 @@ class EpisodeRolloutWorker(RolloutWorker):
     def _occupied(self) -> int:
         return self.engine.num_running_seqs()
 
+    def _train_dataset(self, tokenizer):
+        if draws_text_env_rows(self.cfg):
+            return TextRowDataset.from_files(list(self.cfg.data.train_files), prompt_key=self.cfg.data.prompt_key)
+        return super()._train_dataset(tokenizer)
+
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        if isinstance(row, TextEnvRow):
+            e = self.cfg.env
+            envs = [make_text_env(self.env_class, row.episode_extras(), e.text_env_config, max_turns=e.max_turns)
+                    for _ in range(spec.n)]
+            self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
+            return
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
         config = dict(self.cfg.env.text_env_config or {})  # the environment's env_config (e.g. a latency_s)
         envs = [self.env_class(dict(config), extras=dict(extras)) for _ in range(spec.n)]
@@ -132,8 +151,18 @@ class EpisodeRolloutWorker(RolloutWorker):
             log.warning("worker %d: group %s dropped (%s); its ticket is given back", self.worker_id, done.key,
                         done.detail)
             return
-        flight = dataclasses.replace(flight, row=dataclasses.replace(flight.row, prompt_ids=list(done.prompt_ids)))
+        flight = dataclasses.replace(flight, row=_record_row(flight.row, done.prompt_ids))
         self._send(self.builder.build(done, flight, self.meter))
+
+
+def _record_row(row, prompt_ids) -> PromptItem:
+    """The row as the group's record names it: the prompt the episodes rendered, and for a SkyRL row its reward
+    spec's ground truth as the record's answer (informative: the environment scored the episodes)."""
+    if not isinstance(row, TextEnvRow):
+        return dataclasses.replace(row, prompt_ids=list(prompt_ids))
+    truth = (row.extras.get("reward_spec") or {}).get("ground_truth", "")
+    return PromptItem(index=row.index, prompt=row.prompt_messages[-1]["content"], prompt_ids=list(prompt_ids),
+                      answer="" if truth is None else str(truth))
 
 
 class _Shutdown:

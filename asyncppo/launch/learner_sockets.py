@@ -41,7 +41,8 @@ class LearnerSockets:
         room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
-            max_tickets_per_peer=cl.max_tickets_per_worker or 2 * room + 2,
+            max_tickets_per_peer=cl.max_tickets_per_worker or 2 * room + 2, fair_tickets=cl.fair_tickets,
+            expected_workers=num_workers,
         )
         self.sync_prefix = secrets.token_hex(16)
         closables += [self.receiver, self.control, self.admission_server]

@@ -36,6 +36,8 @@ class TrainBatch:
     # [B, T] float, multi-turn samples' turn rewards at the last model token of each turn (None: no turn rewards
     # in the batch); response_mask is then 0 on environment tokens too (asyncppo.learner.turn_batch)
     turn_rewards: Optional[torch.Tensor] = None
+    # tokens per packed row of this batch's forwards, or PADDED / ONE_ROW / LONGEST (asyncppo.learner.packing)
+    pack_capacity: int = 0
     # Filled in by the learner before the update:
     old_logprobs: Optional[torch.Tensor] = None  # proximal policy (learner recompute) [B, T]
     ref_logprobs: Optional[torch.Tensor] = None

@@ -46,7 +46,8 @@ from asyncppo.sync.group import bound_store, loopback_interface
 
 OP_BATCH, OP_GATHER, OP_STOP, OP_CHECKPOINT = 1, 2, 3, 4
 _MAGIC, _PROTOCOL = 0x41505031, 1  # "APP1"
-_TENSOR_FIELDS = tuple(f.name for f in fields(TrainBatch) if f.name != "prompt_len")
+# the ints (prompt_len in the header; pack_capacity, which each rank sets from its own options) do not travel
+_TENSOR_FIELDS = tuple(f.name for f in fields(TrainBatch) if f.name not in ("prompt_len", "pack_capacity"))
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
            torch.bool)
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}

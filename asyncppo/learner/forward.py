@@ -7,6 +7,10 @@ back to the batch's width (padded positions are masked everywhere they are used)
 similar lengths (:func:`asyncppo.learner.batch.micro_batches` sorts by length), the learner's cost follows the real
 token count instead of ``rows x longest``. Left-padding columns are masked keys, so removing them changes nothing
 but the work; the results are the same up to float summation order.
+
+A batch with ``pack_capacity`` set (``algorithm.pack_sequences``) runs its forwards packed instead: its sequences
+end to end in rows without padding (:mod:`asyncppo.learner.packing`), outputs gathered back to the same ``[B, T]``
+layout, so everything downstream is unchanged.
 """
 
 from __future__ import annotations
@@ -18,13 +22,16 @@ from torch import nn
 
 from asyncppo.algo import entropy_from_logits, logprobs_from_logits
 from asyncppo.learner.batch import TrainBatch
+from asyncppo.learner.packing import pack_rows, packed_slots, unpack
 
 
 def used_columns(batch: TrainBatch) -> tuple[int, int]:
     """``[lo, hi)``: the columns holding any token of this batch (first prompt column to longest response end)."""
     used = batch.attention_mask.any(dim=0)
     lo = int(used.nonzero()[0, 0]) if bool(used.any()) else 0
-    longest = int(batch.response_mask.sum(dim=1).max().item()) if batch.size else 0
+    # the response's extent from the attention mask: a multi-turn sample's response_mask is 0 on its environment
+    # tokens, so its sum would fall short of where the sample's last model token sits
+    longest = int(batch.attention_mask[:, batch.prompt_len:].sum(dim=1).max().item()) if batch.size else 0
     lo = min(lo, batch.prompt_len - 1)  # the logit predicting the first response token sits at column P - 1
     return lo, batch.prompt_len + max(1, longest)
 
@@ -39,7 +46,28 @@ def _pad_back(x: torch.Tensor, batch: TrainBatch) -> torch.Tensor:
     return x * mask.view(*mask.shape, *([1] * (x.dim() - 2)))
 
 
+def forward_footprint(batch: TrainBatch) -> tuple[int, int]:
+    """``(slots, real tokens)`` of the forward run on this batch: packed rows x their width, or the padded rows x the
+    columns the trimmed forward keeps. ``1 - real / slots`` is its padded-token fraction (``perf/pad_fraction``)."""
+    real = int(batch.attention_mask.sum())
+    if batch.pack_capacity:
+        return packed_slots(batch.attention_mask.sum(dim=1).tolist(), batch.pack_capacity), real
+    lo, hi = used_columns(batch)
+    return batch.size * (hi - lo), real
+
+
+def _packed_outputs(model: nn.Module, batch: TrainBatch, temperature: float, hidden: bool):
+    """:func:`_response_outputs` through one packed forward (no attention mask: see asyncppo.learner.packing)."""
+    packed = pack_rows(batch, batch.pack_capacity)
+    out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False,
+                output_hidden_states=hidden)
+    logits = unpack(out.logits, packed, batch.response_mask).float() / temperature
+    return logits, (unpack(out.hidden_states[-1], packed, batch.response_mask) if hidden else None)
+
+
 def _response_outputs(model: nn.Module, batch: TrainBatch, temperature: float, hidden: bool):
+    if batch.pack_capacity:
+        return _packed_outputs(model, batch, temperature, hidden)
     lo, hi = used_columns(batch)
     out = model(
         input_ids=batch.input_ids[:, lo:hi],
@@ -87,6 +115,10 @@ def policy_value_forward(
 
 def value_forward(critic: nn.Module, batch: TrainBatch) -> torch.Tensor:
     """V(s_t) for the state before each response token t: [B, T]."""
+    if batch.pack_capacity:
+        packed = pack_rows(batch, batch.pack_capacity)
+        values = critic(packed.input_ids, attention_mask=None, position_ids=packed.position_ids)
+        return unpack(values.float(), packed, batch.response_mask)
     lo, hi = used_columns(batch)
     values = critic(batch.input_ids[:, lo:hi], attention_mask=batch.attention_mask[:, lo:hi],
                     position_ids=batch.position_ids[:, lo:hi])

@@ -207,7 +207,7 @@ class LLMWorkload:
 
     def summary(self, buffer_stats: dict) -> dict:
         return dict(samples_trained=self.samples_trained, buffer=buffer_stats, rejected=self.rejections(),
-                    rollout=self.meters.engine_totals.summary())
+                    rollout=self.meters.engine_totals.summary(), admission=self.wiring.admission_server.summary())
 
     def rejections(self) -> dict:
         """Every refusal so far, by source and reason (summary.json, metrics)."""

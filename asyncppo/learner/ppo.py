@@ -35,8 +35,11 @@ from torch import nn
 from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
-from asyncppo.learner.forward import chunked, policy_forward, policy_value_forward, response_logits, value_forward
+from asyncppo.learner.forward import (
+    chunked, forward_footprint, policy_forward, policy_value_forward, response_logits, value_forward,
+)
 from asyncppo.learner.metric_mean import MetricMean
+from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards, set_advantages
 from asyncppo.learner.schedule import lr_lambda
@@ -106,11 +109,14 @@ class PPOUpdate:
         self.generator = torch.Generator().manual_seed(t.seed)
         self.kl_base = self.alg.kl_penalty.rstrip("+")
         self.last_mini_batch_kl = 0.0  # approx_kl measured by the last mini-batch (all ranks), for early_stop_kl
+        self._footprints: list[tuple[int, int]] = []  # (slots, real tokens) of this step's training forwards
 
     # ------------------------------------------------------------------------------------------------------------
     def step(self, batch: TrainBatch) -> dict[str, float]:
         """One policy version: the batch's targets (steps 1-3 of the module docstring), then the PPO epochs."""
         batch = batch.to(self.device)
+        batch.pack_capacity = pack_capacity(self.alg, uses_varlen_attention(self.actor))
+        self._footprints = []
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
@@ -123,6 +129,7 @@ class PPOUpdate:
         set_advantages(self.alg, batch, token_rewards, metrics)
         self._train(batch, first_pass, metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
+        metrics["perf/pad_fraction"] = pad_fraction(self._footprints)
         return metrics
 
     def _prepare(
@@ -304,6 +311,7 @@ class PPOUpdate:
             kl_sum += kl_weighted
             kl_tokens += kept
             means.add(step_metrics, float(micro.response_mask.sum()))
+            self._footprints.append(forward_footprint(micro))
         # approx_kl of the whole mini-batch (all ranks): the early-stopping decision must be the same everywhere
         if alg.early_stop_kl is not None:
             kl_sum, kl_tokens = self._all_reduce([kl_sum, kl_tokens])

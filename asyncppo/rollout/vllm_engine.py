@@ -76,6 +76,13 @@ def tied_fp32(model_path: str, dtype: str) -> bool:
 
 
 class VLLMEngine(RolloutEngine):
+    # Engines alive in this process. vLLM's in-process engine core tears down process-wide state when it shuts down
+    # (EngineCore.shutdown -> cleanup_dist_env_and_memory: the model-parallel groups every in-process engine uses), so
+    # closing one of two engines in a process (a test beside a shared engine, the self-test's ladder) would break the
+    # other's next step ("pipeline model parallel group is not initialized"). Only the last one shuts the core down.
+    _alive_in_process = 0
+    _parked: list = []  # closed engines kept referenced while others live (close())
+
     def __init__(
         self,
         model_path: str,
@@ -127,6 +134,7 @@ class VLLMEngine(RolloutEngine):
             self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads  # undo the CPU worker's process-wide no-op patch
+        VLLMEngine._alive_in_process += 1
         self.model_path = str(model_path)
         self.max_model_len = max_model_len
         self.max_num_seqs = int(max_num_seqs)
@@ -334,15 +342,24 @@ class VLLMEngine(RolloutEngine):
         return sorted(self._checkpoint_shapes())
 
     def close(self) -> None:
+        """Shut the engine down; with other engines still alive in this process, park it until the last one closes.
+
+        Dropping an in-process engine runs vLLM's shutdown (a finalizer on its core client), which tears down the
+        process-wide model-parallel state the other engines still step with (class comment above)."""
         llm = getattr(self, "llm", None)
         if llm is None:
             return
         self.llm = None
+        VLLMEngine._alive_in_process -= 1
+        if VLLMEngine._alive_in_process > 0:
+            VLLMEngine._parked.append(llm)  # its memory is held until the last engine of the process closes
+            return
+        parked, VLLMEngine._parked = VLLMEngine._parked, []
         try:
-            engine = getattr(llm, "llm_engine", None)
-            core = getattr(engine, "engine_core", None)
-            if core is not None and hasattr(core, "shutdown"):
-                core.shutdown()
+            for old in [*parked, llm]:
+                core = getattr(getattr(old, "llm_engine", None), "engine_core", None)
+                if core is not None and hasattr(core, "shutdown"):
+                    core.shutdown()
         finally:
-            del llm
+            del llm, parked
             gc.collect()

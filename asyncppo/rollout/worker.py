@@ -126,8 +126,7 @@ class RolloutWorker(WorkerSkeleton):
                        if cfg.model.lora_rank > 0 else None)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         self.tokenizer = tokenizer
-        dataset = build_prompt_dataset(cfg, self.model_path, split="train", tokenizer=tokenizer).shard(
-            self.worker_id, self.num_workers)
+        dataset = self._train_dataset(tokenizer).shard(self.worker_id, self.num_workers)
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
                                      self.position)
         self._dataset = dataset
@@ -140,6 +139,10 @@ class RolloutWorker(WorkerSkeleton):
         if self.evaluator is not None:
             self.eval_sender = EvalSender(self.endpoints.eval, curve=self.endpoints.curve)
             self._closables.append(self.eval_sender)
+
+    def _train_dataset(self, tokenizer):
+        """The rows this run draws from, before sharding (a subclass may read another row format)."""
+        return build_prompt_dataset(self.cfg, self.model_path, split="train", tokenizer=tokenizer)
 
     def _engine_opts(self) -> dict:
         """Extra backend options (a subclass that needs e.g. vLLM's prefix caching adds them)."""

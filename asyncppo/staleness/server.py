@@ -14,13 +14,15 @@ Messages are small msgpack maps (never pickle), validated field by field; a malf
 * the ROUTER is ``ROUTER_MANDATORY``: a grant that cannot be delivered (the worker is gone) is released at once.
 
 Who holds what. Every grant is recorded with the connection (ROUTER identity) and worker id it went to, until the
-worker's group arrives (:meth:`AdmissionServer.claim`, called by the learner's content validator) or the ticket comes
-back. So a ticket can be released only over the connection that holds it, a group is accepted only for a ticket its
-worker holds (once), and ``held_by`` can list a dead worker's tickets. Each connection may *hold* at most
-``max_tickets_per_peer`` tickets: requests beyond that are parked (served once its groups arrive), never refused, so a
-worker under backpressure is only slowed; the pending queue is bounded per connection and in total, and requests
-beyond those bounds are refused and counted. Nothing a peer sends raises: every refusal is a count in ``rejected``.
-Replies are range-checked on the client too.
+worker's group arrives (:meth:`AdmissionServer.claim`, called by the learner's content validator) or the ticket
+comes back. So a ticket can be released only over the connection that holds it, a group is accepted only for a
+ticket its worker holds (once), and ``held_by`` can list a dead worker's tickets. Each connection may *hold* at most
+``max_tickets_per_peer`` tickets: requests beyond that are parked (served once its groups arrive), never refused, so
+a worker under backpressure is only slowed. Who of several waiting connections gets a free ticket is max-min fair by
+tickets held (:mod:`asyncppo.staleness.fairness`), so one engine with a large ``max_num_seqs`` cannot take the whole
+window while another idles; ``fair_tickets=False`` keeps arrival order, for comparison. The pending queue is bounded
+per connection and in total, and requests beyond those bounds are refused and counted. Nothing a peer sends raises:
+every refusal is a count in ``rejected``. Replies are range-checked on the client too.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from typing import Optional
 import zmq
 
 from asyncppo.staleness.controller import AdmissionController
+from asyncppo.staleness.fairness import HoldingClock, next_holder, startup_cap
 from asyncppo.staleness.tickets import ADMISSION_REASONS, MAXMSGSIZE, REQUEST_SPEC
 from asyncppo.stream.endpoints import bind_socket
 from asyncppo.stream.errors import REASONS, WireError
@@ -62,6 +65,8 @@ class AdmissionServer:
         max_tickets_per_peer: Optional[int] = None,
         max_pending: int = 1024,
         curve: Optional[CurveKeys] = None,
+        fair_tickets: bool = True,
+        expected_workers: Optional[int] = None,
     ):
         self.controller = controller
         self._ctx = context if context is not None else zmq.Context.instance()
@@ -77,6 +82,11 @@ class AdmissionServer:
             raise ValueError(f"max_tickets_per_peer must be >= 1 or None, got {max_tickets_per_peer}")
         self.max_tickets_per_peer = max_tickets_per_peer
         self.max_pending = max(1, int(max_pending))
+        self.fair_tickets = bool(fair_tickets)  # False: arrival order (the rule before fair tickets, for comparison)
+        self.expected_workers = expected_workers  # fair_tickets: an equal share each until this many have asked
+        self._asked: set[int] = set()
+        self._last_served: dict[bytes, int] = {}  # connection -> grant count when it was last served (ties)
+        self.holding = HoldingClock()  # per worker: seconds holding >= 1 ticket (its engine has work)
         self._pending: collections.deque[tuple[bytes, int, int]] = collections.deque()  # (identity, worker, req)
         self._lock = threading.Lock()  # grants/held: the server thread writes, the learner's feeder claims
         self._grants: dict[int, _Grant] = {}  # granted, not yet delivered as a group, not released
@@ -122,6 +132,8 @@ class AdmissionServer:
                                                 f"{len(self._pending)} in all")
                     continue
                 self._pending.append((identity, f["worker_id"], f["req"]))
+                self.holding.seen(f["worker_id"])
+                self._asked.add(f["worker_id"])
             elif kind == "cancel":
                 self._pending = collections.deque(
                     p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
@@ -140,13 +152,15 @@ class AdmissionServer:
 
     def _forget_locked(self, index: int) -> _Grant:
         g = self._grants.pop(index)
+        self.holding.add(g.worker_id, -1)
         self._held[g.identity] -= 1
         if self._held[g.identity] <= 0:
             del self._held[g.identity]
         return g
 
     def _serve_pending(self) -> None:
-        """Answer parked requests in arrival order, skipping connections at their holding limit."""
+        """Answer parked requests: each free ticket to the waiting connection holding fewest (``fair``, see
+        :mod:`asyncppo.staleness.fairness`), or in arrival order (``fair=False``); never past a connection's cap."""
         if not self._pending:
             return
         if self.controller.stopped:
@@ -154,29 +168,49 @@ class AdmissionServer:
                 identity, _, req = self._pending.popleft()
                 self._send(identity, encode_message("stop", req=req))
             return
-        limit = self.max_tickets_per_peer
-        kept: collections.deque[tuple[bytes, int, int]] = collections.deque()
-        while self._pending:
-            identity, worker, req = entry = self._pending.popleft()
-            if limit is not None and self._held[identity] >= limit:
-                kept.append(entry)  # parked until one of its groups arrives or a ticket comes back
-                continue
+        queues: dict[bytes, collections.deque] = {}  # per connection: (arrival position, worker, req)
+        for pos, (identity, worker, req) in enumerate(self._pending):
+            queues.setdefault(identity, collections.deque()).append((pos, worker, req))
+        served: set[tuple[bytes, int]] = set()
+        while queues:
+            identity = self._pick(queues)
+            if identity is None:
+                break  # every waiting connection is at its holding limit
             ticket = self.controller.try_acquire()
             if ticket is None:
-                kept.append(entry)
-                kept.extend(self._pending)
                 break
+            _, worker, req = queues[identity].popleft()
+            if not queues[identity]:
+                del queues[identity]
+            served.add((identity, req))
+            self._last_served[identity] = self.controller.granted
+            self._grant(identity, worker, req, ticket)
+        if served:
+            self._pending = collections.deque(p for p in self._pending if (p[0], p[2]) not in served)
+
+    def _pick(self, queues: dict) -> Optional[bytes]:
+        """The connection the next ticket goes to; its oldest parked request is served."""
+        limit = self.max_tickets_per_peer
+        if self.fair_tickets:  # ties: the connection served least recently, then the oldest request (round-robin)
+            by_turn = sorted(queues, key=lambda i: (self._last_served.get(i, -1), queues[i][0][0]))
+            window = (self.controller.k + 1) * self.controller.B
+            return next_holder(by_turn, self._held,
+                               startup_cap(window, self.expected_workers, len(self._asked), limit))
+        by_age = sorted(queues, key=lambda identity: queues[identity][0][0])
+        return next((i for i in by_age if limit is None or self._held[i] < limit), None)  # arrival order
+
+    def _grant(self, identity: bytes, worker: int, req: int, ticket) -> None:
+        with self._lock:
+            self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
+            self._held[identity] += 1
+            self.holding.add(worker, +1)
+        msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
+        if self._send(identity, msg):
+            self.granted_by_worker[worker] += 1
+        else:
             with self._lock:
-                self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
-                self._held[identity] += 1
-            msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
-            if self._send(identity, msg):
-                self.granted_by_worker[worker] += 1
-            else:
-                with self._lock:
-                    self._forget_locked(ticket.index)
-                self.controller.release(ticket)
-        self._pending = kept
+                self._forget_locked(ticket.index)
+            self.controller.release(ticket)
 
     # ------------------------------------------------------------------------------------------ ledger
     def claim(self, index: int, worker_id: int, version_min: int) -> Optional[str]:
@@ -245,6 +279,12 @@ class AdmissionServer:
     def stop(self) -> None:
         """Tell every waiting and future client to stop (the controller grants nothing more)."""
         self.controller.stop()
+        self.holding.freeze()
+
+    def summary(self) -> dict:
+        """For summary.json: the ticket rule, grants and busy fraction (:class:`HoldingClock`) per worker."""
+        return {"fair_tickets": self.fair_tickets, "granted_by_worker": dict(sorted(self.granted_by_worker.items())),
+                "busy_by_worker": self.holding.busy_fractions()}
 
     @property
     def num_pending(self) -> int:

@@ -146,3 +146,22 @@ def test_streaming_matches_one_shot_generate_and_abort(vllm_engine, tiny_tokeniz
         vllm_engine.add_group("dup", PROMPT, SamplingSpec(n=1, max_tokens=2))
         vllm_engine.add_group("dup", PROMPT, SamplingSpec(n=1, max_tokens=2))
     vllm_engine.abort_all()
+
+
+def test_closing_a_second_engine_in_the_process_leaves_the_first_one_stepping(vllm_engine, random_model_dir):
+    """vLLM's in-process shutdown tears down process-wide state; a second engine closed beside the shared one is
+    parked instead (VLLMEngine.close), so the shared engine's next group still decodes (it failed with "pipeline
+    model parallel group is not initialized" before)."""
+    from asyncppo.rollout.engines import make_engine
+
+    other = make_engine("vllm", random_model_dir, dtype="float32", max_model_len=128, seed=0, kv_cache_gib=1)
+    spec = SamplingSpec(n=2, max_tokens=3, temperature=1.0, seed=5, ignore_eos=True)
+    other.add_group("other", PROMPT, spec)
+    while other.num_unfinished_seqs():
+        other.step()
+    other.close()
+    vllm_engine.add_group("after-close", PROMPT, spec)
+    done = []
+    while vllm_engine.num_unfinished_seqs():
+        done += vllm_engine.step()
+    assert [g.key for g in done] == ["after-close"] and all(len(c.token_ids) == 3 for c in done[0].completions)

@@ -76,3 +76,46 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     report = _run(["report", str(out_dir)], timeout=300)
     assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-3000:]
     assert_no_leftovers(TAG)
+
+
+def test_skyrl_rows_launch_episodes_of_their_own_rows(tmp_path):
+    """``data.train_files`` in SkyRL's format (a bad row among them) with skyrl-gym's multi-turn GSM8K environment
+    (tests/episode_envs.py: RowTruthEnv adds ``truth_bonus`` x the row's ground truth at the last turn): the worker
+    draws the rows, each episode's environment gets its row's messages, extras, ``env.max_turns`` and
+    ``env.text_env_config``, and the run trains every step on multi-turn episodes."""
+    pytest.importorskip("skyrl_gym")
+    from vllm_required import require_vllm
+
+    require_vllm()
+    from asyncppo.envs.examples import build_chat_model
+
+    model = build_chat_model(str(tmp_path / "chat-model"))
+    truths = [10, 20, 30, 40]
+    lines = [json.dumps({"prompt": [{"role": "user", "content": f"a question about {t}"}], "env_class": "gsm8k",
+                         "reward_spec": {"method": "rule", "ground_truth": str(t)}, "extra_info": {"i": i}})
+             for i, t in enumerate(truths)]
+    lines.insert(2, json.dumps({"prompt": "a text prompt", "reward_spec": {"ground_truth": "5"}}))  # bad: skipped
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(lines) + "\n")
+    out_dir, steps, max_turns = tmp_path / "run", 4, 3
+    proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
+                 "trainer.logger.wandb=false", f"trainer.total_steps={steps}", "rollout.max_staleness=1",
+                 "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
+                 "rollout.response_length=384", f"data.train_files=[{rows}]",
+                 "env.text_env=episode_envs.RowTruthEnv", "+env.text_env_config.truth_bonus=1.0",
+                 f"env.max_turns={max_turns}", "env.on_error=drop"], timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "'bad_rows': 1" in proc.stdout, proc.stdout[-3000:]  # the worker's start line: the bad row was skipped
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if "reward/mean" in r]
+    assert len(train) == steps and train[-1]["policy_version"] == steps
+    # every episode's reward is its own row's ground truth (10..40) plus GSM8K's own score (at most 1 + 0.2)
+    assert all(10 <= r["reward/min"] and r["reward/max"] <= 41.2 for r in train), train[-1]
+    # different rows reached different episodes: the lowest and the highest truth both show (measured: 10 and 40
+    # in every step, mean 25: each step's 8 groups are two passes over the 4 rows)
+    assert min(r["reward/min"] for r in train) < 11 and max(r["reward/max"] for r in train) >= 40, train
+    # no init saw another row's messages (a mismatch would drop its group), and episodes ran several turns
+    assert sum(r["episodes/dropped_groups"] for r in train) == 0
+    assert all(r["episodes/turns_max"] == max_turns for r in train), [r["episodes/turns_max"] for r in train]
+    assert sum(r["episodes/turns_mean"] for r in train) / steps > 2.5
+    assert_no_leftovers(TAG)

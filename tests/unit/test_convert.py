@@ -37,6 +37,7 @@ EXPECTED = {
         # clip_ratio_low/high default to 0.2 in verl (not null), and dual clip is always on with c = 3:
         "algorithm.clip_ratio_low": 0.2, "algorithm.clip_ratio_high": 0.2, "algorithm.dual_clip_loss": True,
         "algorithm.ppo_mini_batch_size": 64, "algorithm.micro_batch_size": 4, "algorithm.temperature": 1.0,
+        "algorithm.pack_sequences": True,  # model.use_remove_padding: true
         "rollout.engine": "vllm", "rollout.num_return_sequences_in_group": 1, "rollout.prompt_length": 512,
         "rollout.response_length": 256, "rollout.rollout_batch_size": 256, "rollout.overlong_prompt": "skip",
         "rollout.gpu_memory_utilization": 0.4, "rollout.reward_fn": "math", "rollout.sampling.temperature": 1.0,

@@ -133,6 +133,8 @@ def _losses(ctx: Context) -> None:
         ctx.consumed(A + "use_dynamic_bsz", "mapped", "off: micro-batches by count", [])
         ctx.consumed(A + "ppo_max_token_len_per_gpu", "unsupported", "no effect while use_dynamic_bsz is false",
                      flag=False)
+    # verl's remove-padding forward is sequence packing (learner/packing.py); absent, asyncppo's auto applies
+    ctx.map(M + "use_remove_padding", "algorithm.pack_sequences", as_bool, carry_default=False)
     ctx.map("critic.cliprange_value", "algorithm.value_clip", float)
     ctx.map("critic.enable", "algorithm.use_critic", lambda v: None if v is None else as_bool(v))
     ctx.map("critic.optim.lr", "trainer.critic_lr", float)
