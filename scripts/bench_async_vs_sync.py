@@ -35,7 +35,8 @@ MODES = {
 }
 
 
-def run_once(label: str, args, root: str) -> dict:
+def run_once(label: str, args, root: str, mode: str = "") -> dict:
+    """One launch in ``MODES[mode or label]``, its run directory ``root/label``."""
     out = os.path.join(root, label)
     cmd = [
         sys.executable, "-m", "asyncppo", "launch", *args.preset,
@@ -43,7 +44,7 @@ def run_once(label: str, args, root: str) -> dict:
         f"trainer.total_steps={args.steps}",
         "trainer.logger.wandb=false",
         "trainer.eval_every=0",
-        *[m.format(k=args.staleness) for m in MODES[label]],
+        *[m.format(k=args.staleness) for m in MODES[mode or label]],
         *args.overrides,
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
@@ -143,6 +144,10 @@ def main() -> None:
             if r is not base:
                 print(f"speed-up of {r['label']} over sync in learner time to {base['samples']} samples: "
                       f"{base['train_s'] / r['train_s']:.2f}x (whole launch {base['wall_s'] / r['wall_s']:.2f}x)")
+    save_results(results, root)
+
+
+def save_results(results: list, root: str) -> None:
     with open(os.path.join(root, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     print(f"[bench] run directories and results.json under {root}")

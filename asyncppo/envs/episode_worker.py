@@ -80,13 +80,17 @@ class EpisodeMeter(EngineMeter):
         return {"episode_turns": c["turns"], "episodes_ended": c["episodes"], "episodes_truncated": c["truncated"],
                 "episodes_dropped": c["dropped_groups"], "tool_calls": tools["calls"],
                 "tool_errors": tools["malformed"] + tools["unknown"], "env_calls": self.runner.calls,
-                "env_s": self.runner.seconds, "env_faults": sum(self.runner.faults.values())}
+                "env_s": self.runner.seconds, "env_faults": sum(self.runner.faults.values()),
+                "env_wait_s": self.episodes.env_wait_s}
 
     def take(self) -> dict[str, float]:
         now = self._totals()
         delta = {k: float(now[k] - self._last[k]) for k in now}
         self._last = now
-        return {**super().take(), **delta}
+        engine = super().take()
+        # time the engine sat empty waiting for environments was spent inside step(): it is waiting, not decoding
+        engine["engine_busy_s"] = max(0.0, engine["engine_busy_s"] - delta["env_wait_s"])
+        return {**engine, **delta}
 
 
 class EpisodeRolloutWorker(RolloutWorker):
@@ -134,7 +138,8 @@ class EpisodeRolloutWorker(RolloutWorker):
             self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
             return
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
-        envs = [self.env_class({}, extras=dict(extras)) for _ in range(spec.n)]
+        config = dict(self.cfg.env.text_env_config or {})  # the environment's env_config (e.g. a latency_s)
+        envs = [self.env_class(dict(config), extras=dict(extras)) for _ in range(spec.n)]
         # the environment's init renders the prompt (with its tools); the row's text is its first user message
         self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
 

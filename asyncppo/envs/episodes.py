@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import queue
+import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -115,6 +116,7 @@ class EpisodeEngine:
         self._dropped: dict[str, str] = {}
         self._requests: dict[str, _Episode] = {}  # engine request key -> episode generating
         self._at_env = 0  # episodes whose environment is working
+        self.env_wait_s = 0.0  # seconds step() waited with the engine empty and episodes at their environments
         self._results: queue.SimpleQueue = queue.SimpleQueue()
         # the threads that wait on environment calls (each bounded by the runner's own pool and deadline)
         self._waiters = cf.ThreadPoolExecutor(max(1, runner.max_concurrency), thread_name_prefix="episode-env")
@@ -147,7 +149,10 @@ class EpisodeEngine:
         A group some other caller added to the wrapped engine directly (the rollout worker's single-turn evaluation
         groups) is returned as the engine finished it, untouched."""
         idle = not self.engine.num_unfinished_seqs() and self._at_env
+        t0 = time.perf_counter()
         self._take_env_results(self.idle_wait_s if idle else 0.0)
+        if idle:
+            self.env_wait_s += time.perf_counter() - t0
         finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
         foreign = []
         for done in finished:

@@ -4,6 +4,8 @@ Why here: a launch with ``env.text_env`` needs an environment that is small, det
 installed, so that the whole path (worker, engine, learner, metrics) can be exercised on two CPU cores.
 :class:`GuessEnv` is the ``data=guess`` game: the environment holds a hidden digit and answers each guess with
 ``higher`` or ``lower``; solving it within the turn limit earns a reward that is larger for fewer turns.
+:class:`ToolLatencyGuessEnv` is the same game behind a slow tool: its ``step`` awaits ``latency_s`` before it
+answers, which is what the latency-hiding benchmark (scripts/bench_tool_latency.py) varies.
 
 :func:`build_chat_model` writes a randomly initialised tiny Qwen2 over the local chat tokenizer
 (:func:`asyncppo.envs.chat.build_chat_tokenizer`, which carries a Qwen-style chat template) so that such a run
@@ -12,6 +14,8 @@ needs no download: ``python -m asyncppo.envs.examples DIR``.
 
 from __future__ import annotations
 
+import asyncio
+import math
 import re
 import sys
 import zlib
@@ -56,6 +60,24 @@ class GuessEnv(TextEnv):
             reply = "higher" if int(found.group()) < self.target else "lower"
         done = self.turns >= self.max_guesses
         return ([] if done else [{"role": "user", "content": reply}]), 0.0, done, {"solved": False}
+
+
+class ToolLatencyGuessEnv(GuessEnv):
+    """:class:`GuessEnv` whose every answer takes ``env_config["latency_s"]`` seconds (default 0), spent *awaiting*
+    (``asyncio.sleep``), as a call to a remote tool or sandbox would: the process's CPU stays free meanwhile, so
+    what a run loses to the latency is waiting, not work. ``step`` is a coroutine function, which the runner awaits
+    under ``env.max_concurrency`` and ``env.step_timeout_s`` (:mod:`asyncppo.envs.env_runner`)."""
+
+    def __init__(self, env_config: Optional[Mapping] = None, extras: Optional[Mapping] = None):
+        super().__init__(env_config, extras)
+        latency = float(dict(env_config or {}).get("latency_s", 0.0))
+        if not (math.isfinite(latency) and latency >= 0):
+            raise ValueError(f"env.text_env_config.latency_s={latency!r}: must be a finite number of seconds >= 0")
+        self.latency_s = latency
+
+    async def step(self, action_text: str):
+        await asyncio.sleep(self.latency_s)
+        return GuessEnv.step(self, action_text)
 
 
 def build_chat_model(out_dir: str, *, hidden: int = 64, layers: int = 2, seed: int = 0) -> str:

@@ -76,6 +76,8 @@ def episode_metrics(groups: list) -> dict[str, float]:
         "episodes/env_s_per_step": total("env_s") / calls if calls else 0.0,
         "episodes/truncated": total("episodes_truncated"), "episodes/dropped_groups": total("episodes_dropped"),
         "episodes/env_faults": total("env_faults"),
+        # seconds the engine sat empty while episodes waited for their environments (latency not hidden)
+        "episodes/env_wait_s": total("env_wait_s"),
     }
 
 
