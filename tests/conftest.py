@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import zmq
 from measured_slow import MEASURED_SLOW
 from vllm_required import require_vllm
 
@@ -28,6 +29,14 @@ os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 TINY_SFT_STEPS = 40
+
+
+@pytest.fixture
+def ctx():
+    """A ZeroMQ context of the test's own, destroyed without lingering (the socket tests)."""
+    c = zmq.Context()
+    yield c
+    c.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")

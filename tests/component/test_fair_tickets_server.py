@@ -4,7 +4,6 @@ asking for far more groups than the staleness window holds (an engine with max_n
 import time
 
 import pytest
-import zmq
 
 from asyncppo.staleness import AdmissionClient, AdmissionController, AdmissionServer
 
@@ -26,13 +25,6 @@ def _deliver(server, worker_id, tickets):
     """Their groups arrived at the learner (the feeder's ticket check)."""
     for t in tickets:
         assert server.claim(t.index, worker_id, t.min_version) is None
-
-
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
 
 
 def test_two_greedy_workers_share_the_window(ctx):

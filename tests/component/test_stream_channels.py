@@ -11,13 +11,6 @@ from asyncppo.stream.wire import encode_group, encode_message
 from test_stream_wire import _rebuild, assert_same, make_group
 
 
-@pytest.fixture
-def ctx():
-    c = zmq.Context()
-    yield c
-    c.destroy(linger=0)
-
-
 def test_round_trip_through_push_pull(ctx):
     rx = TrajectoryReceiver(bind_endpoint("127.0.0.1", 0), hwm=8, context=ctx)
     assert rx.address.startswith("tcp://127.0.0.1:") and not rx.address.endswith(":0")
