@@ -137,9 +137,10 @@ class EpisodeRolloutWorker(RolloutWorker):
                     for _ in range(spec.n)]
             self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
             return
+        e = self.cfg.env
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
-        config = dict(self.cfg.env.text_env_config or {})  # the environment's env_config (e.g. a latency_s)
-        envs = [self.env_class(dict(config), extras=dict(extras)) for _ in range(spec.n)]
+        envs = [make_text_env(self.env_class, extras, e.text_env_config, max_turns=e.max_turns)
+                for _ in range(spec.n)]
         # the environment's init renders the prompt (with its tools); the row's text is its first user message
         self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
 

@@ -65,8 +65,9 @@ class GuessEnv(TextEnv):
 class ToolLatencyGuessEnv(GuessEnv):
     """:class:`GuessEnv` whose every answer takes ``env_config["latency_s"]`` seconds (default 0), spent *awaiting*
     (``asyncio.sleep``), as a call to a remote tool or sandbox would: the process's CPU stays free meanwhile, so
-    what a run loses to the latency is waiting, not work. ``step`` is a coroutine function, which the runner awaits
-    under ``env.max_concurrency`` and ``env.step_timeout_s`` (:mod:`asyncppo.envs.env_runner`)."""
+    what a run loses to the latency is waiting, not work. ``step`` is a coroutine function, which the runner runs to
+    completion on one of its ``env.max_concurrency`` pool threads under ``env.step_timeout_s``
+    (:mod:`asyncppo.envs.env_runner`)."""
 
     def __init__(self, env_config: Optional[Mapping] = None, extras: Optional[Mapping] = None):
         super().__init__(env_config, extras)
