@@ -31,24 +31,27 @@ from typing import Any
 import ray
 
 from asyncppo.launch.start import RunActors
+from asyncppo.report.runs import surviving_steps
 
 
 def last_logged_step(output_dir: str) -> int:
-    """The newest step in ``metrics.jsonl``: how far the dead learner got."""
-    path = os.path.join(output_dir, "metrics.jsonl")
-    step = 0
+    """The newest step the dead learner reached: the last training record in ``metrics.jsonl`` once the records an
+    earlier dead learner logged past its own checkpoint are dropped (``report.runs.surviving_steps``), so that a
+    second death is not credited with the first one's higher steps."""
+    records = []
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(os.path.join(output_dir, "metrics.jsonl"), encoding="utf-8") as f:
             for line in f:
                 try:
                     record = json.loads(line)
                 except ValueError:  # a line cut short by the death
                     continue
                 if isinstance(record.get("step"), int) and "staleness/max" in record:  # a training step's record
-                    step = max(step, record["step"])
+                    records.append(record)
     except FileNotFoundError:
         pass
-    return step
+    kept = surviving_steps(records)
+    return kept[-1]["step"] if kept else 0
 
 
 def has_checkpoint(output_dir: str) -> bool:

@@ -46,3 +46,11 @@ def test_how_far_the_dead_learner_got(tmp_path):
     lines = [{"step": 0, "eval/accuracy": 0.1}, {"step": 1, "staleness/max": 1}, {"step": 2, "staleness/max": 0}]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + '\n{"step": 3, "stal')
     assert last_logged_step(str(tmp_path)) == 2  # evaluation records and a line cut short by the death do not count
+
+
+def test_a_second_death_is_not_credited_with_the_first_ones_steps(tmp_path):
+    """First learner logs 1..50 and dies (checkpoint 40); the second logs 41..45 and dies: it reached 45, not 50."""
+    lines = [{"step": s, "staleness/max": 0} for s in range(1, 51)] + [{"step": s, "staleness/max": 0}
+                                                                       for s in range(41, 46)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert last_logged_step(str(tmp_path)) == 45
