@@ -110,11 +110,11 @@ class HangWatch:
         """Collect answers, send the next pings; the workers found hung, each with why and for how long."""
         now = self.clock()
         self._read_learner(now)
-        hung = []
+        hung, hang_s = [], self.hang_s()
         for i, actor in list(self.workers().items()):
             seen = self.seen.setdefault(i, Seen(started_at=now))
             self._ping(i, actor, seen, now)
-            why = hang_verdict(seen, now, self.hang_s(), self.timeout_s,
+            why = hang_verdict(seen, now, hang_s, self.timeout_s,
                                self.push_late.get((i, self.incarnations.get(i, 0))))
             if why is not None:
                 hung.append((i, why))

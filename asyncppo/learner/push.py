@@ -23,6 +23,7 @@ import torch
 from asyncppo.learner import distributed as D
 from asyncppo.learner.gather import iter_full_groups, push_layer_groups
 from asyncppo.learner.models import full_state_dict
+from asyncppo.sync.group import stages_on_host
 
 
 class WeightPusher:
@@ -65,4 +66,4 @@ class WeightPusher:
             return
         D.broadcast_gather(0)
         push_layer_groups(self.sender, self.actor, version, self.budget_bytes,
-                          device=torch.device("cpu") if self.sender.backend in ("gloo", "shm") else None, on_group=self.mirror)
+                          device=torch.device("cpu") if stages_on_host(self.sender.backend) else None, on_group=self.mirror)
