@@ -9,6 +9,7 @@ embeddings (sync/engine_load.py), and a push would have to carry the whole matri
 from __future__ import annotations
 
 from asyncppo.config.checks import Checks
+from asyncppo.config.devices import learner_ranks
 from asyncppo.config.schema import AsyncPPOConfig
 
 # module names that are embeddings or the output layer in the model families asyncppo loads
@@ -39,6 +40,8 @@ def check_lora(cfg: AsyncPPOConfig, c: Checks) -> None:
                     f"{bad} (embeddings and the output layer are trained whole or not at all under LoRA)")
     if cfg.env.id is not None:
         c.error("model.lora_rank", m.lora_rank, "0 for embodied runs (env.id is set): LoRA adapts language models")
-    if cfg.cluster.train_gpus > 1:
-        c.error("model.lora_rank", m.lora_rank, f"0 with cluster.train_gpus={cfg.cluster.train_gpus}: LoRA runs on "
-                "one learner rank (FSDP2 sharding of the adapted model is not built); use --train-gpus 1")
+    if learner_ranks(cfg) > 1:  # separate pools (cluster.train_gpus) or shared devices (--gpus N): one rank each
+        where = (f"cluster.shared_gpus={cfg.cluster.shared_gpus}" if cfg.cluster.shared_gpus
+                 else f"cluster.train_gpus={cfg.cluster.train_gpus}")
+        c.error("model.lora_rank", m.lora_rank, f"0 with {where}: LoRA runs on one learner rank (FSDP2 sharding of "
+                "the adapted model is not built); use --train-gpus 1 or --gpus 1")
