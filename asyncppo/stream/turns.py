@@ -187,15 +187,16 @@ def turn_reward_positions(turns: TurnColumns, offsets: Sequence[int]) -> np.ndar
     return positions[has_rewards[owners]]
 
 
-def version_starts_in_env(turns: TurnColumns, spans: np.ndarray, span_offsets: Sequence[int],
+def version_starts_in_env(env_positions: np.ndarray, spans: np.ndarray, span_offsets: Sequence[int],
                           offsets: Sequence[int]) -> Optional[int]:
     """The sample index of the first version span that starts on an environment token (environment tokens carry
-    the version of the model token before them), or None."""
+    the version of the model token before them), or None. ``env_positions``: the group's environment tokens as
+    flat indices (:func:`_env_positions`, which the caller has already computed)."""
     spans = np.asarray(spans, dtype=np.int64)
     counts = np.diff(np.asarray(span_offsets, dtype=np.int64))
     gstart = spans[:, 0] + np.repeat(np.asarray(offsets[:-1], dtype=np.int64), counts)
     env = np.zeros(int(offsets[-1]) + 1, dtype=bool)
-    env[_env_positions(turns, offsets)] = True
+    env[env_positions] = True
     hit = env[gstart]
     if not hit.any():
         return None
@@ -221,7 +222,7 @@ def turn_content_problem(columns, structure_checked: bool = False) -> Optional[t
         lps = np.asarray(columns.behavior_logprobs)[env]
         if np.count_nonzero(lps):
             return "turns", f"{np.count_nonzero(lps)} environment token(s) have a non-zero behaviour log-prob"
-    j = version_starts_in_env(turns, columns.version_spans, columns.span_offsets, offsets)
+    j = version_starts_in_env(env, columns.version_spans, columns.span_offsets, offsets)
     if j is not None:
         return "turns", (f"samples[{j}]: a version span starts on an environment token (environment tokens keep "
                          f"the version of the model token before them)")
