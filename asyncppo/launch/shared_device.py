@@ -20,7 +20,7 @@ from asyncppo.config.checks import mini_batch_prompts, uses_critic
 from asyncppo.config.devices import learner_ranks
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.memory_plan import (
-    DTYPE_BYTES, GIB, LearnerLoad, MemorySplit, ModelShape, describe_unknown, micro_batch_tokens, optimizer_bytes,
+    DTYPE_BYTES, GIB, LearnerLoad, ModelShape, describe_unknown, micro_batch_tokens, optimizer_bytes,
     shape_from_config, split_memory,
 )
 
@@ -104,24 +104,18 @@ def learner_load(cfg: AsyncPPOConfig, shape: Optional[ModelShape] = None) -> Lea
                        if lora and shape is not None else 0)
 
 
-def shared_split(cfg: AsyncPPOConfig) -> Optional[MemorySplit]:
-    """The split of one shared device, or None when it cannot be estimated."""
-    device, shape = device_memory_bytes(cfg), model_shape(cfg.model.path)
-    if device is None or shape is None:
-        return None
-    engine_bytes = DTYPE_BYTES.get(cfg.rollout.dtype, 4)
-    return split_memory(shape, device, cfg.rollout.gpu_memory_utilization, engine_bytes, learner_load(cfg, shape))
-
-
 def check_shared_split(cfg: AsyncPPOConfig) -> list[str]:
-    """The lines ``--dry-run`` prints; raises :class:`SharedSplitError` for a split that cannot work."""
+    """The lines ``--dry-run`` prints; raises :class:`SharedSplitError` for a split that cannot work. The device's
+    memory is asked once (``nvidia-smi`` when not configured), also when the answer only picks the message."""
     if cfg.cluster.shared_gpus <= 0:
         return []
-    split = shared_split(cfg)
-    if split is None:
-        why = ("set cluster.device_memory_gib to estimate it" if device_memory_bytes(cfg) is None
-               else f"no config.json readable at model.path={cfg.model.path!r} yet")
-        return describe_unknown(why)
+    device, shape = device_memory_bytes(cfg), model_shape(cfg.model.path)
+    if device is None:
+        return describe_unknown("set cluster.device_memory_gib to estimate it")
+    if shape is None:
+        return describe_unknown(f"no config.json readable at model.path={cfg.model.path!r} yet")
+    engine_bytes = DTYPE_BYTES.get(cfg.rollout.dtype, 4)
+    split = split_memory(shape, device, cfg.rollout.gpu_memory_utilization, engine_bytes, learner_load(cfg, shape))
     if split.problem:
         raise SharedSplitError(f"--gpus {cfg.cluster.shared_gpus}: {split.problem}")
     return split.lines()
