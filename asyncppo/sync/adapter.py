@@ -76,6 +76,7 @@ class AdapterMerger:
         if not self._files:
             raise FileNotFoundError(f"LoRA merge: no *.safetensors base weights in {self.base_path!r}")
         self._names: dict[str, str] = {}  # checkpoint tensor name -> the file holding it
+        self._groups: dict[str, list[str]] = {}  # layer group -> its checkpoint names (read with the index)
         self._base: dict[str, torch.Tensor] = {}  # the kept base tensors of the adapted layer groups
         self.merges = 0  # update_weights calls handed to the engine
 
@@ -85,14 +86,14 @@ class AdapterMerger:
         for f in self._files:
             with safe_open(str(f), framework="pt") as fh:
                 self._names.update({k: str(f) for k in fh.keys()})
+        for n in self._names:
+            self._groups.setdefault(layer_group(n), []).append(n)
 
     def _base_groups(self, groups: set[str]) -> dict[str, list[str]]:
         """The checkpoint names of every group in ``groups``, loading those not kept yet."""
         from safetensors import safe_open  # heavy: safetensors
 
-        if not self._names:
-            self._index()
-        members = {g: [n for n in self._names if layer_group(n) == g] for g in sorted(groups)}
+        members = {g: self._groups.get(g, []) for g in sorted(groups)}
         need: dict[str, list[str]] = {}
         for names in members.values():
             for n in names:
