@@ -135,18 +135,19 @@ class Supervisor:
         # its tickets return to the pool and the weight sync awaits the replacement, which resumes the worker's
         # prompt sequence where the learner's record of trained draws says
         try:
-            position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
-                               timeout=plan.timeout_s)
+            return self._start_replacement(i, hung)
         except ray.exceptions.RayActorError:  # the learner died too: its restart replaces this worker
             self.orphans.append(i)
             return None
-        if self.hangs is not None:
-            self.hangs.started(i)
-        return self.run.start_worker(i, self.incarnations[i], position)
 
     def _replace_orphan(self, i: int) -> Any:
         """A worker that died while the learner was dead, replaced by the restarted learner."""
-        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i]),
+        return self._start_replacement(i)
+
+    def _start_replacement(self, i: int, hung: bool = False) -> Any:
+        """The learner takes worker ``i``'s tickets and sync member back and says where its prompt sequence resumes;
+        the next incarnation starts there."""
+        position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
                            timeout=self.run.plan.timeout_s)
         if self.hangs is not None:
             self.hangs.started(i)
