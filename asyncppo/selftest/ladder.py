@@ -42,9 +42,6 @@ class RungResult:
     detail: str = ""  # the error (failed) or the reason (skipped)
 
 
-Rung = tuple[str, str, Callable[[Context], dict]]  # (name, title, function)
-
-
 def run_rung(name: str, title: str, fn: Callable[[Context], dict], ctx: Context) -> RungResult:
     t0 = time.perf_counter()
     try:

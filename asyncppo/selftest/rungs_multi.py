@@ -22,13 +22,7 @@ LAUNCH_STACK = ("ray", "zmq", "hydra", "omegaconf")
 
 def missing_launch_stack() -> list[str]:
     """The launcher's libraries that cannot be imported here."""
-    missing = []
-    for name in LAUNCH_STACK:
-        try:
-            importlib.import_module(name)
-        except Exception:  # ImportError, or None planted in sys.modules
-            missing.append(name)
-    return missing
+    return [name for name in LAUNCH_STACK if not _importable(name)]
 
 
 def _engine_side(model_dir: str, device: str, port: int, pushes: int, q) -> None:
@@ -145,6 +139,7 @@ def shared_mode(ctx: Context) -> dict:
 
 
 def _importable(name: str) -> bool:
+    """Whether ``name`` imports here (an ImportError, or None planted in sys.modules, says no)."""
     try:
         importlib.import_module(name)
         return True
