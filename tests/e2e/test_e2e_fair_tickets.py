@@ -1,7 +1,12 @@
 """Fair tickets with real rollout workers: two vLLM engines, each with room for 64 groups (max_num_seqs=256,
 4 samples a group) against a staleness window of (k + 1) * B = 8 tickets. Served in arrival order, the first engine's
 64 parked requests take the window for 16 learner steps while the second idles (docs/reliability.md, measured:
-busy 0.45 vs 0.11 over 40 steps). With fair tickets both engines' busy fractions are within 10% of each other."""
+busy 0.45 vs 0.11 over 40 steps). With fair tickets both engines get the same number of groups and both stay busy.
+
+Busy time is not the scheduler's alone: at equal grants an engine that decodes slower (on a shared 2-core box one
+of the two often does) holds its tickets longer. Measured: 0.79 / 0.79 on an idle box, 0.60 / 0.76 at grants
+83 / 81 on a CI run. So the grants are held to 20% and the busy fractions to 0.7 of each other, well clear of the
+arrival-order rule's 0.24."""
 
 import json
 
@@ -25,7 +30,7 @@ def test_two_engines_are_kept_equally_busy(tmp_path):
     assert admission["fair_tickets"] is True
     busy = list(admission["busy_by_worker"].values())
     granted = list(admission["granted_by_worker"].values())
-    # both engines worked most of the run (the old rule leaves one near 0.1) and within 10% of each other
+    # both engines worked most of the run (the old rule leaves one near 0.1), neither far behind the other
     assert len(busy) == 2 and min(busy) > 0.4, admission
-    assert max(busy) - min(busy) <= 0.1 * max(busy), admission
+    assert min(busy) >= 0.7 * max(busy), admission
     assert min(granted) >= 0.8 * max(granted), admission  # the groups themselves are shared too
