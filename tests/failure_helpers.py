@@ -21,3 +21,13 @@ def raise_sometimes(response_text: str, answer: str, **_kw) -> float:
     if _calls["n"] % 3 == 0:
         raise ValueError("reward function bug")
     return float(response_text.strip() == answer)
+
+
+def raise_sometimes_math(response_text: str, answer: str, **kw) -> float:
+    """:func:`raise_sometimes` over the built-in math-verify scorer (``reward_fn=math``), for GSM8K-style rows."""
+    from asyncppo.data.rewards import math_reward
+
+    _calls["n"] += 1
+    if _calls["n"] % 3 == 0:
+        raise ValueError("reward function bug")
+    return math_reward(response_text, answer, **kw)
