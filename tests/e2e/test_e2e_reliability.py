@@ -112,76 +112,46 @@ def _trained(out_dir: Path) -> list[list]:
     return [g for line in lines for g in json.loads(line)["groups"]]
 
 
-def test_killed_worker_is_replaced_and_the_run_completes(tmp_path):
-    k, steps = 1, 40
+def _replace(run: Run, out: Path, worker: int, signum: int) -> int:
+    """Send ``signum`` to ``worker``'s process and wait until its replacement has logged its pid. The survivor slows
+    down (tests/reliability_helpers.py) until then, so the replacement has steps left to take part in. Returns the
+    pid signalled."""
+    pids = _worker_pids(out)
+    assert sorted(pids) == [0, 1], pids
+    (out / "SLOW").touch()
+    os.kill(pids[worker], signum)
+    deadline = time.time() + 600
+    while _worker_pids(out).get(worker) == pids[worker] and time.time() < deadline and run.poll() is None:
+        time.sleep(0.5)
+    (out / "SLOW").unlink()
+    return pids[worker]
+
+
+def _draws(groups: list, prefix: str) -> set[int]:
+    """The draw numbers of the trained groups whose id starts with ``prefix`` ("<worker>[.<incarnation>]-")."""
+    return {int(g[0].split("-")[1]) for g in groups if g[0].startswith(prefix)}
+
+
+def test_killed_worker_and_stopped_worker_are_each_replaced_and_the_run_completes(tmp_path):
+    """Two workers, 44 steps. At step 5 worker 1 is SIGKILLed: the launcher sees it die and replaces it. At step 16
+    worker 0 is SIGSTOPped: with ``cluster.hang_timeout_s=15`` it answers no control ping for 15 s, is killed through
+    Ray and replaced. Each time the lost worker's tickets return to the pool, its in-flight draws are drawn again by
+    its replacement, which joins the weight sync and resumes the worker's prompt sequence; the run trains all 44
+    steps within the bound, with every group once. (The automatic hang timeout, max(60 s, 10 median steps) capped at
+    ``cluster.timeout_s``, is tested in tests/unit/test_hang_detect.py; the fault drill runs it at its default.)"""
+    k, steps = 1, 44
     out = tmp_path / "run"
     # max_num_seqs=16: each worker asks for 2 groups at a time, so both hold tickets and train groups
-    run = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", "cluster.max_worker_restarts=2",
-                 "rollout.max_num_seqs=16", "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
-    try:
-        _wait_for_step(run, out, 5)
-        pids = _worker_pids(out)
-        assert sorted(pids) == [0, 1], pids
-        # the survivor slows down until the replacement is up, so the replacement has steps left to take part in
-        (out / "SLOW").touch()
-        os.kill(pids[1], signal.SIGKILL)
-        deadline = time.time() + 600
-        while _worker_pids(out).get(1) == pids[1] and time.time() < deadline and run.poll() is None:
-            time.sleep(0.5)
-        (out / "SLOW").unlink()
-    finally:
-        code, stdout, stderr = run.finish(900)
-    assert code == 0, stdout[-3000:] + stderr[-5000:]
-    assert "rollout worker 1 died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
-    train = _train_records(_records(out))
-    assert [r["step"] for r in train] == list(range(1, steps + 1))
-    assert train[-1]["workers/restarts"] == 1 and train[0]["workers/restarts"] == 0
-    print("tickets returned:", train[-1]["workers/tickets_returned"], "sync members retired:",
-          train[-1]["workers/sync_failures"])
-    assert max(r["staleness/max"] for r in train) <= k
-    # No group trained twice: every trained group id and every trained ticket is unique, B per step. (Training
-    # consumes tickets in order, so a ticket of the dead worker that never came back would have stalled the run.)
-    groups = _trained(out)
-    assert len(groups) == steps * 4
-    assert len({g[0] for g in groups}) == len(groups), "a group id was trained twice"
-    assert len({g[1] for g in groups}) == len(groups), "a ticket was trained twice"
-    assert any(g[0].startswith("1-") for g in groups)  # the first incarnation of worker 1 did take part
-    # The replacement (incarnation 1 of worker 1) joined the weight sync, resumed the worker's prompt sequence and
-    # its groups were trained (group ids "1.1-<draw>"), within the staleness bound like every other group.
-    log = (out / "logs" / "worker-1.log").read_text()
-    assert "rollout worker 1 (incarnation 1, from draw" in log, log[-2000:]
-    replaced = [g for g in groups if g[0].startswith("1.1-")]
-    assert replaced, "no group of the replacement was trained"
-    first_draw = int(re.search(r"incarnation 1, from draw (\d+)", log).group(1))
-    assert min(int(g[0].split("-")[1]) for g in replaced) >= first_draw
-    draws_0 = {int(g[0].split("-")[1]) for g in groups if g[0].startswith("1-")}
-    assert not draws_0 & {int(g[0].split("-")[1]) for g in replaced}  # no prompt of worker 1 trained twice
-    run.assert_no_leftovers()
-
-
-def test_stopped_worker_is_replaced_as_hung_and_the_run_completes(tmp_path):
-    """SIGSTOP one of two workers at step 12 of 36 with ``cluster.hang_timeout_s=15``: the launcher finds it hung
-    (no answer to its control ping for 15 s), kills it through Ray and replaces it; its tickets return to the pool,
-    its in-flight draws are drawn again by the replacement, and the run trains all 36 steps with every group once.
-    (The automatic timeout, max(60 s, 10 median steps) capped at ``cluster.timeout_s``, is tested in
-    tests/unit/test_hang_detect.py; the fault drill runs it at its default.)"""
-    k, steps, stop_at = 1, 36, 12
-    out = tmp_path / "run"
     run = _start(out, f"trainer.total_steps={steps}", f"rollout.max_staleness={k}", "rollout.max_num_seqs=16",
                  "cluster.hang_timeout_s=15", "rollout.reward_fn=tests.reliability_helpers:exact_slow_while_marked")
     stopped = None
     try:
-        _wait_for_step(run, out, stop_at)
-        pids = _worker_pids(out)
-        assert sorted(pids) == [0, 1], pids
-        stopped = pids[1]
-        (out / "SLOW").touch()  # the survivor slows down until the replacement is up, so the replacement has work
-        os.kill(stopped, signal.SIGSTOP)
+        _wait_for_step(run, out, 5)
+        _replace(run, out, 1, signal.SIGKILL)
+        _wait_for_step(run, out, 16)
         t_stop = time.time()
-        while _worker_pids(out).get(1) == stopped and time.time() < t_stop + 600 and run.poll() is None:
-            time.sleep(0.5)
+        stopped = _replace(run, out, 0, signal.SIGSTOP)
         replaced_after = time.time() - t_stop
-        (out / "SLOW").unlink()
     finally:
         code, stdout, stderr = run.finish(900)
         if stopped is not None:
@@ -190,8 +160,9 @@ def test_stopped_worker_is_replaced_as_hung_and_the_run_completes(tmp_path):
             except ProcessLookupError:
                 pass
     assert code == 0, stdout[-3000:] + stderr[-5000:]
-    m = re.search(r"rollout worker 1 hung \(no answer to a control ping for (\d+)s \(hang timeout (\d+)s\)\); "
-                  r"killing it and starting a replacement \(restart 1 of at most 3\)", stderr)
+    assert "rollout worker 1 died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
+    m = re.search(r"rollout worker 0 hung \(no answer to a control ping for (\d+)s \(hang timeout (\d+)s\)\); "
+                  r"killing it and starting a replacement \(restart 2 of at most 3\)", stderr)
     assert m, stderr[-3000:]
     silent, hang_s = int(m.group(1)), int(m.group(2))
     print(f"declared hung after {silent}s without an answer (hang timeout {hang_s}s); the replacement logged its "
@@ -199,23 +170,28 @@ def test_stopped_worker_is_replaced_as_hung_and_the_run_completes(tmp_path):
     assert hang_s == 15 and hang_s <= silent < hang_s + 30
     train = _train_records(_records(out))
     assert [r["step"] for r in train] == list(range(1, steps + 1))
+    assert train[0]["workers/restarts"] == 0 and train[-1]["workers/restarts"] == 2
     assert train[0]["workers/hung"] == 0 and train[-1]["workers/hung"] == 1
-    assert train[-1]["workers/restarts"] == 1
     print("tickets returned:", train[-1]["workers/tickets_returned"], "sync members retired:",
           train[-1]["workers/sync_failures"])
-    assert train[-1]["workers/tickets_returned"] >= 1  # the stopped worker held tickets: they were granted again
+    assert train[-1]["workers/tickets_returned"] >= 1  # the lost workers held tickets: they were granted again
     assert max(r["staleness/max"] for r in train) <= k
+    # No group trained twice: every trained group id and every trained ticket is unique, B per step. (Training
+    # consumes tickets in order, so a ticket of a lost worker that never came back would have stalled the run.)
     groups = _trained(out)
     assert len(groups) == steps * 4
     assert len({g[0] for g in groups}) == len(groups), "a group id was trained twice"
     assert len({g[1] for g in groups}) == len(groups), "a ticket was trained twice"
-    log = (out / "logs" / "worker-1.log").read_text()
-    first_draw = int(re.search(r"incarnation 1, from draw (\d+)", log).group(1))
-    draws_0 = {int(g[0].split("-")[1]) for g in groups if g[0].startswith("1-")}
-    draws_1 = {int(g[0].split("-")[1]) for g in groups if g[0].startswith("1.1-")}
-    assert draws_1, "no group of the replacement was trained"
-    assert min(draws_1) >= first_draw and not draws_0 & draws_1  # no prompt of worker 1 trained twice
-    assert set(range(first_draw)) <= draws_0, "a prompt accepted from the stopped worker was lost"
+    for worker in (1, 0):
+        # the replacement (incarnation 1) resumed the worker's prompt sequence and its groups were trained (ids
+        # "<worker>.1-<draw>"); no prompt of the worker trained twice, none accepted from the lost one dropped
+        log = (out / "logs" / f"worker-{worker}.log").read_text()
+        first_draw = int(re.search(r"incarnation 1, from draw (\d+)", log).group(1))
+        before, after = _draws(groups, f"{worker}-"), _draws(groups, f"{worker}.1-")
+        assert before, f"the first incarnation of worker {worker} trained nothing"
+        assert after, f"no group of worker {worker}'s replacement was trained"
+        assert min(after) >= first_draw and not before & after
+    assert set(range(first_draw)) <= _draws(groups, "0-"), "a prompt accepted from the stopped worker was lost"
     run.assert_no_leftovers()
 
 
