@@ -28,7 +28,7 @@ import logging
 from asyncppo.data.datasets import PromptItem
 from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
 from asyncppo.data.text_rows import TextEnvRow
-from asyncppo.envs.env_runner import EnvRunner
+from asyncppo.envs.env_runner import FAULT_KINDS, EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
@@ -81,7 +81,8 @@ class EpisodeMeter(EngineMeter):
                 "episodes_dropped": c["dropped_groups"], "tool_calls": tools["calls"],
                 "tool_errors": tools["malformed"] + tools["unknown"], "env_calls": self.runner.calls,
                 "env_s": self.runner.seconds, "env_faults": sum(self.runner.faults.values()),
-                "env_wait_s": self.episodes.env_wait_s}
+                "env_wait_s": self.episodes.env_wait_s,
+                **{f"env_faults_{kind}": self.runner.faults[kind] for kind in FAULT_KINDS}}
 
     def take(self) -> dict[str, float]:
         now = self._totals()
@@ -113,7 +114,7 @@ class EpisodeRolloutWorker(RolloutWorker):
         self._closables += [self.engine, _Shutdown(self.runner)]
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)
-        self.stats["dropped_groups"] = 0
+        self.stats.update(dropped_groups=0, groups_started=0)
 
     def _announce(self, num_prompts: int) -> None:
         super()._announce(num_prompts)
@@ -131,6 +132,7 @@ class EpisodeRolloutWorker(RolloutWorker):
         return super()._train_dataset(tokenizer)
 
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        self.stats["groups_started"] += 1
         if isinstance(row, TextEnvRow):
             e = self.cfg.env
             envs = [make_text_env(self.env_class, row.episode_extras(), e.text_env_config, max_turns=e.max_turns)
@@ -143,6 +145,18 @@ class EpisodeRolloutWorker(RolloutWorker):
                 for _ in range(spec.n)]
         # the environment's init renders the prompt (with its tools); the row's text is its first user message
         self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
+
+    def _before_close(self) -> None:
+        """One closing line of where every granted ticket went (granted = started + not yet started; started =
+        sent + dropped + in flight at the stop) and of the worker's environment faults by kind: totals, where the
+        step metrics carry only what was sent along with a group."""
+        s, faults, tools = self.stats, dict(self.runner.faults), self.runner.tools.counts
+        print(f"[asyncppo] rollout worker {self.worker_id}: episode groups started {s['groups_started']}, sent "
+              f"{s['groups_sent']}, dropped {s['dropped_groups']}, in flight at stop {len(self._in_flight)}, "
+              f"tickets not started {len(self._pending)}; "
+              f"env faults {faults}; tool calls {tools['calls']}, tool errors "
+              f"{tools['malformed'] + tools['unknown']}", flush=True)
+        super()._before_close()
 
     def _finish_group(self, done) -> None:
         flight = self._in_flight.pop(done.key)
