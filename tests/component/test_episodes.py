@@ -384,6 +384,7 @@ def _fault_groups(engine, tok, on_error: str):
     return got, faults, eps.counters
 
 
+@pytest.mark.slow  # 5-12 s each (the hung step's deadline is 3 s)
 @pytest.mark.parametrize("on_error", ["zero_reward", "drop"])
 def test_every_fault_kind_on_vllm(chat_model, engine, on_error):
     """Each fault through the episode loop on vLLM: a raise, a step hung past ``env.step_timeout_s``, observations
@@ -397,7 +398,7 @@ def test_every_fault_kind_on_vllm(chat_model, engine, on_error):
     got, faults, counters = _fault_groups(engine, tok, on_error)
     assert time.monotonic() - t0 < HANG_S + 30  # the hung step was left behind at its deadline
     assert faults == {"raised": 1, "timeout": 1, "malformed": 3, "nonfinite_reward": 2}, faults
-    assert got["init_not_messages"].dropped and "init must return" in got["init_not_messages"].detail
+    assert got["init_not_messages"].dropped and "init messages must be a list" in got["init_not_messages"].detail
     healthy = got["healthy"]
     assert not healthy.dropped and [c.reward for c in healthy.completions] == [6.0, 6.0]
     for kind, fault in FAULT_OF.items():
@@ -455,6 +456,7 @@ def _tool_script(tok):
     return prompt, ids, model
 
 
+@pytest.mark.slow  # ~9 s: the fit, then one greedy episode
 def test_malformed_and_unknown_tool_calls_are_answered_and_counted_on_vllm(chat_model, engine):
     """A model fitted to a scripted path writes a malformed call, a call of an unknown tool, a good call and the
     answer: the first two are answered with error observations (environment tokens), counted as tool errors by the
