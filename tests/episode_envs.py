@@ -21,7 +21,8 @@ class FaultyGuessEnv(GuessEnv):
     * 3: the second guess earns a NaN reward (``nonfinite_reward``).
 
     Under ``env.on_error=zero_reward`` the episodes of 1-3 end at that turn with reward 0 and their groups train;
-    every other game is the plain guess game."""
+    every other game is the plain guess game. A row with ``"free_win": true`` (an eval file's) wins 1.0 at the
+    first turn, whatever the model says: its episodes score a known number."""
 
     def init(self, prompt_messages: list):
         if self.target == 0:
@@ -29,6 +30,8 @@ class FaultyGuessEnv(GuessEnv):
         return super().init(prompt_messages)
 
     def step(self, action_text: str):
+        if self.extras.get("free_win"):
+            return [], 1.0, True, {}
         if self.turns == 1 and self.target in (1, 2, 3):
             self.turns += 1
             if self.target == 1:

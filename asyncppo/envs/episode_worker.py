@@ -6,7 +6,9 @@ imports the rollout engine's types, so rollout/ cannot import envs/ without a cy
 
 * the engine is wrapped in :class:`~asyncppo.envs.episodes.EpisodeEngine` (vLLM with prefix caching and 32-token
   blocks, so a turn that re-enters with its whole prefix reuses the cached part); weights still load into the
-  wrapped engine (``model_engine``), and evaluation groups go to it directly and stay single-turn;
+  wrapped engine (``model_engine``); evaluation groups of the task's probe and of ``{prompt, answer}`` files go
+  to it directly and stay single-turn, while SkyRL-format ``data.eval_files`` are played as episodes
+  (:meth:`EpisodeRolloutWorker._start_episodes`, the evaluator's ``start_episodes``), scored by their environment;
 * admission room counts the sequences *in the engine* (``num_running_seqs``: an episode waiting for its
   environment holds no slot), while step-or-idle asks ``num_unfinished_seqs`` (that episode still needs steps);
 * rows: ``data.train_files`` in SkyRL's format (``prompt`` a list of chat messages) are drawn as
@@ -115,6 +117,8 @@ class EpisodeRolloutWorker(RolloutWorker):
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)
         self.stats.update(dropped_groups=0, groups_started=0)
+        if self.evaluator is not None:  # SkyRL-format eval files are played as episodes (rollout/evaluation.py)
+            self.evaluator.start_episodes = self._start_episodes
 
     def _announce(self, num_prompts: int) -> None:
         super()._announce(num_prompts)
@@ -133,13 +137,17 @@ class EpisodeRolloutWorker(RolloutWorker):
 
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
         self.stats["groups_started"] += 1
+        self._start_episodes(key, row, spec)
+
+    def _start_episodes(self, key: str, row, spec: SamplingSpec) -> None:
+        """``spec.n`` episodes of ``row``: a training group, or an evaluation group of a SkyRL-format eval file
+        (the evaluator calls this as its ``start_episodes``)."""
+        e = self.cfg.env
         if isinstance(row, TextEnvRow):
-            e = self.cfg.env
             envs = [make_text_env(self.env_class, row.episode_extras(), e.text_env_config, max_turns=e.max_turns)
                     for _ in range(spec.n)]
             self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
             return
-        e = self.cfg.env
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
         envs = [make_text_env(self.env_class, extras, e.text_env_config, max_turns=e.max_turns)
                 for _ in range(spec.n)]

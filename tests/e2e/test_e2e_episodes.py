@@ -40,7 +40,7 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     ``env.on_error=zero_reward``: an ``init`` that raises drops its group (its ticket is given back); a step that
     hangs past ``env.step_timeout_s``, a malformed observation and a NaN reward each end their episode with reward
     0 and the group trains. Every kind is counted, no group is lost, and the run trains every step within the
-    bound."""
+    bound. Beside it, SkyRL-format ``data.eval_files`` are evaluated as episodes (:func:`_eval_rows`)."""
     from vllm_required import require_vllm
 
     require_vllm()
@@ -51,7 +51,7 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
                  "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
                  "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
-                 "data.num_eval_prompts=16",
+                 "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
                  "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
                  "env.max_concurrency=64"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -76,9 +76,23 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     assert "turns " in proc.stdout and "envtok " in proc.stdout, proc.stdout[-3000:]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert "eval_before" in summary and "eval_after" in summary, sorted(summary)
+    # the eval file's episodes: two free wins (1.0 each) and two games whose init raises (dropped: 0), greedy and
+    # sampled, at the first point and the last
+    for point in ("first", "last"):
+        scores = {k.rsplit("/", 1)[-1]: v for k, v in summary["eval_files"][point].items() if "eval_rows" in k}
+        assert scores["num_prompts"] == 4 and scores["accuracy_greedy"] == scores["accuracy_sampled"] == 0.5, scores
     report = _run(["report", str(out_dir)], timeout=300)
     assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-3000:]
     assert_no_leftovers(TAG)
+
+
+def _eval_rows(tmp_path: Path) -> Path:
+    """A SkyRL-format eval file for FaultyGuessEnv: two rows that win at once and two whose ``init`` raises."""
+    rows = [{"prompt": [{"role": "user", "content": f"eval game {i}"}], "env_class": "guess", "target": target,
+             **({"free_win": True} if target else {})} for i, target in enumerate([5, 0, 7, 0])]
+    path = tmp_path / "eval_rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def _assert_faults_counted_and_no_group_lost(out_dir: Path, train: list, steps: int) -> None:
