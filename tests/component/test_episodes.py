@@ -456,7 +456,6 @@ def _tool_script(tok):
     return prompt, ids, model
 
 
-@pytest.mark.slow  # ~9 s: the fit, then one greedy episode
 def test_malformed_and_unknown_tool_calls_are_answered_and_counted_on_vllm(chat_model, engine):
     """A model fitted to a scripted path writes a malformed call, a call of an unknown tool, a good call and the
     answer: the first two are answered with error observations (environment tokens), counted as tool errors by the

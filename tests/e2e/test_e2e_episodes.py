@@ -4,7 +4,8 @@ real vLLM engine (prefix caching), ZeroMQ stream, gloo weight sync and Ray.
 What it proves: the rollout worker runs episodes (several model turns with the environment's replies in between),
 the learner trains those records (environment tokens in the response, masked out of the loss), the per-token
 staleness bound holds across turns, the episode metrics reach metrics.jsonl and the console, the single-turn
-held-out evaluation still runs beside the episodes, and `asyncppo report` reads the run.
+held-out evaluation still runs beside the episodes while a SkyRL-format eval file is evaluated as episodes,
+environment faults of every kind are counted without losing a group, and `asyncppo report` reads the run.
 """
 
 from __future__ import annotations
