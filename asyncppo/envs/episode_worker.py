@@ -116,7 +116,7 @@ class EpisodeRolloutWorker(RolloutWorker):
         self._closables += [self.engine, _Shutdown(self.runner)]
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)
-        self.stats.update(dropped_groups=0, groups_started=0)
+        self.stats.update(dropped_groups=0, groups_started=0, groups_abandoned=0)
         if self.evaluator is not None:  # SkyRL-format eval files are played as episodes (rollout/evaluation.py)
             self.evaluator.start_episodes = self._start_episodes
 
@@ -156,15 +156,22 @@ class EpisodeRolloutWorker(RolloutWorker):
 
     def _before_close(self) -> None:
         """One closing line of where every granted ticket went (granted = started + not yet started; started =
-        sent + dropped + in flight at the stop) and of the worker's environment faults by kind: totals, where the
-        step metrics carry only what was sent along with a group."""
+        sent + dropped + in flight at the stop + abandoned by a learner restart) and of the worker's environment faults by kind: totals, where the
+        step metrics carry only what was sent along with a group. (The abort comes first: a worker that failed
+        before its runner existed still aborts what its engine holds.)"""
+        in_flight = len(self._in_flight)
+        super()._before_close()
+        if getattr(self, "runner", None) is None:
+            return
         s, faults, tools = self.stats, dict(self.runner.faults), self.runner.tools.counts
         print(f"[asyncppo] rollout worker {self.worker_id}: episode groups started {s['groups_started']}, sent "
-              f"{s['groups_sent']}, dropped {s['dropped_groups']}, in flight at stop {len(self._in_flight)}, "
-              f"tickets not started {len(self._pending)}; "
-              f"env faults {faults}; tool calls {tools['calls']}, tool errors "
-              f"{tools['malformed'] + tools['unknown']}", flush=True)
-        super()._before_close()
+              f"{s['groups_sent']}, dropped {s['dropped_groups']}, in flight at stop {in_flight}, abandoned by a "
+              f"learner restart {s['groups_abandoned']}, tickets not started {len(self._pending)}; env faults {faults}; tool calls {tools['calls']}, "
+              f"tool errors {tools['malformed'] + tools['unknown']}", flush=True)
+
+    def _drop_work(self, position) -> None:
+        self.stats["groups_abandoned"] += len(self._in_flight)  # a restarted learner regenerates them
+        super()._drop_work(position)
 
     def _finish_group(self, done) -> None:
         flight = self._in_flight.pop(done.key)

@@ -106,7 +106,7 @@ def _assert_faults_counted_and_no_group_lost(out_dir: Path, train: list, steps: 
     assert sum(r["episodes/env_faults"] for r in train) == sum(by_kind.values())
     logs = "".join(p.read_text(errors="replace") for p in (out_dir / "logs").glob("*.log"))
     tally = re.search(r"episode groups started (\d+), sent (\d+), dropped (\d+), in flight at stop (\d+), "
-                      r"tickets not started (\d+); env faults (\{[^}]*\})", logs)
+                      r"abandoned by a learner restart 0, tickets not started (\d+); env faults (\{[^}]*\})", logs)
     assert tally is not None, logs[-3000:]
     started, sent, dropped, in_flight, not_started = map(int, tally.groups()[:5])
     faults = ast.literal_eval(tally.group(6))
