@@ -2,16 +2,44 @@
 
 from __future__ import annotations
 
+import time
+
 from asyncppo.envs.examples import GuessEnv
 
 
+#: How long FaultyGuessEnv's hanging step sleeps: well past the launch test's ``env.step_timeout_s`` (2 s).
+HANG_S = 6.0
+
+
 class FaultyGuessEnv(GuessEnv):
-    """The guess game, except that a game whose hidden number is 0 raises at its second guess: with
-    ``env.on_error=drop`` its whole group is dropped (and its admission ticket given back) while the run goes on."""
+    """The guess game, except that the hidden number picks a fault (the ``n`` episodes of a group share it):
+
+    * 0: ``init`` raises: nothing to train, so the group is dropped whatever ``env.on_error`` says, and its
+      admission ticket is given back;
+    * 1: the second guess hangs for :data:`HANG_S`, past the deadline (fault ``timeout``);
+    * 2: the second guess is answered with a message whose content is not a string (``malformed``);
+    * 3: the second guess earns a NaN reward (``nonfinite_reward``).
+
+    Under ``env.on_error=zero_reward`` the episodes of 1-3 end at that turn with reward 0 and their groups train;
+    every other game is the plain guess game. A row with ``"free_win": true`` (an eval file's) wins 1.0 at the
+    first turn, whatever the model says: its episodes score a known number."""
+
+    def init(self, prompt_messages: list):
+        if self.target == 0:
+            raise RuntimeError("scripted fault: the environment could not start")
+        return super().init(prompt_messages)
 
     def step(self, action_text: str):
-        if self.target == 0 and self.turns == 1:
-            raise RuntimeError("scripted fault: the environment broke at its second turn")
+        if self.extras.get("free_win"):
+            return [], 1.0, True, {}
+        if self.turns == 1 and self.target in (1, 2, 3):
+            self.turns += 1
+            if self.target == 1:
+                time.sleep(HANG_S)
+                return [{"role": "user", "content": "too late"}], 0.0, False, {}
+            if self.target == 2:
+                return [{"role": "user", "content": 7}], 0.0, False, {}
+            return [{"role": "user", "content": "higher"}], float("nan"), False, {}
         return super().step(action_text)
 
 

@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from asyncppo.data import warmstart
 from asyncppo.data.datasets import PromptDataset
 from asyncppo.data.tasks import get_task
+from asyncppo.data.text_row_draws import TextRowDataset, text_env_rows_in
 
 SAMPLES_PER_PROMPT = 4  # sampled answers per prompt: the estimate's standard error is about half that of one sample
 
@@ -65,14 +66,17 @@ class EvalSet:
 
     ``seed``: of the sampled answers (None: the engine's own draw); ``paired``: the same seed at every evaluation
     point (the task's probe, so before/after differ by the weights only) or a fresh one per point (eval files, as
-    before); ``exact``: scored by :func:`is_exact_answer` rather than the run's reward function."""
+    before); ``exact``: scored by :func:`is_exact_answer` rather than the run's reward function; ``episodes``: the
+    rows are SkyRL-format rows (:class:`~asyncppo.data.text_row_draws.TextRowDataset`) of a text-environment run,
+    and each answer is an episode played with ``env.text_env``, scored by its environment (its turn rewards' sum)."""
 
-    dataset: PromptDataset
+    dataset: Any  # a PromptDataset, or a TextRowDataset when ``episodes``
     samples: int
     max_tokens: int
     seed: Optional[int]
     paired: bool = False
     exact: bool = False
+    episodes: bool = False
 
     def sample_seed(self, index: int, point: int) -> Optional[int]:
         """The seed of prompt ``index``'s sampled answers at ``point`` (the engine seeds answer ``j`` with +j)."""
@@ -125,12 +129,22 @@ def eval_file_names(paths: list[str], reserved: tuple[str, ...] = ()) -> list[st
 
 
 def eval_file_sets(cfg, tokenizer, worker_id: int, num_workers: int,
-                   reserved: tuple[str, ...] = ()) -> dict[str, PromptDataset]:
+                   reserved: tuple[str, ...] = ()) -> dict:
     """This worker's shard of each of ``data.eval_files``, by metric name (:func:`eval_file_names`); a shard may be
-    empty when workers outnumber a file's prompts. The rollout engines measure them (rollout/evaluation.py)."""
+    empty when workers outnumber a file's prompts. The rollout engines measure them (rollout/evaluation.py).
+    SkyRL-format rows of a text-environment run (``env.text_env``) become :class:`EvalSet` s of episodes; such rows
+    in a run without an environment are refused by name (there is nothing to play them with)."""
     d, ro = cfg.data, cfg.rollout
+    files, names = list(d.eval_files), eval_file_names(list(d.eval_files), reserved)
+    if files and text_env_rows_in(files, d.prompt_key, "data.eval_files"):
+        if not cfg.env.text_env:
+            raise ValueError(f"data.eval_files={files}: SkyRL-format rows (a prompt of chat messages) are episodes "
+                             "of a text environment; set env.text_env, or give {prompt, answer} rows")
+        return {name: EvalSet(TextRowDataset.from_files([path], d.prompt_key).shard(worker_id, num_workers),
+                              samples=d.eval_samples, max_tokens=ro.response_length, seed=ro.sampling.seed,
+                              episodes=True) for name, path in zip(names, files)}
     sets = {}
-    for name, path in zip(eval_file_names(list(d.eval_files), reserved), d.eval_files):
+    for name, path in zip(names, files):
         ds = PromptDataset.from_files([path], tokenizer, prompt_key=d.prompt_key, answer_key=d.answer_key,
                                       prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
                                       apply_chat_template=d.apply_chat_template)

@@ -67,10 +67,7 @@ def text_env_rows_in(paths: Sequence[str], prompt_key: str = "prompt", option: s
 
 def draws_text_env_rows(cfg) -> bool:
     """Whether a text-environment run (an ``AsyncPPOConfig``) draws SkyRL-format rows from ``data.train_files``
-    (else the task's or ``{prompt, answer}`` rows). ValueError naming the option for what it cannot run: files of
-    both formats, and SkyRL-format ``data.eval_files`` (evaluation is single-turn: their episodes are not played)."""
+    (else the task's or ``{prompt, answer}`` rows). ValueError naming the option when its files are of both formats.
+    (SkyRL-format ``data.eval_files`` are evaluated as episodes: :func:`asyncppo.data.heldout.eval_file_sets`.)"""
     d = cfg.data
-    if d.eval_files and text_env_rows_in(list(d.eval_files), d.prompt_key, "data.eval_files"):
-        raise ValueError(f"data.eval_files={list(d.eval_files)}: SkyRL-format rows are not evaluated (evaluation "
-                         "is single-turn); leave data.eval_files empty or give {prompt, answer} rows")
     return bool(d.train_files) and text_env_rows_in(list(d.train_files), d.prompt_key, "data.train_files")

@@ -6,7 +6,9 @@ imports the rollout engine's types, so rollout/ cannot import envs/ without a cy
 
 * the engine is wrapped in :class:`~asyncppo.envs.episodes.EpisodeEngine` (vLLM with prefix caching and 32-token
   blocks, so a turn that re-enters with its whole prefix reuses the cached part); weights still load into the
-  wrapped engine (``model_engine``), and evaluation groups go to it directly and stay single-turn;
+  wrapped engine (``model_engine``); evaluation groups of the task's probe and of ``{prompt, answer}`` files go
+  to it directly and stay single-turn, while SkyRL-format ``data.eval_files`` are played as episodes
+  (:meth:`EpisodeRolloutWorker._start_episodes`, the evaluator's ``start_episodes``), scored by their environment;
 * admission room counts the sequences *in the engine* (``num_running_seqs``: an episode waiting for its
   environment holds no slot), while step-or-idle asks ``num_unfinished_seqs`` (that episode still needs steps);
 * rows: ``data.train_files`` in SkyRL's format (``prompt`` a list of chat messages) are drawn as
@@ -28,7 +30,7 @@ import logging
 from asyncppo.data.datasets import PromptItem
 from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
 from asyncppo.data.text_rows import TextEnvRow
-from asyncppo.envs.env_runner import EnvRunner
+from asyncppo.envs.env_runner import FAULT_KINDS, EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
@@ -81,7 +83,8 @@ class EpisodeMeter(EngineMeter):
                 "episodes_dropped": c["dropped_groups"], "tool_calls": tools["calls"],
                 "tool_errors": tools["malformed"] + tools["unknown"], "env_calls": self.runner.calls,
                 "env_s": self.runner.seconds, "env_faults": sum(self.runner.faults.values()),
-                "env_wait_s": self.episodes.env_wait_s}
+                "env_wait_s": self.episodes.env_wait_s,
+                **{f"env_faults_{kind}": self.runner.faults[kind] for kind in FAULT_KINDS}}
 
     def take(self) -> dict[str, float]:
         now = self._totals()
@@ -113,7 +116,9 @@ class EpisodeRolloutWorker(RolloutWorker):
         self._closables += [self.engine, _Shutdown(self.runner)]
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)
-        self.stats["dropped_groups"] = 0
+        self.stats.update(dropped_groups=0, groups_started=0, groups_abandoned=0)
+        if self.evaluator is not None:  # SkyRL-format eval files are played as episodes (rollout/evaluation.py)
+            self.evaluator.start_episodes = self._start_episodes
 
     def _announce(self, num_prompts: int) -> None:
         super()._announce(num_prompts)
@@ -131,18 +136,42 @@ class EpisodeRolloutWorker(RolloutWorker):
         return super()._train_dataset(tokenizer)
 
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:
+        self.stats["groups_started"] += 1
+        self._start_episodes(key, row, spec)
+
+    def _start_episodes(self, key: str, row, spec: SamplingSpec) -> None:
+        """``spec.n`` episodes of ``row``: a training group, or an evaluation group of a SkyRL-format eval file
+        (the evaluator calls this as its ``start_episodes``)."""
+        e = self.cfg.env
         if isinstance(row, TextEnvRow):
-            e = self.cfg.env
             envs = [make_text_env(self.env_class, row.episode_extras(), e.text_env_config, max_turns=e.max_turns)
                     for _ in range(spec.n)]
             self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
             return
-        e = self.cfg.env
         extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
         envs = [make_text_env(self.env_class, extras, e.text_env_config, max_turns=e.max_turns)
                 for _ in range(spec.n)]
         # the environment's init renders the prompt (with its tools); the row's text is its first user message
         self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
+
+    def _before_close(self) -> None:
+        """One closing line of where every granted ticket went (granted = started + not yet started; started =
+        sent + dropped + in flight at the stop + abandoned by a learner restart) and of the worker's environment faults by kind: totals, where the
+        step metrics carry only what was sent along with a group. (The abort comes first: a worker that failed
+        before its runner existed still aborts what its engine holds.)"""
+        in_flight = len(self._in_flight)
+        super()._before_close()
+        if getattr(self, "runner", None) is None:
+            return
+        s, faults, tools = self.stats, dict(self.runner.faults), self.runner.tools.counts
+        print(f"[asyncppo] rollout worker {self.worker_id}: episode groups started {s['groups_started']}, sent "
+              f"{s['groups_sent']}, dropped {s['dropped_groups']}, in flight at stop {in_flight}, abandoned by a "
+              f"learner restart {s['groups_abandoned']}, tickets not started {len(self._pending)}; env faults {faults}; tool calls {tools['calls']}, "
+              f"tool errors {tools['malformed'] + tools['unknown']}", flush=True)
+
+    def _drop_work(self, position) -> None:
+        self.stats["groups_abandoned"] += len(self._in_flight)  # a restarted learner regenerates them
+        super()._drop_work(position)
 
     def _finish_group(self, done) -> None:
         flight = self._in_flight.pop(done.key)

@@ -57,7 +57,8 @@ def episode_metrics(groups: list) -> dict[str, float]:
     From the records: turns per episode (model turns: one turn reward each) and the fraction of response tokens
     the environment wrote (its runs). From the worker's counters in the groups' timings (deltas since the previous
     group, so the sums are exact): tool calls and tool errors read in the model's turns, environment seconds per
-    call, episodes truncated by the token budget, groups dropped by an environment fault, environment faults."""
+    call, episodes truncated by the token budget, groups dropped by an environment fault, environment faults (in
+    all and by kind)."""
     columns = [c for c in (g.turn_columns() for g in groups) if c is not None]
     turns = [k for c in columns for k in c.reward_counts() if k]
     if not turns:
@@ -76,6 +77,9 @@ def episode_metrics(groups: list) -> dict[str, float]:
         "episodes/env_s_per_step": total("env_s") / calls if calls else 0.0,
         "episodes/truncated": total("episodes_truncated"), "episodes/dropped_groups": total("episodes_dropped"),
         "episodes/env_faults": total("env_faults"),
+        # by kind (raised, timeout, malformed, nonfinite_reward: the worker names them, envs/env_runner.py)
+        **{f"episodes/{key}": total(key) for key in sorted({k for g in groups for k in g.timings
+                                                             if k.startswith("env_faults_")})},
         # seconds the engine sat empty while episodes waited for their environments (latency not hidden)
         "episodes/env_wait_s": total("env_wait_s"),
     }

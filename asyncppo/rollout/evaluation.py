@@ -4,8 +4,10 @@ What it measures
 ----------------
 Every held-out set of the run (data/heldout.py): the built-in task's probe (logged as ``eval/accuracy_sampled``,
 ``eval/accuracy_greedy``: ``HeldOutProbe``'s rows, samples, seed, token budget and exact-answer scoring) and each
-of ``data.eval_files`` (``eval/<file>/...``, scored with the run's reward function). The learner runs no
-generation of its own: on the built-in recipe it is the bottleneck, and the engines have room.
+of ``data.eval_files`` (``eval/<file>/...``, scored with the run's reward function; in a text-environment run,
+SkyRL-format files are played as episodes with ``env.text_env`` and scored by the environment, greedy and sampled
+alike). The learner runs no generation of its own: on the built-in recipe it is the bottleneck, and the engines
+have room.
 
 When it runs
 ------------
@@ -45,7 +47,7 @@ import collections
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from asyncppo.data.heldout import EvalSet, eval_file_sets, is_exact_answer, task_eval_set
 from asyncppo.data.rewards import score_safely
@@ -67,7 +69,7 @@ def eval_points(eval_every: int, total_steps: int) -> list[int]:
 class _Round:
     point: int
     version: int
-    queue: collections.deque  # (key, file name, prompt ids, answer, spec) still to add to the engine
+    queue: collections.deque  # (key, set name, row, spec) still to add to the engine
     outstanding: int  # groups added and not finished
     scores: dict
     version_max: int
@@ -92,7 +94,10 @@ class EvalRunner:
         self._skip_until_loaded = resumed  # version 0 is a placeholder stamp until the checkpoint's push lands
         self._round: Optional[_Round] = None
         self._inflight_seqs = 0
-        self._answers: dict[str, str] = {}  # engine key -> reference answer, for groups in the engine
+        self._answers: dict[str, tuple] = {}  # engine key -> (reference answer, n), for groups in the engine
+        # starts one group of episodes (key, SkyRL-format row, spec) for a set of ``episodes``: the text-environment
+        # worker sets it (envs/episode_worker.py; rollout/ cannot import envs/)
+        self.start_episodes: Optional[Callable] = None
 
     def restart(self) -> None:
         """A restarted learner: the round in the engine was aborted; the points from the checkpoint on are due
@@ -136,7 +141,7 @@ class EvalRunner:
                 for tag, entries, spec in specs:
                     if spec.n:
                         key = f"{KEY_PREFIX}{point}:{name}:{item.index}:{tag}"
-                        entries.append((key, name, item.prompt_ids, item.answer, spec))
+                        entries.append((key, name, item, spec))
         queue = collections.deque(_in_turn(greedy) + _in_turn(sampled))
         log.info("worker %d: evaluation of point %d at version %d (%d engine groups)", self.worker_id, point,
                  version, len(queue))
@@ -149,13 +154,18 @@ class EvalRunner:
         worker on its old weights."""
         r = self._round
         while r is not None and r.queue and (self._inflight_seqs == 0
-                                             or self._inflight_seqs + r.queue[0][4].n <= self.budget):
-            key, _name, prompt_ids, answer, spec = r.queue[0]
-            engine.add_group(key, prompt_ids, spec)
+                                             or self._inflight_seqs + r.queue[0][3].n <= self.budget):
+            key, name, item, spec = r.queue[0]
+            if self.sets[name].episodes:
+                if self.start_episodes is None:
+                    raise RuntimeError(f"evaluation: {name!r} holds episodes, and this worker plays none")
+                self.start_episodes(key, item, spec)
+            else:
+                engine.add_group(key, item.prompt_ids, spec)
             r.queue.popleft()
             r.outstanding += 1
             self._inflight_seqs += spec.n
-            self._answers[key] = answer
+            self._answers[key] = (getattr(item, "answer", ""), spec.n)
 
     @property
     def active(self) -> bool:
@@ -166,33 +176,43 @@ class EvalRunner:
         return key.startswith(KEY_PREFIX)
 
     def finished(self, done: FinishedGroup) -> Optional[EvalReport]:
-        """Score one finished evaluation group; returns the report when it completes the round."""
+        """Score one finished evaluation group; returns the report when it completes the round. A group of
+        episodes that a faulty environment dropped counts its ``n`` answers as failures (reward 0, no tokens)."""
         r = self._round
-        answer = self._answers.pop(done.key)
+        answer, n = self._answers.pop(done.key)
         _, _point, rest = done.key.split(":", 2)
         name, _index, tag = rest.rsplit(":", 2)
-        scores, exact = r.scores[name], self.sets[name].exact
-        for c in done.completions:
-            text = self._decode(c.token_ids)
-            if exact:
-                reward = float(is_exact_answer(text, answer, ended=c.finish_reason == "stop"))
-            else:
-                reward, _failed, _err = self._score(self._reward_fn, text, answer)
+        scores, held = r.scores[name], self.sets[name]
+        answers = [(self._reward(held, c, answer), len(c.token_ids)) for c in done.completions]
+        if held.episodes and getattr(done, "dropped", False):
+            answers = [(0.0, 0)] * n
+        for reward, tokens in answers:
             if tag == "g":
                 scores.prompts += 1
                 scores.greedy_reward += float(reward)
             else:
                 scores.sampled += 1
                 scores.sampled_reward += float(reward)
-            scores.tokens += len(c.token_ids)
+            scores.tokens += tokens
             scores.answers += 1
+        for c in done.completions:
             if c.versions is not None and len(c.versions):
                 r.version_max = max(r.version_max, int(max(c.versions)))
-        self._inflight_seqs -= len(done.completions)
+        self._inflight_seqs -= n
         r.outstanding -= 1
         if r.outstanding or r.queue:
             return None
         return self._complete()
+
+    def _reward(self, held: EvalSet, c, answer: str) -> float:
+        """One answer's reward: an episode's is its environment's (the sum of its turn rewards); a single turn's
+        is the exact-answer check (the task's probe) or the run's reward function over the decoded text."""
+        if held.episodes:
+            return float(c.reward)
+        text = self._decode(c.token_ids)
+        if held.exact:
+            return float(is_exact_answer(text, answer, ended=c.finish_reason == "stop"))
+        return float(self._score(self._reward_fn, text, answer)[0])
 
     def _complete(self) -> EvalReport:
         r, self._round = self._round, None

@@ -325,3 +325,173 @@ def test_limits_turns_budget_and_faults(chat_model, hf_engine):
     assert list(group.completions[1].turn_rewards) == [0.0] and group.completions[0].reward == 6.0
     group, counters = _one_group(hf_engine, tok, [ScriptedEnv(), RaisingEnv()], on_error="drop")
     assert group.dropped and "tool crashed" in group.detail and counters["dropped_groups"] == 1
+
+
+# ---------------------------------------------------------------------------------------------- faults on vLLM
+HANG_S, DEADLINE_S = 8.0, 3.0  # a hanging step sleeps well past the runner's deadline in these tests
+
+
+class FaultAtTurn2Env(ScriptedEnv):
+    """:class:`ScriptedEnv` whose second step (or ``init``, for the ``init_*`` kinds) breaks one way."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def init(self, prompt_messages):
+        if self.kind == "init_not_messages":
+            return "not a list of messages", {}
+        return super().init(prompt_messages)
+
+    def step(self, action_text):
+        if len(self.actions) != 1:
+            return super().step(action_text)
+        self.actions.append(action_text)
+        reply, kind = [{"role": "user", "content": REPLIES[1]}], self.kind
+        if kind == "raise":
+            raise RuntimeError("tool crashed")
+        if kind == "hang":
+            time.sleep(HANG_S)
+        return {"not_a_list": ({"role": "user", "content": "x"}, 2.0, False, {}),
+                "non_string_content": ([{"role": "user", "content": 42}], 2.0, False, {}),
+                "nan": (reply, float("nan"), False, {}), "inf": (reply, float("-inf"), False, {}),
+                }.get(kind, (reply, 2.0, False, {}))
+
+
+#: the fault kind of the outcome (and the episode's end) for each way a FaultAtTurn2Env breaks
+FAULT_OF = {"raise": "raised", "hang": "timeout", "not_a_list": "malformed", "non_string_content": "malformed",
+            "nan": "nonfinite_reward", "inf": "nonfinite_reward"}
+#: what the dropped group's detail says of each
+DETAIL_OF = {"raise": "RuntimeError: tool crashed", "hang": "no answer within env.step_timeout_s",
+             "not_a_list": "must be a list of chat messages", "non_string_content": "with str 'role' and 'content'",
+             "nan": "reward nan is not finite", "inf": "reward -inf is not finite"}
+
+
+def _fault_groups(engine, tok, on_error: str):
+    """One group per fault kind (a healthy episode beside the faulty one), one group whose ``init`` is malformed,
+    and one healthy group, all in flight at once on one engine; the groups by key, the runner's fault counts and
+    the episode counters."""
+    groups = {kind: [ScriptedEnv(), FaultAtTurn2Env(kind)] for kind in [*FAULT_OF, "init_not_messages"]}
+    groups["healthy"] = [ScriptedEnv(), ScriptedEnv()]
+    with EnvRunner(max_concurrency=16, step_timeout_s=DEADLINE_S, on_error=on_error) as runner:
+        eps = _episodes(engine, tok, runner)
+        for i, (key, envs) in enumerate(groups.items()):
+            eps.add_group(key, _prompt_ids(tok), SamplingSpec(n=2, max_tokens=200, temperature=1.0, seed=20 + i),
+                          envs)
+        got = {g.key: g for g in _run(eps, len(groups))}
+        eps.close()
+        faults = dict(runner.faults)
+    return got, faults, eps.counters
+
+
+@pytest.mark.slow  # 5-12 s each (the hung step's deadline is 3 s)
+@pytest.mark.parametrize("on_error", ["zero_reward", "drop"])
+def test_every_fault_kind_on_vllm(chat_model, engine, on_error):
+    """Each fault through the episode loop on vLLM: a raise, a step hung past ``env.step_timeout_s``, observations
+    that are not a list of messages or whose content is not a string, a NaN or infinite reward, and an ``init``
+    that returns no messages. ``zero_reward``: the faulty episode ends there with reward 0 for that turn and its
+    group is kept (the healthy episode beside it earns its 1 + 2 + 3); ``drop``: the group comes back dropped,
+    naming the fault. A failed ``init`` drops its group either way. No other group is touched, and every fault is
+    counted by kind."""
+    _, tok, _ = chat_model
+    t0 = time.monotonic()
+    got, faults, counters = _fault_groups(engine, tok, on_error)
+    assert time.monotonic() - t0 < HANG_S + 30  # the hung step was left behind at its deadline
+    assert faults == {"raised": 1, "timeout": 1, "malformed": 3, "nonfinite_reward": 2}, faults
+    assert got["init_not_messages"].dropped and "init messages must be a list" in got["init_not_messages"].detail
+    healthy = got["healthy"]
+    assert not healthy.dropped and [c.reward for c in healthy.completions] == [6.0, 6.0]
+    for kind, fault in FAULT_OF.items():
+        group = got[kind]
+        if on_error == "drop":
+            assert group.dropped and group.completions == [] and DETAIL_OF[kind] in group.detail, group.detail
+            continue
+        assert not group.dropped, (kind, group.detail)
+        good, bad = group.completions
+        assert good.reward == 6.0 and good.ended == "done"
+        assert bad.ended == fault and list(bad.turn_rewards) == [1.0, 0.0], (kind, bad.ended, bad.turn_rewards)
+        assert bad.env_runs.shape == (1, 2)  # the first reply only: a faulty reply is never appended
+    assert counters["dropped_groups"] == (1 if on_error == "zero_reward" else 1 + len(FAULT_OF))
+
+
+# ---------------------------------------------------------------------------------------------- tool calls on vLLM
+CALC = {"type": "function", "function": {"name": "calc", "parameters": {
+    "type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
+#: the model's scripted turns: a call that is not JSON, a call of a tool that does not exist, a good call, the answer
+TOOL_TURNS = ['<tool_call>{x</tool_call>', '<tool_call>{"name": "ask"}</tool_call>',
+              '<tool_call>{"name": "calc", "arguments": {"expr": "6*7"}}</tool_call>', "42"]
+
+
+class CalcEnv(TextEnv):
+    """The calculator of docs/environments.md: malformed or unknown calls are answered with an error observation
+    (the episode goes on), a good call with its result, a turn without a call is the final answer."""
+
+    tools = [CALC]
+
+    def step(self, action_text):
+        from asyncppo.envs.tools import error_observation, parse_tool_calls, tool_message
+
+        parsed = parse_tool_calls(action_text, known_tools={"calc"})
+        if parsed.errors:
+            return error_observation(parsed.errors), 0.0, False, {}
+        if parsed.calls:
+            a, b = parsed.calls[0].arguments["expr"].split("*")
+            return [tool_message(str(int(a) * int(b)))], 0.0, False, {}
+        return [], float(parsed.text.strip() == "42"), True, {}
+
+
+def _tool_script(tok):
+    """Prompt ids (rendered without the tools' long system text: the engine's context is 400 tokens), the
+    scripted sequence (the model's turns and the calculator's replies, appended as the loop appends them) and the
+    mask of the model's tokens."""
+    prompt = _prompt_ids(tok)
+    env, ids, model = CalcEnv(), list(prompt), [False] * len(prompt)
+    for text in TOOL_TURNS:
+        said = tok.encode(text + "<|im_end|>", add_special_tokens=False)
+        ids, model = ids + said, model + [True] * len(said)
+        observations, _, done, _ = env.step(text)
+        if not done:
+            reply = turn_ids(tok, observations, tools=CalcEnv.tools, model_stop_text="<|im_end|>")
+            ids, model = ids + reply, model + [False] * len(reply)
+    return prompt, ids, model
+
+
+def test_malformed_and_unknown_tool_calls_are_answered_and_counted_on_vllm(chat_model, engine):
+    """A model fitted to a scripted path writes a malformed call, a call of an unknown tool, a good call and the
+    answer: the first two are answered with error observations (environment tokens), counted as tool errors by the
+    worker's runner, and the episode goes on to its reward."""
+    from test_skyrl_gym import _fit  # the same fitting as skyrl-gym's scripted answers
+
+    from asyncppo.envs.episode_worker import CountingRunner
+
+    _, tok, old = chat_model
+    prompt, ids, model_mask = _tool_script(tok)
+    assert len(ids) < 400, len(ids)
+    fitted = tiny_chat_qwen2(tok)
+    fitted.load_state_dict(old.state_dict())
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        _fit(fitted, torch.tensor([ids]), torch.tensor([model_mask])[:, 1:])
+    finally:
+        torch.set_num_threads(threads)
+    engine.update_weights(fitted.eval().state_dict().items())
+    engine.set_weight_version(10)  # a new salt: no prefix cached under other weights is reused
+    try:
+        env = CalcEnv()
+        with CountingRunner(max_concurrency=2, step_timeout_s=30) as runner:
+            eps = _episodes(engine, tok, runner, response_length=400 - len(prompt), turn_max=64)
+            eps.add_group("tools", prompt, SamplingSpec(n=1, max_tokens=300, temperature=0.0), [env])
+            [group] = _run(eps, 1)
+            eps.close()
+    finally:
+        engine.update_weights(old.state_dict().items())
+        engine.set_weight_version(11)
+    c = group.completions[0]
+    assert [int(t) for t in c.token_ids] == ids[len(prompt):]  # the scripted path, replies included
+    assert c.ended == "done" and list(c.turn_rewards) == [0.0, 0.0, 0.0, 1.0] and len(c.env_runs) == 3
+    replies = [tok.decode([int(t) for t in c.token_ids[s: s + n]], skip_special_tokens=False) for s, n in c.env_runs]
+    assert "error: malformed tool call (not JSON" in replies[0] and "error: unknown tool 'ask'" in replies[1]
+    assert "42" in replies[2] and "error" not in replies[2]
+    assert dict(runner.tools.counts) == {"calls": 1, "malformed": 1, "unknown": 1}
+    assert sum(runner.faults.values()) == 0  # a bad tool call is the model's error, not the environment's

@@ -4,13 +4,16 @@ real vLLM engine (prefix caching), ZeroMQ stream, gloo weight sync and Ray.
 What it proves: the rollout worker runs episodes (several model turns with the environment's replies in between),
 the learner trains those records (environment tokens in the response, masked out of the loss), the per-token
 staleness bound holds across turns, the episode metrics reach metrics.jsonl and the console, the single-turn
-held-out evaluation still runs beside the episodes, and `asyncppo report` reads the run.
+held-out evaluation still runs beside the episodes while a SkyRL-format eval file is evaluated as episodes,
+environment faults of every kind are counted without losing a group, and `asyncppo report` reads the run.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,9 +37,11 @@ def _run(args: list, timeout: int) -> subprocess.CompletedProcess:
 
 
 def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
-    """The guess game, with groups whose hidden number is 0 broken by their environment (tests/episode_envs.py)
-    under ``env.on_error=drop``: those groups are dropped and their tickets given back, and the run still trains
-    every step within the bound."""
+    """The guess game with scripted faults by hidden number (tests/episode_envs.py: FaultyGuessEnv) under
+    ``env.on_error=zero_reward``: an ``init`` that raises drops its group (its ticket is given back); a step that
+    hangs past ``env.step_timeout_s``, a malformed observation and a NaN reward each end their episode with reward
+    0 and the group trains. Every kind is counted, no group is lost, and the run trains every step within the
+    bound. Beside it, SkyRL-format ``data.eval_files`` are evaluated as episodes (:func:`_eval_rows`)."""
     from vllm_required import require_vllm
 
     require_vllm()
@@ -47,8 +52,9 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
                  "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
                  "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
-                 "data.num_eval_prompts=16",
-                 "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=drop"], timeout=900)
+                 "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
+                 "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
+                 "env.max_concurrency=64"], timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if "reward/mean" in r]
@@ -62,9 +68,7 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     # test_episodes.py and the learner's unit tests check the mask token by token)
     assert all(0.3 < r["episodes/env_token_frac"] < 0.99 for r in train), [r["episodes/env_token_frac"] for r in train]
     assert all(r["response_length/mean"] <= 16 < r["response_length/max"] for r in train), train[-1]
-    # every fault dropped its group (one fault per dropped group: its other episodes end when the group goes)
-    faults = sum(r["episodes/env_faults"] for r in train)
-    assert faults >= 1 and sum(r["episodes/dropped_groups"] for r in train) >= 1, faults
+    _assert_faults_counted_and_no_group_lost(out_dir, train, steps)
     # (a random policy does emit <tool_call> tokens now and then: counted as tool errors, the run goes on)
     assert all(r["episodes/tool_errors"] >= 0 and r["episodes/env_s_per_step"] >= 0 for r in train)
     assert max(r["staleness/max"] for r in train) <= k
@@ -73,9 +77,49 @@ def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
     assert "turns " in proc.stdout and "envtok " in proc.stdout, proc.stdout[-3000:]
     summary = json.loads((out_dir / "summary.json").read_text())
     assert "eval_before" in summary and "eval_after" in summary, sorted(summary)
+    # the eval file's episodes: two free wins (1.0 each) and two games whose init raises (dropped: 0), greedy and
+    # sampled, at the first point and the last
+    for point in ("first", "last"):
+        scores = {k.rsplit("/", 1)[-1]: v for k, v in summary["eval_files"][point].items() if "eval_rows" in k}
+        assert scores["num_prompts"] == 4 and scores["accuracy_greedy"] == scores["accuracy_sampled"] == 0.5, scores
     report = _run(["report", str(out_dir)], timeout=300)
     assert report.returncode == 0, report.stdout[-2000:] + report.stderr[-3000:]
     assert_no_leftovers(TAG)
+
+
+def _eval_rows(tmp_path: Path) -> Path:
+    """A SkyRL-format eval file for FaultyGuessEnv: two rows that win at once and two whose ``init`` raises."""
+    rows = [{"prompt": [{"role": "user", "content": f"eval game {i}"}], "env_class": "guess", "target": target,
+             **({"free_win": True} if target else {})} for i, target in enumerate([5, 0, 7, 0])]
+    path = tmp_path / "eval_rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _assert_faults_counted_and_no_group_lost(out_dir: Path, train: list, steps: int) -> None:
+    """Every fault kind of FaultyGuessEnv is counted (step metrics and the worker's closing totals); only groups
+    whose ``init`` raised were dropped (four episodes, four raises each); every granted ticket was started, and
+    every started group was sent, dropped or still in flight when the run stopped."""
+    kinds = ("raised", "timeout", "malformed", "nonfinite_reward")
+    by_kind = {k: sum(r[f"episodes/env_faults_{k}"] for r in train) for k in kinds}
+    assert all(v >= 1 for v in by_kind.values()), by_kind
+    assert sum(r["episodes/env_faults"] for r in train) == sum(by_kind.values())
+    logs = "".join(p.read_text(errors="replace") for p in (out_dir / "logs").glob("*.log"))
+    tally = re.search(r"episode groups started (\d+), sent (\d+), dropped (\d+), in flight at stop (\d+), "
+                      r"abandoned by a learner restart 0, tickets not started (\d+); env faults (\{[^}]*\})", logs)
+    assert tally is not None, logs[-3000:]
+    started, sent, dropped, in_flight, not_started = map(int, tally.groups()[:5])
+    faults = ast.literal_eval(tally.group(6))
+    assert all(faults[k] >= by_kind[k] for k in kinds), (faults, by_kind)
+    assert started == sent + dropped + in_flight, tally.group(0)
+    assert dropped >= 1 and 4 * dropped <= faults["raised"], tally.group(0)  # init faults only: 4 raises a group
+    drops = re.findall(r"group \S+ dropped \((.*)\); its ticket is given back", logs)
+    assert len(drops) == dropped and all("init: RuntimeError" in d for d in drops), drops[:5]
+    assert sent >= 8 * steps  # every trained group was sent (and the learner trained 8 x steps of them)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    granted = sum(summary["admission"]["granted_by_worker"].values())
+    assert granted >= started + not_started, (granted, tally.group(0))  # a grant may still be on its way
+    assert summary["samples_trained"] == 8 * 4 * steps
 
 
 def test_skyrl_rows_launch_episodes_of_their_own_rows(tmp_path):

@@ -39,7 +39,8 @@ def test_episode_metrics_by_hand():
     g1 = TrajectoryGroup("a", 0, np.zeros(2, np.int32), [_sample(30, [(4, 10), (18, 8)], [0, 0, 1]),
                                                          _sample(10, None, [0.5])],
                          timings={"env_calls": 4.0, "env_s": 0.2, "tool_calls": 2.0, "tool_errors": 1.0,
-                                  "episodes_truncated": 1.0})
+                                  "episodes_truncated": 1.0, "env_faults": 3.0, "env_faults_timeout": 2.0,
+                                  "env_faults_raised": 1.0})
     g2 = TrajectoryGroup("b", 0, np.zeros(2, np.int32), [_sample(20, [(5, 6)], [0, 1])],
                          timings={"env_calls": 1.0, "env_s": 0.3})
     m = episode_metrics([g1, g2])
@@ -47,6 +48,8 @@ def test_episode_metrics_by_hand():
     assert m["episodes/env_token_frac"] == 24 / 60
     assert m["episodes/env_s_per_step"] == 0.5 / 5
     assert (m["episodes/tool_calls"], m["episodes/tool_errors"], m["episodes/truncated"]) == (2.0, 1.0, 1.0)
+    # faults in all and by kind, summed over the groups that carry them
+    assert (m["episodes/env_faults"], m["episodes/env_faults_timeout"], m["episodes/env_faults_raised"]) == (3, 2, 1)
     # single-turn groups add no episode metrics, and the step metrics carry them when there are episodes
     single = TrajectoryGroup("c", 0, np.zeros(2, np.int32), [_sample(5)])
     assert episode_metrics([single]) == {}

@@ -88,8 +88,53 @@ def test_launch_check_refuses_rows_a_run_cannot_draw(tmp_path):
     bad.write_text(json.dumps({"prompt": [{"role": "user"}]}) + "\n")  # a chat prompt without content
     base = ["env.text_env=asyncppo.envs.examples.GuessEnv", f"model.path={chat}"]
     check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]"]), str(chat))  # accepted
-    with pytest.raises(ValueError, match=r"data.eval_files=.*a.jsonl.*SkyRL-format rows are not evaluated"):
-        check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]", f"data.eval_files=[{skyrl}]"]),
+    # SkyRL-format eval files are evaluated as episodes (rollout/evaluation.py): accepted, and checked for rows
+    check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]", f"data.eval_files=[{skyrl}]"]),
+                          str(chat))
+    with pytest.raises(ValueError, match=r"no usable row in .*bad.jsonl"):
+        check_text_env_launch(load_config([*base, f"data.train_files=[{skyrl}]", f"data.eval_files=[{bad}]"]),
                               str(chat))
     with pytest.raises(ValueError, match=r"no usable row in .*bad.jsonl"):
         check_text_env_launch(load_config([*base, f"data.train_files=[{bad}]"]), str(chat))
+
+
+def test_skyrl_eval_files_are_evaluated_as_episodes_scored_by_their_environment(tmp_path):
+    """SkyRL-format ``data.eval_files`` of a text-environment run: an evaluation set of episodes; each row's groups
+    (one greedy, ``data.eval_samples`` sampled) start through the worker's ``start_episodes`` with the row itself;
+    an answer scores its episode's reward (the sum of its turn rewards) and a group a faulty environment dropped
+    scores 0 for each of its answers. The same rows without ``env.text_env`` are refused by name."""
+    import numpy as np
+
+    from asyncppo.config import load_config
+    from asyncppo.data.heldout import eval_file_sets
+    from asyncppo.envs.episodes import EpisodeCompletion, EpisodeGroup
+    from asyncppo.rollout.evaluation import EvalRunner
+
+    rows = _skyrl_rows(tmp_path / "held.jsonl", 2)
+    base = [f"data.eval_files=[{rows}]", "data.eval_samples=2", "rollout.max_num_seqs=64"]
+    with pytest.raises(ValueError, match=r"data.eval_files=.*held.jsonl.*set env.text_env"):
+        eval_file_sets(load_config(base), None, 0, 1)
+    cfg = load_config([*base, "env.text_env=asyncppo.envs.examples.GuessEnv"])
+    sets = eval_file_sets(cfg, None, 0, 1)
+    assert list(sets) == ["held.jsonl"] and sets["held.jsonl"].episodes and len(sets["held.jsonl"].dataset) == 2
+    runner = EvalRunner(cfg, sets, 0, decode=None, reward_fn=None, score=None, resumed=False)
+    started = []
+    runner.start_episodes = lambda key, row, spec: started.append((key, row, spec))
+    assert runner.on_version(0, loaded=True) is None
+    runner.admit(engine=None)  # episodes only: nothing goes to the engine directly
+    assert [(k.rsplit(":", 1)[-1], _truths([r])[0], s.n, s.temperature) for k, r, s in started] == [
+        ("g", 0, 1, 0.0), ("g", 1, 1, 0.0), ("s", 0, 2, 1.0), ("s", 1, 2, 1.0)]
+
+    def episode(*turn_rewards):
+        return EpisodeCompletion(token_ids=np.zeros(3, np.int32), logprobs=np.zeros(3, np.float32),
+                                 finish_reason="stop", turn_rewards=np.asarray(turn_rewards, np.float64))
+
+    finished = [EpisodeGroup(started[0][0], [episode(0.0, 0.75)]),  # row 0 greedy: 0.75
+                EpisodeGroup(started[1][0], [], dropped=True, detail="init raised"),  # row 1 greedy: 0
+                EpisodeGroup(started[2][0], [episode(1.0), episode(0.0, 0.0)]),  # row 0 sampled: 1, 0
+                EpisodeGroup(started[3][0], [episode(0.25), episode(0.5)])]  # row 1 sampled
+    reports = [runner.finished(g) for g in finished]
+    assert reports[:3] == [None, None, None] and not runner.active
+    scores = reports[3].files["held.jsonl"]
+    assert (scores.prompts, scores.sampled, scores.answers) == (2, 4, 6)
+    assert scores.metrics()["accuracy_greedy"] == 0.75 / 2 and scores.metrics()["accuracy_sampled"] == 1.75 / 4
