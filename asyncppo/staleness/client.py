@@ -54,7 +54,7 @@ class AdmissionClient:
         # wait for the socket to be writable within the deadline instead.
         if deadline is not None and not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
             return None
-        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req))
+        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req, count=1))
         while True:
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -82,12 +82,13 @@ class AdmissionClient:
         """Ask for ``count`` more tickets without waiting for them: the server parks each request until a ticket
         is free, and the grants arrive through :meth:`poll_granted`. Lets a worker keep its engine stepping
         while tickets are on their way (a round trip per ticket would stall every decode step)."""
-        if self.stopped:
+        count = max(0, int(count))
+        if self.stopped or not count:
             return
-        for _ in range(max(0, int(count))):
-            self._req += 1
-            self._open.add(self._req)
-            self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=self._req))
+        first = self._req + 1
+        self._req += count
+        self._open.update(range(first, first + count))
+        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=first, count=count))
 
     @property
     def open_requests(self) -> int:

@@ -126,14 +126,7 @@ class AdmissionServer:
                 self._reject(e)
                 continue
             if kind == "acquire":
-                mine = sum(1 for p in self._pending if p[0] == identity)
-                if len(self._pending) >= self.max_pending or mine >= self._peer_limit():
-                    self._count("pending_full", f"acquire from {identity!r}: {mine} pending from it, "
-                                                f"{len(self._pending)} in all")
-                    continue
-                self._pending.append((identity, f["worker_id"], f["req"]))
-                self.holding.seen(f["worker_id"])
-                self._asked.add(f["worker_id"])
+                self._park(identity, f["worker_id"], f["req"], f["count"])
             elif kind == "cancel":
                 self._pending = collections.deque(
                     p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
@@ -146,6 +139,24 @@ class AdmissionServer:
                         continue
                     self._forget_locked(f["index"])
                 self.controller.release(f["index"])
+
+    def _park(self, identity: bytes, worker: int, first: int, count: int) -> None:
+        """Park requests ``first .. first + count - 1`` of one connection, as far as ``max_pending`` and the
+        per-connection limit allow; the rest are refused and counted as ``pending_full`` (a well-behaved worker asks
+        for its free engine slots, far below both limits: only a flood reaches them)."""
+        if count < 1:
+            self._count("schema", f"acquire from {identity!r}: count {count} < 1")
+            return
+        mine = sum(1 for p in self._pending if p[0] == identity)
+        room = min(self.max_pending - len(self._pending), self._peer_limit() - mine)
+        if room < count:
+            self._count("pending_full", f"acquire of {count} from {identity!r}: {mine} pending from it, "
+                                        f"{len(self._pending)} in all")
+        for req in range(first, first + max(0, min(room, count))):
+            self._pending.append((identity, worker, req))
+        if room > 0:
+            self.holding.seen(worker)
+            self._asked.add(worker)
 
     def _peer_limit(self) -> int:
         return self.max_tickets_per_peer if self.max_tickets_per_peer is not None else self.max_pending

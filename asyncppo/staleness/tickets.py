@@ -8,7 +8,10 @@ types below; anything else is refused and counted.
 from __future__ import annotations
 
 REQUEST_SPEC = {
-    "acquire": {"worker_id": int, "req": int},
+    # ``count`` tickets, requests ``req`` .. ``req + count - 1``: a worker's whole demand in one message, so the
+    # fair rule sees it at once (asked one message at a time, a burst could arrive split, and a greedy worker
+    # already waiting took the free tickets before the rest of the newcomer's demand was read).
+    "acquire": {"worker_id": int, "req": int, "count": int},
     "cancel": {"worker_id": int, "req": int},
     "release": {"worker_id": int, "index": int},
 }

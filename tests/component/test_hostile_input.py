@@ -270,7 +270,7 @@ def test_a_thousand_malformed_messages_do_not_reach_a_batch_and_every_valid_grou
     assert not th.is_alive() and not failures, failures
     # the admission channel was hammered too: a request flood stays bounded and is counted
     for req in range(1, 201):
-        evil_adm.send(encode_message("acquire", worker_id=1, req=req))
+        evil_adm.send(encode_message("acquire", worker_id=1, req=req, count=1))
     wait_for(lambda: server.rejected["pending_full"] > 0, "the flood to be refused")
     assert server.num_pending <= 32
     for req in range(1, 201):
