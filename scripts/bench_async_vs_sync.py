@@ -12,10 +12,13 @@ Three runs of ``asyncppo launch`` on the same task, model, seed and number of tr
 The rollout worker and the learner are pinned to disjoint cores (``--rollout-cpus`` / ``--learner-cpus``), as
 disjoint GPU pools would be. For each mode it prints wall time, trained samples per second, engine occupancy,
 rollout / train busy fractions, push latency p50/p99, waste, response length mean/p99 and the reward reached, and
-the speed-up of each async mode over sync in learner time to the same number of trained samples.
+the speed-up of each async mode over sync in learner time to the same number of trained samples, and the
+pipeline's limit beside it: the engine alone and the learner alone on the same samples, each on its own cores
+(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode.
 
     python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
     python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
+    python scripts/bench_async_vs_sync.py --no-limit ...                     # the three launches only
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipeline_limit import measure_limit  # noqa: E402  (scripts/: the engine alone and the learner alone)
 
 MODES = {
     "sync": ["rollout.max_staleness=0", "rollout.generation=batch", "rollout.inflight_update=off"],
@@ -121,6 +127,8 @@ def main() -> None:
     p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner")
     p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
+    p.add_argument("--no-limit", dest="limit", action="store_false",
+                   help="skip the engine-alone and learner-alone runs (the limit and efficiency rows)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -129,6 +137,8 @@ def main() -> None:
         raise SystemExit(f"unknown modes {unknown}; allowed: {list(MODES)}")
     root = tempfile.mkdtemp(prefix="asyncppo-bench-")
     results = [run_once(m, args, root) for m in modes]
+    limit = (measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus, args.learner_cpus,
+                           os.path.join(root, "limit"))[0] if args.limit else None)
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
@@ -139,12 +149,31 @@ def main() -> None:
             cells = [fmt.format(r[key]) if isinstance(r[key], (int, float)) else str(r[key]) for r in results]
         print(f"| {name} | " + " | ".join(cells) + " |")
     base = next((r for r in results if r["label"] == "sync"), None)
+    if limit is not None:
+        print_limit(limit, results, base)
     if base is not None:
         for r in results:
             if r is not base:
                 print(f"speed-up of {r['label']} over sync in learner time to {base['samples']} samples: "
                       f"{base['train_s'] / r['train_s']:.2f}x (whole launch {base['wall_s'] / r['wall_s']:.2f}x)")
     save_results(results, root)
+
+
+def print_limit(limit, results: list, base) -> None:
+    """The limit's rows: the same for every mode, then each mode's efficiency and speed-up over sync beside it."""
+    def row(name: str, cells: list) -> None:
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("engine alone, slots kept full (s) / its occupancy",
+        [f"{limit.engine_s:.1f} / {limit.engine_occupancy:.2f}"] * len(results))
+    row("learner alone (s)", [f"{limit.learner_s:.1f}"] * len(results))
+    row(f"limit (s): the {limit.slower_side} alone", [f"{limit.limit_s:.1f}"] * len(results))
+    row("efficiency = limit / learner time", [f"{limit.efficiency(r['train_s']):.2f}" for r in results])
+    if base is not None:
+        row("speed-up over sync (learner time)", [f"{base['train_s'] / r['train_s']:.2f}x" for r in results])
+    for r in results:
+        r["limit"] = limit.as_dict()
+        r["efficiency"] = limit.efficiency(r["train_s"])
 
 
 def save_results(results: list, root: str) -> None:
