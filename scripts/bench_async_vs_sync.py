@@ -55,9 +55,10 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
     print(f"[bench] {label}: {' '.join(cmd[3:])}", flush=True)
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    load = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # the box's 1-minute load: others' work slows a run
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
         raise SystemExit(f"[bench] {label} failed with exit code {proc.returncode}")
@@ -75,7 +76,10 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     return {
         "label": label,
         "wall_s": wall,
+        "load": load,
         "train_s": train_s,
+        "update_s": sum(r.get("time/update_s", 0.0) for r in train),  # the PPO update itself
+        "wait_s": sum(r.get("time/wait_s", 0.0) for r in train),  # waiting for the batch's groups
         "samples": train[-1]["samples_trained"],
         "samples_per_s": train[-1]["samples_trained"] / train_s,
         "occupancy": ro.get("occupancy", float("nan")),
@@ -99,8 +103,11 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
 
 ROWS = [
     ("learner time to the same samples (s)", "train_s", "{:.1f}"),
+    ("  of which the update (s)", "update_s", "{:.1f}"),
+    ("  of which waiting for groups (s)", "wait_s", "{:.1f}"),
     ("wall time, whole launch (s)", "wall_s", "{:.1f}"),
     ("trained samples", "samples", "{:d}"),
+    ("load average at start / end (2 cores)", "load", "{}"),
     ("trained samples / s", "samples_per_s", "{:.1f}"),
     ("engine occupancy", "occupancy", "{:.2f}"),
     ("rollout busy", "rollout_busy", "{:.2f}"),

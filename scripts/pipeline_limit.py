@@ -81,7 +81,7 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     sides = {}
     for side in SIDES:
         print(f"[limit] {side} alone: {' '.join(overrides)}", flush=True)
-        t0 = time.perf_counter()
+        t0, load_before = time.perf_counter(), os.getloadavg()[0]
         proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root,
                                "--steps", str(steps), *overrides], capture_output=True, text=True, env=env)
         if proc.returncode != 0:
@@ -89,6 +89,7 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
             raise SystemExit(f"[limit] the {side} alone failed with exit code {proc.returncode}")
         with open(os.path.join(root, f"{side}.json")) as f:
             sides[side] = json.load(f)
+        sides[side]["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # 1-minute load at start / end
         print(f"[limit] {side} alone: {json.dumps(sides[side])} ({time.perf_counter() - t0:.0f}s with start-up)",
               flush=True)
     engine, learner = sides["engine"], sides["learner"]
