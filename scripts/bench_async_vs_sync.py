@@ -38,6 +38,9 @@ MODES = {
     "sync": ["rollout.max_staleness=0", "rollout.generation=batch", "rollout.inflight_update=off"],
     "async-batch": ["rollout.max_staleness={k}", "rollout.generation=batch", "rollout.inflight_update=off"],
     "async-cont": ["rollout.max_staleness={k}", "rollout.generation=continuous", "rollout.inflight_update=keep"],
+    # async-cont, with a push skipped while the previous one is still loading (learner/loop.py: _may_coalesce)
+    "async-cont-coalesce": ["rollout.max_staleness={k}", "rollout.generation=continuous",
+                            "rollout.inflight_update=keep", "rollout.coalesce_pushes=true"],
 }
 
 

@@ -53,3 +53,26 @@ def test_group_file_round_trip_is_exact_and_a_truncated_file_names_the_offset(tm
     open(path, "wb").write(data[:-5])
     with pytest.raises(ValueError, match=r"groups\.bin: frame at byte \d+ needs"):
         read_groups(path)
+
+
+def test_learner_alone_trains_whole_batches_in_ticket_order_and_refuses_too_few_groups(tmp_path, monkeypatch):
+    from test_learner import _cfg, _groups
+
+    from asyncppo.data.tiny import build_tiny_model
+    from asyncppo.learner import learner_alone
+
+    model_dir = build_tiny_model(str(tmp_path / "tiny"), hidden=32, heads=1, intermediate=64, seed=3)
+    cfg = _cfg()  # the schema's defaults with the derived clip ratios filled in
+    cfg.rollout.rollout_batch_size = 2
+    groups = _groups(num_groups=7, n=4)
+    for group, ticket in zip(groups, [5, 2, 0, 6, 3, 1, 4]):  # as they arrived: out of ticket order
+        group.ticket = ticket
+    taken, collate = [], learner_alone.collate_groups
+    monkeypatch.setattr(learner_alone, "collate_groups", lambda gs, pad: taken.append([g.ticket for g in gs])
+                        or collate(gs, pad))
+    out = learner_alone.train_alone(cfg, model_dir, groups)
+    assert taken == [[0, 1], [2, 3], [4, 5]]  # the staleness buffer's order; ticket 6 fills no batch
+    assert (out["steps"], out["samples"], len(out["step_s"])) == (3, 24, 3)
+    assert out["learner_s"] == pytest.approx(sum(out["step_s"])) and min(out["step_s"]) > 0
+    with pytest.raises(ValueError, match="7 groups cannot fill 4 batches of rollout.rollout_batch_size=2"):
+        learner_alone.train_alone(cfg, model_dir, groups, steps=4)
