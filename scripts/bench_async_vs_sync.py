@@ -146,9 +146,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; allowed: {list(MODES)}")
     root = tempfile.mkdtemp(prefix="asyncppo-bench-")
+    limits = []
+    if args.limit:  # before and after the launches: on a shared box the load drifts, and the spread shows it
+        limits.append(measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus,
+                                    args.learner_cpus, os.path.join(root, "limit-before"))[0])
     results = [run_once(m, args, root) for m in modes]
-    limit = (measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus, args.learner_cpus,
-                           os.path.join(root, "limit"))[0] if args.limit else None)
+    if args.limit:
+        limits.append(measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus,
+                                    args.learner_cpus, os.path.join(root, "limit-after"))[0])
+    limit = mean_limit(limits) if limits else None
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
@@ -169,12 +175,26 @@ def main() -> None:
     save_results(results, root)
 
 
+def mean_limit(limits: list):
+    """Each side's mean over the measurements (the limit is then the slower mean side)."""
+    from asyncppo.report.limit import PipelineLimit
+
+    def avg(key):
+        return sum(getattr(m, key) for m in limits) / len(limits)
+
+    for m in limits:
+        print(f"[limit] engine alone {m.engine_s:.1f} s (occupancy {m.engine_occupancy:.2f}), "
+              f"learner alone {m.learner_s:.1f} s", flush=True)
+    return PipelineLimit(engine_s=avg("engine_s"), learner_s=avg("learner_s"), samples=limits[0].samples,
+                         engine_occupancy=avg("engine_occupancy"))
+
+
 def print_limit(limit, results: list, base) -> None:
     """The limit's rows: the same for every mode, then each mode's efficiency and speed-up over sync beside it."""
     def row(name: str, cells: list) -> None:
         print(f"| {name} | " + " | ".join(cells) + " |")
 
-    row("engine alone, slots kept full (s) / its occupancy",
+    row("engine alone, slots kept full (s) / its occupancy; mean of before and after",
         [f"{limit.engine_s:.1f} / {limit.engine_occupancy:.2f}"] * len(results))
     row("learner alone (s)", [f"{limit.learner_s:.1f}"] * len(results))
     row(f"limit (s): the {limit.slower_side} alone", [f"{limit.limit_s:.1f}"] * len(results))
