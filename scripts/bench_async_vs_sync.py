@@ -12,10 +12,13 @@ Three runs of ``asyncppo launch`` on the same task, model, seed and number of tr
 The rollout worker and the learner are pinned to disjoint cores (``--rollout-cpus`` / ``--learner-cpus``), as
 disjoint GPU pools would be. For each mode it prints wall time, trained samples per second, engine occupancy,
 rollout / train busy fractions, push latency p50/p99, waste, response length mean/p99 and the reward reached, and
-the speed-up of each async mode over sync in learner time to the same number of trained samples.
+the speed-up of each async mode over sync in learner time to the same number of trained samples, and the
+pipeline's limit beside it: the engine alone and the learner alone on the same samples, each on its own cores
+(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode.
 
     python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
     python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
+    python scripts/bench_async_vs_sync.py --no-limit ...                     # the three launches only
 """
 
 from __future__ import annotations
@@ -28,10 +31,16 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from pipeline_limit import measure_limit  # noqa: E402  (scripts/: the engine alone and the learner alone)
+
 MODES = {
     "sync": ["rollout.max_staleness=0", "rollout.generation=batch", "rollout.inflight_update=off"],
     "async-batch": ["rollout.max_staleness={k}", "rollout.generation=batch", "rollout.inflight_update=off"],
     "async-cont": ["rollout.max_staleness={k}", "rollout.generation=continuous", "rollout.inflight_update=keep"],
+    # async-cont, with a push skipped while the previous one is still loading (learner/loop.py: _may_coalesce)
+    "async-cont-coalesce": ["rollout.max_staleness={k}", "rollout.generation=continuous",
+                            "rollout.inflight_update=keep", "rollout.coalesce_pushes=true"],
 }
 
 
@@ -49,9 +58,10 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
     print(f"[bench] {label}: {' '.join(cmd[3:])}", flush=True)
-    t0 = time.perf_counter()
+    t0, load_before = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    load = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # the box's 1-minute load: others' work slows a run
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
         raise SystemExit(f"[bench] {label} failed with exit code {proc.returncode}")
@@ -69,7 +79,10 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     return {
         "label": label,
         "wall_s": wall,
+        "load": load,
         "train_s": train_s,
+        "update_s": sum(r.get("time/update_s", 0.0) for r in train),  # the PPO update itself
+        "wait_s": sum(r.get("time/wait_s", 0.0) for r in train),  # waiting for the batch's groups
         "samples": train[-1]["samples_trained"],
         "samples_per_s": train[-1]["samples_trained"] / train_s,
         "occupancy": ro.get("occupancy", float("nan")),
@@ -93,8 +106,11 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
 
 ROWS = [
     ("learner time to the same samples (s)", "train_s", "{:.1f}"),
+    ("  of which the update (s)", "update_s", "{:.1f}"),
+    ("  of which waiting for groups (s)", "wait_s", "{:.1f}"),
     ("wall time, whole launch (s)", "wall_s", "{:.1f}"),
     ("trained samples", "samples", "{:d}"),
+    ("load average at start / end (2 cores)", "load", "{}"),
     ("trained samples / s", "samples_per_s", "{:.1f}"),
     ("engine occupancy", "occupancy", "{:.2f}"),
     ("rollout busy", "rollout_busy", "{:.2f}"),
@@ -121,6 +137,8 @@ def main() -> None:
     p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner")
     p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
+    p.add_argument("--no-limit", dest="limit", action="store_false",
+                   help="skip the engine-alone and learner-alone runs (the limit and efficiency rows)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
@@ -128,7 +146,15 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; allowed: {list(MODES)}")
     root = tempfile.mkdtemp(prefix="asyncppo-bench-")
+    limits = []
+    if args.limit:  # before and after the launches: on a shared box the load drifts, and the spread shows it
+        limits.append(measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus,
+                                    args.learner_cpus, os.path.join(root, "limit-before"))[0])
     results = [run_once(m, args, root) for m in modes]
+    if args.limit:
+        limits.append(measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus,
+                                    args.learner_cpus, os.path.join(root, "limit-after"))[0])
+    limit = mean_limit(limits) if limits else None
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
@@ -139,12 +165,45 @@ def main() -> None:
             cells = [fmt.format(r[key]) if isinstance(r[key], (int, float)) else str(r[key]) for r in results]
         print(f"| {name} | " + " | ".join(cells) + " |")
     base = next((r for r in results if r["label"] == "sync"), None)
+    if limit is not None:
+        print_limit(limit, results, base)
     if base is not None:
         for r in results:
             if r is not base:
                 print(f"speed-up of {r['label']} over sync in learner time to {base['samples']} samples: "
                       f"{base['train_s'] / r['train_s']:.2f}x (whole launch {base['wall_s'] / r['wall_s']:.2f}x)")
     save_results(results, root)
+
+
+def mean_limit(limits: list):
+    """Each side's mean over the measurements (the limit is then the slower mean side)."""
+    from asyncppo.report.limit import PipelineLimit
+
+    def avg(key):
+        return sum(getattr(m, key) for m in limits) / len(limits)
+
+    for m in limits:
+        print(f"[limit] engine alone {m.engine_s:.1f} s (occupancy {m.engine_occupancy:.2f}), "
+              f"learner alone {m.learner_s:.1f} s", flush=True)
+    return PipelineLimit(engine_s=avg("engine_s"), learner_s=avg("learner_s"), samples=limits[0].samples,
+                         engine_occupancy=avg("engine_occupancy"))
+
+
+def print_limit(limit, results: list, base) -> None:
+    """The limit's rows: the same for every mode, then each mode's efficiency and speed-up over sync beside it."""
+    def row(name: str, cells: list) -> None:
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+    row("engine alone, slots kept full (s) / its occupancy; mean of before and after",
+        [f"{limit.engine_s:.1f} / {limit.engine_occupancy:.2f}"] * len(results))
+    row("learner alone (s)", [f"{limit.learner_s:.1f}"] * len(results))
+    row(f"limit (s): the {limit.slower_side} alone", [f"{limit.limit_s:.1f}"] * len(results))
+    row("efficiency = limit / learner time", [f"{limit.efficiency(r['train_s']):.2f}" for r in results])
+    if base is not None:
+        row("speed-up over sync (learner time)", [f"{base['train_s'] / r['train_s']:.2f}x" for r in results])
+    for r in results:
+        r["limit"] = limit.as_dict()
+        r["efficiency"] = limit.efficiency(r["train_s"])
 
 
 def save_results(results: list, root: str) -> None:

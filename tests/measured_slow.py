@@ -13,6 +13,12 @@ MEASURED_SLOW: dict[str, frozenset[str]] = {
     "test_episodes.py": frozenset({
         "test_sleeping_environment_does_not_stall_other_groups",  # 6.2 s: its environment sleeps 3 x 2 s on purpose
     }),
+    "test_engine_alone.py": frozenset({
+        "test_keep_full_decodes_every_slot_at_every_step_until_the_prompts_run_out",  # 8.2 s: 600 sequences (load ~6)
+    }),
+    "test_pipeline_limit.py": frozenset({
+        "test_learner_alone_trains_whole_batches_in_ticket_order_and_refuses_too_few_groups",  # 12.6 s (load ~5)
+    }),
     "test_skyrl_gym.py": frozenset({
         "test_gsm8k_multi_turn_on_the_vllm_engine",  # 18.9 s: starts its own vLLM engine (load ~7)
     }),

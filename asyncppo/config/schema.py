@@ -131,6 +131,9 @@ class RolloutConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_staleness: int = 1
     sync_every: int = 1
+    # skip a due push while the previous one is still being taken, if the weights already pushed serve the next
+    # batch (pushed >= version - max_staleness); the newest weights go out once it is done (docs/staleness.md)
+    coalesce_pushes: bool = False
     dtype: str = "float32"  # engine weights: float32 | bfloat16 | float16
     gpu_memory_utilization: float = 0.5
     kv_cache_gib: float = 1.0  # CPU engines: VLLM_CPU_KVCACHE_SPACE

@@ -92,6 +92,8 @@ class LearnerLoop:
         self.rank, self.world_size = rank, world_size
         self.version = 0  # the policy version: the learner's step counter (a resume sets it first)
         self.pushed_version = 0  # the newest version announced as weights (the stop message repeats it)
+        self.pushes_coalesced = 0  # due pushes skipped under rollout.coalesce_pushes (_may_coalesce)
+        self._push_owed = False  # a push was skipped: the next step pushes, whatever the sync_every cadence
         self._feeder: Optional[Feeder] = None
         self._logger = None
         self._joined = False  # the weight push may still be running: the shutdown waits for it
@@ -203,7 +205,12 @@ class LearnerLoop:
                        else batch_token_lag_stats(self.version, batch.token_versions, batch.response_mask))
         self.version += 1
         last = step == self.cfg.trainer.total_steps
-        if self._push_due(wiring, last):
+        due = self._push_due(wiring, last)
+        if due and self._may_coalesce(wiring, last):
+            self.pushes_coalesced += 1
+            self._push_owed = True
+        elif due:
+            self._push_owed = False
             self._finish_push(wiring)
             wiring.control.publish(version=self.version, weights_version=self.version)
             work.push(self.version)
@@ -214,6 +221,8 @@ class LearnerLoop:
         wiring.control.publish(version=self.version, weights_version=self.pushed_version)
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
         metrics.update(self.run_metrics)
+        if self.cfg.rollout.coalesce_pushes:
+            metrics["sync/pushes_coalesced"] = self.pushes_coalesced
         return metrics
 
     def push_deadline(self) -> float:
@@ -231,7 +240,18 @@ class LearnerLoop:
         with the final weights); and after a streamed push that a late-joining worker missed."""
         if last:
             return self._engine_eval is not None
-        return self.version % self.cfg.rollout.sync_every == 0 or (self.workload.streamed and wiring.fanout.behind())
+        return (self.version % self.cfg.rollout.sync_every == 0 or self._push_owed
+                or (self.workload.streamed and wiring.fanout.behind()))
+
+    def _may_coalesce(self, wiring, last: bool) -> bool:
+        """``rollout.coalesce_pushes``: skip a due push while the previous one is still being taken (the engines are
+        slower to load than the learner is to step), but only while the weights already pushed serve every ticket
+        of the next batch: that batch (version ``v``) holds tickets of ``min_version = v - max_staleness``, so a
+        skip needs ``pushed_version >= v - max_staleness`` (never under ``max_staleness=0``). Otherwise, and at the
+        last step, the push waits for the previous one as usual (its deadline retires a late worker)."""
+        ro = self.cfg.rollout
+        return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - ro.max_staleness
+                and wiring.fanout.pushing())
 
     def _take(self, buffer, n: int) -> list:
         """Block until ``n`` fresh records are in; fail loudly if the workers stop producing."""

@@ -8,6 +8,8 @@ transformers - only when an engine of its kind is built.
 
 from __future__ import annotations
 
+from asyncppo.config.devices import engines_on_gpu
+
 from .engine import RolloutEngine
 from .hf_engine import HFEngine
 from .vllm_engine import VLLMEngine
@@ -37,3 +39,19 @@ def make_engine(
     if kind == "hf":
         return HFEngine(model_path, dtype=dtype, max_model_len=max_model_len, seed=seed, device=device, **opts)
     raise ValueError(f"unknown engine kind {kind!r}; allowed: {list(ENGINE_KINDS)}")
+
+
+def worker_engine(cfg, model_path: str, worker_id: int, **extra) -> RolloutEngine:
+    """The engine rollout worker ``worker_id`` runs, from the run's config: one place, so that a measurement of the
+    engine alone (rollout/engine_alone.py) runs exactly the engine a launch runs. ``extra``: backend options a
+    worker subclass adds (e.g. prefix caching for multi-turn episodes)."""
+    ro = cfg.rollout
+    return make_engine(
+        ro.engine, model_path, dtype=ro.dtype, max_model_len=ro.prompt_length + ro.response_length,
+        seed=cfg.trainer.seed + 1000 * (worker_id + 1),
+        device="cuda" if engines_on_gpu(cfg) else "cpu", kv_cache_gib=ro.kv_cache_gib,
+        enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
+        num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
+        **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
+        **extra,
+    )

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from asyncppo.data.rewards import score_safely
-from asyncppo.rollout.engine import FinishedGroup
+from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
 from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
 
 log = logging.getLogger("asyncppo.rollout")
@@ -30,6 +30,16 @@ class InFlight:
     ticket: Any  # the admission ticket
     admitted_at: float  # unix time
     version: int  # the engine's weight version when admitted
+
+
+def group_spec(cfg, worker_id: int, seq: int) -> SamplingSpec:
+    """What worker ``worker_id`` asks of its engine for draw ``seq``: ``n`` samples, seeds distinct for every sample
+    of the run and every worker (vLLM seeds sample j with seed + j), so a draw sampled again samples alike."""
+    ro, s = cfg.rollout, cfg.rollout.sampling
+    n = ro.num_return_sequences_in_group
+    seed = None if s.seed is None else s.seed + 1_000_003 * worker_id + seq * n
+    return SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
+                        top_k=s.top_k, seed=seed)
 
 
 class GroupBuilder:

@@ -27,14 +27,13 @@ import time
 from dataclasses import dataclass, field
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.config.devices import engines_on_gpu
 from asyncppo.data.datasets import build_prompt_dataset
 from asyncppo.data.position import group_key, resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.rollout.engine import SamplingSpec
-from asyncppo.rollout.engines import make_engine
+from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.evaluation import build_eval_runner
-from asyncppo.rollout.groups import GroupBuilder, InFlight
+from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.stream.evals import EvalSender
@@ -110,15 +109,7 @@ class RolloutWorker(WorkerSkeleton):
         from transformers import AutoTokenizer  # heavy: transformers
 
         cfg, ro = self.cfg, self.cfg.rollout
-        self.engine = make_engine(
-            ro.engine, self.model_path, dtype=ro.dtype, max_model_len=ro.prompt_length + ro.response_length,
-            seed=cfg.trainer.seed + 1000 * (self.worker_id + 1),
-            device="cuda" if engines_on_gpu(cfg) else "cpu", kv_cache_gib=ro.kv_cache_gib,
-            enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
-            num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
-            **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
-            **self._engine_opts(),
-        )
+        self.engine = worker_engine(cfg, self.model_path, self.worker_id, **self._engine_opts())
         self.model_engine = self.engine  # what weights load into and evaluation runs on (a subclass may wrap engine)
         self._closables.append(self.engine)
         # LoRA: pushes carry adapters, merged onto this engine's base weights (sync/adapter.py)
@@ -246,17 +237,11 @@ class RolloutWorker(WorkerSkeleton):
             self._add_group(self._pending.popleft())
 
     def _add_group(self, ticket) -> None:
-        ro, s = self.cfg.rollout, self.cfg.rollout.sampling
-        n = ro.num_return_sequences_in_group
         # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a
         # replacement or a resumed run that draws it again samples it alike
         self._seq, row = next(self._prompts)
         key = group_key(self.worker_id, self.incarnation, self._seq)
-        # distinct seeds for every sample of the run and every worker (vLLM seeds sample j with seed + j)
-        seed = None if s.seed is None else s.seed + 1_000_003 * self.worker_id + self._seq * n
-        spec = SamplingSpec(n=n, max_tokens=ro.response_length, temperature=s.temperature, top_p=s.top_p,
-                            top_k=s.top_k, seed=seed)
-        self._start_group(key, row, spec)
+        self._start_group(key, row, group_spec(self.cfg, self.worker_id, self._seq))
         self._in_flight[key] = InFlight(row=row, ticket=ticket, admitted_at=time.time(), version=self.version)
 
     def _start_group(self, key: str, row, spec: SamplingSpec) -> None:

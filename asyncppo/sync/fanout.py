@@ -281,6 +281,11 @@ class WeightFanout:
             return sorted(w for w, m in self._members.items()
                           if m.state == "ready" and m.last_version < v and not m.queue.unfinished_tasks)
 
+    def pushing(self) -> bool:
+        """Some live member has a push it has not finished taking (non-blocking; what coalescing asks)."""
+        with self._lock:
+            return any(m.state == "ready" and m.queue.unfinished_tasks for m in self._members.values())
+
     def wait(self, timeout_s: Optional[float] = None) -> None:
         """Wait until every live member took every queued push. A member whose push failed at once (it died) is
         retired, not raised (module docstring); one that did not take a push within ``timeout_s`` (default: the

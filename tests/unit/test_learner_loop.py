@@ -66,8 +66,9 @@ class _Workload:
         return TimeoutError(f"late at version {version} ({got}/{n})")
 
 
-def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0):
-    cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every),
+def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0, max_staleness=1, coalesce_pushes=False):
+    cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every,
+                                                  max_staleness=max_staleness, coalesce_pushes=coalesce_pushes),
                           trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s, hang_timeout_s=None,
                                                                    push_timeout_s=None))
     loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
@@ -108,3 +109,70 @@ def test_no_records_within_the_timeout_raises_the_workloads_error():
     loop, wiring = _loop(_Workload(), timeout_s=0.0)
     with pytest.raises(TimeoutError, match="late at version 0"):
         loop._take(_Buffer(deliver=False), 2)
+
+
+class _SlowFanout:
+    """Pushes that the engines take ``durations[i]`` learner steps to load (0: done before the next step)."""
+
+    def __init__(self, durations):
+        self.durations, self.done_at, self.step = list(durations), [], 0
+
+    def start(self):
+        self.done_at.append(self.step + self.durations[len(self.done_at) % len(self.durations)])
+
+    def pushing(self):
+        return any(t > self.step for t in self.done_at)
+
+    def retire_late(self, deadline_s):  # the learner waits until every queued push is taken
+        self.step = max([self.step, *self.done_at])
+        return []
+
+    def behind(self):
+        return False
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_coalesced_pushes_always_leave_the_next_batch_servable_and_go_out_in_order(seed):
+    """Whatever the load times: at every take at version v, weights >= v - k were pushed (so every ticket of the
+    batch can be generated: no wait on weights the learner holds back); pushes go out in increasing order; k = 0
+    never skips; a skipped push goes out at the first step its predecessor is done."""
+    import random
+
+    rng = random.Random(seed)
+    k, steps = rng.choice([0, 1, 2, 4]), 30
+    work = _Workload()
+    fanout = _SlowFanout([rng.choice([0, 0, 1, 2, 5]) for _ in range(7)])
+    loop, wiring = _loop(work, sync_every=1, total_steps=steps, max_staleness=k, coalesce_pushes=True)
+    wiring.fanout = fanout
+    pushes = work.push
+    work.push = lambda version: (fanout.start(), pushes(version))
+
+    class _Checked(_Buffer):
+        def take(self, n, version, timeout_s):
+            assert loop.pushed_version >= version - k, (version, loop.pushed_version, k)
+            return super().take(n, version, timeout_s)
+
+    for step in range(1, steps + 1):
+        fanout.step = step
+        free = not fanout.pushing()
+        owed = loop._push_owed
+        loop._train_step(step, wiring, _Checked())
+        if owed and free and step < steps:
+            assert work.pushed[-1] == loop.version  # the owed push went out as soon as the previous was done
+    assert work.pushed == sorted(set(work.pushed)) and len(work.pushed) + loop.pushes_coalesced == steps - 1
+    if k == 0:
+        assert loop.pushes_coalesced == 0 and work.pushed == list(range(1, steps))
+
+
+def test_coalescing_skips_while_a_push_is_in_flight_and_the_bound_allows():
+    work = _Workload()
+    fanout = _SlowFanout([10])  # the first push takes 10 steps to load
+    loop, wiring = _loop(work, sync_every=1, total_steps=8, max_staleness=2, coalesce_pushes=True)
+    wiring.fanout = fanout
+    pushes = work.push
+    work.push = lambda version: (fanout.start(), pushes(version))
+    for step in range(1, 9):
+        fanout.step = step
+        loop._train_step(step, wiring, _Buffer())
+    # v1 pushed; v2, v3 skipped (pushed 1 >= v - 2); v4 must go out (1 < 4 - 2): the learner waits for v1, pushes v4
+    assert work.pushed[:2] == [1, 4] and loop.pushes_coalesced >= 2

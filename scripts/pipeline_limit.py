@@ -1,0 +1,119 @@
+#!/usr/bin/env python
+"""The pipeline's limit: the engine alone, then the learner alone, each pinned to its own cores, on the same samples.
+
+    python scripts/pipeline_limit.py --steps 80 data=reverse algorithm=grpo rollout.rollout_batch_size=4
+
+1. engine alone (``--rollout-cpus``): the run's engine generates ``steps x rollout_batch_size`` groups with its
+   ``max_num_seqs`` slots kept full (asyncppo/rollout/engine_alone.py); the groups are written to a file;
+2. learner alone (``--learner-cpus``): the run's learner trains ``steps`` updates on exactly those groups, in ticket
+   order (asyncppo/learner/learner_alone.py).
+
+Each side runs in its own process, one after the other, with the pinning and torch threads a launch gives it
+(launch/actors.py), and its start-up (engine load, model build) is left out of its time. ``limit = max(engine,
+learner)``; scripts/bench_async_vs_sync.py calls :func:`measure_limit` and puts ``limit / async time`` beside the
+speed-up over sync. Why this is the limit: asyncppo/report/limit.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+SIDES = ("engine", "learner")
+
+
+def _config(overrides: list[str], steps: int):
+    from asyncppo.config import load_config
+    from asyncppo.data.tiny import resolve_model_path  # heavy: torch, transformers (builds the built-in model)
+
+    cfg = load_config([*overrides, f"trainer.total_steps={steps}"])
+    return cfg, resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+
+
+def run_side(side: str, root: str, steps: int, overrides: list[str]) -> dict:
+    """One side in this process (already pinned by the caller's environment); writes ``root/<side>.json``."""
+    from omegaconf import OmegaConf
+
+    from asyncppo.launch.actors import pin_cpus, set_learner_threads  # heavy: ray (the launch's own pinning)
+    from asyncppo.stream.group_file import read_groups, write_groups
+
+    cfg, model_path = _config(overrides, steps)
+    groups_file = os.path.join(root, "groups.bin")
+    if side == "engine":
+        import torch
+
+        from asyncppo.rollout.engine_alone import generate_alone
+
+        pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
+        torch.set_num_threads(1)
+        run, stats = generate_alone(cfg, model_path, steps * cfg.rollout.rollout_batch_size)
+        write_groups(groups_file, run.finished)
+        lengths = [s.num_tokens for g in run.finished for s in g.samples]
+        out = {"engine_s": run.wall_s, "step_s": run.step_s, "decode_steps": run.steps,
+               "occupancy": run.occupancy, "samples": len(lengths), "gen_tokens": sum(lengths),
+               "reward_mean": sum(s.reward for g in run.finished for s in g.samples) / max(len(lengths), 1),
+               "reward_failures": stats["reward_failures"]}
+    else:
+        from asyncppo.learner.learner_alone import train_alone
+
+        pin_cpus("ASYNCPPO_LEARNER_CPUS")
+        set_learner_threads(OmegaConf.to_container(OmegaConf.structured(cfg)))
+        result = train_alone(cfg, model_path, read_groups(groups_file), steps)
+        out = {k: result[k] for k in ("learner_s", "steps", "samples")}
+        out["step_s_mean"] = result["learner_s"] / result["steps"]
+    with open(os.path.join(root, f"{side}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    return out
+
+
+def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str):
+    """Both sides, one after the other, each in its own pinned process; the :class:`PipelineLimit` and the two
+    sides' records."""
+    from asyncppo.report.limit import PipelineLimit
+
+    os.makedirs(root, exist_ok=True)
+    env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
+    sides = {}
+    for side in SIDES:
+        print(f"[limit] {side} alone: {' '.join(overrides)}", flush=True)
+        t0, load_before = time.perf_counter(), os.getloadavg()[0]
+        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root,
+                               "--steps", str(steps), *overrides], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
+            raise SystemExit(f"[limit] the {side} alone failed with exit code {proc.returncode}")
+        with open(os.path.join(root, f"{side}.json")) as f:
+            sides[side] = json.load(f)
+        sides[side]["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # 1-minute load at start / end
+        print(f"[limit] {side} alone: {json.dumps(sides[side])} ({time.perf_counter() - t0:.0f}s with start-up)",
+              flush=True)
+    engine, learner = sides["engine"], sides["learner"]
+    limit = PipelineLimit(engine_s=engine["engine_s"], learner_s=learner["learner_s"], samples=learner["samples"],
+                          engine_occupancy=engine["occupancy"])
+    return limit, sides
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the engine alone (taskset-style list)")
+    p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner alone")
+    p.add_argument("--dir", default="", help="where the groups and the per-side records go (default: a temp dir)")
+    p.add_argument("--side", choices=SIDES, default="", help=argparse.SUPPRESS)  # internal: run one side here
+    p.add_argument("overrides", nargs="*", help="Hydra presets and overrides of the run being measured")
+    args = p.parse_args()
+    if args.side:
+        run_side(args.side, args.dir, args.steps, args.overrides)
+        return
+    limit, _ = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus,
+                             args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-"))
+    print(json.dumps(limit.as_dict(), indent=1))
+
+
+if __name__ == "__main__":
+    main()
