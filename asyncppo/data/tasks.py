@@ -172,7 +172,15 @@ class ReverseTask:
         return self.letters + self.SEPARATOR
 
 
-_TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask}
+def _calculator_task(**kwargs):
+    """``data=calculator``'s task (data/calculator.py), imported on use: that module imports :class:`TaskSplits`."""
+    from .calculator import CalculatorTask  # cycle: data/calculator.py imports this module
+
+    return CalculatorTask(**kwargs)
+
+
+_TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask,
+                                            "calculator": _calculator_task}
 
 
 def register_task(name: str, factory: Callable[..., object]) -> None:
