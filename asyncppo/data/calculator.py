@@ -128,14 +128,15 @@ class CalculatorTask:
         return [user, {"role": "assistant", "content": tool_call_text(row["expr"])},
                 {"role": "tool", "content": row["answer"]}, {"role": "assistant", "content": row["answer"]}]
 
-    def warmstart_transcripts(self, tokenizer, count: int, rng: random.Random,
-                              tool_share: float) -> list[list[tuple[str, bool]]]:
-        """``count`` train transcripts, a ``tool_share`` of them on the tool path, as (text, trained) segments."""
+    def warmstart_transcripts(self, tokenizer, count: int, rng: random.Random, tool_share: float,
+                              with_tools: bool = True) -> list[list[tuple[str, bool]]]:
+        """``count`` train transcripts, a ``tool_share`` of them on the tool path, as (text, trained) segments;
+        ``with_tools=False`` leaves the tools' system turn out (the short transcripts of the copy phase)."""
         if not 0.0 <= tool_share <= 1.0:
             raise ValueError(f"calculator warm start: tool_share={tool_share!r} must be in [0, 1]")
         train = self.splits().train
         return [transcript_segments(tokenizer, self.transcript_messages(rng.choice(train), rng.random() < tool_share),
-                                    [CALC_TOOL]) for _ in range(count)]
+                                    [CALC_TOOL] if with_tools else None) for _ in range(count)]
 
 
 def transcript_segments(tokenizer, messages: list[dict], tools: Optional[list]) -> list[tuple[str, bool]]:

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from .chat_tokenizer import (  # noqa: F401 (the special tokens are re-exported: tests and launch/ read them here)
-    BOS, EOS, PAD, SPECIAL_TOKENS, TINY_TOOLS_TEMPLATE, UNK, build_chat_tokenizer)
+    BOS, CHAT_SPECIAL_TOKENS, EOS, PAD, SPECIAL_TOKENS, TINY_TOOLS_TEMPLATE, UNK, build_chat_tokenizer)
 from .tasks import get_task
 
 BUILD_FORMAT = 2  # bump when the build changes in a way the parameters do not capture
@@ -131,7 +131,8 @@ BUILTIN_MODELS: dict[str, dict] = {
     # data/transcript_warmstart.py); figures in docs/environments.md ("The calculator task").
     "tiny-calculator": {
         "task": "calculator", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
-        "sft": {"transcripts": True, "batch_size": 16, "lr": 1e-3, "tool_share": 0.3},
+        "sft": {"transcripts": True, "copy_steps": 400, "copy_batch_size": 32, "batch_size": 16, "lr": 2e-3,
+                "tool_share": 0.4},
     },
 }
 

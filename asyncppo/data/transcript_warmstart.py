@@ -6,6 +6,12 @@ write (the system turn with the tools, the user's question, the tool's result). 
 spans only, as the episodes' loss mask will. The task decides what the transcripts teach; for the calculator, a
 share of them calls the tool and the rest answers in the head, so that the starting policy sometimes takes the
 path that works and reinforcement learning has a clear choice to sharpen.
+
+Two phases. Copying the question's digits into the call, and the tool's result into the answer, is a skill the
+tiny model acquires abruptly (its loss falls from ~0.4 to ~0.02 within a few dozen steps, measured after ~250
+steps of 32 transcripts) and the tools' system turn is two thirds of every full transcript. So the *copy phase*
+trains on tool-path transcripts without the system turn (~100 tokens instead of ~340: the same relative
+positions under RoPE, at a third of the cost), then the *task phase* on full transcripts with the tool share.
 """
 
 from __future__ import annotations
@@ -42,48 +48,58 @@ def encode_transcripts(tokenizer, transcripts: list[list[tuple[str, bool]]]):
     return ids, attn, loss_mask
 
 
-def transcript_warmstart(model_dir: str, task, *, steps: int = 200, batch_size: int = 16, lr: float = 1e-3,
-                         seed: int = 0, pool: int = 2048, tool_share: float = 0.5, num_threads: int = 1,
-                         verbose: bool = True) -> dict:
-    """Train the model in ``model_dir`` in place on ``pool`` transcripts of the task (``task.warmstart_transcripts``),
-    ``batch_size`` of them per step; return the loss and timings.
+def transcript_warmstart(model_dir: str, task, *, steps: int = 150, batch_size: int = 16, lr: float = 2e-3,
+                         copy_steps: int = 400, copy_batch_size: int = 32, seed: int = 0, pool: int = 4096,
+                         tool_share: float = 0.4, num_threads: int = 1, verbose: bool = True) -> dict:
+    """Train the model in ``model_dir`` in place: ``copy_steps`` steps of ``copy_batch_size`` tool-path transcripts
+    without the system turn, then ``steps`` steps of ``batch_size`` full transcripts, a ``tool_share`` of them on
+    the tool path (``task.warmstart_transcripts``); return the losses and timings.
 
-    ``pool``: the transcripts are rendered once (the chat template costs about a millisecond each) and batches are
-    drawn from them. ``num_threads``: one, as the single-turn warm start measured on two shared cores."""
+    ``pool``: each phase's transcripts are rendered once (the chat template costs about a millisecond each) and
+    batches are drawn from them. ``num_threads``: one, as the single-turn warm start measured on two shared cores."""
     from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: transformers
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     rng = random.Random(seed)
-    t0 = time.time()
-    all_ids, all_attn, all_mask = encode_transcripts(tokenizer, task.warmstart_transcripts(tokenizer, pool, rng,
-                                                                                           tool_share))
-    render_s = time.time() - t0
-    lengths = all_attn.sum(-1)
     threads = torch.get_num_threads()
     if num_threads:
         torch.set_num_threads(num_threads)
-    loss = float("nan")
+    report = {"tool_share": tool_share, "pool": pool}
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             opt = torch.optim.AdamW(model.parameters(), lr=lr)
             model.train()
-            t1 = time.time()
-            for step in range(1, steps + 1):
-                idx = torch.tensor(rng.sample(range(len(lengths)), batch_size))
-                width = int(lengths[idx].max())
-                opt.zero_grad(set_to_none=True)
-                out = sft_loss(model, all_ids[idx, :width], all_attn[idx, :width], all_mask[idx, :width])
-                out.backward()
-                opt.step()
-                loss = out.item()
-                if verbose and (step % 25 == 0 or step == steps):
-                    print(f"[asyncppo] transcript warm start step {step}/{steps} loss {loss:.3f} "
-                          f"({time.time() - t1:.1f}s)", flush=True)
-            train_s = time.time() - t1
+            for phase, n, size, share, tools in (("copy", copy_steps, copy_batch_size, 1.0, False),
+                                                 ("task", steps, batch_size, tool_share, True)):
+                if n <= 0:
+                    continue
+                t0 = time.time()
+                batches = encode_transcripts(tokenizer, task.warmstart_transcripts(tokenizer, pool, rng, share,
+                                                                                   with_tools=tools))
+                loss = _train(model, opt, batches, n, size, rng, f"{phase} phase" if verbose else None)
+                report[phase] = {"steps": n, "batch_size": size, "final_loss": loss, "s": round(time.time() - t0, 1)}
     finally:
         torch.set_num_threads(threads)
     model.save_pretrained(model_dir, safe_serialization=True)
-    return {"steps": steps, "final_loss": loss, "render_s": round(render_s, 2), "train_s": round(train_s, 2),
-            "tool_share": tool_share, "pool": pool}
+    return report
+
+
+def _train(model, opt, batches, steps: int, batch_size: int, rng: random.Random, label) -> float:
+    """``steps`` optimizer steps on random batches of the encoded transcripts; the last step's loss."""
+    all_ids, all_attn, all_mask = batches
+    lengths = all_attn.sum(-1)
+    loss, t0 = float("nan"), time.time()
+    for step in range(1, steps + 1):
+        idx = torch.tensor(rng.sample(range(len(lengths)), batch_size))
+        width = int(lengths[idx].max())
+        opt.zero_grad(set_to_none=True)
+        out = sft_loss(model, all_ids[idx, :width], all_attn[idx, :width], all_mask[idx, :width])
+        out.backward()
+        opt.step()
+        loss = out.item()
+        if label and (step % 50 == 0 or step == steps):
+            print(f"[asyncppo] transcript warm start, {label}: step {step}/{steps} loss {loss:.3f} "
+                  f"({time.time() - t0:.1f}s)", flush=True)
+    return loss
