@@ -19,7 +19,7 @@ import re
 from typing import Optional
 
 from .chat_tokenizer import IM_END
-from .tasks import TaskSplits
+from .splits import TaskSplits
 
 CALC_TOOL = {"type": "function", "function": {
     "name": "calc", "description": "Evaluate integers with + - *",

@@ -19,14 +19,12 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from typing import Callable
 
+from .calculator import CalculatorTask
+from .splits import TaskSplits  # noqa: F401 (re-exported: the tasks' split type is named here too)
 
-@dataclass(frozen=True)
-class TaskSplits:
-    train: list[dict]
-    eval: list[dict]
+
 
 
 class AdditionTask:
@@ -172,15 +170,8 @@ class ReverseTask:
         return self.letters + self.SEPARATOR
 
 
-def _calculator_task(**kwargs):
-    """``data=calculator``'s task (data/calculator.py), imported on use: that module imports :class:`TaskSplits`."""
-    from .calculator import CalculatorTask  # cycle: data/calculator.py imports this module
-
-    return CalculatorTask(**kwargs)
-
-
 _TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask,
-                                            "calculator": _calculator_task}
+                                            "calculator": CalculatorTask}
 
 
 def register_task(name: str, factory: Callable[..., object]) -> None:
