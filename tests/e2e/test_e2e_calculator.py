@@ -20,7 +20,10 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-calculator")
-STEPS = 20  # of the task's default 40: the gain below is reached by then (measured, docs/environments.md)
+# Of the task's default 40 steps. Measured (2-core box, load 15-31 from other work): the run's train reward 0.14 ->
+# ~0.4, held-out success sampled 0.143 -> 0.433 (+29 points), greedy 0.75 -> 0.85, tool use 0.32 -> 0.62; the whole
+# test 410 s under that load (the run alone ~1 min on an idle box, by its step times).
+STEPS = 20
 
 
 def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
@@ -47,6 +50,7 @@ def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
     start_dir = ensure_builtin_model("tiny-calculator", sft_steps=cfg.trainer.sft_warmup_steps, verbose=False)
     before = heldout_success(start_dir, rows=100, samples=4)
     after = heldout_success(str(out_dir / "final"), rows=100, samples=4)
+    print(f"held-out success before {before} after {after}")
     # 400 sampled episodes each: a standard error of ~0.025 per figure; the margin is 6 of them
     assert after["success_sampled"] - before["success_sampled"] >= 0.15, (before, after)
     assert after["tool_use_sampled"] > before["tool_use_sampled"], (before, after)
