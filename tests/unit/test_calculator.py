@@ -102,3 +102,18 @@ def test_transcripts_train_exactly_the_assistant_turns_of_the_full_render():
         expected = [tool_call_text(row["expr"]), row["answer"]] if use_tool else [row["answer"]]
         assert trained == [t + "<|im_end|>" for t in expected]
         assert '"name": "calc"' in segments[0][0]  # the tool's schema is rendered in the system turn
+
+
+def test_encoded_transcripts_mask_exactly_the_trained_segments_and_the_shape_is_the_built_models():
+    from asyncppo.data.chat_tokenizer import TINY_TOOLS_TEMPLATE, build_chat_tokenizer
+    from asyncppo.data.transcript_warmstart import encode_transcripts
+    from asyncppo.launch.shared_device import model_shape
+
+    tok = build_chat_tokenizer(template=TINY_TOOLS_TEMPLATE)
+    segments = [[("<|im_start|>user\nab", False), ("12<|im_end|>", True), ("\nxy", False), ("7<|im_end|>", True)],
+                [("q", False), ("3<|im_end|>", True)]]
+    ids, attn, mask = encode_transcripts(tok, segments)
+    assert ids.shape == (2, 16) and attn.sum(-1).tolist() == [16, 3]  # <|im_start|> is one token, "user" four
+    assert mask[0].tolist() == [0] * 8 + [1] * 3 + [0] * 3 + [1] * 2 and mask[1].tolist() == [0, 1, 1] + [0] * 13
+    assert tok.decode(ids[0][mask[0].bool()]) == "12<|im_end|>7<|im_end|>"
+    assert model_shape("builtin:tiny-calculator").vocab == len(tok)  # the chat specials counted
