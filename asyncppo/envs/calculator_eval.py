@@ -32,7 +32,8 @@ def heldout_success(model_path: str, *, rows: int = 200, samples: int = 4, tempe
     from asyncppo.data.tiny import resolve_model_path  # heavy: torch (builds builtin:tiny-calculator when asked)
     from asyncppo.rollout.engines import make_engine  # heavy: torch, transformers
 
-    path = resolve_model_path(model_path)
+    path = resolve_model_path(model_path, sft_steps=_task_sft_steps()) if model_path.startswith("builtin:") \
+        else model_path
     held = get_task("calculator", seed=task_seed).held_out()[:rows]
     eng = make_engine(engine, path, dtype="float32", max_model_len=PROMPT_TOKENS + RESPONSE_LENGTH, seed=seed,
                       num_threads=1, kv_cache_gib=1, max_num_seqs=256)
@@ -62,6 +63,14 @@ def heldout_success(model_path: str, *, rows: int = 200, samples: int = 4, tempe
             "success_greedy": sum(rewards["greedy"]) / max(1, len(rewards["greedy"])),
             "tool_use_sampled": sum(e.tool_calls > 0 for e in sampled_envs) / max(1, len(sampled_envs)),
             "seconds": round(time.time() - t0, 1)}
+
+
+def _task_sft_steps() -> int:
+    """The warm-start length ``data=calculator`` builds its model with (configs/data/calculator.yaml), so that
+    ``builtin:tiny-calculator`` names the very model a run of the task starts from (the cache key covers it)."""
+    from asyncppo.config.loader import load_config  # Hydra compose: only for a builtin: path
+
+    return load_config(overrides=["data=calculator"]).trainer.sft_warmup_steps
 
 
 def _tokenizer(path: str):

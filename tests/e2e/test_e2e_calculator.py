@@ -30,8 +30,6 @@ def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
     from vllm_required import require_vllm
 
     require_vllm()
-    from asyncppo.config.loader import load_config
-    from asyncppo.data.tiny import ensure_builtin_model
     from asyncppo.envs.calculator_eval import heldout_success
 
     out_dir = tmp_path / "run"
@@ -46,9 +44,7 @@ def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
     assert len(train) == STEPS and max(r["staleness/max"] for r in train) <= 1
     assert all(r["episodes/turns_max"] <= 3 for r in train)
     # the warm-started model the run started from (built and cached by the launch) against its final weights
-    cfg = load_config(overrides=["data=calculator"])
-    start_dir = ensure_builtin_model("tiny-calculator", sft_steps=cfg.trainer.sft_warmup_steps, verbose=False)
-    before = heldout_success(start_dir, rows=100, samples=4)
+    before = heldout_success("builtin:tiny-calculator", rows=100, samples=4)
     after = heldout_success(str(out_dir / "final"), rows=100, samples=4)
     print(f"held-out success before {before} after {after}")
     # 400 sampled episodes each: a standard error of ~0.025 per figure; the margin is 6 of them
