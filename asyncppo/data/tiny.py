@@ -9,6 +9,11 @@ embeddings because vLLM (0.32, CPU, float32) does not update a tied output layer
 supervised pass (so the policy starts with some accuracy PPO can improve) and caches it under
 ``$ASYNCPPO_CACHE`` (default ``~/.cache/asyncppo``). The cache is written atomically (built in a temporary
 directory, then renamed), so concurrent processes or a crash never leave a half-written model behind.
+
+A multi-turn task's model (``"chat": True``, e.g. ``tiny-calculator``) carries the chat tokenizer of
+:mod:`asyncppo.data.chat_tokenizer` and is warm-started on transcripts (:mod:`asyncppo.data.transcript_warmstart`);
+its head_dim 32 is the other size vLLM's CPU attention supports. The existing models' builds are unchanged, so
+``BUILD_FORMAT`` stays: their cache entries remain valid.
 """
 
 from __future__ import annotations
