@@ -21,7 +21,7 @@ from asyncppo.envs.text_env import make_text_env
 from asyncppo.rollout.engine import SamplingSpec
 
 #: The episode limits of configs/data/calculator.yaml (a call, the result, the answer; one spare turn).
-MAX_TURNS, RESPONSE_LENGTH, TURN_MAX_TOKENS, PROMPT_TOKENS = 3, 192, 64, 256
+MAX_TURNS, RESPONSE_LENGTH, TURN_MAX_TOKENS, PROMPT_TOKENS = 3, 192, 64, 288
 
 
 def heldout_success(model_path: str, *, rows: int = 200, samples: int = 4, temperature: float = 1.0,
