@@ -22,6 +22,7 @@ import random
 from typing import Callable
 
 from .calculator import CalculatorTask
+from .guess import GuessTask
 from .splits import TaskSplits  # noqa: F401 (re-exported: the tasks' split type is named here too)
 
 
@@ -171,7 +172,7 @@ class ReverseTask:
 
 
 _TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask,
-                                            "calculator": CalculatorTask}
+                                            "calculator": CalculatorTask, "guess": GuessTask}
 
 
 def register_task(name: str, factory: Callable[..., object]) -> None:

@@ -139,6 +139,12 @@ BUILTIN_MODELS: dict[str, dict] = {
         "sft": {"transcripts": True, "copy_steps": 400, "copy_batch_size": 32, "batch_size": 16, "lr": 2e-3,
                 "tool_share": 0.4},
     },
+    # The guess game (data=guess), same architecture: games played by halving (a "tool_share" of them) or by
+    # ignoring the replies (data/guess.py); no copy phase (no tool).
+    "tiny-guess": {
+        "task": "guess", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
+        "sft": {"transcripts": True, "copy_steps": 0, "batch_size": 32, "lr": 2e-3, "tool_share": 0.3},
+    },
 }
 
 
