@@ -20,9 +20,9 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-calculator")
-# Of the task's default 40 steps. Measured three times (2-core box shared with other work): held-out success sampled
-# 0.143 -> 0.433, 0.440, 0.438 (+29 to +30 points), greedy 0.75 -> 0.85, tool use 0.32 -> 0.62-0.63; the whole test
-# 410 s, 213 s and 240 s at load averages 15-31, 17-21 and 18-20 (not measured on an idle box).
+# Of the task's default 40 steps. Measured four times (2-core box shared with other work): held-out success sampled
+# 0.143 -> 0.433, 0.440, 0.438, 0.440 (+29 to +30 points), greedy 0.75 -> 0.85, tool use 0.32 -> 0.62-0.63; the
+# whole test 410 s, 213 s, 240 s and 198 s at load averages 15-31, 17-21, 18-20 and ~16 (not measured idle).
 STEPS = 20
 
 
