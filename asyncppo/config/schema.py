@@ -185,7 +185,7 @@ class DataConfig:
     answer_key: str = "answer"
     apply_chat_template: bool = True
     shuffle: bool = True
-    task: str = "addition"  # the built-in synthetic task when train_files is empty
+    task: str = "addition"  # the built-in synthetic task when train_files is empty: addition, reverse, calculator
     num_eval_prompts: int = 256
     eval_samples: int = 4  # data.eval_files: answers per prompt at the rollout temperature (besides one greedy)
     seed: int = 0

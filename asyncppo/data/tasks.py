@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
 from typing import Callable
 
+from .calculator import CalculatorTask
+from .guess import GuessTask
+from .splits import TaskSplits  # noqa: F401 (re-exported: the tasks' split type is named here too)
 
-@dataclass(frozen=True)
-class TaskSplits:
-    train: list[dict]
-    eval: list[dict]
+
 
 
 class AdditionTask:
@@ -172,7 +171,8 @@ class ReverseTask:
         return self.letters + self.SEPARATOR
 
 
-_TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask}
+_TASKS: dict[str, Callable[..., object]] = {"addition": AdditionTask, "reverse": ReverseTask,
+                                            "calculator": CalculatorTask, "guess": GuessTask}
 
 
 def register_task(name: str, factory: Callable[..., object]) -> None:

@@ -9,6 +9,11 @@ embeddings because vLLM (0.32, CPU, float32) does not update a tied output layer
 supervised pass (so the policy starts with some accuracy PPO can improve) and caches it under
 ``$ASYNCPPO_CACHE`` (default ``~/.cache/asyncppo``). The cache is written atomically (built in a temporary
 directory, then renamed), so concurrent processes or a crash never leave a half-written model behind.
+
+A multi-turn task's model (``"chat": True``, e.g. ``tiny-calculator``) carries the chat tokenizer of
+:mod:`asyncppo.data.chat_tokenizer` and is warm-started on transcripts (:mod:`asyncppo.data.transcript_warmstart`);
+its head_dim 32 is the other size vLLM's CPU attention supports. The existing models' builds are unchanged, so
+``BUILD_FORMAT`` stays: their cache entries remain valid.
 """
 
 from __future__ import annotations
@@ -21,12 +26,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from .chat_tokenizer import (  # noqa: F401 (the special tokens are re-exported: tests and launch/ read them here)
+    BOS, CHAT_SPECIAL_TOKENS, EOS, PAD, SPECIAL_TOKENS, TINY_TOOLS_TEMPLATE, UNK, build_chat_tokenizer)
 from .tasks import get_task
 
 BUILD_FORMAT = 2  # bump when the build changes in a way the parameters do not capture
-
-PAD, EOS, UNK, BOS = "<pad>", "<eos>", "<unk>", "<bos>"
-SPECIAL_TOKENS = [PAD, EOS, UNK, BOS]  # ids 0..3: pad is 0 so that zero-filled buffers read as padding
 DEFAULT_ALPHABET = "0123456789+="
 
 
@@ -71,14 +75,18 @@ def build_tiny_model(
     seed: int = 0,
     alphabet: str = DEFAULT_ALPHABET,
     max_position_embeddings: int = 1024,
+    chat: bool = False,
 ) -> str:
-    """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path."""
+    """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path.
+
+    ``chat``: the tokenizer is :func:`~asyncppo.data.chat_tokenizer.build_chat_tokenizer`'s (printable ASCII and
+    the chat special tokens, with the Qwen-style ``TINY_TOOLS_TEMPLATE``) instead of one over ``alphabet``."""
     import torch  # heavy: torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # heavy: transformers
 
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
-    tokenizer = build_tokenizer(alphabet)
+    tokenizer = build_chat_tokenizer(template=TINY_TOOLS_TEMPLATE) if chat else build_tokenizer(alphabet)
     vocab_size = len(tokenizer)
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -122,6 +130,20 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny-reverse": {
         "task": "reverse", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
         "sft": {"batch_size": 64, "lr": 1e-3, "length_buckets": 4},
+    },
+    # 3-digit x 2-digit products with a calc tool (data=calculator), over the chat tokenizer. Warm start: supervised
+    # transcripts, a "tool_share" of them calling the tool and the rest answering in the head (data/calculator.py,
+    # data/transcript_warmstart.py); figures in docs/environments.md ("The calculator task").
+    "tiny-calculator": {
+        "task": "calculator", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
+        "sft": {"transcripts": True, "copy_steps": 400, "copy_batch_size": 32, "batch_size": 16, "lr": 2e-3,
+                "tool_share": 0.4},
+    },
+    # The guess game (data=guess), same architecture: games played by halving (a "tool_share" of them) or by
+    # ignoring the replies (data/guess.py); no copy phase (no tool).
+    "tiny-guess": {
+        "task": "guess", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
+        "sft": {"transcripts": True, "copy_steps": 0, "batch_size": 32, "lr": 2e-3, "tool_share": 0.3},
     },
 }
 
@@ -168,7 +190,11 @@ def ensure_builtin_model(
         task = get_task(task_name, seed=seed)
         build_tiny_model(str(tmp), seed=seed, alphabet=task.alphabet(), **spec)
         report: dict = {}
-        if sft_steps > 0:
+        if sft_steps > 0 and sft_kwargs.pop("transcripts", False):
+            from .transcript_warmstart import transcript_warmstart  # heavy: torch
+
+            report = transcript_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose, **sft_kwargs)
+        elif sft_steps > 0:
             from .warmstart import supervised_warmstart  # heavy: torch
 
             report = supervised_warmstart(str(tmp), task, steps=sft_steps, seed=seed, verbose=verbose, **sft_kwargs)

@@ -9,38 +9,17 @@ as a concatenation of per-message blocks, Qwen's and Llama's included) is exactl
 there. It then adds back the part of the assistant turn's closing that the model did not generate itself (for
 Qwen: the ``\\n`` after ``<|im_end|>``), so model ids + environment ids concatenate to the full render.
 
-:data:`QWEN_STYLE_TEMPLATE` is a small Qwen-style template with tool syntax, and :func:`build_chat_tokenizer` a
-local char-level tokenizer that carries it (the built-in tiny tokenizer of :mod:`asyncppo.data.tiny` has none).
+:data:`QWEN_STYLE_TEMPLATE` (a small Qwen-style template with tool syntax) and :func:`build_chat_tokenizer` (a
+local char-level tokenizer that carries it) live in :mod:`asyncppo.data.chat_tokenizer`, so that data/ can build
+the built-in chat models; they are re-exported here.
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
 
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-CHAT_SPECIAL_TOKENS = [IM_START, IM_END, "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
-
-# Qwen2.5's layout, without its default system prompt: tools listed in the system turn, tool results as a user
-# turn wrapped in <tool_response>, calls in the assistant's text as <tool_call>{json}</tool_call>.
-QWEN_STYLE_TEMPLATE = (
-    "{% if tools %}" + IM_START + "system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-    "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n</tools>\n\n"
-    "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}\n</tool_call>" + IM_END + "\n"
-    "{% elif messages[0].role == 'system' %}" + IM_START + "system\n{{ messages[0].content }}" + IM_END + "\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if not (loop.first and message.role == 'system') %}"
-    "{% if message.role == 'tool' %}" + IM_START + "user\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    + IM_END + "\n"
-    "{% else %}" + IM_START + "{{ message.role }}\n{{ message.content }}" + IM_END + "\n"
-    "{% endif %}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}" + IM_START + "assistant\n{% endif %}"
-)
+from asyncppo.data.chat_tokenizer import (  # noqa: F401  (re-exported: the names envs/ and tests use)
+    CHAT_SPECIAL_TOKENS, IM_END, IM_START, QWEN_STYLE_TEMPLATE, build_chat_tokenizer)
 
 _MARK = "\u2063ASSISTANT-TURN\u2063"  # content of the dummy assistant turn: where the model's text would end
 _DUMMY = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}, {"role": "assistant", "content": _MARK}]
@@ -72,23 +51,3 @@ def turn_text(tokenizer: Any, new_messages: list, *, tools: Optional[list] = Non
 def turn_ids(tokenizer: Any, new_messages: list, **kw) -> list:
     """The token ids of :func:`turn_text`: what an episode appends (loss mask 0) after a model turn."""
     return tokenizer.encode(turn_text(tokenizer, new_messages, **kw), add_special_tokens=False)
-
-
-def build_chat_tokenizer(alphabet: Optional[str] = None, template: str = QWEN_STYLE_TEMPLATE):
-    """A char-level fast tokenizer (one token per printable ASCII character, newline included) with the chat
-    special tokens and ``template``: enough to render and tokenize tool-calling conversations locally."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: tokenizers
-    from transformers import PreTrainedTokenizerFast  # heavy: transformers
-
-    from asyncppo.data.tiny import BOS, EOS, PAD, SPECIAL_TOKENS, UNK
-
-    chars = list(dict.fromkeys(alphabet if alphabet is not None else "\n" + "".join(map(chr, range(32, 127)))))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHAT_SPECIAL_TOKENS + chars)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(SPECIAL_TOKENS + CHAT_SPECIAL_TOKENS)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD, eos_token=EOS, unk_token=UNK, bos_token=BOS,
-                                   padding_side="left", model_max_length=4096)
-    fast.chat_template = template
-    return fast

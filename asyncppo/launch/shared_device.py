@@ -68,13 +68,14 @@ def model_shape(model_path: str) -> Optional[ModelShape]:
     few dozen symbols); None when neither is readable."""
     if model_path.startswith("builtin:"):
         from asyncppo.data.tasks import get_task  # light: no torch
-        from asyncppo.data.tiny import BUILTIN_MODELS, SPECIAL_TOKENS  # light: no torch
+        from asyncppo.data.tiny import BUILTIN_MODELS, CHAT_SPECIAL_TOKENS, SPECIAL_TOKENS  # light: no torch
 
         spec = BUILTIN_MODELS.get(model_path.split(":", 1)[1])
         if spec is None:
             return None
         h, heads = spec["hidden"], spec["heads"]
-        vocab = len(SPECIAL_TOKENS) + len(get_task(spec["task"]).alphabet())  # the character tokenizer
+        specials = SPECIAL_TOKENS + (CHAT_SPECIAL_TOKENS if spec.get("chat") else [])
+        vocab = len(specials) + len(get_task(spec["task"]).alphabet())  # the character tokenizer
         return ModelShape(vocab=vocab, hidden=h, layers=spec["layers"],
                           heads=heads, kv_heads=heads, head_dim=h // heads, intermediate=spec["intermediate"],
                           tied=False)
