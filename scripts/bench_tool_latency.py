@@ -43,6 +43,7 @@ ROWS = [
     ("episodes in the engine (mean, steady)", "in_engine", "{:.0f}"),
     ("groups in flight on the worker (mean, steady)", "groups", "{:.1f}"),
     ("groups in the learner's buffer (mean, steady)", "buffered", "{:.1f}"),
+    ("load average (1 min) at the run's end", "load_end", "{:.1f}"),
 ]
 
 
@@ -95,7 +96,8 @@ def main() -> None:
             run.overrides = [f"+env.text_env_config.latency_s={ms / 1000}", *args.overrides]
             label = f"{mode}-{ms}ms"
             r = run_once(label, run, root, mode=mode)
-            r.update(episode_readout(os.path.join(root, label), r["train_s"]), mode=mode, ms=ms)
+            r.update(episode_readout(os.path.join(root, label), r["train_s"]), mode=mode, ms=ms,
+                     load_end=os.getloadavg()[0])  # the box is shared: say how loaded it was
             results.append(r)
             print(f"[bench] {label}: {r['samples_per_s']:.1f} samples/s, env wait {r['env_wait']:.2f}", flush=True)
     print()
