@@ -39,6 +39,11 @@ ROWS = [
     ("turns per episode", "turns_mean", "{:.2f}"),
     ("env seconds per call (init, step, close)", "env_s_per_call", "{:.3f}"),
     ("lag max", "lag_max", "{:.0f}"),
+    ("episodes at their environment (mean, steady)", "at_env", "{:.0f}"),
+    ("episodes in the engine (mean, steady)", "in_engine", "{:.0f}"),
+    ("groups in flight on the worker (mean, steady)", "groups", "{:.1f}"),
+    ("groups in the learner's buffer (mean, steady)", "buffered", "{:.1f}"),
+    ("load average (1 min) at the run's end", "load_end", "{:.1f}"),
 ]
 
 
@@ -52,7 +57,13 @@ def episode_readout(run_dir: str, train_s: float) -> dict:
     first = len(train) // 4
     steady = train[first:]
     before = train[first - 1]["samples_trained"] if first else 0
-    return {"steady_per_s": (train[-1]["samples_trained"] - before) / sum(r["time/step_s"] for r in steady),
+    def steady_mean(key: str) -> float:
+        vals = [r[key] for r in steady if key in r]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+    return {"at_env": steady_mean("episodes/at_env_mean"), "in_engine": steady_mean("episodes/in_engine_mean"),
+            "groups": steady_mean("episodes/groups_mean"), "buffered": steady_mean("buffer/size"),
+            "steady_per_s": (train[-1]["samples_trained"] - before) / sum(r["time/step_s"] for r in steady),
             "env_wait": wait / train_s if train_s else float("nan"),
             "turns_mean": sum(r.get("episodes/turns_mean", 0.0) for r in train) / max(len(train), 1),
             "env_s_per_call": sum(r.get("episodes/env_s_per_step", 0.0) for r in train) / max(len(train), 1)}
@@ -85,7 +96,8 @@ def main() -> None:
             run.overrides = [f"+env.text_env_config.latency_s={ms / 1000}", *args.overrides]
             label = f"{mode}-{ms}ms"
             r = run_once(label, run, root, mode=mode)
-            r.update(episode_readout(os.path.join(root, label), r["train_s"]), mode=mode, ms=ms)
+            r.update(episode_readout(os.path.join(root, label), r["train_s"]), mode=mode, ms=ms,
+                     load_end=os.getloadavg()[0])  # the box is shared: say how loaded it was
             results.append(r)
             print(f"[bench] {label}: {r['samples_per_s']:.1f} samples/s, env wait {r['env_wait']:.2f}", flush=True)
     print()

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import time
 
 from asyncppo.data.datasets import PromptItem
 from asyncppo.data.text_row_draws import TextRowDataset, draws_text_env_rows
@@ -69,6 +71,10 @@ class CountingRunner(EnvRunner):
         return super().step(env, action_text)
 
 
+#: Time integrals the meter keeps (episode-seconds at each stage over ``spread_s`` wall seconds).
+SPREAD = ("spread_s", "at_env_sum", "in_engine_sum", "groups_sum", "tickets_waiting_sum")
+
+
 class EpisodeMeter(EngineMeter):
     """The engine meter plus what the episodes did since the last group was sent (deltas of run counters)."""
 
@@ -76,6 +82,21 @@ class EpisodeMeter(EngineMeter):
         super().__init__()
         self.episodes, self.runner = episodes, runner
         self._last = self._totals()
+        # time integrals of where the worker's episodes are (Little's law: which stage holds them, for how long)
+        self._spread = dict.fromkeys(SPREAD, 0.0)
+        self._sampled_at: float | None = None
+        self._counts = dict.fromkeys(SPREAD[1:], 0)
+
+    def sample(self, **counts: int) -> None:
+        """Called once per worker turn with the counts now (episodes at their environment, in the engine, groups in
+        flight, tickets granted and not started): the previous counts held since the previous call."""
+        now = time.perf_counter()
+        if self._sampled_at is not None:
+            dt = now - self._sampled_at
+            self._spread["spread_s"] += dt
+            for key, n in self._counts.items():
+                self._spread[key] += n * dt
+        self._sampled_at, self._counts = now, {f"{k}_sum": v for k, v in counts.items()}
 
     def _totals(self) -> dict[str, float]:
         c, tools = self.episodes.counters, self.runner.tools.counts
@@ -93,7 +114,8 @@ class EpisodeMeter(EngineMeter):
         engine = super().take()
         # time the engine sat empty waiting for environments was spent inside step(): it is waiting, not decoding
         engine["engine_busy_s"] = max(0.0, engine["engine_busy_s"] - delta["env_wait_s"])
-        return {**engine, **delta}
+        spread, self._spread = self._spread, dict.fromkeys(SPREAD, 0.0)
+        return {**engine, **delta, **spread}
 
 
 class EpisodeRolloutWorker(RolloutWorker):
@@ -116,6 +138,7 @@ class EpisodeRolloutWorker(RolloutWorker):
         self._closables += [self.engine, _Shutdown(self.runner)]
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)
+        self.engine_share = EngineShare()
         self.stats.update(dropped_groups=0, groups_started=0, groups_abandoned=0)
         if self.evaluator is not None:  # SkyRL-format eval files are played as episodes (rollout/evaluation.py)
             self.evaluator.start_episodes = self._start_episodes
@@ -128,7 +151,17 @@ class EpisodeRolloutWorker(RolloutWorker):
               f"prefix caching={'on' if self._engine_opts() else 'n/a'}", flush=True)
 
     def _occupied(self) -> int:
-        return self.engine.num_running_seqs()
+        """The engine load the episodes in flight will make, not the load this instant (:class:`EngineShare`): the
+        sequences in the engine now, or the episodes in flight times the share of its life an episode spends in
+        the engine, whichever is larger."""
+        return engine_load(self.engine.num_running_seqs(), self.engine.num_unfinished_seqs(), self.engine_share.share)
+
+    def _work(self) -> None:
+        at_env, running = self.engine.num_at_env(), self.engine.num_running_seqs()
+        self.engine_share.add(running, at_env)
+        self.meter.sample(at_env=at_env, in_engine=running, groups=len(self._in_flight),
+                          tickets_waiting=len(self._pending))
+        super()._work()
 
     def _train_dataset(self, tokenizer):
         if draws_text_env_rows(self.cfg):
@@ -193,6 +226,50 @@ def _record_row(row, prompt_ids) -> PromptItem:
     truth = (row.extras.get("reward_spec") or {}).get("ground_truth", "")
     return PromptItem(index=row.index, prompt=row.prompt_messages[-1]["content"], prompt_ids=list(prompt_ids),
                       answer="" if truth is None else str(truth))
+
+
+def engine_load(running: int, in_flight: int, share: float) -> int:
+    """What admission counts as the engine's load (:class:`EngineShare`): the sequences in it now, or the episodes
+    in flight times their share of time in the engine, whichever is larger (an engine that is full now is full)."""
+    return max(running, math.ceil(in_flight * share - 1e-9))
+
+
+class EngineShare:
+    """The share of an episode's time in flight that it spends in the engine (decoding or queued for it), as a
+    moving average over ``horizon_s`` seconds of time-weighted counts; 1.0 until anything was seen.
+
+    Why admission needs it. A single-turn group holds its engine slots for its whole life, so "room" is
+    ``max_num_seqs`` minus the sequences in the engine. An episode leaves the engine at every environment call: by
+    Little's law the engine's load is ``episodes in flight x share``, while the count *this instant* swings with
+    the turns. With a slow tool the episodes move in waves (a wave's turns end together and it leaves for the tool
+    together): counted instantly, a wave in the engine reads as a full engine and no group is admitted, and the
+    wave at its tool reads as room for at most one engine-full of groups, which then decode in step with it. So
+    the episodes in flight stay near ``max_num_seqs`` however slow the tool is, and the engine empties whenever
+    they all wait (``episodes/env_wait_s``). Counting the expected load instead admits
+    ``max_num_seqs / share`` episodes (the staleness window still bounds them): enough that some are always
+    decoding while the others wait. With a fast tool the share is ~1 and admission is what it was."""
+
+    horizon_s = 2.0
+
+    def __init__(self) -> None:
+        self._engine = self._env = 0.0
+        self._last: float | None = None
+        self._counts = (0, 0)
+
+    def add(self, in_engine: int, at_env: int, now: float | None = None) -> None:
+        """The counts now (``now``: a ``time.perf_counter()`` reading); the previous counts held since the previous
+        call."""
+        now = time.perf_counter() if now is None else now
+        if self._last is not None:
+            keep = math.exp(-(now - self._last) / self.horizon_s)
+            self._engine = keep * self._engine + (1 - keep) * self._counts[0]
+            self._env = keep * self._env + (1 - keep) * self._counts[1]
+        self._last, self._counts = now, (in_engine, at_env)
+
+    @property
+    def share(self) -> float:
+        total = self._engine + self._env
+        return self._engine / total if total > 0 else 1.0
 
 
 class _Shutdown:

@@ -82,6 +82,11 @@ def episode_metrics(groups: list) -> dict[str, float]:
                                                              if k.startswith("env_faults_")})},
         # seconds the engine sat empty while episodes waited for their environments (latency not hidden)
         "episodes/env_wait_s": total("env_wait_s"),
+        # where the worker's episodes were, time-weighted means over the step's share of worker time: at their
+        # environment, in the engine (decoding or queued), groups in flight, tickets granted but not yet started
+        **({f"episodes/{key[:-4]}_mean": total(key) / total("spread_s")
+            for key in ("at_env_sum", "in_engine_sum", "groups_sum", "tickets_waiting_sum")}
+           if total("spread_s") > 0 else {}),
     }
 
 
