@@ -30,7 +30,7 @@ SPECIAL_TOKENS = [PAD, EOS, UNK, BOS]  # ids 0..3: pad is 0 so that zero-filled 
 DEFAULT_ALPHABET = "0123456789+="
 
 
-def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, model_max_length: int = 1024):
     """A char-level ``PreTrainedTokenizerFast``: one token per character of ``alphabet`` plus the specials.
 
     Each character is its own pre-token (regex split), looked up in a word-level vocabulary; the ``Fuse``
@@ -55,7 +55,7 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
         unk_token=UNK,
         bos_token=BOS,
         padding_side="left",  # generation pads prompts on the left
-        model_max_length=1024,
+        model_max_length=model_max_length,  # the model's context: a longer input is a user error
     )
     return fast
 
@@ -78,7 +78,7 @@ def build_tiny_model(
 
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
-    tokenizer = build_tokenizer(alphabet)
+    tokenizer = build_tokenizer(alphabet, model_max_length=max_position_embeddings)
     vocab_size = len(tokenizer)
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -122,6 +122,12 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny-reverse": {
         "task": "reverse", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
         "sft": {"batch_size": 64, "lr": 1e-3, "length_buckets": 4},
+    },
+    # Long generations (data=long, asyncppo/data/long_task.py): responses up to 1,027 tokens, so a 2,048-token
+    # context. Warm start: see configs/data/long.yaml and docs/benchmarks.md ("data=long").
+    "tiny-long": {
+        "task": "long", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
+        "max_position_embeddings": 2048, "sft": {"batch_size": 32, "lr": 1e-3, "length_buckets": 2, "max_answer_chars": 160},
     },
 }
 

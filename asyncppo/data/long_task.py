@@ -1,0 +1,103 @@
+"""``long``: a built-in task whose responses are long because the working is long (``data=long``).
+
+The task: the remainder of ``n`` divided by a digit ``d``, found by repeated subtraction with every step written
+out. ``7:2400,`` asks for ``42 mod 7`` (numbers are four digits, least-significant digit first, zero padded) and the
+reference response is ``5300,8200,1200,4100,7000,0000=0``: ``n - d``, ``n - 2d``, ... down to the first value
+below ``d``, then ``=`` and that value. The response is ``5m + 1`` tokens for ``m = n // d`` steps, so its length
+follows the operands, and a model can only answer by doing the working: nothing in the prompt gives the remainder
+of a four-digit number away.
+
+Why this shape: a tiny model (two layers, 128 wide) can learn every step from a fixed window: each digit is the
+digit five tokens back (the same place of the previous value) less a borrow that the previous digit pair shows
+(a borrow happened exactly when the new digit exceeds the old one), and the units less ``d`` (the prompt's first
+token). Little-endian digits are what make the borrow visible before it is needed. Each step is therefore easy,
+but an answer is exact only if all ``m`` steps are: long responses are where a warm-started policy still fails
+and where RL has room, which is the regime the trainer is built for.
+
+Length: ``m`` follows a truncated, discretised lognormal on ``[1, max_steps]`` (median ``median_steps``, spread
+``sigma``), so most responses are short and a few run to ``5 * max_steps + 1`` tokens. The defaults give, over
+the train split (seed 0): mean ~176 tokens, p50 ~106, p99 ~860 (~4.9x the mean), max 1,026 (eos not counted);
+``tests/unit/test_long_task.py`` pins them. The reward is the exact match of the whole response (the working is
+deterministic, so a wrong step is a wrong answer); the held-out probe uses the same definition.
+
+Splits: every step count ``m`` has the same 44 ``(d, r)`` pairs (``d`` in 2..9, remainder ``r < d``); a seeded
+eighth of them is held out for each ``m`` and rows are drawn from their side with replacement, so both splits
+follow the length distribution and no held-out problem is ever a train prompt.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+from .tasks import TaskSplits, register_task
+
+WIDTH = 4  # digits of every number: n <= 9 * max_steps + 8 must fit
+
+
+def little_endian(value: int) -> str:
+    """``value`` as ``WIDTH`` digits, least-significant first (``42`` -> ``2400``)."""
+    return f"{value:0{WIDTH}d}"[::-1]
+
+
+class LongTask:
+    """``d:<n little-endian>,`` -> the repeated-subtraction working of ``n mod d`` and ``=<remainder>``."""
+
+    name = "long"
+    default_reward = "exact_match"
+    DIVISORS = range(2, 10)
+    _EVAL_SHARE = 8  # 1/8 of each step count's (d, r) pairs are held out
+
+    def __init__(self, seed: int = 0, num_eval: int = 256, num_train: int = 20000, max_steps: int = 205,
+                 median_steps: float = 21.0, sigma: float = 1.0):
+        if not 1 <= max_steps <= (10**WIDTH - 9) // 9:
+            raise ValueError(f"long task: max_steps={max_steps!r} must be in [1, {(10**WIDTH - 9) // 9}]")
+        if num_eval < 0 or num_train < 1:
+            raise ValueError(f"long task: num_eval={num_eval!r} must be >= 0 and num_train={num_train!r} >= 1")
+        if median_steps <= 0 or sigma <= 0:
+            raise ValueError(f"long task: median_steps={median_steps!r} and sigma={sigma!r} must be > 0")
+        self.seed, self.num_eval, self.num_train, self.max_steps = seed, num_eval, num_train, max_steps
+        self.median_steps, self.sigma = median_steps, sigma
+
+    @property
+    def max_response_tokens(self) -> int:
+        """The longest response (``5 * max_steps + 1`` tokens) plus eos."""
+        return 5 * self.max_steps + 2
+
+    @staticmethod
+    def row(n: int, d: int) -> dict:
+        """The prompt and the reference response of ``n mod d`` (``n >= d``)."""
+        values = list(range(n - d, -1, -d))
+        return {"prompt": f"{d}:{little_endian(n)},",
+                "answer": ",".join(little_endian(v) for v in values) + f"={values[-1]}"}
+
+    def sample_steps(self, rng: random.Random) -> int:
+        mu = math.log(self.median_steps)
+        while True:
+            m = int(round(math.exp(rng.gauss(mu, self.sigma))))
+            if 1 <= m <= self.max_steps:
+                return m
+
+    def splits(self) -> TaskSplits:
+        rng = random.Random(f"long-{self.seed}")
+        pairs = [(d, r) for d in self.DIVISORS for r in range(d)]
+        sides: dict[int, tuple[list, list]] = {}
+        for m in range(1, self.max_steps + 1):
+            shuffled = pairs[:]
+            rng.shuffle(shuffled)
+            cut = len(shuffled) // self._EVAL_SHARE
+            sides[m] = (shuffled[:cut], shuffled[cut:])
+
+        def draw(side: int) -> dict:
+            m = self.sample_steps(rng)
+            d, r = rng.choice(sides[m][side])
+            return self.row(m * d + r, d)
+
+        held = [draw(0) for _ in range(self.num_eval)]
+        return TaskSplits(train=[draw(1) for _ in range(self.num_train)], eval=held)
+
+    def alphabet(self) -> str:
+        return "0123456789:,="
+
+
+register_task("long", LongTask)
