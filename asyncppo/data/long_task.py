@@ -16,9 +16,10 @@ and where RL has room, which is the regime the trainer is built for.
 
 Length: ``m`` follows a truncated, discretised lognormal on ``[1, max_steps]`` (median ``median_steps``, spread
 ``sigma``), so most responses are short and a few run to ``5 * max_steps + 1`` tokens. The defaults give, over
-the train split (seed 0): mean ~176 tokens, p50 ~106, p99 ~860 (~4.9x the mean), max 1,026 (eos not counted);
-``tests/unit/test_long_task.py`` pins them. The reward is the exact match of the whole response (the working is
-deterministic, so a wrong step is a wrong answer); the held-out probe uses the same definition.
+the train split (seed 0): mean ~158 tokens, p50 106, p99 801 (~5.1x the mean), max 1,026 (eos not counted);
+``tests/unit/test_data_long.py`` pins them. The reward is the exact match of the whole response (the working is
+deterministic, so a wrong step is a wrong answer) with partial credit for a correct prefix of the working
+(:func:`long_working`); the held-out probe counts exact responses only.
 
 Splits: every step count ``m`` has the same 44 ``(d, r)`` pairs (``d`` in 2..9, remainder ``r < d``); a seeded
 eighth of them is held out for each ``m`` and rows are drawn from their side with replacement, so both splits
@@ -30,6 +31,7 @@ from __future__ import annotations
 import math
 import random
 
+from .rewards import register_reward
 from .tasks import TaskSplits, register_task
 
 WIDTH = 4  # digits of every number: n <= 9 * max_steps + 8 must fit
@@ -44,7 +46,7 @@ class LongTask:
     """``d:<n little-endian>,`` -> the repeated-subtraction working of ``n mod d`` and ``=<remainder>``."""
 
     name = "long"
-    default_reward = "exact_match"
+    default_reward = "long_working"
     DIVISORS = range(2, 10)
     _EVAL_SHARE = 8  # 1/8 of each step count's (d, r) pairs are held out
 
@@ -100,4 +102,23 @@ class LongTask:
         return "0123456789:,="
 
 
+def long_working(response_text: str, answer: str, **kw) -> float:
+    """1.0 for the exact response; otherwise half the fraction of the reference's steps written correctly before
+    the first wrong one (0.0 .. 0.5). Why partial credit: an exact-match reward gives a 600-token working with one
+    slip the same 0 as no working at all, so a group's advantages barely tell a long answer that nearly made it
+    from one that went wrong at once; the prefix credit ranks them, and only an exact answer reaches 1.0."""
+    got, ref = response_text.strip(), str(answer).strip()
+    if got == ref:
+        return 1.0
+    want = ref.split("=")[0].split(",")
+    wrote = got.split("=")[0].split(",")
+    right = 0
+    for a, b in zip(wrote, want):
+        if a != b:
+            break
+        right += 1
+    return 0.5 * right / len(want)
+
+
+register_reward("long_working", long_working)
 register_task("long", LongTask)

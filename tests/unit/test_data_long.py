@@ -8,7 +8,7 @@ import json
 import pytest
 
 from asyncppo.config import load_config
-from asyncppo.data.long_task import LongTask, little_endian
+from asyncppo.data.long_task import LongTask, little_endian, long_working
 from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import BUILTIN_MODELS, build_tokenizer
@@ -68,12 +68,15 @@ def test_reference_lengths_have_a_long_heavy_tail(splits):
     assert len(tok.encode(row["prompt"], add_special_tokens=False)) == 7
 
 
-def test_reward_is_exact_match_of_the_whole_working():
+def test_reward_is_one_for_the_exact_working_and_half_the_correct_prefix_otherwise():
     reward = resolve_reward_fn("auto", task="long")
-    ref = LongTask.row(42, 7)["answer"]
+    assert reward is long_working
+    ref = LongTask.row(42, 7)["answer"]  # 6 steps: 5300,8200,1200,4100,7000,0000=0
     assert reward(ref, ref) == 1.0 and reward(ref + "\n", ref) == 1.0
-    assert reward(ref.replace("1200", "1300"), ref) == 0.0  # one wrong step, right final answer
-    assert reward(ref[:-1] + "3", ref) == 0.0 and reward("=0", ref) == 0.0
+    assert reward(ref.replace("1200", "1300"), ref) == 0.5 * 2 / 6  # right until the third step
+    assert reward(ref[:-1] + "3", ref) == 0.5  # every step right, the wrong remainder: never 1.0
+    assert reward("5300,8200", ref) == 0.5 * 2 / 6  # stopped early
+    assert reward("=0", ref) == 0.0 and reward("", ref) == 0.0
 
 
 def test_preset_fits_the_longest_answer_and_the_model_context():
