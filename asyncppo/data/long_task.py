@@ -18,8 +18,10 @@ Length: ``m`` follows a truncated, discretised lognormal on ``[1, max_steps]`` (
 ``sigma``), so most responses are short and a few run to ``5 * max_steps + 1`` tokens. The defaults give, over
 the train split (seed 0): mean ~158 tokens, p50 106, p99 801 (~5.1x the mean), max 1,026 (eos not counted);
 ``tests/unit/test_data_long.py`` pins them. The reward is the exact match of the whole response (the working is
-deterministic, so a wrong step is a wrong answer) with partial credit for a correct prefix of the working
-(:func:`long_working`); the held-out probe counts exact responses only.
+deterministic, so a wrong step is a wrong answer), as the held-out probe counts it. A partial-credit reward,
+``rollout.reward_fn=long_working`` (:func:`long_working`), is registered too but is not the default: in the one run
+measured with it (lr 2e-4) responses grew from ~110 to ~270 tokens and the training reward fell in 13 steps,
+because a working that never stops still earns up to half credit.
 
 Splits: every step count ``m`` has the same 44 ``(d, r)`` pairs (``d`` in 2..9, remainder ``r < d``); a seeded
 eighth of them is held out for each ``m`` and rows are drawn from their side with replacement, so both splits
@@ -28,11 +30,10 @@ follow the length distribution and no held-out problem is ever a train prompt.
 
 from __future__ import annotations
 
-import math
 import random
 
 from .rewards import register_reward
-from .tasks import TaskSplits, register_task
+from .tasks import TaskSplits, register_task, truncated_lognormal_int
 
 WIDTH = 4  # digits of every number: n <= 9 * max_steps + 8 must fit
 
@@ -46,7 +47,7 @@ class LongTask:
     """``d:<n little-endian>,`` -> the repeated-subtraction working of ``n mod d`` and ``=<remainder>``."""
 
     name = "long"
-    default_reward = "long_working"
+    default_reward = "exact_match"
     DIVISORS = range(2, 10)
     _EVAL_SHARE = 8  # 1/8 of each step count's (d, r) pairs are held out
 
@@ -74,11 +75,7 @@ class LongTask:
                 "answer": ",".join(little_endian(v) for v in values) + f"={values[-1]}"}
 
     def sample_steps(self, rng: random.Random) -> int:
-        mu = math.log(self.median_steps)
-        while True:
-            m = int(round(math.exp(rng.gauss(mu, self.sigma))))
-            if 1 <= m <= self.max_steps:
-                return m
+        return truncated_lognormal_int(rng, self.median_steps, self.sigma, self.max_steps)
 
     def splits(self) -> TaskSplits:
         rng = random.Random(f"long-{self.seed}")
@@ -104,7 +101,7 @@ class LongTask:
 
 def long_working(response_text: str, answer: str, **kw) -> float:
     """1.0 for the exact response; otherwise half the fraction of the reference's steps written correctly before
-    the first wrong one (0.0 .. 0.5). Why partial credit: an exact-match reward gives a 600-token working with one
+    the first wrong one (0.0 .. 0.5); opt in with ``rollout.reward_fn=long_working``. Why partial credit: an exact-match reward gives a 600-token working with one
     slip the same 0 as no working at all, so a group's advantages barely tell a long answer that nearly made it
     from one that went wrong at once; the prefix credit ranks them, and only an exact answer reaches 1.0."""
     got, ref = response_text.strip(), str(answer).strip()

@@ -68,10 +68,13 @@ def test_reference_lengths_have_a_long_heavy_tail(splits):
     assert len(tok.encode(row["prompt"], add_special_tokens=False)) == 7
 
 
-def test_reward_is_one_for_the_exact_working_and_half_the_correct_prefix_otherwise():
-    reward = resolve_reward_fn("auto", task="long")
-    assert reward is long_working
+def test_reward_is_exact_and_the_opt_in_partial_credit_is_half_the_correct_prefix():
     ref = LongTask.row(42, 7)["answer"]  # 6 steps: 5300,8200,1200,4100,7000,0000=0
+    exact = resolve_reward_fn("auto", task="long")  # the default: exact match of the whole working
+    assert exact(ref, ref) == 1.0 and exact(ref.replace("1200", "1300"), ref) == 0.0
+    assert exact(ref[:-1] + "3", ref) == 0.0
+    reward = resolve_reward_fn("long_working")
+    assert reward is long_working
     assert reward(ref, ref) == 1.0 and reward(ref + "\n", ref) == 1.0
     assert reward(ref.replace("1200", "1300"), ref) == 0.5 * 2 / 6  # right until the third step
     assert reward(ref[:-1] + "3", ref) == 0.5  # every step right, the wrong remainder: never 1.0
