@@ -25,13 +25,14 @@ TAG = new_tag("e2e-long")
 
 
 def test_long_generation_task_learns_within_staleness_bound(tmp_path):
-    """40 steps of 16 prompts x 8 samples at staleness k=2. Measured twice with the preset (k=1, docs/benchmarks.md,
-    "data=long"): the training reward's mean over steps 1-10 was 0.131 / 0.130 and over steps 31-40 0.203 / 0.200.
+    """40 steps of 16 prompts x 8 samples at the preset's staleness bound k=1. Measured in three runs of the preset
+    (docs/benchmarks.md, "data=long"): the training reward's mean over steps 1-10 was 0.131 / 0.130 / 0.102 and over
+    steps 31-40 0.203 / 0.200 / 0.219.
     A 10-step window is 1,280 samples in groups of 8 (standard error ~0.015, ~0.02 of the difference), so the bound
     of 0.03 sits two standard errors below the measured rise. Held-out accuracy does not move measurably in 40
     steps (+0.018 and -0.004 sampled); it is left to the measured 80- and 160-step runs, and the held-out probe is
     skipped here (data.num_eval_prompts=0) to save its ~30 s per point."""
-    k, steps = 2, 40
+    k, steps = 1, 40  # k=2 was tried once: the rise was +0.005 (0.150 -> 0.155), so k=2 is not asserted to learn
     out = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.run(
