@@ -1,5 +1,6 @@
 """Data: the built-in tiny model and tokenizer, synthetic tasks, prompt datasets and reward functions."""
 
+from . import long_task  # registers the built-in task "long"
 from .datasets import DatasetStats, PromptDataset, PromptItem, extract_final_answer, read_rows
 from .rewards import exact_match, math_reward, register_reward, resolve_reward_fn, score_safely
 from .tasks import AdditionTask, available_tasks, get_task, register_task

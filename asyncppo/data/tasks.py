@@ -26,6 +26,14 @@ from .guess import GuessTask
 from .splits import TaskSplits  # noqa: F401 (re-exported: the tasks' split type is named here too)
 
 
+def truncated_lognormal_int(rng: random.Random, median: float, sigma: float, high: int) -> int:
+    """``round(exp(N(log(median), sigma)))`` redrawn until it lies in ``[1, high]``: the heavy-tailed size of the
+    long-tailed tasks (most draws near the median, a few near ``high``)."""
+    mu = math.log(median)
+    while True:
+        n = int(round(math.exp(rng.gauss(mu, sigma))))
+        if 1 <= n <= high:
+            return n
 
 
 class AdditionTask:
@@ -128,11 +136,7 @@ class ReverseTask:
         return {"prompt": s + self.SEPARATOR, "answer": s[::-1]}
 
     def sample_length(self, rng: random.Random) -> int:
-        mu = math.log(self.median_len)
-        while True:
-            n = int(round(math.exp(rng.gauss(mu, self.sigma))))
-            if 1 <= n <= self.max_len:
-                return n
+        return truncated_lognormal_int(rng, self.median_len, self.sigma, self.max_len)
 
     def splits(self) -> TaskSplits:
         k = len(self.letters)

@@ -34,7 +34,7 @@ BUILD_FORMAT = 2  # bump when the build changes in a way the parameters do not c
 DEFAULT_ALPHABET = "0123456789+="
 
 
-def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
+def build_tokenizer(alphabet: str = DEFAULT_ALPHABET, model_max_length: int = 1024):
     """A char-level ``PreTrainedTokenizerFast``: one token per character of ``alphabet`` plus the specials.
 
     Each character is its own pre-token (regex split), looked up in a word-level vocabulary; the ``Fuse``
@@ -59,7 +59,7 @@ def build_tokenizer(alphabet: str = DEFAULT_ALPHABET):
         unk_token=UNK,
         bos_token=BOS,
         padding_side="left",  # generation pads prompts on the left
-        model_max_length=1024,
+        model_max_length=model_max_length,  # the model's context: a longer input is a user error
     )
     return fast
 
@@ -86,7 +86,8 @@ def build_tiny_model(
 
     if hidden % heads:
         raise ValueError(f"hidden={hidden} is not divisible by heads={heads}")
-    tokenizer = build_chat_tokenizer(template=TINY_TOOLS_TEMPLATE) if chat else build_tokenizer(alphabet)
+    tokenizer = (build_chat_tokenizer(template=TINY_TOOLS_TEMPLATE) if chat
+                 else build_tokenizer(alphabet, model_max_length=max_position_embeddings))
     vocab_size = len(tokenizer)
     config = Qwen2Config(
         vocab_size=vocab_size,
@@ -144,6 +145,15 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny-guess": {
         "task": "guess", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
         "sft": {"transcripts": True, "copy_steps": 0, "batch_size": 32, "lr": 2e-3, "tool_share": 0.3},
+    },
+    # Long generations (data=long, asyncppo/data/long_task.py): responses up to 1,027 tokens, so a 2,048-token
+    # context. Warm start: see configs/data/long.yaml and docs/benchmarks.md ("data=long").
+    "tiny-long": {
+        "task": "long", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
+        "max_position_embeddings": 2048,
+        # eval_rows 0: the build skips its own held-out probe (transformers decoding 1,000-token answers took
+        # minutes); the launch measures held-out accuracy on the engines at step 0.
+        "sft": {"batch_size": 32, "lr": 1e-3, "length_buckets": 2, "max_answer_chars": 160, "eval_rows": 0},
     },
 }
 

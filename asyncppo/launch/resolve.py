@@ -7,7 +7,8 @@ on (the runner prints it and exits 2):
 * the output directory does not already hold another run (resuming in place continues it);
 * embodied runs: the gymnasium env exists and its spaces are supported (and resuming is refused);
 * LLM runs: the data files are readable, the model path resolves (the built-in model is built here, once, so the
-  actors do not race to build it), and a resume checkpoint fits the configured model and leaves steps to train;
+  actors do not race to build it), one max-length sequence fits its context and a CPU engine's KV cache
+  (launch/context_check.py), and a resume checkpoint fits the configured model and leaves steps to train;
 * once Ray is up (:func:`check_cluster`): the GPUs and custom resources the bundles ask for exist, and one rollout
   engine's TP x PP GPUs fit on one node.
 
@@ -27,6 +28,7 @@ from typing import Any, Optional
 from asyncppo.config.hosts import is_loopback
 from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.launch.context_check import check_sequence_fits
 from asyncppo.launch.text_env_check import check_text_env_launch
 from asyncppo.launch.shared_device import SharedSplitError, check_shared_split
 from asyncppo.launch.plan import (
@@ -213,6 +215,10 @@ def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
         return dataclasses.replace(plan, resume_note=_embodied_resume_note(cfg))
     _check_data(cfg)
     model_path = _resolve_model(cfg)
+    try:
+        check_sequence_fits(cfg, model_path)
+    except ValueError as exc:
+        raise LaunchError(str(exc)) from None
     if cfg.env.text_env:
         try:
             check_text_env_launch(cfg, model_path)
