@@ -211,7 +211,8 @@ def test_launch_runs_a_tp2_rollout_engine_on_cpu(tmp_path):
     out = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
     proc = subprocess.run([sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}",
-                           "trainer.logger.wandb=false", "trainer.total_steps=3", "rollout.engine=vllm", "rollout.tensor_parallel_size=2"],
+                           "trainer.logger.wandb=false", "trainer.total_steps=3", "rollout.engine=vllm", "rollout.tensor_parallel_size=2",
+                           "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
                           cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

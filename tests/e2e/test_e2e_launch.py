@@ -191,6 +191,7 @@ def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
     # 8 prompts x 8 per step, so a few steps finish before the reward function's 300th call kills the worker
     proc, records = _launch(tmp_path, "rollout.reward_fn=tests.failure_helpers:die_after_some",
                             "rollout.rollout_batch_size=8", "trainer.total_steps=200", "cluster.max_worker_restarts=0",
+                            "data.num_eval_prompts=16",
                             timeout=600)
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "actor" in proc.stderr.lower() and ("died" in proc.stderr.lower() or "exit" in proc.stderr.lower()), \
@@ -207,7 +208,7 @@ def test_ctrl_c_stops_everything(tmp_path, signum):
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.Popen(
         [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM,
-         "trainer.total_steps=5000"],
+         "trainer.total_steps=5000", "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # as from a terminal, whatever started pytest: a background job of a script inherits SIGINT ignored
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),

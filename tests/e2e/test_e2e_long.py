@@ -1,14 +1,14 @@
-"""End to end: `asyncppo launch data=long` (responses up to 1,026 tokens) learns within the staleness bound.
+"""End to end: `asyncppo launch data=long` (responses up to 1,028 tokens) runs within the staleness bound.
 
 The built-in long-generation task on the real vLLM CPU engine, ZeroMQ stream, gloo weight sync and Ray, with the
-preset as a user gets it except for the run length and the skipped held-out probe: every trained token is within
-the bound, long responses are trained rather than dropped, the policy does not collapse, and nothing is left
-behind. 40 steps took ~140 s on a quiet 2-core box (load ~3), ~4-5 minutes at load 10-17; the test runs 16.
+preset as a user gets it except for the run length, a shorter warm start and the skipped held-out probe (the test's
+docstring says why). ~70 s on a quiet 2-core box, the model's build included.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,23 +22,25 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-long")
+WARMUP = 60
 
 
-def test_long_generation_run_stays_within_bound_and_does_not_collapse(tmp_path):
-    """16 steps of 16 prompts x 8 samples at the preset's staleness bound k=1 (the suite's budget; the failed settings
-    below collapsed within 5-13 steps, so a collapse shows by step 16). Learning is NOT asserted here: in 40
-    steps the training reward's rise (mean of steps 31-40 minus steps 1-10) was +0.072, +0.070, +0.117, +0.017 in
-    four k=1 runs and +0.005 at k=2, too noisy for a bound that a non-learning run would fail; the held-out gain
-    needs ~160 steps (+0.075 sampled, docs/benchmarks.md, "data=long"), ~18 minutes here. What is asserted: the
-    bound, long answers trained rather than dropped, and no collapse (the failed settings dropped the training
-    reward to 0.00-0.05 within 5-13 steps). The held-out probe is skipped (data.num_eval_prompts=0)."""
-    k, steps = 1, 16
+def test_long_generation_run_stays_within_the_bound(tmp_path):
+    """8 steps of 16 prompts x 8 samples at the preset's staleness bound k=1, from a model warm-started for 60 steps
+    instead of the preset's 300 (the suite's budget: the full build takes ~80 s on 2 cores). Such a model solves
+    nothing yet (reward 0) but writes long workings: sequences up to the preset's 1,028-token response limit go
+    through the engines, the stream, packed micro-batches and the update. What is asserted: every trained token
+    within the bound, answers of 500+ tokens trained rather than dropped, nothing dropped as stale, finite losses,
+    and nothing left behind. Learning is measured outside the suite: in 40 steps of the preset the training reward's
+    rise was +0.072, +0.070, +0.117, +0.017 in four runs, too noisy for a test, and the held-out gain needs ~160 steps
+    (+0.075 sampled, docs/benchmarks.md, "data=long"), ~18 minutes on 2 cores."""
+    k, steps = 1, 8
     out = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.run(
         [sys.executable, "-m", "asyncppo", "launch", "data=long", f"trainer.output_dir={out}",
          "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
-         "trainer.eval_every=0", "data.num_eval_prompts=0"],
+         "trainer.eval_every=0", "data.num_eval_prompts=0", f"trainer.sft_warmup_steps={WARMUP}"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -49,7 +51,5 @@ def test_long_generation_run_stays_within_bound_and_does_not_collapse(tmp_path):
     assert max(r["response_length/max"] for r in train) >= 500  # long answers are generated and trained
     summary = json.loads((out / "summary.json").read_text())
     assert summary["buffer"]["dropped_stale"] == 0
-    first = sum(r["reward/mean"] for r in train[:5]) / 5
-    last = sum(r["reward/mean"] for r in train[-5:]) / 5
-    assert last - first > -0.05 and last > 0.08, (first, last)
+    assert all(math.isfinite(r["actor/pg_loss"]) for r in train), [r["actor/pg_loss"] for r in train]
     assert_no_leftovers(TAG)
