@@ -177,20 +177,19 @@ class EpisodeRolloutWorker(RolloutWorker):
         (the evaluator calls this as its ``start_episodes``)."""
         e = self.cfg.env
         if isinstance(row, TextEnvRow):
-            envs = [make_text_env(self.env_class, row.episode_extras(), e.text_env_config, max_turns=e.max_turns)
-                    for _ in range(spec.n)]
-            self.engine.add_group(key, None, spec, envs, prompt_messages=[dict(m) for m in row.prompt_messages])
-            return
-        extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
+            extras, messages = row.episode_extras(), [dict(m) for m in row.prompt_messages]
+        else:
+            # the environment's init renders the prompt (with its tools); the row's text is its first user message
+            extras = {"prompt": row.prompt, "answer": row.answer, "index": row.index}
+            messages = [{"role": "user", "content": row.prompt}]
         envs = [make_text_env(self.env_class, extras, e.text_env_config, max_turns=e.max_turns)
                 for _ in range(spec.n)]
-        # the environment's init renders the prompt (with its tools); the row's text is its first user message
-        self.engine.add_group(key, None, spec, envs, prompt_messages=[{"role": "user", "content": row.prompt}])
+        self.engine.add_group(key, None, spec, envs, prompt_messages=messages)
 
     def _before_close(self) -> None:
         """One closing line of where every granted ticket went (granted = started + not yet started; started =
-        sent + dropped + in flight at the stop + abandoned by a learner restart) and of the worker's environment faults by kind: totals, where the
-        step metrics carry only what was sent along with a group. (The abort comes first: a worker that failed
+        sent + dropped + in flight at the stop + abandoned by a learner restart) and of the worker's environment
+        faults by kind: totals, where the step metrics carry only what was sent along with a group. (The abort comes first: a worker that failed
         before its runner existed still aborts what its engine holds.)"""
         in_flight = len(self._in_flight)
         super()._before_close()
