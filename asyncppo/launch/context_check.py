@@ -17,8 +17,7 @@ from typing import Optional
 
 from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
-
-_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from asyncppo.launch.memory_plan import DTYPE_BYTES
 
 
 def _model_config(model_path: str) -> Optional[dict]:
@@ -35,7 +34,7 @@ def kv_bytes_per_token(model_cfg: dict, dtype: str) -> int:
     heads = int(model_cfg["num_attention_heads"])
     head_dim = int(model_cfg.get("head_dim") or model_cfg["hidden_size"] // heads)
     kv_heads = int(model_cfg.get("num_key_value_heads") or heads)
-    return 2 * int(model_cfg["num_hidden_layers"]) * kv_heads * head_dim * _DTYPE_BYTES.get(dtype, 4)
+    return 2 * int(model_cfg["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
 
 
 def engine_kv_cache_gib(cfg: AsyncPPOConfig) -> int:
