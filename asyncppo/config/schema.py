@@ -219,6 +219,9 @@ class TrainerConfig:
     output_dir: str = "runs/${now:%Y%m%d-%H%M%S}"
     seed: int = 0
     eval_every: int = 100  # learner steps between held-out evaluations; 0: start and end only
+    # evaluate the starting weights (point 0): the "before" of summary.json. false: a benchmark's timed run, whose
+    # round at point 0 holds the engines at version 0 while the learner waits for its first push (docs/benchmarks.md)
+    eval_at_start: bool = True
     # learner steps between checkpoints (and one at the end); 0: none, only final/ (weights). 20: a dead learner loses
     # at most 19 steps, for ~0.05 s per checkpoint of the built-in model (docs/reliability.md measures it)
     save_every: int = 20

@@ -54,13 +54,17 @@ class EngineEvaluation:
                         timeout_s)
         return self.logged.get(final_point)
 
-    def task_before_after(self) -> dict:
+    def task_before_after(self, with_before: bool = True) -> dict:
         """``eval_before`` / ``eval_after`` of summary.json: the task probe's scores at the first and the last
-        logged point (``{"accuracy_sampled", "accuracy_greedy"}`` each, as the learner's evaluation gave them)."""
+        logged point (``{"accuracy_sampled", "accuracy_greedy"}`` each, as the learner's evaluation gave them).
+        ``with_before=False`` (a run without the point-0 round, ``trainer.eval_at_start=false``): the last only, so
+        an evaluation of trained weights is never reported as the "before"."""
         scores = [{k: m[f"eval/{k}"] for k in TASK_SCORES if f"eval/{k}" in m}
                   for _, m in sorted(self.logged.items())]
         scores = [s for s in scores if s]
-        return {"eval_before": scores[0], "eval_after": scores[-1]} if scores else {}
+        if not scores:
+            return {}
+        return {"eval_before": scores[0], "eval_after": scores[-1]} if with_before else {"eval_after": scores[-1]}
 
     def summary(self) -> dict:
         points = sorted(self.logged)

@@ -284,7 +284,7 @@ class LearnerLoop:
         work.refresh_weights()
         if self._engine_eval is not None:  # the engines evaluate the final weights pushed by the last step
             self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
-            summary.update(self._engine_eval.task_before_after())
+            summary.update(self._engine_eval.task_before_after(tr.eval_at_start))
             summary["eval_files"] = self._engine_eval.summary()
         work.save_final(os.path.join(self.output_dir, "final"), self.version)
         summary.update(steps=tr.total_steps, version=self.version)

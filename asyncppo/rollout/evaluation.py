@@ -11,8 +11,8 @@ have room.
 
 When it runs
 ------------
-The evaluation points are version 0, every ``trainer.eval_every`` versions, and ``trainer.total_steps`` (the learner
-pushes the final weights when there is something to evaluate). A worker evaluates a point with the first weights it
+The evaluation points are version 0 (unless ``trainer.eval_at_start=false``), every ``trainer.eval_every`` versions,
+and ``trainer.total_steps`` (the learner pushes the final weights when there is something to evaluate). A worker evaluates a point with the first weights it
 holds at or after it: weights arrive only every ``rollout.sync_every`` versions, and a worker may skip a version
 when pushes come faster than it loads. The report names both the point and the versions actually used. A resumed run
 skips the points it has passed.
@@ -59,8 +59,11 @@ log = logging.getLogger("asyncppo.rollout")
 KEY_PREFIX = "eval:"
 
 
-def eval_points(eval_every: int, total_steps: int) -> list[int]:
+def eval_points(eval_every: int, total_steps: int, at_start: bool = True) -> list[int]:
+    """Version 0 (unless ``at_start`` is false), every ``eval_every`` versions, and the last version."""
     points = set(range(0, total_steps + 1, eval_every)) if eval_every > 0 else {0}
+    if not at_start:
+        points.discard(0)
     points.add(total_steps)
     return sorted(points)
 
@@ -90,7 +93,8 @@ class EvalRunner:
         self.budget = max(1, ro.max_num_seqs // 2)  # sequences evaluation may hold in the engine at once
         self.temperature, self.top_p, self.top_k = ro.sampling.temperature, ro.sampling.top_p, ro.sampling.top_k
         self._eval_every, self._total_steps = cfg.trainer.eval_every, cfg.trainer.total_steps
-        self._points = collections.deque(eval_points(self._eval_every, self._total_steps))
+        self._at_start = cfg.trainer.eval_at_start
+        self._points = collections.deque(eval_points(self._eval_every, self._total_steps, self._at_start))
         self._skip_until_loaded = resumed  # version 0 is a placeholder stamp until the checkpoint's push lands
         self._round: Optional[_Round] = None
         self._inflight_seqs = 0
@@ -103,7 +107,7 @@ class EvalRunner:
         """A restarted learner: the round in the engine was aborted; the points from the checkpoint on are due
         again once its weights have loaded (points before it are the dead learner's history)."""
         self._round, self._inflight_seqs, self._answers = None, 0, {}
-        self._points = collections.deque(eval_points(self._eval_every, self._total_steps))
+        self._points = collections.deque(eval_points(self._eval_every, self._total_steps, self._at_start))
         self._skip_until_loaded = True
 
     # ------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,8 @@ def test_points_and_names():
     assert eval_points(3, 10) == [0, 3, 6, 9, 10]
     assert eval_points(0, 10) == [0, 10]
     assert eval_points(5, 10) == [0, 5, 10]
+    assert eval_points(5, 10, at_start=False) == [5, 10]  # trainer.eval_at_start=false: no point-0 round
+    assert eval_points(0, 10, at_start=False) == [10]
     assert eval_file_names(["/a/test.jsonl", "/b/test.jsonl", "x.parquet", "/c/test.jsonl"]) == \
         ["test.jsonl", "test.jsonl#2", "x.parquet", "test.jsonl#3"]
     assert eval_file_names(["/a/<task>", "/b/t.jsonl"], reserved=(TASK_SET,)) == ["<task>#2", "t.jsonl"]
@@ -105,7 +107,8 @@ def _runner(cfg_over, datasets, decode, resumed=False):
         rollout=types.SimpleNamespace(max_num_seqs=cfg_over.get("max_num_seqs", 8), response_length=8,
                                       sampling=types.SimpleNamespace(temperature=1.0, top_p=1.0, top_k=-1, seed=3)),
         data=types.SimpleNamespace(eval_samples=cfg_over.get("eval_samples", 2)),
-        trainer=types.SimpleNamespace(eval_every=cfg_over.get("eval_every", 2), total_steps=4),
+        trainer=types.SimpleNamespace(eval_every=cfg_over.get("eval_every", 2), total_steps=4,
+                                eval_at_start=cfg_over.get("eval_at_start", True)),
     )
     from asyncppo.data.rewards import score_safely
 
@@ -153,6 +156,12 @@ def test_runner_against_vllm_greedy_answers(vllm_engine, tiny_tokenizer):
     assert runner.on_version(1, loaded=True) is None and not runner.active
     runner.on_version(3, loaded=True)
     assert runner._round.point == 2
+    vllm_engine.abort_all()
+    # trainer.eval_at_start=false: no round at version 0; the first is at point 2
+    late = _runner({"max_num_seqs": 8, "eval_samples": 2, "eval_at_start": False}, {"add.jsonl": _Rows(items)}, decode)
+    assert late.on_version(0, loaded=True) is None and not late.active
+    late.on_version(2, loaded=True)
+    assert late.active and late._round.point == 2
     vllm_engine.abort_all()
 
 
@@ -243,6 +252,9 @@ def test_task_set_keeps_the_probes_metric_names_and_summary():
     evaluation.logged = {0: metrics, 6: {**metrics, "eval/accuracy_greedy": 0.75}, 3: {"eval/f.jsonl/x": 1.0}}
     assert evaluation.task_before_after() == {"eval_before": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.25},
                                               "eval_after": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.75}}
+    evaluation.logged = {6: {**metrics, "eval/accuracy_greedy": 0.75}}  # eval_at_start=false: the end point only
+    assert evaluation.task_before_after(with_before=False) == {
+        "eval_after": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.75}}
 
 
 class _ScriptedEngine:

@@ -51,6 +51,7 @@ EXPECTED = {
         "trainer.logger.wandb_project": "verl_examples", "trainer.logger.wandb_run_name": "gsm8k_ppo",
     },
     "verl_grpo": {
+        "trainer.eval_at_start": False,  # val_before_train: false
         "algorithm.adv_estimator": "grpo", "algorithm.whiten_advantages": False, "algorithm.add_token_level_kl": False,
         "algorithm.norm_adv_by_std_in_grpo": True, "algorithm.clip_ratio_low": 0.2, "algorithm.clip_ratio_high": 0.28,
         "algorithm.dual_clip_loss": True, "algorithm.clip_ratio_c": 10.0, "algorithm.entropy_coef": 0.0,
@@ -217,7 +218,10 @@ def test_silent_behaviour_changes_are_flagged():
     assert rlinf.entries["runner.max_steps"].flagged  # -1: epochs-based, asyncppo needs a step count
     assert rlinf.entries["algorithm.kl_penalty_type"].status == "approximate"  # FSDP actor swaps the arguments
     verl = _convert("verl_grpo")
-    assert verl.entries["trainer.val_before_train"].flagged  # asyncppo always evaluates first
+    # val_before_train: false maps onto trainer.eval_at_start exactly (no point-0 evaluation)
+    assert verl.entries["trainer.val_before_train"].targets == ["trainer.eval_at_start"]
+    assert not verl.entries["trainer.val_before_train"].flagged
+    assert verl.values["trainer.eval_at_start"] is False
     # verl defaults that differ from asyncppo's are carried over and listed as such
     assert "| `algorithm.dual_clip_loss` | `True` | `False` |" in _convert("verl_ppo").report
 

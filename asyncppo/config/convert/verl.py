@@ -260,9 +260,7 @@ def _trainer(ctx: Context) -> None:
     never = as_int(ctx.get("trainer.test_freq")) <= 0
     ctx.map("trainer.test_freq", "trainer.eval_every", lambda v: max(as_int(v), 0),
             why="-1 in verl never evaluates; asyncppo's 0 still evaluates at the start and the end" if never else "")
-    before = as_bool(ctx.get("trainer.val_before_train"))
-    ctx.consumed("trainer.val_before_train", "mapped" if before else "approximate",
-                 "asyncppo always evaluates before the first step", [])
+    ctx.map("trainer.val_before_train", "trainer.eval_at_start", as_bool)
     keep = ctx.get("trainer.max_actor_ckpt_to_keep")
     if keep is not None:
         ctx.map("trainer.max_actor_ckpt_to_keep", "trainer.keep_checkpoints", positive_or_none(int))
