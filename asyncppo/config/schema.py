@@ -130,6 +130,9 @@ class RolloutConfig:
     overlong_prompt: str = "truncate"  # truncate | skip
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     max_staleness: int = 1
+    # admission window j <= max_staleness: tickets are granted j versions ahead (nominal lag <= j); a straggler may be
+    # trained later, up to max_staleness, while the learner trains fresher groups (docs/staleness.md). null: = k
+    admission_lookahead: Optional[int] = None
     sync_every: int = 1
     # skip a due push while the previous one is still being taken, if the weights already pushed serve the next
     # batch (pushed >= version - max_staleness); the newest weights go out once it is done (docs/staleness.md)

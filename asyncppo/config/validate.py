@@ -37,6 +37,10 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.positive("rollout.response_length", r.response_length)
     c.choice("rollout.overlong_prompt", r.overlong_prompt, C.OVERLONG_PROMPT)
     c.non_negative("rollout.max_staleness", r.max_staleness)
+    if r.admission_lookahead is not None and not 0 <= r.admission_lookahead <= max(r.max_staleness, 0):
+        c.error("rollout.admission_lookahead", r.admission_lookahead,
+                f"must be null (= rollout.max_staleness) or in [0, rollout.max_staleness={r.max_staleness}]: "
+                "tickets granted further ahead than the bound could not be trained within it")
     if r.sync_every < 1:
         c.error("rollout.sync_every", r.sync_every, "must be >= 1 (learner steps between weight pushes)")
     elif r.max_staleness >= 0 and r.max_staleness < r.sync_every - 1:
@@ -199,6 +203,7 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
     * ``algorithm.ppo_mini_batch_size`` 0: ``rollout.rollout_batch_size / algorithm.ppo_num_mini_batches`` (the
       whole batch when that is 0)
     * ``rollout.prompts_per_call`` 0: ``rollout.rollout_batch_size``
+    * ``rollout.admission_lookahead`` null: ``rollout.max_staleness``
     * ``cluster.advertise_address`` null: ``cluster.bind_address`` (``auto`` stays ``auto``: both are decided in the
       learner actor at launch, launch/addresses.py)
     """
@@ -215,6 +220,8 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
         a.ppo_mini_batch_size = mini_batch_prompts(cfg)
     if r.prompts_per_call == 0:
         r.prompts_per_call = r.rollout_batch_size
+    if r.admission_lookahead is None:
+        r.admission_lookahead = r.max_staleness
     if cfg.cluster.advertise_address is None:
         cfg.cluster.advertise_address = cfg.cluster.bind_address
     return cfg

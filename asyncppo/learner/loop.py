@@ -246,11 +246,13 @@ class LearnerLoop:
     def _may_coalesce(self, wiring, last: bool) -> bool:
         """``rollout.coalesce_pushes``: skip a due push while the previous one is still being taken (the engines are
         slower to load than the learner is to step), but only while the weights already pushed serve every ticket
-        of the next batch: that batch (version ``v``) holds tickets of ``min_version = v - max_staleness``, so a
-        skip needs ``pushed_version >= v - max_staleness`` (never under ``max_staleness=0``). Otherwise, and at the
-        last step, the push waits for the previous one as usual (its deadline retires a late worker)."""
+        of the next batch: that batch (version ``v``) holds tickets of ``min_version = v - j`` (``j`` the admission
+        lookahead, ``max_staleness`` unless set), so a skip needs ``pushed_version >= v - j`` (never under ``j=0``).
+        Otherwise, and at the last step, the push waits for the previous one as usual (its deadline retires a late
+        worker)."""
         ro = self.cfg.rollout
-        return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - ro.max_staleness
+        lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
+        return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - lookahead
                 and wiring.fanout.pushing())
 
     def _take(self, buffer, n: int) -> list:

@@ -71,6 +71,7 @@ class StepMeters:
             "buffer/size": stats.get("size", 0),
             "buffer/dropped_stale": stats.get("dropped_stale", 0),
             "buffer/rejected_ticket": stats.get("rejected_ticket", 0),
+            "buffer/deferred": stats.get("deferred", 0),  # trained ahead of a missing lower ticket (lookahead)
             "staleness/version_spread_max": stats.get("version_spread_max", 0),
             "waste/tokens_frac": stats.get("dropped_tokens", 0)
             / max(1, stats.get("dropped_tokens", 0) + self.engine_totals.trained_tokens),

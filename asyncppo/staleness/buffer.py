@@ -16,6 +16,14 @@ version ``v - k`` with ``min_version >= v - k`` (see :mod:`asyncppo.staleness.co
 then has lag ``<= k`` *and nothing is dropped*; a straggler makes the learner wait for it instead (the engine keeps
 generating later tickets meanwhile). The lag guard stays as the backstop for anything that breaks the rule.
 
+Why deferral under a lookahead (``rollout.admission_lookahead = j < k``): admission then grants tickets with
+``min_version = v - j``, nominally lag ``<= j``, each with a deadline ``k - j`` versions later. When some of the
+``B`` lowest tickets have not arrived but enough later groups have, the batch takes the lowest arrived ones instead
+and the missing tickets stay outstanding (they are the lowest next time), as long as the admission controller
+says every ticket not yet trained still meets its deadline (:meth:`AdmissionController.can_defer`); a ticket at
+its deadline is waited for, as before. So a straggler with slack no longer stalls the learner, and it is still
+trained with lag ``<= k``. ``deferred`` counts the groups trained ahead of a missing lower ticket.
+
 Why no per-sample objects: everything the buffer asks of a record (sample count, per-sample lengths and versions,
 token count) is answered from its columns (:meth:`TrajectoryGroup.sample_lengths` and friends), so a group that
 arrived columnar stays columnar on its way to the batch. An embodied segment answers the same questions.
@@ -44,6 +52,8 @@ class TicketOrder(Protocol):
     def lowest_outstanding(self, n: int) -> list[int]: ...
 
     def is_outstanding(self, index: int) -> bool: ...
+
+    def can_defer(self, take: list[int], version: int) -> bool: ...
 
 
 #: Drops are counted per bucket of the group's longest response, as a fraction of ``response_length``.
@@ -81,6 +91,7 @@ class StalenessBuffer:
         self.response_length = response_length
         self._q: collections.deque[TrajectoryGroup] = collections.deque()
         self.rejected_ticket = 0  # ordered mode: groups whose ticket is not outstanding, or already buffered
+        self.deferred = 0  # ordered mode: groups trained ahead of a missing lower ticket (admission lookahead)
         self.dropped_tokens = 0
         self.dropped_by_length: collections.Counter[str] = collections.Counter()
         self._cv = threading.Condition()
@@ -149,7 +160,7 @@ class StalenessBuffer:
         with self._cv:
             while True:
                 dropped += self._drop_stale_locked(learner_version)
-                out = self._pop_batch_locked(n_groups)
+                out = self._pop_batch_locked(n_groups, learner_version)
                 if out:
                     self.taken += n_groups
                     self._record_lags(out, learner_version)
@@ -169,8 +180,10 @@ class StalenessBuffer:
                 self.on_take(g)
         return out
 
-    def _pop_batch_locked(self, n: int) -> list[TrajectoryGroup]:
-        """The next batch if it is complete, else [] (nothing removed)."""
+    def _pop_batch_locked(self, n: int, learner_version: int) -> list[TrajectoryGroup]:
+        """The next batch if it is complete, else [] (nothing removed). Ordered mode: the ``n`` lowest outstanding
+        tickets, or, if some of them are missing, the ``n`` lowest arrived ones when the order lets the missing
+        ones wait (their deadlines still hold)."""
         if self.order is None:
             return [self._q.popleft() for _ in range(n)] if len(self._q) >= n else []
         want = self.order.lowest_outstanding(n)
@@ -178,7 +191,11 @@ class StalenessBuffer:
             return []
         by_ticket = {g.ticket: g for g in self._q}
         if not all(t in by_ticket for t in want):
-            return []
+            arrived = [t for t in sorted(by_ticket) if self.order.is_outstanding(t)][:n]
+            if len(arrived) < n or not self.order.can_defer(arrived, learner_version):
+                return []
+            self.deferred += sum(1 for t in arrived if t not in want)
+            want = arrived
         chosen = set(want)
         self._q = collections.deque(g for g in self._q if g.ticket not in chosen)
         return [by_ticket[t] for t in want]
@@ -210,6 +227,7 @@ class StalenessBuffer:
                 "dropped_samples": self.dropped_samples,
                 "dropped_tokens": self.dropped_tokens,
                 "rejected_ticket": self.rejected_ticket,
+                "deferred": self.deferred,
                 **{f"dropped_{b}": c for b, c in sorted(self.dropped_by_length.items())},
                 "lag_min": min(lags) if lags else 0,
                 "lag_mean": sum(lags) / len(lags) if lags else 0.0,

@@ -28,6 +28,16 @@ that arrive later than that are what the buffer's lag guard is for; lag ``<= k``
 guaranteed by the guard, the controller keeps such drops rare. ``min_version`` is clamped at 0, which is
 equivalent to the raw (possibly negative) formula because versions start at 0.
 
+Admission lookahead ``j <= k`` (``rollout.admission_lookahead``). The window above buys throughput only because a
+straggler gets ``k`` learner steps to finish; it also makes *every* sample ``k`` versions old once the engine fills
+it. With a lookahead ``j`` the formulas above hold with ``k`` replaced by ``j``: grants while ``L < (j + v + 1) * B``,
+``min_version = max(0, p // B - j, i // B - j)``, so nominally a group has lag ``<= j``. The hard bound stays ``k``:
+a group's *deadline*, the last learner version at which it may be trained, is its unclamped min_version plus
+``k`` (``p // B - j + k``), i.e. ``k - j`` versions of slack. The buffer may train later tickets ahead of a missing
+one while :meth:`AdmissionController.can_defer` says every ticket not yet trained (outstanding or still to be
+granted) still meets its deadline at ``B`` groups per version; a ticket at its deadline is waited for. With
+``j = k`` (the default) nothing is deferred: ticket order, exactly as without a lookahead.
+
 Resuming. A run resumed at version ``V`` has already consumed slots ``0 .. V*B - 1`` (in the run that wrote the
 checkpoint). ``start_version=V`` starts the controller as if those slots were granted and consumed: fresh indices
 start at ``V*B`` and the live count at ``V*B``, so at most ``(k + 1) * B`` tickets are in flight at once, exactly as
@@ -39,6 +49,7 @@ from __future__ import annotations
 import heapq
 import threading
 from dataclasses import dataclass
+from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -52,15 +63,21 @@ class Ticket:
 class AdmissionController:
     """Thread-safe ticket accounting. Pure logic: no sockets (see :mod:`asyncppo.staleness.server`)."""
 
-    def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, start_version: int = 0):
+    def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, start_version: int = 0,
+                 lookahead: int | None = None):
         if type(batch_groups) is not int or batch_groups < 1:
             raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
         if type(max_staleness) is not int or max_staleness < 0:
             raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
         if type(start_version) is not int or start_version < 0:
             raise ValueError(f"start_version must be an int >= 0, got {start_version!r}")
+        if lookahead is None:
+            lookahead = max_staleness
+        if type(lookahead) is not int or not 0 <= lookahead <= max_staleness:
+            raise ValueError(f"lookahead must be an int in [0, max_staleness={max_staleness}], got {lookahead!r}")
         self.B = batch_groups
         self.k = max_staleness
+        self.j = lookahead  # admission window and nominal lag; k stays the hard bound (deadlines)
         self.start_version = start_version
         self._v = max(version, start_version)
         self._lock = threading.Lock()
@@ -68,6 +85,7 @@ class AdmissionController:
         self._next_index = start_version * batch_groups
         self._free: list[int] = []  # released indices, re-granted smallest first
         self._outstanding: set[int] = set()  # granted, neither consumed nor released
+        self._deadline: dict[int, int] = {}  # outstanding index -> last version it may be trained at
         self._live = start_version * batch_groups  # granted - released: the slots in use, consumed ones included
         self.granted = 0  # grants, including re-grants of released indices
         self.released = 0
@@ -93,8 +111,12 @@ class AdmissionController:
             self.stopped = True
 
     def capacity(self) -> int:
-        """How many tickets may be live right now: ``(k + v + 1) * B``."""
-        return (self.k + self._v + 1) * self.B
+        """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set)."""
+        return (self.j + self._v + 1) * self.B
+
+    def window(self) -> int:
+        """How many tickets can be in flight at once in steady state: ``(j + 1) * B``."""
+        return (self.j + 1) * self.B
 
     # --------------------------------------------------------------------------------------------- grants
     def try_acquire(self) -> Ticket | None:
@@ -109,8 +131,10 @@ class AdmissionController:
             self._outstanding.add(index)
             self._live += 1
             self.granted += 1
-            # slot rule, and never older than the index's own rule (attainable: index < (k + v + 1) * B)
-            return Ticket(index=index, min_version=max(0, live // self.B - self.k, index // self.B - self.k))
+            # slot rule, and never older than the index's own rule (attainable: index < (j + v + 1) * B)
+            nominal = max(live // self.B, index // self.B) - self.j
+            self._deadline[index] = nominal + self.k  # unclamped: with j = k exactly the slot's version
+            return Ticket(index=index, min_version=max(0, nominal))
 
     def _take_fresh(self) -> int:
         i = self._next_index
@@ -131,6 +155,7 @@ class AdmissionController:
                 self.release_unknown += 1
                 return False
             self._outstanding.remove(index)
+            del self._deadline[index]
             self._live -= 1
             heapq.heappush(self._free, index)
             self.released += 1
@@ -144,6 +169,7 @@ class AdmissionController:
         with self._lock:
             if index in self._outstanding:
                 self._outstanding.remove(index)
+                del self._deadline[index]
                 self.consumed_count += 1
 
     def lowest_outstanding(self, n: int) -> list[int]:
@@ -156,9 +182,41 @@ class AdmissionController:
         with self._lock:
             return index in self._outstanding
 
+    def deadline_of(self, index: int) -> int | None:
+        """The last learner version at which outstanding ticket ``index`` may be trained within the bound ``k``
+        (its unclamped min_version plus ``k``); None if it is not outstanding."""
+        with self._lock:
+            return self._deadline.get(index)
+
+    def can_defer(self, take: Iterable[int], version: int) -> bool:
+        """May the learner train the tickets ``take`` at ``version`` although lower tickets are still missing?
+
+        True only under a lookahead ``j < k`` and only if, after ``take``, every ticket not yet trained still meets
+        its deadline when the learner trains ``B`` groups per version from ``version + 1`` on, earliest deadline
+        first: the outstanding ones by their stored deadline, those still to be granted by the lower bound of the
+        slots they will occupy (``L, L + 1, ...``: a grant never gets an earlier deadline than its slot's). In
+        sorted order the ``m``-th deadline (1-based) must be ``>= version + ceil(m / B)``. A missing ticket whose
+        deadline is ``version`` fails this at once, so it is waited for. The future grants' deadlines grow by one
+        per ``B`` slots, as fast as the batches do, so checking ``B`` of them past the last outstanding deadline
+        decides the infinite rest."""
+        taking = set(take)
+        with self._lock:
+            if self.j >= self.k:
+                return False
+            rest = sorted(d for i, d in self._deadline.items() if i not in taking)
+            B, live = self.B, self._live
+            last = rest[-1] if rest else version
+            n_future = max(0, (last + 1 + self.j - self.k) * B - live) + B
+            future = ((live + m) // B - self.j + self.k for m in range(n_future))
+            for m, deadline in enumerate(heapq.merge(rest, future), start=1):
+                if deadline < version + -(-m // B):
+                    return False
+            return True
+
     def stats(self) -> dict[str, int]:
         """Counts: granted (re-grants included), released, consumed, live (slots in use), in_flight (granted
-        but neither consumed nor released; exact only if :meth:`consumed` is called), capacity, version."""
+        but neither consumed nor released; exact only if :meth:`consumed` is called), capacity, version, and the
+        lookahead ``j``."""
         with self._lock:
             return {
                 "granted": self.granted,
@@ -169,4 +227,5 @@ class AdmissionController:
                 "in_flight": len(self._outstanding),
                 "capacity": self.capacity(),
                 "version": self._v,
+                "lookahead": self.j,
             }

@@ -58,7 +58,8 @@ def allocate(wants: Mapping[Hashable, int], held: Mapping[Hashable, int], free: 
 
 def startup_cap(window: int, expected_workers: Optional[int], asked: int, cap: Optional[int]) -> Optional[int]:
     """The holding cap while not every expected worker has asked yet: each connection may hold at most an equal
-    share, ``ceil(window / expected_workers)``, of the ``window = (k + 1) * B`` tickets that can be in flight, so
+    share, ``ceil(window / expected_workers)``, of the ``window = (j + 1) * B`` tickets that can be in flight (``j``
+    the admission lookahead, ``k`` unless set), so
     the first engine up does not take the whole pool before the second one asks (tickets are never taken back).
     The reservation ends for good once ``expected_workers`` distinct workers have asked; ``cap`` always holds."""
     if not expected_workers or asked >= expected_workers:

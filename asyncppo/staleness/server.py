@@ -204,7 +204,7 @@ class AdmissionServer:
         limit = self.max_tickets_per_peer
         if self.fair_tickets:  # ties: the connection served least recently, then the oldest request (round-robin)
             by_turn = sorted(queues, key=lambda i: (self._last_served.get(i, -1), queues[i][0][0]))
-            window = (self.controller.k + 1) * self.controller.B
+            window = self.controller.window()  # (j + 1) * B tickets in flight
             return next_holder(by_turn, self._held,
                                startup_cap(window, self.expected_workers, len(self._asked), limit))
         by_age = sorted(queues, key=lambda identity: queues[identity][0][0])

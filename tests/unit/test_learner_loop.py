@@ -66,9 +66,11 @@ class _Workload:
         return TimeoutError(f"late at version {version} ({got}/{n})")
 
 
-def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0, max_staleness=1, coalesce_pushes=False):
+def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0, max_staleness=1, coalesce_pushes=False,
+          admission_lookahead=None):
     cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every,
-                                                  max_staleness=max_staleness, coalesce_pushes=coalesce_pushes),
+                                                  max_staleness=max_staleness, coalesce_pushes=coalesce_pushes,
+                                                  admission_lookahead=admission_lookahead),
                           trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s, hang_timeout_s=None,
                                                                    push_timeout_s=None))
     loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
@@ -176,3 +178,33 @@ def test_coalescing_skips_while_a_push_is_in_flight_and_the_bound_allows():
         loop._train_step(step, wiring, _Buffer())
     # v1 pushed; v2, v3 skipped (pushed 1 >= v - 2); v4 must go out (1 < 4 - 2): the learner waits for v1, pushes v4
     assert work.pushed[:2] == [1, 4] and loop.pushes_coalesced >= 2
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_coalescing_under_a_lookahead_keeps_the_lookaheads_tickets_servable(seed):
+    """With ``admission_lookahead = j < k`` the next batch's tickets need weights ``>= v - j``, not ``v - k``: a skip
+    that only honoured ``k`` would leave those tickets waiting for weights the learner holds back."""
+    import random
+
+    rng = random.Random(seed)
+    k, steps = 4, 20
+    j = rng.choice([0, 1, 2])
+    work = _Workload()
+    fanout = _SlowFanout([rng.choice([0, 1, 2, 5]) for _ in range(5)])
+    loop, wiring = _loop(work, sync_every=1, total_steps=steps, max_staleness=k, coalesce_pushes=True,
+                         admission_lookahead=j)
+    wiring.fanout = fanout
+    pushes = work.push
+    work.push = lambda version: (fanout.start(), pushes(version))
+
+    class _Checked(_Buffer):
+        def take(self, n, version, timeout_s):
+            assert loop.pushed_version >= version - j, (version, loop.pushed_version, j)
+            return super().take(n, version, timeout_s)
+
+    for step in range(1, steps + 1):
+        fanout.step = step
+        loop._train_step(step, wiring, _Checked())
+    assert work.pushed == sorted(set(work.pushed))
+    if j == 0:
+        assert loop.pushes_coalesced == 0
