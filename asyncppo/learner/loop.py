@@ -184,9 +184,9 @@ class LearnerLoop:
 
     def _announce_start(self, wiring, start: int) -> None:
         """Tell the workers the starting version. A resumed run pushes the checkpoint's weights first (workers begin
-        at version 0; tickets need version >= start - k, so they wait for this push; when k >= start they may
-        generate before it with their engine's weights stamped 0, an older stamp than the truth, which only errs
-        towards the lag guard). A workload whose workers start with no weights pushes version 0 too."""
+        at version 0; tickets need version >= start - j, j the admission lookahead, so they wait for this push; when
+        j >= start they may generate before it with their engine's weights stamped 0, an older stamp than the truth,
+        which only errs towards the lag guard). A workload whose workers start with no weights pushes version 0 too."""
         wiring.control.publish(version=start, weights_version=start)
         if start > 0 or self.workload.pushes_initial_weights or self.push_first:
             self.workload.push(start)

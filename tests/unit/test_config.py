@@ -195,6 +195,8 @@ INVALID = [
      "algorithm.reward_scale=True"),
     (["algorithm.off_policy_cap=0.5"], "algorithm.off_policy_cap=0.5"),
     (["rollout.sampling.top_p=0"], "rollout.sampling.top_p=0.0"),
+    (["rollout.max_staleness=2", "rollout.admission_lookahead=3"], "rollout.admission_lookahead=3"),
+    (["rollout.admission_lookahead=-1"], "rollout.admission_lookahead=-1"),
 ]
 
 
@@ -230,6 +232,8 @@ def test_all_problems_collected_in_one_error():
     ["rollout.reward_fn=my_pkg.rewards:score"],
     ["algorithm.clip_ratio_low=0.2", "algorithm.clip_ratio_high=0.28", "algorithm.dual_clip_loss=true"],
     ["rollout.sampling.temperature=0.7", "algorithm.temperature=0.7"],
+    ["rollout.max_staleness=4", "rollout.admission_lookahead=0"],
+    ["rollout.max_staleness=4", "rollout.admission_lookahead=4"],
 ])
 def test_valid_edge_cases_pass(good):
     load_config(good)
@@ -276,3 +280,8 @@ def test_num_mini_batches_splits_whatever_batch_size(batch, expect):
     assert load_config(["rollout.rollout_batch_size=8", "algorithm.ppo_mini_batch_size=8"]
                        ).algorithm.ppo_mini_batch_size == 8
     assert "algorithm.ppo_num_mini_batches" in str(_error(["rollout.rollout_batch_size=6"]))
+
+
+def test_admission_lookahead_defaults_to_max_staleness():
+    assert load_config(["rollout.max_staleness=3"]).rollout.admission_lookahead == 3
+    assert load_config(["rollout.max_staleness=3", "rollout.admission_lookahead=1"]).rollout.admission_lookahead == 1

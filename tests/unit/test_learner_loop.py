@@ -133,6 +133,29 @@ class _SlowFanout:
         return False
 
 
+def _coalescing_loop(steps, k, durations, lookahead=None):
+    """A loop with ``coalesce_pushes`` whose pushes take ``durations`` steps to load (see :class:`_SlowFanout`)."""
+    work, fanout = _Workload(), _SlowFanout(durations)
+    loop, wiring = _loop(work, sync_every=1, total_steps=steps, max_staleness=k, coalesce_pushes=True,
+                         admission_lookahead=lookahead)
+    wiring.fanout = fanout
+    pushes = work.push
+    work.push = lambda version: (fanout.start(), pushes(version))
+    return work, fanout, loop, wiring
+
+
+class _ServableOnly(_Buffer):
+    """A buffer that checks, at every take at version v, that weights >= v - ``bound`` were pushed."""
+
+    def __init__(self, loop, bound):
+        super().__init__()
+        self.loop, self.bound = loop, bound
+
+    def take(self, n, version, timeout_s):
+        assert self.loop.pushed_version >= version - self.bound, (version, self.loop.pushed_version, self.bound)
+        return super().take(n, version, timeout_s)
+
+
 @pytest.mark.parametrize("seed", range(40))
 def test_coalesced_pushes_always_leave_the_next_batch_servable_and_go_out_in_order(seed):
     """Whatever the load times: at every take at version v, weights >= v - k were pushed (so every ticket of the
@@ -142,23 +165,12 @@ def test_coalesced_pushes_always_leave_the_next_batch_servable_and_go_out_in_ord
 
     rng = random.Random(seed)
     k, steps = rng.choice([0, 1, 2, 4]), 30
-    work = _Workload()
-    fanout = _SlowFanout([rng.choice([0, 0, 1, 2, 5]) for _ in range(7)])
-    loop, wiring = _loop(work, sync_every=1, total_steps=steps, max_staleness=k, coalesce_pushes=True)
-    wiring.fanout = fanout
-    pushes = work.push
-    work.push = lambda version: (fanout.start(), pushes(version))
-
-    class _Checked(_Buffer):
-        def take(self, n, version, timeout_s):
-            assert loop.pushed_version >= version - k, (version, loop.pushed_version, k)
-            return super().take(n, version, timeout_s)
-
+    work, fanout, loop, wiring = _coalescing_loop(steps, k, [rng.choice([0, 0, 1, 2, 5]) for _ in range(7)])
     for step in range(1, steps + 1):
         fanout.step = step
         free = not fanout.pushing()
         owed = loop._push_owed
-        loop._train_step(step, wiring, _Checked())
+        loop._train_step(step, wiring, _ServableOnly(loop, k))
         if owed and free and step < steps:
             assert work.pushed[-1] == loop.version  # the owed push went out as soon as the previous was done
     assert work.pushed == sorted(set(work.pushed)) and len(work.pushed) + loop.pushes_coalesced == steps - 1
@@ -189,22 +201,10 @@ def test_coalescing_under_a_lookahead_keeps_the_lookaheads_tickets_servable(seed
     rng = random.Random(seed)
     k, steps = 4, 20
     j = rng.choice([0, 1, 2])
-    work = _Workload()
-    fanout = _SlowFanout([rng.choice([0, 1, 2, 5]) for _ in range(5)])
-    loop, wiring = _loop(work, sync_every=1, total_steps=steps, max_staleness=k, coalesce_pushes=True,
-                         admission_lookahead=j)
-    wiring.fanout = fanout
-    pushes = work.push
-    work.push = lambda version: (fanout.start(), pushes(version))
-
-    class _Checked(_Buffer):
-        def take(self, n, version, timeout_s):
-            assert loop.pushed_version >= version - j, (version, loop.pushed_version, j)
-            return super().take(n, version, timeout_s)
-
+    work, fanout, loop, wiring = _coalescing_loop(steps, k, [rng.choice([0, 1, 2, 5]) for _ in range(5)], j)
     for step in range(1, steps + 1):
         fanout.step = step
-        loop._train_step(step, wiring, _Checked())
+        loop._train_step(step, wiring, _ServableOnly(loop, j))
     assert work.pushed == sorted(set(work.pushed))
     if j == 0:
         assert loop.pushes_coalesced == 0
