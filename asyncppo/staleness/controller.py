@@ -40,7 +40,7 @@ granted) still meets its deadline at ``B`` groups per version; a ticket at its d
 
 Resuming. A run resumed at version ``V`` has already consumed slots ``0 .. V*B - 1`` (in the run that wrote the
 checkpoint). ``start_version=V`` starts the controller as if those slots were granted and consumed: fresh indices
-start at ``V*B`` and the live count at ``V*B``, so at most ``(k + 1) * B`` tickets are in flight at once, exactly as
+start at ``V*B`` and the live count at ``V*B``, so at most ``(j + 1) * B`` tickets are in flight at once, exactly as
 in a run that never stopped. Starting at ``version=V`` without the offset would grant ``(k + V + 1) * B`` at once.
 """
 
