@@ -237,7 +237,8 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=0.0,
-                   help="training time for trl/reference; 0: asyncppo's measured training time (--task long: each contender; 0: 480)")
+                   help="training time for trl/reference; 0: asyncppo's measured training time "
+                        "(--task long: of each contender; 0: 480)")
     p.add_argument("--skip", default="", help="comma list of contenders to leave out: asyncppo,trl,reference")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process contenders")
     p.add_argument("--profile", action="store_true", help="profile the PPO update in-process, then exit")
