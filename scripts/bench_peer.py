@@ -16,8 +16,15 @@ supervised warm start) with the same batch shape (16 prompts x 8 samples), learn
 Every contender's final weights are scored here by the same probe the learner uses (256 held-out prompts, 4 sampled
 answers each at T=1, and greedy), so accuracies are comparable. Trained samples/s = samples trained / training time.
 
+``--task long`` (scripts/peer_long.py) puts asyncppo's ``data=long`` preset against TRL's ``GRPOTrainer`` on the
+long-generation task (responses ~158 tokens on average, up to 1,026), each for ``--seconds`` of training (default
+480), and scores ``--points`` checkpoints of each with one in-process probe (128 held-out prompts, 4 sampled answers
+each at T=1 and greedy): held-out accuracy against training time, and the time each first reaches the lower of
+the two final accuracies (no reference loop there).
+
     python scripts/bench_peer.py                  # asyncppo default, then TRL and the reference for as long
     python scripts/bench_peer.py --seconds 120 --skip asyncppo
+    python scripts/bench_peer.py --task long --seconds 480 --points 4 --keep /tmp/peer_long
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from asyncppo.data.rewards import exact_match
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import resolve_model_path
 from inproc import GROUP, MAX_NEW, PROMPTS, Timers, evaluate, load, rewards, sample_group, sampled_batch
+from peer_long import main_long
 
 LR = 1e-4
 
@@ -92,18 +100,37 @@ def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) 
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: str) -> dict:
+def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_completion: int, callbacks: list,
+                logging_steps: int = 50):
+    """TRL's ``GRPOTrainer`` set up as asyncppo's preset trains: 16 prompts x 8 samples per step, one optimizer
+    update per batch, constant learning rate ``LR`` without warm-up, ``beta=0`` (no KL), grad clip 1, T=1, exact
+    match; ``loss_type="dapo"`` (TRL's default, stated): token-mean over the batch's active tokens, which with one
+    process and no accumulation is asyncppo's ``loss_agg_mode=token-mean``. None (with a message) without trl."""
     try:
         from datasets import Dataset
-        from transformers import TrainerCallback
         from trl import GRPOConfig, GRPOTrainer
     except ImportError as exc:
         print(f"[bench] trl: SKIPPED ({exc}); `pip install trl` to include TRL's GRPOTrainer", flush=True)
-        return {}
+        return None
     model, tok = load(model_dir)
 
     def reward(prompts, completions, answer, **kw):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
+
+    config = GRPOConfig(
+        output_dir=os.path.join(root, "trl"), learning_rate=LR, per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP, max_completion_length=max_completion, temperature=1.0, beta=0.0, max_steps=100_000,
+        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=logging_steps,
+        loss_type="dapo", report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
+        dataloader_num_workers=0, disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tok,
+                          train_dataset=Dataset.from_list(rows_train), callbacks=callbacks)
+    return trainer, tok
+
+
+def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: str) -> dict:
+    from transformers import TrainerCallback
 
     class StopAfter(TrainerCallback):
         def __init__(self):
@@ -119,14 +146,10 @@ def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: 
                 control.should_training_stop = True
 
     stop = StopAfter()
-    config = GRPOConfig(
-        output_dir=os.path.join(root, "trl"), learning_rate=LR, per_device_train_batch_size=PROMPTS * GROUP,
-        num_generations=GROUP, max_completion_length=MAX_NEW, temperature=1.0, beta=0.0, max_steps=100_000,
-        lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=50, report_to=[],
-        save_strategy="no", use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0, disable_tqdm=True,
-    )
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tok,
-                          train_dataset=Dataset.from_list(rows_train), callbacks=[stop])
+    built = trl_trainer(model_dir, rows_train, root, max_completion=MAX_NEW, callbacks=[stop])
+    if built is None:
+        return {}
+    trainer, tok = built
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
@@ -214,12 +237,23 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=0.0,
-                   help="training time for trl/reference; 0: asyncppo's measured training time")
+                   help="training time for trl/reference; 0: asyncppo's measured training time "
+                        "(--task long: of each contender; 0: 480)")
     p.add_argument("--skip", default="", help="comma list of contenders to leave out: asyncppo,trl,reference")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process contenders")
     p.add_argument("--profile", action="store_true", help="profile the PPO update in-process, then exit")
+    p.add_argument("--task", choices=("addition", "long"), default="addition",
+                   help="addition: the embedded default (three contenders, final accuracy); long: data=long, "
+                        "asyncppo against TRL, accuracy against time (scripts/peer_long.py)")
+    p.add_argument("--points", type=int, default=4, help="--task long: scored points per contender (every S/P)")
+    p.add_argument("--keep", default="", help="--task long: directory for checkpoints and records (default: temp)")
     p.add_argument("overrides", nargs="*", help="extra asyncppo overrides (the default run has none)")
     args = p.parse_args()
+    if args.points < 1:
+        p.error(f"--points={args.points} must be >= 1")
+    if args.task == "long":
+        torch.set_num_threads(args.threads)
+        return main_long(args, trl_trainer)
     skip = set(filter(None, args.skip.split(",")))
     torch.set_num_threads(args.threads)
     task = get_task("addition", seed=0, num_eval=256)

@@ -8,6 +8,8 @@ actor receives ``cuda`` or ``cpu`` and never guesses on its own.
 
 from __future__ import annotations
 
+import math
+
 from asyncppo.config.schema import AsyncPPOConfig
 
 
@@ -33,3 +35,10 @@ def engines_on_gpu(cfg: AsyncPPOConfig) -> bool:
 def learner_ranks(cfg: AsyncPPOConfig) -> int:
     """Learner ranks: one per train GPU, one per shared device, else one CPU learner."""
     return cfg.cluster.shared_gpus or max(1, cfg.cluster.train_gpus)
+
+
+def cpu_kv_cache_space_gib(kv_cache_gib: float) -> int:
+    """The ``VLLM_CPU_KVCACHE_SPACE`` a CPU vLLM engine gets for ``rollout.kv_cache_gib``: vLLM parses the variable
+    as whole GiB, so the option is rounded up, and never below 1. One rule for the engine that sets the variable
+    (rollout/vllm_engine.py) and the launch check that predicts what it will hold (launch/context_check.py)."""
+    return max(1, int(math.ceil(kv_cache_gib)))

@@ -230,16 +230,22 @@ class PromptDataset:
 
     def shard(self, worker_id: int, num_workers: int) -> "PromptDataset":
         """Every ``num_workers``-th item starting at ``worker_id``: shards are disjoint and cover the dataset."""
-        if num_workers < 1 or not 0 <= worker_id < num_workers:
-            raise ValueError(f"shard: worker_id={worker_id!r} must be in [0, num_workers={num_workers!r})")
         return PromptDataset(
             (), self.tokenizer, prompt_length=self.prompt_length, overlong=self.overlong, stats=self.stats,
-            _items=self.items[worker_id::num_workers],
+            _items=shard_items(self.items, worker_id, num_workers),
         )
 
     def iterate(self, seed: int = 0, shuffle: bool = True) -> Iterator[PromptItem]:
         """Endless pass over the items, reshuffled each epoch from ``seed`` (deterministic)."""
         yield from endless_draws(self.items, seed, shuffle)
+
+
+def shard_items(items: Sequence, worker_id: int, num_workers: int) -> list:
+    """Worker ``worker_id``'s share of ``items``: every ``num_workers``-th one from ``worker_id`` (shards are disjoint
+    and cover the items; the rule every dataset kind shards by)."""
+    if num_workers < 1 or not 0 <= worker_id < num_workers:
+        raise ValueError(f"shard: worker_id={worker_id!r} must be in [0, num_workers={num_workers!r})")
+    return list(items[worker_id::num_workers])
 
 
 def endless_draws(items: Sequence, seed: int = 0, shuffle: bool = True) -> Iterator:

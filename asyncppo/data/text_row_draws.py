@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Iterator, Optional, Sequence
 
-from .datasets import DatasetStats, endless_draws, iter_file_rows
+from .datasets import DatasetStats, endless_draws, iter_file_rows, shard_items
 from .text_rows import TextEnvRow, read_text_env_rows
 
 
@@ -36,9 +36,7 @@ class TextRowDataset:
 
     def shard(self, worker_id: int, num_workers: int) -> "TextRowDataset":
         """Every ``num_workers``-th row starting at ``worker_id``, as prompt datasets shard."""
-        if num_workers < 1 or not 0 <= worker_id < num_workers:
-            raise ValueError(f"shard: worker_id={worker_id!r} must be in [0, num_workers={num_workers!r})")
-        return TextRowDataset(self.items[worker_id::num_workers], self.stats)
+        return TextRowDataset(shard_items(self.items, worker_id, num_workers), self.stats)
 
     def iterate(self, seed: int = 0, shuffle: bool = True) -> Iterator[TextEnvRow]:
         yield from endless_draws(self.items, seed, shuffle)

@@ -11,13 +11,12 @@ vLLM then decodes fewer at once (it preempts), which is slower, not wrong, and l
 from __future__ import annotations
 
 import json
-import math
 import os
 from typing import Optional
 
-from asyncppo.config.devices import engines_on_gpu
+from asyncppo.config.devices import cpu_kv_cache_space_gib, engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.launch.memory_plan import DTYPE_BYTES
+from asyncppo.launch.memory_plan import DTYPE_BYTES, attention_dims
 
 
 def _model_config(model_path: str) -> Optional[dict]:
@@ -30,10 +29,9 @@ def _model_config(model_path: str) -> Optional[dict]:
 
 
 def kv_bytes_per_token(model_cfg: dict, dtype: str) -> int:
-    """Keys and values of one token over every layer: ``2 * layers * kv_heads * head_dim * dtype bytes``."""
-    heads = int(model_cfg["num_attention_heads"])
-    head_dim = int(model_cfg.get("head_dim") or model_cfg["hidden_size"] // heads)
-    kv_heads = int(model_cfg.get("num_key_value_heads") or heads)
+    """Keys and values of one token over every layer: ``2 * layers * kv_heads * head_dim * dtype bytes`` (the
+    attention keys only, so a partial config is enough; the memory plan's :class:`ModelShape` says the same)."""
+    _, kv_heads, head_dim = attention_dims(model_cfg)
     return 2 * int(model_cfg["num_hidden_layers"]) * kv_heads * head_dim * DTYPE_BYTES.get(dtype, 4)
 
 
@@ -43,7 +41,7 @@ def engine_kv_cache_gib(cfg: AsyncPPOConfig) -> int:
     env = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
     if env and env.strip().isdigit():
         return int(env)
-    return max(1, int(math.ceil(cfg.rollout.kv_cache_gib)))
+    return cpu_kv_cache_space_gib(cfg.rollout.kv_cache_gib)
 
 
 def check_sequence_fits(cfg: AsyncPPOConfig, model_path: str) -> None:

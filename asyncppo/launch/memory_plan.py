@@ -69,13 +69,20 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
+def attention_dims(config: dict) -> tuple[int, int, int]:
+    """``(heads, kv_heads, head_dim)`` from a Hugging Face ``config.json`` dictionary (grouped-query attention:
+    ``num_key_value_heads`` defaults to the heads; ``head_dim`` to hidden / heads)."""
+    heads = int(config["num_attention_heads"])
+    return heads, int(config.get("num_key_value_heads") or heads), int(config.get("head_dim") or
+                                                                      int(config["hidden_size"]) // heads)
+
+
 def shape_from_config(config: dict) -> ModelShape:
     """A :class:`ModelShape` from a Hugging Face ``config.json`` dictionary."""
-    hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+    heads, kv_heads, head_dim = attention_dims(config)
     return ModelShape(
-        vocab=int(config["vocab_size"]), hidden=hidden, layers=int(config["num_hidden_layers"]), heads=heads,
-        kv_heads=int(config.get("num_key_value_heads") or heads),
-        head_dim=int(config.get("head_dim") or hidden // heads), intermediate=int(config["intermediate_size"]),
+        vocab=int(config["vocab_size"]), hidden=int(config["hidden_size"]), layers=int(config["num_hidden_layers"]),
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, intermediate=int(config["intermediate_size"]),
         tied=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
     )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -38,6 +37,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from asyncppo.config.devices import cpu_kv_cache_space_gib
 from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
 
 from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
@@ -48,8 +48,7 @@ def _configure_env(device: str, kv_cache_gib: float) -> None:
     """Set vLLM's environment before it is first imported (it reads most of these once, at import)."""
     if device == "cpu":
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-        # VLLM_CPU_KVCACHE_SPACE is parsed as an integer number of GiB.
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(math.ceil(kv_cache_gib)))))
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_space_gib(kv_cache_gib)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 

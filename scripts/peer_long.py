@@ -1,0 +1,297 @@
+"""``bench_peer.py --task long``: asyncppo against TRL's GRPOTrainer on ``data=long``, accuracy against time.
+
+Both contenders start from the preset's model (``builtin:tiny-long``, the same cached build the launch uses) and
+train for the same wall-clock budget ``S`` with the preset's shape: GRPO without KL, 16 prompts x 8 samples, one
+optimizer update per batch, constant lr 1e-4, token-mean loss, responses up to ``rollout.response_length`` (1,028)
+tokens, exact match of the whole working.
+
+* asyncppo: ``asyncppo launch data=long`` (vLLM CPU engine, Ray, the stream), saving a checkpoint every
+  ``SAVE_EVERY`` steps and with no engine-side evaluation (it would compete with training for the two cores); its
+  clock is the learner's ``time/wall_s``. Stopped (SIGTERM: the launch stops its actors as on Ctrl-C) once a
+  checkpoint at or past ``S`` exists.
+* TRL: ``GRPOTrainer`` in this process (``transformers`` ``generate``: a batch of 128 runs until its longest answer
+  ends); a callback saves the weights when the training clock passes each point, the time spent saving left out
+  of the clock.
+
+The points are ``S/P, 2S/P, ..., S`` (``--points P``): for each, the first checkpoint at or past it. Every point, and
+the start (shared, at 0 s), is scored after both have trained (so scoring never competes with training) by one
+probe: the preset's 128 held-out prompts, 4 answers each at T=1 (one seeded draw, the same call for every point)
+and one greedy, up to the task's longest answer + eos; "correct" is the exact working, ended by eos. The reference
+loop of the addition task is not run here: it would cost another ``S`` for a contender the issue does not ask for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from asyncppo.config import load_config
+from asyncppo.data.heldout import SAMPLES_PER_PROMPT, is_exact_answer
+from asyncppo.data.tasks import get_task
+from asyncppo.data.tiny import resolve_model_path
+from asyncppo.data.warmstart import _left_padded_prompts  # the probe's own left padding (variable prompt lengths)
+from asyncppo.learner.checkpoint import _complete_steps, checkpoints_root
+from curves import compare
+from inproc import GROUP, PROMPTS, load
+
+SAVE_EVERY = 4  # asyncppo steps between checkpoints: a point lands at most this many steps past its mark
+
+
+def preset(overrides: list[str]):
+    """The ``data=long`` config (with the user's overrides): the model, lengths and held-out set both use."""
+    return load_config(["data=long", *overrides])
+
+
+# ---------------------------------------------------------------------------------------------- the probe
+@torch.no_grad()
+def generate_answers(model, tok, prompts: list[str], *, temperature: float, seed: int, max_new: int):
+    """One answer per prompt (texts, and whether each ended with eos), sampled with one seeded generator.
+
+    Rows leave the batch and its KV cache as soon as they end, so a 1,000-token runaway costs its own row: decoding
+    the whole batch to its longest answer (``answer_accuracy``, ``generate``) made 640 answers of up to 1,027 tokens
+    cost minutes per point on this box."""
+    model.eval()
+    ids, attn, _ = _left_padded_prompts(tok, [{"prompt": p} for p in prompts])
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    gen = torch.Generator().manual_seed(seed)
+    alive, out, ended = list(range(len(prompts))), [[] for _ in prompts], [False] * len(prompts)
+    past = None
+    for _ in range(max_new):
+        res = model(input_ids=ids, attention_mask=attn, position_ids=pos, past_key_values=past, use_cache=True)
+        past, logits = res.past_key_values, res.logits[:, -1].float()
+        if temperature > 0:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=gen).squeeze(1)
+        else:
+            nxt = logits.argmax(-1)
+        keep = []
+        for j, (row, token) in enumerate(zip(alive, nxt.tolist())):
+            if token == tok.eos_token_id:
+                ended[row] = True
+            else:
+                out[row].append(token)
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(alive):
+            index = torch.tensor(keep)
+            past.reorder_cache(index)
+            nxt, attn, pos, alive = nxt[index], attn[index], pos[index], [alive[j] for j in keep]
+        ids, pos = nxt[:, None], pos[:, -1:] + 1
+        attn = torch.cat([attn, torch.ones_like(attn[:, :1])], 1)
+    return [tok.decode(o) for o in out], ended
+
+
+def probe(model, tok, rows: list[dict], *, seed: int, max_new: int) -> dict:
+    """Held-out accuracy: ``SAMPLES_PER_PROMPT`` answers per row at T=1 (one seeded draw) and one greedy."""
+    t0 = time.perf_counter()
+    result = {}
+    for name, reps, temperature in (("sampled", SAMPLES_PER_PROMPT, 1.0), ("greedy", 1, 0.0)):
+        batch = rows * reps
+        texts, ended = generate_answers(model, tok, [r["prompt"] for r in batch], temperature=temperature,
+                                        seed=seed, max_new=max_new)
+        hits = [is_exact_answer(t, r["answer"], e) for t, r, e in zip(texts, batch, ended)]
+        result[name] = sum(hits) / len(batch)
+    result["probe_s"] = time.perf_counter() - t0
+    return result
+
+
+# ---------------------------------------------------------------------------------------------- asyncppo
+def _learner_records(out: str) -> list[dict]:
+    """The learner's per-step records so far (a line still being written is skipped)."""
+    records = []
+    path = os.path.join(out, "metrics.jsonl")
+    for line in open(path).read().splitlines() if os.path.exists(path) else []:
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if "reward/mean" in record:
+            records.append(record)
+    return records
+
+
+def _stop_when_trained(proc, out: str, seconds: float, log_path: str) -> None:
+    """Poll the run until a checkpoint at or past ``seconds`` of learner time exists; a deadline names the late
+    party (the launch, or its learner)."""
+    deadline = time.monotonic() + 2 * seconds + 900  # start-up (Ray, engine) and slack on a loaded box
+    while True:
+        time.sleep(5)
+        if proc.poll() is not None:
+            raise SystemExit(f"[bench] asyncppo launch ended (exit {proc.returncode}) before {seconds:.0f} s of "
+                             f"training; see {log_path}")
+        wall = {r["step"]: r["time/wall_s"] for r in _learner_records(out)}
+        if any(wall.get(step, -1.0) >= seconds for step, _ in _complete_steps(checkpoints_root(out))):
+            return
+        if time.monotonic() > deadline:
+            last = max(wall.items(), default=None)
+            raise SystemExit(f"[bench] asyncppo: the learner had not trained {seconds:.0f} s with a checkpoint "
+                             f"past it by the deadline (last step, wall: {last}); see {log_path}")
+
+
+def run_asyncppo_long(args, root: str, marks: list[float]) -> dict:
+    out = os.path.join(root, "asyncppo")
+    cmd = [sys.executable, "-m", "asyncppo", "launch", "data=long", f"trainer.output_dir={out}",
+           "trainer.total_steps=100000", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=100000",
+           "trainer.eval_every=0", "data.num_eval_prompts=0", "trainer.logger.wandb=false", *args.overrides]
+    print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
+    log_path = os.path.join(root, "asyncppo.log")
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _stop_when_trained(proc, out, marks[-1], log_path)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the launch stops every actor and Ray, as on Ctrl-C
+                try:
+                    proc.wait(timeout=180)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    records = _learner_records(out)
+    wall = {r["step"]: r["time/wall_s"] for r in records}
+    steps = [s for s, _ in _complete_steps(checkpoints_root(out)) if s in wall]
+    points = []
+    for mark in marks:
+        step = next((s for s in steps if wall[s] >= mark), None)
+        if step is not None and all(p["step"] != step for p in points):
+            points.append({"step": step, "train_s": wall[step],
+                           "path": os.path.join(checkpoints_root(out), f"step_{step}", "actor")})
+    upto = [r for r in records if r["step"] <= points[-1]["step"]]
+    mean = lambda key: sum(r[key] for r in upto) / len(upto)  # noqa: E731
+    return {"name": "asyncppo", "points": points, "launch_s": time.perf_counter() - t0, "steps": len(upto),
+            "step_s": mean("time/step_s"), "wait_s": mean("time/wait_s"), "update_s": mean("time/update_s"),
+            "length_mean": mean("response_length/mean"), "length_max_mean": mean("response_length/max")}
+
+
+# ---------------------------------------------------------------------------------------------- TRL
+def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
+                 build) -> dict:
+    """``build``: bench_peer's ``trl_trainer`` (the GRPOTrainer set up as the preset trains)."""
+    from transformers import TrainerCallback
+
+    class TimedPoints(TrainerCallback):
+        """Saves the weights when the training clock (saving excluded) passes each mark, then stops."""
+
+        def __init__(self):
+            self.points, self.step_s, self.logs, self.excluded, self.tok = [], [], [], 0.0, None
+
+        def on_train_begin(self, a, state, control, **kw):
+            self.t0 = self.last = time.perf_counter()
+
+        def on_step_end(self, a, state, control, model=None, **kw):
+            now = time.perf_counter()
+            self.step_s.append(now - self.last)
+            clock = now - self.t0 - self.excluded
+            if clock >= marks[len(self.points)]:
+                path = os.path.join(root, "trl_points", f"step_{state.global_step}")
+                model.save_pretrained(path)
+                self.tok.save_pretrained(path)
+                self.points.append({"step": state.global_step, "train_s": clock, "path": path})
+                control.should_training_stop = len(self.points) == len(marks)
+            self.last = time.perf_counter()
+            self.excluded += self.last - now
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            self.logs.append(dict(logs or {}))
+
+    timed = TimedPoints()
+    built = build(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1)
+    if built is None:
+        return {}
+    trainer, timed.tok = built
+    generate_s, original = [], trainer._generate_single_turn
+
+    def timed_generate(*a, **kw):  # transformers generate of one step's 128 answers
+        t = time.perf_counter()
+        try:
+            return original(*a, **kw)
+        finally:
+            generate_s.append(time.perf_counter() - t)
+
+    trainer._generate_single_turn = timed_generate
+    print(f"[bench] trl: up to {marks[-1]:.0f} s of training (load {os.getloadavg()[0]:.1f})", flush=True)
+    trainer.train()
+    logs = [g for g in timed.logs if "completions/max_length" in g]
+    n = len(timed.step_s)
+    return {"name": "trl", "points": timed.points, "steps": n, "step_s": sum(timed.step_s) / n,
+            "generate_s": sum(generate_s[:n]) / n, "update_s": (sum(timed.step_s) - sum(generate_s[:n])) / n,
+            "length_mean": sum(g["completions/mean_length"] for g in logs) / max(1, len(logs)),
+            "length_max_mean": sum(g["completions/max_length"] for g in logs) / max(1, len(logs))}
+
+
+# ---------------------------------------------------------------------------------------------- main and report
+def main_long(args, build) -> None:
+    cfg = preset(args.overrides)
+    seconds = args.seconds or 480.0
+    marks = [seconds * k / args.points for k in range(1, args.points + 1)]
+    task = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts)
+    splits = task.splits()
+    max_new = min(task.max_response_tokens, cfg.rollout.response_length)  # the probe's budget: longest + eos
+    model_dir = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    skip = set(filter(None, args.skip.split(",")))
+    print(f"[bench] data=long, {seconds:.0f} s of training each, points at {[round(m) for m in marks]} s; "
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
+    root = args.keep or tempfile.mkdtemp(prefix="bench_peer_long_")
+    os.makedirs(root, exist_ok=True)
+    results = []
+    if "asyncppo" not in skip:
+        results.append(run_asyncppo_long(args, root, marks))
+    if "trl" not in skip:
+        r = run_trl_long(args, os.path.abspath(model_dir), splits.train, root, marks, cfg.rollout.response_length,
+                         build)
+        results += [r] if r else []
+    print(f"[bench] scoring {1 + sum(len(r['points']) for r in results)} points: {len(splits.eval)} held-out "
+          f"prompts x {SAMPLES_PER_PROMPT} sampled (T=1, seed {cfg.trainer.seed}) + greedy, up to {max_new} tokens "
+          f"(load {os.getloadavg()[0]:.1f})", flush=True)
+    start = probe(*load(model_dir), splits.eval, seed=cfg.trainer.seed, max_new=max_new)
+    for r in results:
+        for point in r["points"]:
+            point.update(probe(*load(point["path"]), splits.eval, seed=cfg.trainer.seed, max_new=max_new))
+            print(f"[bench]   {r['name']} step {point['step']} ({point['train_s']:.0f} s): sampled "
+                  f"{point['sampled']:.3f} greedy {point['greedy']:.3f} (probe {point['probe_s']:.0f} s)", flush=True)
+    with open(os.path.join(root, "bench_peer_long.json"), "w") as f:
+        json.dump({"start": start, "results": results, "seconds": seconds}, f, indent=1)
+    report(results, start)
+    print(f"(records in {root}; load average at the end {os.getloadavg()[0]:.1f})")
+
+
+def report(results: list[dict], start: dict) -> None:
+    print(f"\nheld-out accuracy against training time (sampled x{SAMPLES_PER_PROMPT} at T=1 / greedy; start "
+          f"{start['sampled']:.3f} / {start['greedy']:.3f} at 0 s, probe {start['probe_s']:.0f} s)")
+    print(f"{'contender':<10} {'step':>5} {'train s':>8} {'sampled':>8} {'greedy':>7}")
+    for r in results:
+        for p in r["points"]:
+            print(f"{r['name']:<10} {p['step']:5d} {p['train_s']:8.1f} {p['sampled']:8.3f} {p['greedy']:7.3f}")
+    print("\nper training step (means):")
+    for r in results:
+        split = (f"waiting for rollouts {r['wait_s']:.2f} s, update {r['update_s']:.2f} s" if "wait_s" in r else
+                 f"HF generate {r['generate_s']:.2f} s, the rest (scoring, logprobs, update) {r['update_s']:.2f} s")
+        print(f"  {r['name']:<9} {r['steps']} steps x {PROMPTS}x{GROUP}: {r['step_s']:.2f} s/step ({split}); "
+              f"responses: mean {r['length_mean']:.0f} tokens, batch's longest {r['length_max_mean']:.0f}")
+    names = [r["name"] for r in results]
+    if names != ["asyncppo", "trl"]:
+        print(f"(time to threshold needs both asyncppo and trl; have {names})")
+        return
+    curves = {r["name"]: [(0.0, start["sampled"])] + [(p["train_s"], p["sampled"]) for p in r["points"]]
+              for r in results}
+    c = compare(curves, fast="asyncppo", slow="trl")
+    when = {n: "never" if t is None else f"{t:.0f} s" for n, t in c["reached"].items()}
+    print(f"\nfinal sampled accuracy: asyncppo {c['finals']['asyncppo']:.3f}, trl {c['finals']['trl']:.3f}; "
+          f"the lower: {c['threshold']:.3f}")
+    print(f"first reached (linear interpolation between points, start at 0 s): asyncppo {when['asyncppo']}, "
+          f"trl {when['trl']}")
+    if c["reached"]["asyncppo"] is None:
+        print("ratio: undefined, asyncppo never reached it (target >= 2x sooner: missed)")
+    elif c["speedup"] is None:
+        print("ratio: undefined, the start already met the lower final: no gain to time (target: not met)")
+    else:
+        verdict = "met" if c["speedup"] >= 2.0 else "missed"
+        print(f"ratio trl / asyncppo: {c['speedup']:.2f}x (target >= 2x sooner: {verdict})")
