@@ -41,6 +41,9 @@ MODES = {
     # async-cont, with a push skipped while the previous one is still loading (learner/loop.py: _may_coalesce)
     "async-cont-coalesce": ["rollout.max_staleness={k}", "rollout.generation=continuous",
                             "rollout.inflight_update=keep", "rollout.coalesce_pushes=true"],
+    # async-cont admitting only --lookahead versions ahead (fresh samples), stragglers still allowed up to k
+    "async-cont-lookahead": ["rollout.max_staleness={k}", "rollout.generation=continuous",
+                             "rollout.inflight_update=keep", "rollout.admission_lookahead={j}"],
 }
 
 
@@ -56,7 +59,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         # no point-0 evaluation unless asked: its round holds the engine at version 0 while the learner waits for
         # its first push, a one-time stall the limit does not include (docs/benchmarks.md); the final one is untimed
         f"trainer.eval_at_start={'true' if args.eval_at_start else 'false'}",
-        *[m.format(k=args.staleness) for m in MODES[mode or label]],
+        *[m.format(k=args.staleness, j=args.lookahead) for m in MODES[mode or label]],
         *args.overrides,
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
@@ -137,6 +140,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--modes", default="sync,async-batch,async-cont")
+    p.add_argument("--lookahead", type=int, default=1, help="rollout.admission_lookahead of the async-cont-lookahead mode")
     p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner")
     p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
