@@ -34,12 +34,15 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_limit import measure_limit  # noqa: E402  (scripts/: the engine alone and the learner alone)
 
+NO_LOOKAHEAD = "rollout.admission_lookahead=null"  # the window is k (a preset may set a lookahead, e.g. data=long)
 MODES = {
-    "sync": ["rollout.max_staleness=0", "rollout.generation=batch", "rollout.inflight_update=off"],
-    "async-batch": ["rollout.max_staleness={k}", "rollout.generation=batch", "rollout.inflight_update=off"],
-    "async-cont": ["rollout.max_staleness={k}", "rollout.generation=continuous", "rollout.inflight_update=keep"],
+    "sync": ["rollout.max_staleness=0", NO_LOOKAHEAD, "rollout.generation=batch", "rollout.inflight_update=off"],
+    "async-batch": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=batch",
+                    "rollout.inflight_update=off"],
+    "async-cont": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=continuous",
+                   "rollout.inflight_update=keep"],
     # async-cont, with a push skipped while the previous one is still loading (learner/loop.py: _may_coalesce)
-    "async-cont-coalesce": ["rollout.max_staleness={k}", "rollout.generation=continuous",
+    "async-cont-coalesce": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=continuous",
                             "rollout.inflight_update=keep", "rollout.coalesce_pushes=true"],
     # async-cont admitting only --lookahead versions ahead (fresh samples), stragglers still allowed up to k
     "async-cont-lookahead": ["rollout.max_staleness={k}", "rollout.generation=continuous",
