@@ -173,8 +173,9 @@ def run_asyncppo_long(args, root: str, marks: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- TRL
 def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
-                 build) -> dict:
-    """``build``: bench_peer's ``trl_trainer`` (the GRPOTrainer set up as the preset trains)."""
+                 build, mask_truncated: bool) -> dict:
+    """``build``: bench_peer's ``trl_trainer`` (the GRPOTrainer set up as the preset trains, truncated answers
+    masked as the preset's ``algorithm.mask_truncated`` says)."""
     from transformers import TrainerCallback
 
     class TimedPoints(TrainerCallback):
@@ -203,7 +204,8 @@ def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks:
             self.logs.append(dict(logs or {}))
 
     timed = TimedPoints()
-    built = build(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1)
+    built = build(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1,
+                  mask_truncated=mask_truncated)
     if built is None:
         return {}
     trainer, timed.tok = built
@@ -246,7 +248,7 @@ def main_long(args, build) -> None:
         results.append(run_asyncppo_long(args, root, marks))
     if "trl" not in skip:
         r = run_trl_long(args, os.path.abspath(model_dir), splits.train, root, marks, cfg.rollout.response_length,
-                         build)
+                         build, cfg.algorithm.mask_truncated)
         results += [r] if r else []
     print(f"[bench] scoring {1 + sum(len(r['points']) for r in results)} points: {len(splits.eval)} held-out "
           f"prompts x {SAMPLES_PER_PROMPT} sampled (T=1, seed {cfg.trainer.seed}) + greedy, up to {max_new} tokens "

@@ -51,6 +51,9 @@ class AlgorithmConfig:
     reward_scale: bool = False  # normalisation divides by the std only
     overlong_buffer_len: int = 0  # DAPO soft over-length punishment: ramp over the last N tokens; 0 = off
     overlong_penalty_factor: float = 1.0  # the penalty at rollout.response_length tokens
+    # responses cut at rollout.response_length (no stop token) leave the policy loss: DAPO's over-long filtering
+    # (TRL mask_truncated_completions, ROLL max_len_mask); they still count in their group's reward baseline
+    mask_truncated: bool = False
     dynamic_sampling: bool = False  # DAPO: skip groups whose rewards are all equal, fill the batch from the stream
     dynamic_sampling_max_skip: int = 0  # groups skipped per step before the rest are trained anyway; 0 = 4 x batch
     # --- policy loss ----------------------------------------------------------------------

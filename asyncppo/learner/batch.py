@@ -32,6 +32,8 @@ class TrainBatch:
     group_index: torch.Tensor  # [B] long, which prompt group each sample belongs to
     version_min: torch.Tensor  # [B] long
     prompt_len: int  # P (padded)
+    # [B] bool, the response ended at the length limit (finish_reason "length"), not by its own stop token
+    truncated: Optional[torch.Tensor] = None
     token_versions: Optional[torch.Tensor] = None  # [B, T] long, policy version of each response token (0 on padding)
     # [B, T] float, multi-turn samples' turn rewards at the last model token of each turn (None: no turn rewards
     # in the batch); response_mask is then 0 on environment tokens too (asyncppo.learner.turn_batch)
@@ -73,8 +75,8 @@ class TrainBatch:
 
 
 def _concat_columns(groups: list[TrajectoryGroup]) -> tuple:
-    """(response ids, log-probs, token versions, per-sample lengths, rewards, version_min, samples per group) of
-    all groups, each one array over every sample or token: a fixed number of numpy calls per group, none per
+    """(response ids, log-probs, token versions, per-sample lengths, rewards, version_min, truncated, samples per
+    group) of all groups, each one array over every sample or token: a fixed number of numpy calls per group, none per
     sample, and no Sample object is built for a group that arrived columnar."""
     cols = [g.as_columns() for g in groups]
     counts = [len(c.reward) for c in cols]
@@ -86,7 +88,8 @@ def _concat_columns(groups: list[TrajectoryGroup]) -> tuple:
     lengths = np.fromiter((n for c in cols for n in c.lengths()), dtype=np.int64, count=sum(counts))
     rewards = np.fromiter((r for c in cols for r in c.reward), dtype=np.float64, count=len(lengths))
     vmin = np.fromiter((v for c in cols for v in c.version_min), dtype=np.int64, count=len(lengths))
-    return ids, lps, versions, lengths, rewards, vmin, counts
+    cut = np.fromiter((f == "length" for c in cols for f in c.finish_reason), dtype=np.bool_, count=len(lengths))
+    return ids, lps, versions, lengths, rewards, vmin, cut, counts
 
 
 def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBatch:
@@ -95,7 +98,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
     Response tokens are scattered into place with one fancy-index assignment per array (row and column of every
     token computed from the lengths), so the cost does not grow with a Python loop over samples; only the prompt,
     shared by a group's samples, is written once per group."""
-    ids, lps, versions, lengths, rewards, vmin, counts = _concat_columns(groups)
+    ids, lps, versions, lengths, rewards, vmin, cut, counts = _concat_columns(groups)
     B = lengths.shape[0]
     P = max(int(g.prompt_ids.shape[0]) for g in groups)
     T = max(1, int(lengths.max()))
@@ -136,6 +139,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         group_index=torch.from_numpy(group_index),
         version_min=torch.from_numpy(vmin),
         prompt_len=P,
+        truncated=torch.from_numpy(cut),
         token_versions=torch.from_numpy(token_versions),
         turn_rewards=None if placed is None else torch.from_numpy(placed),
     )

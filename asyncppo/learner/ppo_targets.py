@@ -20,21 +20,28 @@ from asyncppo.learner.batch import TrainBatch
 
 def correct_rollout(alg: AlgorithmConfig, batch: TrainBatch, proximal: torch.Tensor, metrics: dict) -> None:
     """Set ``old_logprobs`` (the policy the trust region is taken around) and the rollout correction's constant
-    ``is_weights`` and rejection-reduced ``loss_mask``: once per batch, so they do not depend on the later split."""
+    ``is_weights`` and rejection-reduced ``loss_mask``: once per batch, so they do not depend on the later split.
+
+    With ``mask_truncated`` the responses cut at the length limit also leave the policy terms (and their
+    denominators): an unfinished working has no verdict on its own tokens, and on long generations its one
+    zero-reward sequence, pushed down token by token, outweighs the finished answers of its group."""
     mask = batch.response_mask
     batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
     # estimated on the behaviour policy's own samples, as algo.policy_loss reports it
     metrics["actor/mismatch_kl"] = float(algo.mismatch_kl(batch.behavior_logprobs, proximal, mask))
     batch.loss_mask = mask.bool()
-    if alg.off_policy_correction == "none":
-        return
-    batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
-        batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
-        truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
-        normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
-        rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
-    )
-    metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
+    if alg.off_policy_correction != "none":
+        batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
+            batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
+            truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
+            normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
+            rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
+        )
+        metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
+    if batch.truncated is not None:
+        metrics["response_length/clip_ratio"] = float(batch.truncated.float().mean())
+        if alg.mask_truncated:
+            batch.loss_mask = batch.loss_mask & ~batch.truncated[:, None]
 
 
 def outcome_token_rewards(

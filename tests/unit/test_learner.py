@@ -390,3 +390,30 @@ def test_batch_targets_are_computed_without_a_model():
     expected = torch.zeros_like(rewards)
     expected[0, 1], expected[1, 4] = -0.25 / (0.125 ** 0.5 + 1e-6), 0.25 / (0.125 ** 0.5 + 1e-6)
     torch.testing.assert_close(rewards, expected)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "gae"])
+def test_truncated_responses_leave_the_policy_loss(model_dir, estimator):
+    """``mask_truncated``: what a cut response says (its tokens, its behaviour log-probs) no longer moves the actor;
+    only its reward does, through its group's baseline. Without the option the same change moves it."""
+    groups = _groups(seed=7)
+    cut = [s.finish_reason == "length" for g in groups for s in g.samples]
+    assert 0 < sum(cut) < len(cut)
+    other = copy.deepcopy(groups)
+    for g in other:
+        for s in g.samples:
+            if s.finish_reason == "length":  # same length and reward, other tokens and log-probs
+                s.response_ids = (s.response_ids % 11 + 4).astype(np.int32)
+                s.behavior_logprobs = s.behavior_logprobs - 0.7
+    a, b = collate_groups(groups, pad_token_id=0), collate_groups(other, pad_token_id=0)
+    assert a.truncated.tolist() == cut
+    for masked in (True, False):
+        cfg = _cfg(adv_estimator=estimator, mask_truncated=masked)
+        first, second = _updater(cfg, model_dir), _updater(cfg, model_dir)
+        metrics = first.step(a)
+        second.step(b)
+        assert metrics["response_length/clip_ratio"] == pytest.approx(sum(cut) / len(cut))
+        if masked:
+            torch.testing.assert_close(_params(first.actor), _params(second.actor), rtol=1e-9, atol=1e-10)
+        else:
+            assert (_params(first.actor) - _params(second.actor)).abs().max() > 1e-6

@@ -59,7 +59,6 @@ DEFAULTS = {
 _PERF = "memory/speed setting of ROLL's workers; no asyncppo equivalent and no effect on what is learned"
 _PLACE = "placement is set with --rollout-gpus / --train-gpus"
 IGNORED = [
-    ("max_len_mask", "samples that hit the length limit stay in the loss (see algorithm.overlong_buffer_len)", True),
     ("difficulty_mask", "groups are not masked by mean score (see algorithm.dynamic_sampling)", True),
     ("difficulty_*_threshold", "groups are not masked by mean score", True, "difficulty_mask"),
     ("error_max_len_*", "no length-error clipping", True), ("*_loss_weight", "no per-sample loss weights", True),
@@ -139,6 +138,7 @@ def _algorithm(ctx: Context) -> None:
     ctx.map("lambd", "algorithm.lambd", float)
     ctx.map("whiten_advantages", "algorithm.whiten_advantages", as_bool)
     ctx.map("advantage_clip", "algorithm.advantage_clip", lambda v: None if v is None else float(v))
+    ctx.map("max_len_mask", "algorithm.mask_truncated", as_bool)
     ctx.unsupported("whiten_rewards", "token-level reward whitening is not supported")
     ctx.unsupported("critic_warmup", "the critic and the policy always train together")
     names = {v: v for v in ("ppo", "cispo") if v in ctx.choices("POLICY_LOSSES")}
