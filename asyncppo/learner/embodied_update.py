@@ -34,6 +34,7 @@ import torch
 from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
 from asyncppo.models.actor_critic import ActorCritic
+from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.schedule import lr_lambda
 from asyncppo.stream.segments import EnvSegment
 
@@ -183,10 +184,7 @@ class EmbodiedPPO:
             actor_loss.backward()
             (a.vf_coef * vl).backward()
         clip = self.cfg.trainer.grad_clip
-        norms = [torch.nn.utils.clip_grad_norm_([p for g in o.param_groups for p in g["params"]], clip)
-                 for o in self.opts]
-        for o in self.opts:
-            o.step()
+        norms = [clip_and_step(o, [p for g in o.param_groups for p in g["params"]], clip)[0] for o in self.opts]
         out = {f"actor/{k}": float(v) for k, v in pm.items()}
         out.update({f"critic/{k}": float(x) for k, x in vm.items() if k != "vf_explained_var"})
         out["actor/entropy"] = float(ent.detach())

@@ -40,6 +40,7 @@ from asyncppo.learner.forward import (
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
+from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards, set_advantages
 from asyncppo.learner.schedule import lr_lambda
@@ -316,13 +317,11 @@ class PPOUpdate:
         if alg.early_stop_kl is not None:
             kl_sum, kl_tokens = self._all_reduce([kl_sum, kl_tokens])
         self.last_mini_batch_kl = kl_sum / max(kl_tokens, 1.0)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.actor.parameters(), self.cfg.trainer.grad_clip)
-        self.actor_opt.step()
-        extra = {"actor/grad_norm": float(grad_norm), **loss_sums}
+        grad_norm, stepped = clip_and_step(self.actor_opt, self.actor.parameters(), self.cfg.trainer.grad_clip)
+        extra = {"actor/grad_norm": grad_norm, "actor/skipped_steps": float(not stepped), **loss_sums}
         if self.critic_opt is not None:
-            critic_norm = torch.nn.utils.clip_grad_norm_(self.critic.parameters(), self.cfg.trainer.grad_clip)
-            self.critic_opt.step()
-            extra["critic/grad_norm"] = float(critic_norm)
+            critic_norm, _ = clip_and_step(self.critic_opt, self.critic.parameters(), self.cfg.trainer.grad_clip)
+            extra["critic/grad_norm"] = critic_norm
         means.add(extra, 1.0)
 
     def _micro_forward(self, micro: TrainBatch, first_pass: Optional[_FirstPass]):

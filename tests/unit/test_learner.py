@@ -417,3 +417,46 @@ def test_truncated_responses_leave_the_policy_loss(model_dir, estimator):
             torch.testing.assert_close(_params(first.actor), _params(second.actor), rtol=1e-9, atol=1e-10)
         else:
             assert (_params(first.actor) - _params(second.actor)).abs().max() > 1e-6
+
+
+def test_a_batch_without_signal_leaves_the_weights_where_they_are(model_dir):
+    """GRPO on groups whose rewards are all equal has a zero gradient. Adam would still move the weights along its
+    first moment (the previous step's gradient); the update skips that step, the next real batch steps again."""
+    upd = _updater(_cfg(adv_estimator="grpo"), model_dir)
+    first = upd.step(collate_groups(_groups(seed=1), pad_token_id=0))
+    assert first["actor/skipped_steps"] == 0.0 and first["actor/grad_norm"] > 0
+    flat = _groups(seed=2)
+    for g in flat:
+        for s in g.samples:
+            s.reward = 0.0
+    before = _params(upd.actor).clone()
+    metrics = upd.step(collate_groups(flat, pad_token_id=0))
+    assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/skipped_steps"] == 1.0
+    assert torch.equal(before, _params(upd.actor))
+    # what the skipped step would have done: Adam's moment alone moves every weight the last step moved
+    ghost = copy.deepcopy(upd.actor_opt.state_dict())
+    probe = copy.deepcopy(upd.actor)
+    opt = torch.optim.AdamW(probe.parameters(), lr=upd.actor_opt.param_groups[0]["lr"])
+    opt.load_state_dict(ghost)
+    for p in probe.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    assert (_params(probe) - before).abs().max() > 1e-7
+    assert upd.step(collate_groups(_groups(seed=3), pad_token_id=0))["actor/skipped_steps"] == 0.0
+    assert not torch.equal(before, _params(upd.actor))
+
+
+def test_a_non_finite_gradient_is_not_applied():
+    from asyncppo.learner.optim_step import clip_and_step
+
+    layer = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(layer.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in layer.parameters()]
+    (layer(torch.tensor([[1.0, float("nan"), 0.0]])).sum()).backward()
+    norm, stepped = clip_and_step(opt, layer.parameters(), 1.0)
+    assert not stepped and not np.isfinite(norm)
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.parameters()))
+    layer(torch.ones(1, 3)).sum().backward()
+    norm, stepped = clip_and_step(opt, layer.parameters(), 1.0)
+    assert stepped and norm == pytest.approx(float(np.sqrt(2 * 3 + 2)))  # d/dW = 1 (2x3), d/db = 1 (2)
+    assert not torch.equal(before[1], layer.bias)
