@@ -318,7 +318,7 @@ class PPOUpdate:
             kl_sum, kl_tokens = self._all_reduce([kl_sum, kl_tokens])
         self.last_mini_batch_kl = kl_sum / max(kl_tokens, 1.0)
         grad_norm, stepped = clip_and_step(self.actor_opt, self.actor.parameters(), self.cfg.trainer.grad_clip)
-        extra = {"actor/grad_norm": grad_norm, "actor/skipped_steps": float(not stepped), **loss_sums}
+        extra = {"actor/grad_norm": grad_norm, "actor/skipped_step_frac": float(not stepped), **loss_sums}
         if self.critic_opt is not None:
             critic_norm, _ = clip_and_step(self.critic_opt, self.critic.parameters(), self.cfg.trainer.grad_clip)
             extra["critic/grad_norm"] = critic_norm

@@ -424,14 +424,14 @@ def test_a_batch_without_signal_leaves_the_weights_where_they_are(model_dir):
     first moment (the previous step's gradient); the update skips that step, the next real batch steps again."""
     upd = _updater(_cfg(adv_estimator="grpo"), model_dir)
     first = upd.step(collate_groups(_groups(seed=1), pad_token_id=0))
-    assert first["actor/skipped_steps"] == 0.0 and first["actor/grad_norm"] > 0
+    assert first["actor/skipped_step_frac"] == 0.0 and first["actor/grad_norm"] > 0
     flat = _groups(seed=2)
     for g in flat:
         for s in g.samples:
             s.reward = 0.0
     before = _params(upd.actor).clone()
     metrics = upd.step(collate_groups(flat, pad_token_id=0))
-    assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/skipped_steps"] == 1.0
+    assert metrics["actor/grad_norm"] == 0.0 and metrics["actor/skipped_step_frac"] == 1.0
     assert torch.equal(before, _params(upd.actor))
     # what the skipped step would have done: Adam's moment alone moves every weight the last step moved
     ghost = copy.deepcopy(upd.actor_opt.state_dict())
@@ -442,7 +442,7 @@ def test_a_batch_without_signal_leaves_the_weights_where_they_are(model_dir):
         p.grad = torch.zeros_like(p)
     opt.step()
     assert (_params(probe) - before).abs().max() > 1e-7
-    assert upd.step(collate_groups(_groups(seed=3), pad_token_id=0))["actor/skipped_steps"] == 0.0
+    assert upd.step(collate_groups(_groups(seed=3), pad_token_id=0))["actor/skipped_step_frac"] == 0.0
     assert not torch.equal(before, _params(upd.actor))
 
 
