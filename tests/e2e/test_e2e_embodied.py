@@ -119,14 +119,17 @@ def test_cartpole_survives_a_killed_learner_and_a_killed_worker(tmp_path):
             proc.wait()
     stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
-    assert "learner restarted at step 5" in stderr and "died" in stderr and "starting a replacement" in stderr, \
-        stderr[-3000:]
+    # the kill lands after step 7 or, on a fast box, a few steps later: the restart is from the latest checkpoint
+    restarted = re.search(r"learner restarted at step (\d+)", stderr)
+    assert restarted and "died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
+    ckpt = int(restarted.group(1))
+    assert ckpt >= every and ckpt % every == 0, ckpt
     records = [r for r in _records(out) if "env_steps" in r]
     restart = next(i for i, r in enumerate(records) if r["learner/restarts"])
-    assert records[restart]["step"] == every + 1  # the new learner went on from the checkpoint
-    assert records[restart]["learner/steps_lost"] == records[restart - 1]["step"] - every
+    assert records[restart]["step"] == ckpt + 1  # the new learner went on from the checkpoint
+    assert records[restart]["learner/steps_lost"] == records[restart - 1]["step"] - ckpt
     # its env-step count was restored from the checkpoint: it counts only the steps that survived
-    assert records[restart]["env_steps"] == (every + 1) * 8 * 32
+    assert records[restart]["env_steps"] == (ckpt + 1) * 8 * 32
     assert records[-1]["step"] == steps and records[-1]["env_steps"] == steps * 8 * 32
     assert max(r["staleness/max"] for r in records) <= k
     logs = {p.name: p.read_text() for p in (out / "logs").glob("worker-*.log")}

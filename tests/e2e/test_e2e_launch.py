@@ -93,10 +93,15 @@ def test_async_run_learns_within_staleness_bound(tmp_path):
 def test_long_tailed_task_learns_with_continuous_generation_and_inflight_updates(tmp_path):
     """data=reverse (heavy-tailed response lengths) with continuous generation and in-flight weight updates: the
     policy learns, every trained token is within the bound, long samples are trained rather than dropped, and
-    weight pushes do land while sequences are in flight (so some samples span two versions)."""
+    weight pushes do land while sequences are in flight (so some samples span two versions).
+
+    Admitted one version ahead (``admission_lookahead=1``) under the bound ``k=2``: at ``j=k=2`` five runs gained
+    +0.052, +0.150, +0.027, +0.098, +0.146 (two below the bound of 0.06: the lag, ~1.9, not the machinery, costs the
+    accuracy; docs/benchmarks.md "Three seeds"), at ``j=1`` four runs gained +0.115, +0.148, +0.137, +0.079 at lag ~0.96."""
     k, steps = 2, 40
     proc, records = _launch(tmp_path, "data=reverse", "algorithm=grpo", f"trainer.total_steps={steps}",
-                            f"rollout.max_staleness={k}", "rollout.max_num_seqs=64", "trainer.eval_every=0")
+                            f"rollout.max_staleness={k}", "rollout.admission_lookahead=1", "rollout.max_num_seqs=64",
+                            "trainer.eval_every=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)
     assert len(train) == steps
@@ -104,7 +109,9 @@ def test_long_tailed_task_learns_with_continuous_generation_and_inflight_updates
                 "sync/push_s", "response_length/mean", "response_length/max"):
         assert key in train[-1], key
     assert max(r["staleness/max"] for r in train) <= k
-    assert all(r["staleness/token_mean"] <= r["staleness/mean"] + 1e-9 for r in train)
+    assert max(r["staleness/token_max"] for r in train) <= k  # per token too, not only per sample's oldest
+    # fresh samples from the lookahead: ~1 version old, only stragglers trained behind later groups are older
+    assert sum(r["staleness/mean"] for r in train) / steps <= 1.25
     assert train[-1]["waste/tokens_frac"] == 0.0
     assert max(r["response_length/max"] for r in train) >= 30  # the tail is trained, not dropped
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
