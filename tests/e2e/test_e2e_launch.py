@@ -96,8 +96,9 @@ def test_long_tailed_task_learns_with_continuous_generation_and_inflight_updates
     weight pushes do land while sequences are in flight (so some samples span two versions).
 
     Admitted one version ahead (``admission_lookahead=1``) under the bound ``k=2``: at ``j=k=2`` five runs gained
-    +0.052, +0.150, +0.027, +0.098, +0.146 (two below the bound of 0.06: the lag, ~1.9, not the machinery, costs the
-    accuracy; docs/benchmarks.md "Three seeds"), at ``j=1`` four runs gained +0.115, +0.148, +0.137, +0.079 at lag ~0.96."""
+    +0.052, +0.150, +0.027, +0.098, +0.146 (two below the bound of 0.06: the lag, ~1.9, not the machinery, costs
+    the accuracy; docs/benchmarks.md "Three seeds"), at ``j=1`` four runs gained +0.115, +0.148, +0.137, +0.079
+    at lag ~0.96."""
     k, steps = 2, 40
     proc, records = _launch(tmp_path, "data=reverse", "algorithm=grpo", f"trainer.total_steps={steps}",
                             f"rollout.max_staleness={k}", "rollout.admission_lookahead=1", "rollout.max_num_seqs=64",
