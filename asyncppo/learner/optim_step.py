@@ -20,8 +20,9 @@ import torch
 def clip_and_step(optimizer: torch.optim.Optimizer, params: Iterable[torch.nn.Parameter], clip: float
                   ) -> tuple[float, bool]:
     """Clip the gradients of ``params`` to norm ``clip`` and step ``optimizer`` unless their (global) norm is zero
-    or not finite. Returns ``(norm before clipping, whether the optimizer stepped)``. The norm is the one
-    ``clip_grad_norm_`` reduces over every shard, so every rank takes the same decision."""
+    or not finite; a skipped gradient is dropped, so that it cannot add into the next step's. Returns ``(norm before
+    clipping, whether the optimizer stepped)``. The norm is the one ``clip_grad_norm_`` reduces over every shard, so
+    every rank takes the same decision."""
     norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
     if norm == 0.0 or not math.isfinite(norm):
         optimizer.zero_grad(set_to_none=True)

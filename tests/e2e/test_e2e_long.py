@@ -28,8 +28,9 @@ WARMUP = 60
 def test_long_generation_run_stays_within_the_bound(tmp_path):
     """8 steps of 16 prompts x 8 samples at the preset's staleness bound k=4 and admission lookahead j=1, from a
     model warm-started for 60 steps instead of the preset's 300 (the suite's budget: the full build takes ~80 s on
-    2 cores). Such a model solves nothing yet (reward 0) but writes long workings: sequences up to the preset's 1,028-token response limit go
-    through the engines, the stream, packed micro-batches and the update. What is asserted: every trained token
+    2 cores). Such a model solves nothing yet (reward 0) but writes long workings: sequences up to the preset's
+    1,028-token response limit go through the engines, the stream, packed micro-batches and the update. What is
+    asserted: every trained token
     within the bound k, samples nominally j old (lag mean <= 1.5: only stragglers trained behind later groups are
     older), answers of 500+ tokens trained rather than dropped, nothing dropped as stale, finite losses, a step whose
     every group scored 0 makes no optimizer step (its gradient is zero: Adam would still move the weights), and
