@@ -2,6 +2,7 @@
 
     python scripts/bench_packing.py                    # CPU, the defaults below
     python scripts/bench_packing.py --device cuda      # on a GPU (sdpa)
+    python scripts/bench_packing.py --device cuda --flex   # and the packed forward on flex-attention
 
 The batch is what a long-generation task hands the learner: ``--groups`` prompts x ``--n`` samples, prompts of 32-64
 tokens, response lengths drawn from a log-normal (mean about ``--mean``, one sample at ``--max``), so most rows are
@@ -14,7 +15,9 @@ the same GRPO step (one mini-batch, decoupled correction):
 * ``packed``: the same budget, sequences packed (``pack_sequences`` auto): on CPU (sdpa, a block-diagonal mask)
   rows as wide as each micro-batch's longest sequence;
 * ``packed-budget-rows``: the row layout of the varlen (flash-attention) path, rows filled up to the budget, run here
-  through the same mask (so its pad fraction is the GPU path's, its CPU time is not).
+  through the same mask (so its pad fraction is the GPU path's, its CPU time is not);
+* ``packed-flex`` (``--flex``, CUDA): the learner loaded with ``model.attn_implementation=flex_attention``, whose
+  block mask skips the blocks outside every sequence, so rows are filled up to the budget as on the varlen path.
 
 Each setting: one warm-up step, then ``--steps`` timed steps; the median is reported with ``perf/pad_fraction``.
 Results: docs/benchmarks.md, "Packed learner micro-batches".
@@ -63,7 +66,8 @@ def make_groups(args, vocab: int) -> list[TrajectoryGroup]:
     return groups
 
 
-def run_setting(name: str, model_dir: str, groups, args, varlen_rows: bool = False, **algorithm) -> dict:
+def run_setting(name: str, model_dir: str, groups, args, varlen_rows: bool = False, attn: str | None = None,
+                **algorithm) -> dict:
     cfg = AsyncPPOConfig()
     cfg.algorithm.adv_estimator = "grpo"
     cfg.algorithm.clip_ratio_low = cfg.algorithm.clip_ratio_high = cfg.algorithm.pg_clip  # as validation fills in
@@ -72,7 +76,8 @@ def run_setting(name: str, model_dir: str, groups, args, varlen_rows: bool = Fal
         setattr(cfg.algorithm, key, value)
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    actor = load_actor(model_dir, torch.float32 if args.device == "cpu" else torch.bfloat16, dev)
+    actor = load_actor(model_dir, torch.float32 if args.device == "cpu" else torch.bfloat16, dev,
+                       attn_implementation=attn)
     update = PPOUpdate(cfg, actor, None, None, dev)
     ppo_module.uses_varlen_attention = (lambda model: True) if varlen_rows else uses_varlen_attention
     update.step(collate_groups(groups, pad_token_id=0))  # warm-up
@@ -87,7 +92,11 @@ def run_setting(name: str, model_dir: str, groups, args, varlen_rows: bool = Fal
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         fractions.append(metrics["perf/pad_fraction"])
-    return dict(setting=name, step_s=statistics.median(times), pad_fraction=statistics.mean(fractions))
+    peak = torch.cuda.max_memory_allocated() / 2**30 if args.device != "cpu" else float("nan")
+    if args.device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
+    return dict(setting=name, step_s=statistics.median(times), pad_fraction=statistics.mean(fractions),
+                peak_gib=peak, loss=float(metrics["actor/pg_loss"]))
 
 
 def main() -> None:
@@ -104,6 +113,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--flex", action="store_true", help="add packed-flex (CUDA: flex-attention has no CPU backward)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=args.heads,
@@ -121,8 +131,12 @@ def main() -> None:
             run_setting("packed-budget-rows", model_dir, groups, args, varlen_rows=True,
                         max_tokens_per_micro_batch=args.tokens),
         ]
+        if args.flex:
+            results.append(run_setting("packed-flex", model_dir, groups, args, attn="flex_attention",
+                                       max_tokens_per_micro_batch=args.tokens))
     for r in results:
-        print(f"RESULT {r['setting']:>18}  step {r['step_s']:7.2f} s  pad_fraction {r['pad_fraction']:.3f}")
+        print(f"RESULT {r['setting']:>18}  step {r['step_s']:7.3f} s  pad_fraction {r['pad_fraction']:.3f}  "
+              f"peak {r['peak_gib']:.2f} GiB  pg_loss {r['loss']:.6f}")
 
 
 if __name__ == "__main__":

@@ -195,7 +195,7 @@ def cov_select(
         cand = idx[(vals > lb) & (vals < ub)]
         if cand.shape[0] == 0:
             return out
-        perm = torch.randperm(cand.shape[0], generator=generator)[: min(k, cand.shape[0])]
+        perm = torch.randperm(cand.shape[0], generator=generator)[: min(k, cand.shape[0])].to(cand.device)
         chosen = cand[perm]
     out[chosen[:, 0], chosen[:, 1]] = True
     return out

@@ -197,7 +197,7 @@ def ratio_metrics(log_w: torch.Tensor, mask: torch.Tensor) -> dict:
     out: dict = {}
     flat = w[m]
     if flat.numel():
-        q = torch.quantile(flat, torch.tensor([p / 100 for p in PERCENTILES], dtype=dt))
+        q = torch.quantile(flat, torch.tensor([p / 100 for p in PERCENTILES], dtype=dt, device=flat.device))
     else:
         q = torch.ones(len(PERCENTILES), dtype=dt)
     for p, v in zip(PERCENTILES, q):

@@ -166,6 +166,10 @@ class ModelConfig:
     dtype: str = "float32"  # learner compute dtype on GPU: bfloat16 | float32
     gradient_checkpointing: bool = False
     trust_remote_code: bool = False
+    # the learner models' attention kernel (actor, critic, reference): null = transformers' choice (sdpa). A packed
+    # forward's row width follows it (learner/packing.py): flash_attention_* (varlen) and flex_attention (a block
+    # mask, blocks outside every sequence skipped) fill rows up to the token budget; flex_attention needs CUDA
+    attn_implementation: Optional[str] = None  # null | sdpa | eager | flex_attention | flash_attention_2 | _3
     # --- LoRA through peft (docs/lora.md): the learner trains adapters only; the reference is the base model with
     # the adapters disabled (no second copy); a weight push sends the adapters, which each engine merges onto its
     # copy of the base weights. One learner rank, LLM runs only.

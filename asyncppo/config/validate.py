@@ -17,6 +17,7 @@ import re
 
 from asyncppo.config import choices as C
 from asyncppo.config.checks import Checks, ConfigError, mini_batch_prompts, uses_critic
+from asyncppo.config.devices import learner_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.validate_algorithm import check_algorithm
 from asyncppo.config.validate_cluster import check_cluster, check_engine_parallel
@@ -101,6 +102,11 @@ def _check_model_data(cfg: AsyncPPOConfig, c: Checks) -> None:
     if m.path and m.path.startswith("builtin:") and not m.path[len("builtin:"):].strip():
         c.error("model.path", m.path, "builtin models are named 'builtin:<name>', e.g. builtin:tiny-addition")
     c.choice("model.dtype", m.dtype, C.LEARNER_DTYPES)
+    if m.attn_implementation is not None:
+        c.choice("model.attn_implementation", m.attn_implementation, C.ATTN_IMPLEMENTATIONS)
+        if m.attn_implementation == "flex_attention" and not learner_on_gpu(cfg):
+            c.error("model.attn_implementation", m.attn_implementation, "flex-attention has no backward pass on "
+                    "CPU (torch); use it with a CUDA learner (--train-gpus / --gpus), or leave it null (sdpa)")
     if m.critic_path and not uses_critic(cfg):
         c.warn(f"model.critic_path is set but adv_estimator={cfg.algorithm.adv_estimator} uses no critic")
     for key, files in (("data.train_files", d.train_files), ("data.eval_files", d.eval_files)):

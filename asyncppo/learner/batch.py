@@ -151,7 +151,7 @@ def mini_batches(batch: TrainBatch, groups_per_mini_batch: int, generator: torch
     per = num_groups if groups_per_mini_batch <= 0 else groups_per_mini_batch
     order = torch.randperm(num_groups, generator=generator)
     for start in range(0, num_groups, per):
-        chosen = order[start : start + per]
+        chosen = order[start : start + per].to(batch.group_index.device)
         rows = torch.nonzero(torch.isin(batch.group_index, chosen), as_tuple=False).squeeze(1)
         yield batch.select(rows)
 

@@ -32,13 +32,15 @@ class LearnerModels:
     device: torch.device
     sharded: bool
     trust_remote_code: bool
+    attn_implementation: str | None = None
 
     def unsharded_actor(self) -> torch.nn.Module:
         """The actor rank 0 evaluates and saves: a second, plain copy when the trained one is sharded (kept current
         by learner/push.py), else the actor itself."""
         if not self.sharded:
             return self.actor
-        return load_actor(self.actor_path, self.dtype, self.device, self.trust_remote_code)
+        return load_actor(self.actor_path, self.dtype, self.device, self.trust_remote_code,
+                          attn_implementation=self.attn_implementation)
 
 
 def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, world_size: int) -> LearnerModels:
@@ -48,7 +50,8 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     remote = cfg.model.trust_remote_code
     lora = cfg.model.lora_rank > 0  # LoRA: the actor is always the base + adapters (a resume loads its adapter)
     actor_path = resume.actor_dir if resume is not None and not lora else model_path
-    actor = load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing)
+    attn = cfg.model.attn_implementation
+    actor = load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing, attn)
     if lora:
         actor = lora_actor(actor, cfg.model, os.path.join(resume.actor_dir, ADAPTER_DIR) if resume else None)
     actor = maybe_shard(actor, world_size, device)
@@ -60,10 +63,11 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     reference = None
     if needs_reference(cfg):  # under LoRA the base is the actor with its adapters off: no second copy
         reference = (AdaptersOff(actor) if lora and not cfg.model.ref_path
-                     else load_reference(cfg.model.ref_path or model_path, dtype, device, remote))
+                     else load_reference(cfg.model.ref_path or model_path, dtype, device, remote, attn))
     if world_size > 1:
         updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
     else:
         updater = PPOUpdate(cfg, actor, critic, reference, device)
     return LearnerModels(actor=actor, critic=critic, reference=reference, updater=updater, actor_path=actor_path,
-                         dtype=dtype, device=device, sharded=world_size > 1, trust_remote_code=remote)
+                         dtype=dtype, device=device, sharded=world_size > 1, trust_remote_code=remote,
+                         attn_implementation=attn)

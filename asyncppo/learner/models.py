@@ -28,18 +28,26 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     return model
 
 
+def _attention(attn_implementation: str | None) -> dict:
+    """``from_pretrained``'s attention argument: none (transformers' own choice, sdpa where it can) unless set
+    (``model.attn_implementation``; packing reads the choice back from the model's config)."""
+    return {"attn_implementation": attn_implementation} if attn_implementation else {}
+
+
 def load_actor(
     path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool = False, attn_implementation: str | None = None,
 ) -> nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                                 **_attention(attn_implementation))
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return disable_dropout(model).to(device)
 
 
-def load_reference(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False) -> nn.Module:
-    model = load_actor(path, dtype, device, trust_remote_code)
+def load_reference(path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+                   attn_implementation: str | None = None) -> nn.Module:
+    model = load_actor(path, dtype, device, trust_remote_code, attn_implementation=attn_implementation)
     model.eval()
     model.requires_grad_(False)
     return model
@@ -64,10 +72,12 @@ class ValueModel(nn.Module):
 
 
 def load_critic(
-    path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False
+    path: str, dtype: torch.dtype, device: torch.device, trust_remote_code: bool = False,
+    attn_implementation: str | None = None,
 ) -> ValueModel:
     config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    body = AutoModel.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code,
+                                     **_attention(attn_implementation))
     critic = ValueModel(disable_dropout(body), config.hidden_size).to(device=device)
     critic.value_head.to(torch.float32)
     return critic

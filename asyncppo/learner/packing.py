@@ -9,8 +9,9 @@ so a forward processes (almost) only real tokens. How wide the rows are follows 
 
 How attention stays inside each sequence: the packed rows are passed with ``attention_mask=None`` and position ids
 that restart at 0 for every sequence. transformers (5.x) reads restarting position ids as packed sequences: on
-``sdpa`` / ``eager`` / ``flex`` it builds a block-diagonal causal mask from them, on ``flash_attention_2`` it runs
-varlen attention with the sequence boundaries derived from the same position ids. Models whose attention does not
+``sdpa`` / ``eager`` it builds a block-diagonal causal mask from them, on ``flex_attention`` a block mask that skips
+the blocks outside every sequence, on ``flash_attention_2`` it runs varlen attention with the sequence boundaries
+derived from the same position ids (``model.attn_implementation`` picks the kernel). Models whose attention does not
 go through transformers' mask utilities (some remote-code models) would attend across boundaries: keep packing off
 for them (``algorithm.pack_sequences=false``).
 
@@ -32,8 +33,12 @@ LONGEST = -2  # rows as wide as the forward's longest sequence (mask-based atten
 
 
 def uses_varlen_attention(model) -> bool:
-    """Whether ``model`` runs flash-attention, whose packed path is varlen (cost per sequence, not per row)."""
-    return str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "").startswith("flash")
+    """Whether ``model``'s attention costs per sequence rather than per row on a packed row: flash-attention (varlen
+    kernels over the boundaries from the position ids) or flex-attention (a block mask built from the same boundaries;
+    the blocks outside every sequence are skipped, so a row costs about the sum of its sequences' squares, to within
+    a 128-token block)."""
+    impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
+    return impl.startswith("flash") or impl == "flex_attention"
 
 
 def pack_capacity(alg: AlgorithmConfig, varlen: bool) -> int:

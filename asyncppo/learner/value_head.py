@@ -54,4 +54,5 @@ def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device,
     # resume, where the model classes are never needed
     from asyncppo.learner.models import load_critic  # heavy: transformers
 
-    return load_critic(cfg.model.critic_path or model_path, dtype, device, trust_remote_code)
+    return load_critic(cfg.model.critic_path or model_path, dtype, device, trust_remote_code,
+                       cfg.model.attn_implementation)

@@ -20,6 +20,7 @@ DESCRIPTION = (
 # name -> title, in ladder order; the functions live in rungs_device.py / rungs_multi.py
 RUNGS = {
     "learner_step": "PPO learner step",
+    "learner_variants": "learner step, every estimator, loss and correction",
     "hf_engine": "transformers engine",
     "vllm_engine": "vLLM engine",
     "shared_push": "shared-device weight push (shm)",
@@ -45,9 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _ladder():
     from asyncppo.selftest import rungs_device as D  # heavy: torch (inside the rungs)
     from asyncppo.selftest import rungs_multi as M
+    from asyncppo.selftest.rungs_variants import learner_variants
 
-    return {"learner_step": D.learner_step, "hf_engine": D.hf_engine, "vllm_engine": D.vllm_engine,
-            "shared_push": M.shared_push, "shared_mode": M.shared_mode, "nccl_push": M.nccl_push,
+    return {"learner_step": D.learner_step, "learner_variants": learner_variants, "hf_engine": D.hf_engine,
+            "vllm_engine": D.vllm_engine, "shared_push": M.shared_push, "shared_mode": M.shared_mode, "nccl_push": M.nccl_push,
             "async_vs_sync": M.async_vs_sync}
 
 

@@ -14,7 +14,7 @@ from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-selftest")
-CPU_RUNGS = ("learner_step", "hf_engine", "vllm_engine", "shared_push", "shared_mode")
+CPU_RUNGS = ("learner_step", "learner_variants", "hf_engine", "vllm_engine", "shared_push", "shared_mode")
 
 
 def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
@@ -30,6 +30,8 @@ def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
     for name in ("nccl_push", "async_vs_sync"):
         assert rungs[name]["status"] == "skipped" and "needs >= 2 CUDA devices" in rungs[name]["detail"]
     assert rungs["learner_step"]["figures"]["tokens/s"] > 0 and rungs["hf_engine"]["figures"]["tokens/s"] > 0
+    variants = rungs["learner_variants"]["figures"]
+    assert variants["passed"] == variants["variants"] >= 29  # the CUDA-only ones (bf16, flex) are left out here
     shared = rungs["shared_mode"]["figures"]
     assert shared["steps"] == 8 and shared["sync"] == "shm"  # the run went over the shared-memory weight path
     assert 0 < shared["gen busy"] <= 1 and 0 < shared["train busy"] <= 1
