@@ -101,9 +101,10 @@ def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) 
 
 # ---------------------------------------------------------------------------------------------- TRL
 def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_completion: int, callbacks: list,
-                logging_steps: int = 50, mask_truncated: bool = False):
+                logging_steps: int = 50, mask_truncated: bool = False, beta: float = 0.0):
     """TRL's ``GRPOTrainer`` set up as asyncppo's preset trains: 16 prompts x 8 samples per step, one optimizer
-    update per batch, constant learning rate ``LR`` without warm-up, ``beta=0`` (no KL), grad clip 1, T=1, exact
+    update per batch, constant learning rate ``LR`` without warm-up, ``beta`` (KL to the reference in the loss, k3,
+    asyncppo's ``use_kl_loss`` with ``kl_penalty=low_var_kl``: 0 = none, the default), grad clip 1, T=1, exact
     match; ``loss_type="dapo"`` (TRL's default, stated): token-mean over the batch's active tokens, which with one
     process and no accumulation is asyncppo's ``loss_agg_mode=token-mean``; ``mask_truncated``: TRL's
     ``mask_truncated_completions``, asyncppo's ``algorithm.mask_truncated``. None (with a message) without trl."""
@@ -120,7 +121,7 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
 
     config = GRPOConfig(
         output_dir=os.path.join(root, "trl"), learning_rate=LR, per_device_train_batch_size=PROMPTS * GROUP,
-        num_generations=GROUP, max_completion_length=max_completion, temperature=1.0, beta=0.0, max_steps=100_000,
+        num_generations=GROUP, max_completion_length=max_completion, temperature=1.0, beta=beta, max_steps=100_000,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=logging_steps,
         loss_type="dapo", report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, mask_truncated_completions=mask_truncated,

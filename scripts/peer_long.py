@@ -173,9 +173,9 @@ def run_asyncppo_long(args, root: str, marks: list[float]) -> dict:
 
 # ---------------------------------------------------------------------------------------------- TRL
 def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
-                 build, mask_truncated: bool) -> dict:
+                 build, mask_truncated: bool, beta: float) -> dict:
     """``build``: bench_peer's ``trl_trainer`` (the GRPOTrainer set up as the preset trains, truncated answers
-    masked as the preset's ``algorithm.mask_truncated`` says)."""
+    masked as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``)."""
     from transformers import TrainerCallback
 
     class TimedPoints(TrainerCallback):
@@ -205,7 +205,7 @@ def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks:
 
     timed = TimedPoints()
     built = build(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1,
-                  mask_truncated=mask_truncated)
+                  mask_truncated=mask_truncated, beta=beta)
     if built is None:
         return {}
     trainer, timed.tok = built
@@ -248,7 +248,8 @@ def main_long(args, build) -> None:
         results.append(run_asyncppo_long(args, root, marks))
     if "trl" not in skip:
         r = run_trl_long(args, os.path.abspath(model_dir), splits.train, root, marks, cfg.rollout.response_length,
-                         build, cfg.algorithm.mask_truncated)
+                         build, cfg.algorithm.mask_truncated,
+                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0)
         results += [r] if r else []
     print(f"[bench] scoring {1 + sum(len(r['points']) for r in results)} points: {len(splits.eval)} held-out "
           f"prompts x {SAMPLES_PER_PROMPT} sampled (T=1, seed {cfg.trainer.seed}) + greedy, up to {max_new} tokens "
