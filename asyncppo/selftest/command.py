@@ -17,7 +17,7 @@ DESCRIPTION = (
     "docs/benchmarks.md). Needs torch and transformers; the rungs that need vLLM, Ray, pyzmq or Hydra are skipped "
     "with the reason when those are missing. See docs/quickstart-gpu.md.")
 
-# name -> title, in ladder order; the functions live in rungs_device.py / rungs_multi.py
+# name -> title, in ladder order; the functions live in rungs_device.py / rungs_variants.py / rungs_multi.py
 RUNGS = {
     "learner_step": "PPO learner step",
     "learner_variants": "learner step, every estimator, loss and correction",
@@ -49,8 +49,8 @@ def _ladder():
     from asyncppo.selftest.rungs_variants import learner_variants
 
     return {"learner_step": D.learner_step, "learner_variants": learner_variants, "hf_engine": D.hf_engine,
-            "vllm_engine": D.vllm_engine, "shared_push": M.shared_push, "shared_mode": M.shared_mode, "nccl_push": M.nccl_push,
-            "async_vs_sync": M.async_vs_sync}
+            "vllm_engine": D.vllm_engine, "shared_push": M.shared_push, "shared_mode": M.shared_mode,
+            "nccl_push": M.nccl_push, "async_vs_sync": M.async_vs_sync}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ model keeps it to seconds; the figures are pass counts, not speeds.
 
 from __future__ import annotations
 
+import math
 import tempfile
 import time
 
@@ -111,7 +112,7 @@ def learner_variants(ctx: Context) -> dict:
                 metrics = models.updater.step(collate_groups(_groups(vocab, seed=i), 0))
                 if not all(torch.isfinite(p).all() for p in models.actor.parameters()):
                     raise RuntimeError("non-finite parameters after the step")
-                if not torch.isfinite(torch.tensor(float(metrics["actor/pg_loss"]))):
+                if not math.isfinite(float(metrics["actor/pg_loss"])):
                     raise RuntimeError(f"pg_loss {metrics['actor/pg_loss']}")
             except Exception as exc:  # every variant is tried; the rung fails with all of them named
                 failures.append(f"{label}: {type(exc).__name__}: {exc}")
