@@ -55,6 +55,7 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.non_negative("rollout.prompts_per_call", r.prompts_per_call)
     c.choice("rollout.generation", r.generation, C.GENERATION_MODES)
     c.choice("rollout.inflight_update", r.inflight_update, C.INFLIGHT_UPDATES)
+    c.choice("rollout.admission_unit", r.admission_unit, C.ADMISSION_UNITS)
     c.positive("rollout.max_num_seqs", r.max_num_seqs)
     if r.max_num_seqs > 0 and r.num_return_sequences_in_group > r.max_num_seqs:
         c.error("rollout.max_num_seqs", r.max_num_seqs,

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 from asyncppo.data.datasets import build_prompt_dataset
 from asyncppo.data.position import group_key, resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
-from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
+from asyncppo.rollout.engine import FinishedGroup, SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
 from asyncppo.rollout.worker import EngineMeter
@@ -82,6 +82,7 @@ def generate_alone(cfg, model_path: str, num_groups: int) -> tuple[FullRun, dict
     draws = resume_draws(dataset.iterate(seed=cfg.data.seed, shuffle=cfg.data.shuffle))
     engine = worker_engine(cfg, model_path, 0)
     try:
+        warm_up(engine, warm_up_prompt(tokenizer, ro.prompt_length))  # start-up, left out as the worker leaves it
         stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "gen_tokens": 0}
         reward_fn = resolve_reward_fn(ro.reward_fn, task=cfg.data.task if not cfg.data.train_files else None)
         builder, meter = GroupBuilder(engine, reward_fn, 0, stats), EngineMeter()

@@ -8,8 +8,10 @@ One turn of :meth:`RolloutWorker.run`'s loop, top to bottom:
    KV cache, computed under the old weights); ``recompute`` loads, then has the engine re-prefill every running
    sequence under the new weights; ``off`` (and ``generation=batch``) stops admitting and loads once the
    sequences in flight have finished.
-3. **admit** - ``generation=continuous``: while the engine has room for a whole group (``max_num_seqs``) and a
-   ticket is at hand whose ``min_version`` our weights satisfy, add the next prompt as a group of ``n`` samples.
+3. **admit** - ``generation=continuous``: while the engine has room (``max_num_seqs``) and a ticket is at hand
+   whose ``min_version`` our weights satisfy, add the next prompt as a group of ``n`` samples. Room is counted in
+   whole groups (``rollout.admission_unit=group``) or in slots (``slot``: a group goes in once one slot is free,
+   the engine queues the rest; :func:`admission_room`).
    ``generation=batch``: only when the engine is empty, up to ``prompts_per_call`` groups at once. Tickets are
    requested ahead without waiting (:meth:`AdmissionClient.request`), so a decode step never waits on a round trip.
 4. **step** - one engine iteration; every group whose ``n`` samples finished in it is scored and sent at once
@@ -30,7 +32,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.datasets import build_prompt_dataset
 from asyncppo.data.position import group_key, resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
-from asyncppo.rollout.engine import SamplingSpec
+from asyncppo.rollout.engine import SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.evaluation import build_eval_runner
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
@@ -41,6 +43,19 @@ from asyncppo.sync.adapter import AdapterMerger
 from asyncppo.sync.engine_load import receive_into_engine
 
 log = logging.getLogger("asyncppo.rollout")
+
+
+def admission_room(free_slots: int, n: int, unit: str) -> int:
+    """How many groups of ``n`` samples may go into an engine with ``free_slots`` free slots now.
+
+    ``group``: only groups that fit whole, so no sequence ever waits in the engine's queue; but the slots of a group
+    come back one by one as its siblings finish, and up to ``n - 1`` of them stay empty until enough are free.
+    ``slot``: a group as soon as one slot is free; the engine queues its other samples (at most ``n - 1`` waiting)
+    and starts each the moment a slot frees, so the engine stays full while tickets last. Why it is not the
+    default everywhere: a queued sample starts later, so its group arrives a little later."""
+    if free_slots <= 0:
+        return 0
+    return free_slots // n if unit == "group" else -(-free_slots // n)
 
 
 @dataclass
@@ -117,6 +132,8 @@ class RolloutWorker(WorkerSkeleton):
                        if cfg.model.lora_rank > 0 else None)
         tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         self.tokenizer = tokenizer
+        # before the worker joins the learner: the engine's first-step set-up is start-up, not a training stall
+        self.stats["warm_up_s"] = round(warm_up(self.engine, warm_up_prompt(tokenizer, ro.prompt_length)), 3)
         dataset = self._train_dataset(tokenizer).shard(self.worker_id, self.num_workers)
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
                                      self.position)
@@ -219,7 +236,7 @@ class RolloutWorker(WorkerSkeleton):
                 return
             room = ro.prompts_per_call
         else:
-            room = max(0, ro.max_num_seqs - self._occupied()) // n
+            room = admission_room(ro.max_num_seqs - self._occupied(), n, ro.admission_unit)
         want = room - len(self._pending) - self.admission.open_requests
         if want > 0:
             self.admission.request(want)

@@ -217,3 +217,24 @@ def test_add_group_errors(engine, prompts):
         engine.add_group("dup", prompts[1], spec)
     assert engine.num_unfinished_seqs() == 2  # the failed calls queued nothing
     assert engine.abort_all() == ["dup"]
+
+
+def test_warm_up_leaves_the_engine_empty_and_its_shared_generator_untouched(tiny_model_dir, prompts):
+    """The worker's warm-up request must not change what the run samples: unseeded groups draw from the engine's
+    shared generator, so two engines with the same seed, one warmed up, must give the same tokens."""
+    from asyncppo.rollout.engine import warm_up
+
+    spec = SamplingSpec(n=3, max_tokens=6)  # unseeded: the shared generator
+    tokens = []
+    for warm in (False, True):
+        eng = make_engine("hf", tiny_model_dir, max_model_len=128, seed=7)
+        try:
+            if warm:
+                assert warm_up(eng, prompts[0]) > 0 and eng.num_unfinished_seqs() == 0
+            for i, p in enumerate(prompts[:3]):
+                eng.add_group(f"g{i}", p, spec)
+            got = flat(run_to_completion(eng))
+            tokens.append([c.token_ids.tolist() for k in sorted(got) for c in got[k]])
+        finally:
+            eng.close()
+    assert tokens[0] == tokens[1]

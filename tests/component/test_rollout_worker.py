@@ -94,3 +94,45 @@ def test_worker_streams_continuously_and_updates_weights_in_flight(random_model_
     assert len(set(tickets)) == len(tickets)
     assert any(s.version_min == 1 for s in samples)
     assert {g.timings["inflight_updates"] for g in groups} >= {0.0, 1.0}
+
+
+@pytest.mark.parametrize("unit", ["group", "slot"])
+def test_admission_unit_decides_how_full_the_engine_runs(random_model_dir, unit):
+    """6 slots, groups of 4, tickets plentiful: admitting whole groups can only ever fill 4 slots (a second group
+    needs 8), so occupancy is at most 4/6; admitting per free slot puts a second group in with 2 free slots and the
+    engine queues its other 2 samples, so all 6 slots decode. The untrained model rarely says eos, so sequences
+    run to the response length and the engine is never short of work."""
+    cfg = load_config([
+        "rollout.engine=hf", "rollout.rollout_batch_size=2", "rollout.num_return_sequences_in_group=4",
+        "rollout.max_staleness=8", "rollout.max_num_seqs=6", f"rollout.admission_unit={unit}",
+        "rollout.response_length=12", "cluster.timeout_s=60",
+    ])
+    receiver = TrajectoryReceiver("tcp://127.0.0.1:0")
+    control = ControlPublisher("tcp://127.0.0.1:0")
+    server = AdmissionServer(AdmissionController(2, 8), "tcp://127.0.0.1:0")
+    port = find_free_port()
+    ep = Endpoints(receiver.address, control.address, server.address, "127.0.0.1", port, 2, "gloo")
+    worker = RolloutWorker(cfg, 0, 1, ep, random_model_dir)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    group = make_sync_group("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)  # the worker joins it
+    groups = []
+    try:
+        control.publish(version=0, weights_version=0)
+        end = time.monotonic() + 60
+        while len(groups) < 8 and time.monotonic() < end:  # 18 tickets: never short of them
+            g = receiver.recv(timeout_ms=100)
+            if g is not None:
+                groups.append(g)
+    finally:
+        control.publish(version=0, weights_version=0, stop=True)
+        thread.join(30)
+        for c in (server, control, receiver, group):
+            c.close()
+    assert len(groups) == 8 and not thread.is_alive()
+    steps = sum(g.timings["decode_steps"] for g in groups)
+    occupancy = sum(g.timings["running_seq_sum"] for g in groups) / steps / 6
+    if unit == "group":
+        assert occupancy <= 4 / 6 + 1e-9
+    else:
+        assert occupancy >= 0.9, occupancy
