@@ -19,6 +19,7 @@ pipeline's limit beside it: the engine alone and the learner alone on the same s
     python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
     python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
     python scripts/bench_async_vs_sync.py --no-limit ...                     # the three launches only
+    python scripts/bench_async_vs_sync.py --modes sync,async-cont+rollout.sync_every=2   # a mode's own overrides
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -51,8 +53,10 @@ MODES = {
 
 
 def run_once(label: str, args, root: str, mode: str = "") -> dict:
-    """One launch in ``MODES[mode or label]``, its run directory ``root/label``."""
-    out = os.path.join(root, label)
+    """One launch in ``MODES[mode or label]``, its run directory ``root/label``. A mode may carry overrides of its
+    own after ``+`` (``async-cont-lookahead+rollout.sync_every=2``): that launch only gets them."""
+    base, *extra = (mode or label).split("+")
+    out = os.path.join(root, re.sub(r"[^A-Za-z0-9_.-]+", "_", label))  # a Hydra value: no '=', '+' or '/'
     cmd = [
         sys.executable, "-m", "asyncppo", "launch", *args.preset,
         f"trainer.output_dir={out}",
@@ -62,8 +66,9 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         # no point-0 evaluation unless asked: its round holds the engine at version 0 while the learner waits for
         # its first push, a one-time stall the limit does not include (docs/benchmarks.md); the final one is untimed
         f"trainer.eval_at_start={'true' if args.eval_at_start else 'false'}",
-        *[m.format(k=args.staleness, j=args.lookahead) for m in MODES[mode or label]],
+        *[m.format(k=args.staleness, j=args.lookahead) for m in MODES[base]],
         *args.overrides,
+        *extra,  # the mode's own overrides, after the shared ones (they win)
     ]
     env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus)
     print(f"[bench] {label}: {' '.join(cmd[3:])}", flush=True)
@@ -154,7 +159,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
     args = p.parse_args()
     modes = [m for m in args.modes.split(",") if m]
-    unknown = [m for m in modes if m not in MODES]
+    unknown = [m for m in modes if m.split("+")[0] not in MODES]
     if unknown:
         raise SystemExit(f"unknown modes {unknown}; allowed: {list(MODES)}")
     root = tempfile.mkdtemp(prefix="asyncppo-bench-")

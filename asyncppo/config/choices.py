@@ -38,7 +38,7 @@ REJECTION_STATS = ("ratio", "k1", "k2", "k3")
 ENGINES = ("vllm", "hf")
 GENERATION_MODES = ("continuous", "batch")
 INFLIGHT_UPDATES = ("keep", "recompute", "off")
-ADMISSION_UNITS = ("group", "slot")
+ADMISSION_UNITS = ("slot", "group")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 # float16 training needs loss scaling, which the learner does not implement.
 LEARNER_DTYPES = ("float32", "bfloat16")

@@ -150,9 +150,9 @@ class RolloutConfig:
     # --- how the engine is kept busy (docs/staleness.md, "Weight swaps during generation") ---------------
     generation: str = "continuous"  # continuous: admit a group whenever a slot frees | batch: drain between batches
     max_num_seqs: int = 256  # sequences decoded at once per engine (vLLM max_num_seqs); admission keeps it full
-    # group: a group is admitted once all n of its slots are free | slot: once one is (the engine queues the other
-    # n - 1 and starts each as a slot frees), so slots freed one by one by finished siblings are refilled at once
-    admission_unit: str = "group"
+    # slot: a group is admitted once one of its n slots is free (the engine queues the rest and starts each as a
+    # slot frees), so slots freed one by one by finished siblings are refilled at once | group: once all n are free
+    admission_unit: str = "slot"
     inflight_update: str = "keep"  # keep | recompute | off: what a weight push does to sequences in flight
     prompts_per_call: int = 0  # generation=batch: groups per batch (weights load between batches); 0 = rollout_batch_size
     reward_fn: str = "auto"  # auto | exact_match | math | a dotted path "pkg.module:function"
