@@ -41,12 +41,13 @@ class Rates:
     measured_samples_per_s: float  # what the run itself achieved (steady part), for comparison
     notes: list[str] = field(default_factory=list)
     prompt_tokens: int = 0  # only the per-KV-token term reads it (0 for runs: CPU engines are fitted without it)
+    admission_unit: str = "group"  # rollout.admission_unit of the run (runs before the option admitted per group)
 
     def setup(self, **overrides) -> Setup:
         """The run's own configuration as a simulator setup, with ``overrides`` (engines=, max_staleness=, ...)."""
         base = Setup(engines=self.engines, train_ranks=self.train_ranks, batch_groups=self.batch_groups,
                      group_size=self.group_size, max_staleness=self.max_staleness, sync_every=self.sync_every,
-                     load_s=self.load_s, prompt_tokens=self.prompt_tokens)
+                     load_s=self.load_s, prompt_tokens=self.prompt_tokens, admission_unit=self.admission_unit)
         return replace(base, **overrides)
 
     def with_response_length(self, cap: int) -> "Rates":
@@ -141,4 +142,5 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         load_s=load_s, lengths=lengths, batch_groups=B, group_size=n,
         max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
+        admission_unit=str(run.cfg("rollout.admission_unit", "group")),
     )

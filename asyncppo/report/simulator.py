@@ -7,9 +7,11 @@ sequences finishing, so a run of thousands of learner steps on hundreds of engin
 
 * **engines** (``engines``, each ``max_num_seqs`` slots) decode continuously; one decode step of an engine running
   ``n`` sequences whose contexts hold ``kv`` tokens takes ``base + per_seq*n + per_kv_token*kv`` seconds and gives
-  every running sequence one token. A group of ``n`` samples is admitted when ``n`` slots are free and the engine
-  holds a ticket whose ``min_version`` its weights satisfy; its slots free one by one as samples finish; the group is
-  delivered when its last sample finishes (the stream costs nothing at this scale: docs/benchmarks.md, Transport).
+  every running sequence one token. A group of ``n`` samples is admitted when the engine holds a ticket whose
+  ``min_version`` its weights satisfy and it has room: ``n`` free slots (``admission_unit="group"``) or one
+  (``"slot"``: the samples that find no slot wait in the engine's queue and start as slots free, as vLLM's
+  scheduler starts them); its slots free one by one as samples finish; the group is delivered when its last sample
+  finishes (the stream costs nothing at this scale: docs/benchmarks.md, Transport).
 * **admission**: ticket ``i`` is granted while ``i < (k + v + 1) * B`` and needs weights ``>= i // B - k``;
   engines take tickets in order as they have room, exactly like the workers.
 * **learner**: the batch at version ``v`` is tickets ``[v*B, (v+1)*B)`` (ticket-ordered consumption); it starts when
@@ -35,6 +37,8 @@ import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
+
+from asyncppo.config.choices import admission_room
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,7 @@ class Setup:
     seed: int = 0
     colocated: bool = False
     switch_s: float = 0.0
+    admission_unit: str = "group"  # group | slot, as rollout.admission_unit (rollout/worker.py: admission_room)
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.train_ranks < 1 or self.batch_groups < 1 or self.group_size < 1:
@@ -89,6 +94,8 @@ class Setup:
             raise ValueError("a colocated pool alternates: it needs max_staleness = 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError("need 0 <= warmup_steps < steps")
+        if self.admission_unit not in ("group", "slot"):
+            raise ValueError(f"admission_unit must be 'group' or 'slot', got {self.admission_unit!r}")
 
 
 @dataclass
@@ -109,7 +116,7 @@ class Result:
 
 class _Engine:
     __slots__ = ("idx", "t", "p", "n", "kv0", "heap", "paused_until", "version", "busy", "steps", "run_steps",
-                 "pending", "marks", "epoch")
+                 "pending", "marks", "epoch", "queue")
 
     def __init__(self, idx: int):
         self.idx = idx
@@ -124,6 +131,7 @@ class _Engine:
         self.pending: deque = deque()  # granted tickets not yet admitted
         self.marks: list[tuple[float, int]] = [(0.0, 0)]  # (progress, version from then on)
         self.epoch = 0
+        self.queue: deque = deque()  # (ticket, length) of admitted samples waiting for a slot (admission per slot)
 
 
 @dataclass
@@ -228,24 +236,32 @@ class Simulator:
         s, r = self.s, self.r
         B, n, k = s.batch_groups, s.group_size, s.max_staleness
         self._advance(e, now)
-        room = (self.gen.max_num_seqs - e.n) // n
+        room = admission_room(self.gen.max_num_seqs - e.n - len(e.queue), n, s.admission_unit)
         while len(e.pending) < room and r.next_ticket < (k + r.version + 1) * B:  # request tickets, in order
             e.pending.append(r.next_ticket)
             r.next_ticket += 1
         added = False
-        while e.pending and (self.gen.max_num_seqs - e.n) >= n and e.pending[0] // B - k <= e.version:
+        while (e.pending and admission_room(self.gen.max_num_seqs - e.n - len(e.queue), n, s.admission_unit)
+               and e.pending[0] // B - k <= e.version):
             ticket = e.pending.popleft()
-            lens = self.lengths.sample_group(self.rng, n)
             r.groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
-            for L in lens:
-                r.seq_ids += 1
-                r.seqs[r.seq_ids] = (ticket, e.p, L)
-                heapq.heappush(e.heap, (e.p + L, r.seq_ids))
-                e.kv0 += s.prompt_tokens - e.p
-                e.n += 1
-            added = True
+            e.queue.extend((ticket, L) for L in self.lengths.sample_group(self.rng, n))
+            added = self._start_queued(e) or added
         if added:
             self._schedule(e)
+
+    def _start_queued(self, e: _Engine) -> bool:
+        """Start queued samples while the engine has a free slot (at its current progress); True if any started."""
+        r, started = self.r, False
+        while e.queue and e.n < self.gen.max_num_seqs:
+            ticket, L = e.queue.popleft()
+            r.seq_ids += 1
+            r.seqs[r.seq_ids] = (ticket, e.p, L)
+            heapq.heappush(e.heap, (e.p + L, r.seq_ids))
+            e.kv0 += self.s.prompt_tokens - e.p
+            e.n += 1
+            started = True
+        return started
 
     def _admit_all(self, now: float) -> None:
         # engines with the most room ask first, as idle workers' requests reach the controller first
@@ -297,6 +313,7 @@ class Simulator:
                 r.delivered[ticket] = r.groups.pop(ticket)
         if e.n == 0:
             e.kv0 = 0.0  # no drift of floating-point sums across idle periods
+        self._start_queued(e)
         self._admit(e, now)
         self._schedule(e)
         self._try_train(now)

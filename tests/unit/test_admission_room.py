@@ -2,7 +2,7 @@
 
 import pytest
 
-from asyncppo.rollout.worker import admission_room
+from asyncppo.config.choices import admission_room
 
 
 @pytest.mark.parametrize("free, n, group, slot", [

@@ -160,3 +160,25 @@ def test_empirical_groups_replay_and_cap():
     seen = {tuple(model.sample_group(rng, 4)) for _ in range(50)}
     assert seen == {(3, 4, 3, 3), (30, 31, 29, 30)}
     assert capped(model, 10).groups == ((3, 4, 3, 3), (10, 10, 10, 10))
+
+
+@pytest.mark.parametrize("unit, samples_per_s, occupancy", [("group", 4.0, 4 / 6), ("slot", 6.0, 1.0)])
+def test_admission_unit_decides_how_many_slots_decode(unit, samples_per_s, occupancy):
+    """6 slots, groups of 4, every sample 10 tokens at 0.1 s per step, free training, tickets plentiful. Per group,
+    a second group never fits beside the first (8 > 6): one group per second, 4 samples/s, 4 of 6 slots busy.
+    Per slot, the queue refills every freed slot at once: 6 samples/s, every slot busy."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=3, group_size=4, max_staleness=8, steps=60,
+                       warmup_steps=12, admission_unit=unit),
+                 EngineSpeed(0.1, 0.0, 0.0, 6), TrainSpeed(0.0, 0.0), FixedLengths(10))
+    assert r.occupancy == pytest.approx(occupancy, rel=1e-6)
+    assert r.samples_per_s == pytest.approx(samples_per_s, rel=0.02)
+    assert r.lag_max <= 8
+
+
+def test_admission_units_agree_for_groups_of_one():
+    """With n = 1 a free slot is a whole group's room: both units admit alike, so the runs are identical."""
+    lengths = LogNormalLengths(20.0, 80.0, 200, within_group=0.5)
+    runs = [simulate(Setup(engines=2, train_ranks=1, batch_groups=8, group_size=1, max_staleness=2, steps=40,
+                           warmup_steps=8, admission_unit=unit, seed=3),
+                     EngineSpeed(0.02, 0.001, 0.0, 5), TrainSpeed(0.05, 1e-4), lengths) for unit in ("group", "slot")]
+    assert runs[0] == runs[1]
