@@ -154,7 +154,8 @@ class RolloutWorker(WorkerSkeleton):
               + (f" (incarnation {self.incarnation}, from draw {self.position['next'] if self.position else 0})"
                  if self.incarnation else "")
               + f": pid {os.getpid()}, {num_prompts} prompts, dataset {self.stats['dataset']}, "
-              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}"
+              f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}, "
+              f"admission per {ro.admission_unit}, warm-up {self.stats['warm_up_s']:.2f}s"
               + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
               flush=True)
 
