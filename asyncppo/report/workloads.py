@@ -44,4 +44,5 @@ def workload(name: str) -> Rates:
         response_length=32768, measured_samples_per_s=0.0,
         notes=["rates derived from public specifications (see asyncppo/report/workloads.py), not measured"],
         prompt_tokens=PROMPT_TOKENS[name],
+        admission_unit="slot",  # rollout.admission_unit's default
     )
