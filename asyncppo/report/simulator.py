@@ -38,7 +38,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-from asyncppo.config.choices import admission_room
+from asyncppo.config.choices import ADMISSION_UNITS, admission_room
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ class Setup:
     seed: int = 0
     colocated: bool = False
     switch_s: float = 0.0
-    admission_unit: str = "group"  # group | slot, as rollout.admission_unit (rollout/worker.py: admission_room)
+    admission_unit: str = "group"  # group | slot, as rollout.admission_unit (config/choices.py: admission_room)
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.train_ranks < 1 or self.batch_groups < 1 or self.group_size < 1:
@@ -94,8 +94,8 @@ class Setup:
             raise ValueError("a colocated pool alternates: it needs max_staleness = 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError("need 0 <= warmup_steps < steps")
-        if self.admission_unit not in ("group", "slot"):
-            raise ValueError(f"admission_unit must be 'group' or 'slot', got {self.admission_unit!r}")
+        if self.admission_unit not in ADMISSION_UNITS:
+            raise ValueError(f"admission_unit must be one of {ADMISSION_UNITS}, got {self.admission_unit!r}")
 
 
 @dataclass
@@ -236,19 +236,22 @@ class Simulator:
         s, r = self.s, self.r
         B, n, k = s.batch_groups, s.group_size, s.max_staleness
         self._advance(e, now)
-        room = admission_room(self.gen.max_num_seqs - e.n - len(e.queue), n, s.admission_unit)
+        room = self._room(e)
         while len(e.pending) < room and r.next_ticket < (k + r.version + 1) * B:  # request tickets, in order
             e.pending.append(r.next_ticket)
             r.next_ticket += 1
         added = False
-        while (e.pending and admission_room(self.gen.max_num_seqs - e.n - len(e.queue), n, s.admission_unit)
-               and e.pending[0] // B - k <= e.version):
+        while e.pending and self._room(e) and e.pending[0] // B - k <= e.version:
             ticket = e.pending.popleft()
             r.groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
             e.queue.extend((ticket, L) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
         if added:
             self._schedule(e)
+
+    def _room(self, e: _Engine) -> int:
+        """Groups engine ``e`` may admit now: its free slots, less the samples already queued for one."""
+        return admission_room(self.gen.max_num_seqs - e.n - len(e.queue), self.s.group_size, self.s.admission_unit)
 
     def _start_queued(self, e: _Engine) -> bool:
         """Start queued samples while the engine has a free slot (at its current progress); True if any started."""
