@@ -12,6 +12,12 @@ Each side runs in its own process, one after the other, with the pinning and tor
 (launch/actors.py), and its start-up (engine load, model build) is left out of its time. ``limit = max(engine,
 learner)``; scripts/bench_async_vs_sync.py calls :func:`measure_limit` and puts ``limit / async time`` beside the
 speed-up over sync. Why this is the limit: asyncppo/report/limit.py.
+
+``--beside-engine`` adds a third run: the learner alone once more, on the same groups, while an engine generates on
+its own cores at the same time (five times the groups, so it outlasts the learner, then stopped). The two sides
+share no work, only the machine (caches, memory bandwidth, the kernel); the ratio of the two learner times is what
+sharing the machine costs the update, a cost no pipeline on that machine can avoid. It is reported beside the
+limit, which stays as defined.
 """
 
 from __future__ import annotations
@@ -100,21 +106,62 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     return limit, sides
 
 
+def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str) -> float:
+    """The learner alone on ``root``'s groups again, while an engine generates five times as many on its own cores
+    (in ``root/beside``, so nothing of the first runs is overwritten); the learner's seconds."""
+    import shutil
+
+    beside = os.path.join(root, "beside")
+    engine_dir = os.path.join(beside, "engine")
+    os.makedirs(engine_dir, exist_ok=True)
+    shutil.copy(os.path.join(root, "groups.bin"), os.path.join(beside, "groups.bin"))
+    env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
+    me = os.path.abspath(__file__)
+    print(f"[limit] learner alone beside a generating engine: {' '.join(overrides)}", flush=True)
+    engine = subprocess.Popen([sys.executable, me, "--side", "engine", "--dir", engine_dir, "--steps",
+                               str(5 * steps), *overrides], env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(20.0)  # the engine's own start-up (model load, warm-up) before the learner's timed part
+        if engine.poll() is not None:
+            raise SystemExit(f"[limit] the busy engine exited early with code {engine.returncode}")
+        proc = subprocess.run([sys.executable, me, "--side", "learner", "--dir", beside, "--steps", str(steps),
+                               *overrides], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
+            raise SystemExit(f"[limit] the learner beside the engine failed with exit code {proc.returncode}")
+        if engine.poll() is not None:
+            print("[limit] warning: the busy engine finished before the learner; the figure is a lower bound",
+                  flush=True)
+    finally:
+        engine.kill()
+        engine.wait()
+    with open(os.path.join(beside, "learner.json")) as f:
+        return json.load(f)["learner_s"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--rollout-cpus", default="1", help="CPU ids for the engine alone (taskset-style list)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner alone")
     p.add_argument("--dir", default="", help="where the groups and the per-side records go (default: a temp dir)")
+    p.add_argument("--beside-engine", action="store_true",
+                   help="also time the learner alone while an engine generates on its own cores (machine sharing)")
     p.add_argument("--side", choices=SIDES, default="", help=argparse.SUPPRESS)  # internal: run one side here
     p.add_argument("overrides", nargs="*", help="Hydra presets and overrides of the run being measured")
     args = p.parse_args()
     if args.side:
         run_side(args.side, args.dir, args.steps, args.overrides)
         return
-    limit, _ = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus,
-                             args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-"))
+    root = args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-")
+    limit, sides = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
     print(json.dumps(limit.as_dict(), indent=1))
+    if args.beside_engine:
+        beside = learner_beside_engine(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
+        alone = sides["learner"]["learner_s"]
+        print(f"[limit] learner alone {alone:.1f} s; beside a generating engine {beside:.1f} s: "
+              f"x{beside / alone:.2f} (what sharing the machine costs the update)", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ from __future__ import annotations
 import heapq
 import threading
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 
 @dataclass(frozen=True)
@@ -92,6 +92,17 @@ class AdmissionController:
         self.release_unknown = 0  # release() of an index that was not outstanding: refused, counted
         self.consumed_count = 0
         self.stopped = False
+        self._listeners: list[Callable[[], None]] = []  # told after every change that may free a ticket
+
+    def add_listener(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` (outside the lock, from the changing thread) after every change that may make a ticket
+        grantable or end the run: a version bump, a release, stop. The admission server wakes on it instead of
+        re-checking on a timer."""
+        self._listeners.append(fn)
+
+    def _changed(self) -> None:
+        for fn in self._listeners:
+            fn()
 
     # --------------------------------------------------------------------------------------------- state
     @property
@@ -103,12 +114,15 @@ class AdmissionController:
         with self._lock:
             if v < self._v:
                 raise ValueError(f"version must not decrease: {self._v} -> {v}")
-            self._v = v
+            bumped, self._v = v != self._v, v
+        if bumped:
+            self._changed()
 
     def stop(self) -> None:
         """No more tickets, ever (the run is ending); clients are told to stop."""
         with self._lock:
             self.stopped = True
+        self._changed()
 
     def capacity(self) -> int:
         """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set)."""
@@ -159,7 +173,8 @@ class AdmissionController:
             self._live -= 1
             heapq.heappush(self._free, index)
             self.released += 1
-            return True
+        self._changed()
+        return True
 
     def consumed(self, ticket: Ticket | int) -> None:
         """The group of this ticket was handed to the learner: it keeps its slot for good, can no longer be

@@ -4,7 +4,11 @@ rollout worker (:mod:`asyncppo.staleness.client`; the messages both speak are in
 
 Why long-polling: a worker that asks while the pool is exhausted is *parked* on the server and answered as soon
 as a ticket frees up (version bump or release), so workers neither spin nor sleep-and-retry. The server thread
-wakes every ``poll_ms`` to re-check the controller, because the learner changes its version from another thread.
+sleeps in one poll on its socket and on a wake-up pipe, which is written by whatever may free a ticket from
+another thread: the controller's changes (a version bump, a release, stop; :meth:`AdmissionController.add_listener`),
+a group's arrival (:meth:`AdmissionServer.claim`: its worker holds one ticket fewer), a retirement and ``close``.
+``poll_ms`` is only a safety net. Why not a short timer: the thread shares the learner's interpreter, and waking
+it 200 times a second (the timer it replaced) takes the GIL from the update as often.
 
 Messages are small msgpack maps (never pickle), validated field by field; a malformed request is counted in
 ``rejected`` and ignored. Tickets never leak silently:
@@ -29,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -61,7 +66,7 @@ class AdmissionServer:
         controller: AdmissionController,
         bind_address: str = "tcp://127.0.0.1:0",
         context: Optional[zmq.Context] = None,
-        poll_ms: int = 5,
+        poll_ms: int = 200,
         max_tickets_per_peer: Optional[int] = None,
         max_pending: int = 1024,
         curve: Optional[CurveKeys] = None,
@@ -78,6 +83,15 @@ class AdmissionServer:
         self._security.apply(self._sock)
         self.address = bind_socket(self._sock, bind_address)
         self._poll_ms = poll_ms
+        # the wake-up pipe: any thread writes a byte (os.write is thread-safe, unlike a ZeroMQ socket)
+        self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()  # the write end is closed under it, so no write hits a reused fd
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        controller.add_listener(self._wake)
         if max_tickets_per_peer is not None and max_tickets_per_peer < 1:
             raise ValueError(f"max_tickets_per_peer must be >= 1 or None, got {max_tickets_per_peer}")
         self.max_tickets_per_peer = max_tickets_per_peer
@@ -103,12 +117,32 @@ class AdmissionServer:
     def _run(self) -> None:
         try:
             while not self._closing.is_set():
-                if self._sock.poll(self._poll_ms):
+                events = dict(self._poller.poll(self._poll_ms))
+                if self._wake_r in events:
+                    self._drain_wake()
+                if self._sock in events:
                     self._handle_all()
                 self._serve_retiring()
                 self._serve_pending()
         finally:
             self._sock.close()
+
+    def _wake(self) -> None:
+        """Make the server thread re-check now (any thread). A full pipe means a wake-up is already pending."""
+        with self._wake_lock:
+            if self._wake_w < 0:  # closed: the server is gone
+                return
+            try:
+                os.write(self._wake_w, b"\0")
+            except OSError:  # full: a wake-up is already due (or the thread has left: nothing to wake)
+                pass
+
+    def _drain_wake(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
 
     def _handle_all(self) -> None:
         while True:
@@ -237,7 +271,8 @@ class AdmissionServer:
             if version_min < g.min_version:
                 return "version"
             self._forget_locked(index)
-            return None
+        self._wake()  # its worker holds one ticket fewer: a request parked at its holding limit may be served
+        return None
 
     def forfeit(self, index: int, worker_id: int) -> bool:
         """Give back a ticket still held by ``worker_id`` whose group was refused, so the slot is granted again."""
@@ -254,6 +289,7 @@ class AdmissionServer:
         queue), before it serves anyone again, so no ticket is granted to the dead connection afterwards."""
         done, box = threading.Event(), []
         self._retiring.append((int(worker_id), done, box))
+        self._wake()
         if not done.wait(timeout_s):
             raise TimeoutError(f"the admission server did not retire worker {worker_id} within {timeout_s}s")
         return box
@@ -303,5 +339,10 @@ class AdmissionServer:
 
     def close(self) -> None:
         self._closing.set()
+        self._wake()
         self._thread.join()
+        with self._wake_lock:
+            os.close(self._wake_w)
+            os.close(self._wake_r)
+            self._wake_w = -1
         self._security.release()

@@ -85,3 +85,34 @@ def test_the_per_worker_cap_stays_hard(ctx):
         assert _collect(a, 1, timeout_s=0.3) == [] and ctrl.stats()["live"] == 6  # two free, a capped
     finally:
         a.close(), b.close(), server.close()
+
+
+def test_a_parked_request_is_served_on_each_change_not_on_a_timer(ctx):
+    """With the safety-net poll at a minute, only the wake-ups can serve a parked request: a version bump, a
+    group's arrival (its worker at its holding cap) and a release each answer within a second; close too."""
+    ctrl = AdmissionController(batch_groups=B, max_staleness=K)
+    server = AdmissionServer(ctrl, "tcp://127.0.0.1:0", context=ctx, poll_ms=60_000, max_tickets_per_peer=9)
+    a = AdmissionClient(server.address, 0, context=ctx)
+    fast = dict(timeout_s=1.0, settle_s=0.1)
+    try:
+        a.request(9)
+        first = _collect(a, 8, **fast)
+        assert len(first) == 8 == ctrl.capacity() and server.num_pending == 1  # the window is full
+        ctrl.set_version(1)  # 4 more tickets; the parked request gets one
+        assert len(_collect(a, 1, **fast)) == 1 and ctrl.stats()["live"] == 9
+        a.request(2)  # parked: the worker holds its cap of 9
+        assert _collect(a, 1, timeout_s=0.3, settle_s=0.0) == [] and server.num_pending == 2
+        _deliver(server, 0, first[:1])  # one group arrived: its worker may hold one more
+        assert len(_collect(a, 1, **fast)) == 1 and ctrl.stats()["live"] == 10
+        _deliver(server, 0, first[1:5])
+        assert len(_collect(a, 1, **fast)) == 1 and ctrl.stats()["live"] == 11 and server.num_pending == 0
+        a.request(3)  # one fits the window (12), two wait for it
+        assert len(_collect(a, 1, **fast)) == 1 and ctrl.stats()["live"] == 12 and server.num_pending == 2
+        assert ctrl.release(first[2])  # an arrived group dropped as stale gives its ticket back...
+        assert len(_collect(a, 1, **fast)) == 1  # ...which is granted again at once
+        assert server.num_pending == 1 and ctrl.stats()["live"] == 12
+    finally:
+        a.close()
+        t0 = time.monotonic()
+        server.close()
+        assert time.monotonic() - t0 < 1.0
