@@ -342,7 +342,8 @@ class AdmissionServer:
         self._wake()
         self._thread.join()
         with self._wake_lock:
-            os.close(self._wake_w)
-            os.close(self._wake_r)
-            self._wake_w = -1
+            if self._wake_w >= 0:  # a second close has nothing left to close
+                os.close(self._wake_w)
+                os.close(self._wake_r)
+                self._wake_w = -1
         self._security.release()

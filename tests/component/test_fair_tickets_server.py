@@ -116,3 +116,5 @@ def test_a_parked_request_is_served_on_each_change_not_on_a_timer(ctx):
         t0 = time.monotonic()
         server.close()
         assert time.monotonic() - t0 < 1.0
+        server.close()  # a second close is harmless
+        ctrl.set_version(2)  # and a change after it wakes nobody, without error
