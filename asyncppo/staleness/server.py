@@ -83,15 +83,6 @@ class AdmissionServer:
         self._security.apply(self._sock)
         self.address = bind_socket(self._sock, bind_address)
         self._poll_ms = poll_ms
-        # the wake-up pipe: any thread writes a byte (os.write is thread-safe, unlike a ZeroMQ socket)
-        self._wake_r, self._wake_w = os.pipe()
-        self._wake_lock = threading.Lock()  # the write end is closed under it, so no write hits a reused fd
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
-        self._poller = zmq.Poller()
-        self._poller.register(self._sock, zmq.POLLIN)
-        self._poller.register(self._wake_r, zmq.POLLIN)
-        controller.add_listener(self._wake)
         if max_tickets_per_peer is not None and max_tickets_per_peer < 1:
             raise ValueError(f"max_tickets_per_peer must be >= 1 or None, got {max_tickets_per_peer}")
         self.max_tickets_per_peer = max_tickets_per_peer
@@ -110,6 +101,16 @@ class AdmissionServer:
         self.granted_by_worker: collections.Counter[int] = collections.Counter()
         self._closing = threading.Event()
         self._retiring: collections.deque = collections.deque()  # (worker_id, done event, tickets returned)
+        # the wake-up pipe: any thread writes a byte (os.write is thread-safe, unlike a ZeroMQ socket); made after
+        # the argument checks, so a refused setting leaves no pipe open and no listener on the controller
+        self._wake_r, self._wake_w = os.pipe()
+        self._wake_lock = threading.Lock()  # the write end is closed under it, so no write hits a reused fd
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poller = zmq.Poller()
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        controller.add_listener(self._wake)
         self._thread = threading.Thread(target=self._run, name="admission-server", daemon=True)
         self._thread.start()
 
