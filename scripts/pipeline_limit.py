@@ -14,16 +14,17 @@ learner)``; scripts/bench_async_vs_sync.py calls :func:`measure_limit` and puts 
 speed-up over sync. Why this is the limit: asyncppo/report/limit.py.
 
 ``--beside-engine`` adds a third run: the learner alone once more, on the same groups, while an engine generates on
-its own cores at the same time (five times the groups, so it outlasts the learner, then stopped). The two sides
-share no work, only the machine (caches, memory bandwidth, the kernel); the ratio of the two learner times is what
-sharing the machine costs the update, a cost no pipeline on that machine can avoid. It is reported beside the
-limit, which stays as defined.
+its own cores at the same time (enough groups to outlast the learner's start-up and run, sized from the two sides'
+times just measured; then stopped). The two sides share no work, only the machine (caches, memory bandwidth, the
+kernel); the ratio of the two learner times is what sharing the machine costs the update, a cost no pipeline on
+that machine can avoid. It is reported beside the limit, which stays as defined.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -79,22 +80,36 @@ def run_side(side: str, root: str, steps: int, overrides: list[str]) -> dict:
     return out
 
 
+def _pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
+    return dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
+
+
+def _side_argv(side: str, root: str, steps: int, overrides: list[str]) -> list[str]:
+    """This script, running one side in its own process (:func:`run_side`)."""
+    return [sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root, "--steps", str(steps),
+            *overrides]
+
+
+def _run_side_process(side: str, root: str, steps: int, overrides: list[str], env: dict, what: str) -> None:
+    """Run one side to its end; on failure, show its output's tail and stop naming ``what`` failed."""
+    proc = subprocess.run(_side_argv(side, root, steps, overrides), capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
+        raise SystemExit(f"[limit] {what} failed with exit code {proc.returncode}")
+
+
 def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str):
     """Both sides, one after the other, each in its own pinned process; the :class:`PipelineLimit` and the two
     sides' records."""
     from asyncppo.report.limit import PipelineLimit
 
     os.makedirs(root, exist_ok=True)
-    env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
+    env = _pinned_env(rollout_cpus, learner_cpus)
     sides = {}
     for side in SIDES:
         print(f"[limit] {side} alone: {' '.join(overrides)}", flush=True)
         t0, load_before = time.perf_counter(), os.getloadavg()[0]
-        proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root,
-                               "--steps", str(steps), *overrides], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
-            raise SystemExit(f"[limit] the {side} alone failed with exit code {proc.returncode}")
+        _run_side_process(side, root, steps, overrides, env, f"the {side} alone")
         with open(os.path.join(root, f"{side}.json")) as f:
             sides[side] = json.load(f)
         sides[side]["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # 1-minute load at start / end
@@ -106,30 +121,32 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     return limit, sides
 
 
-def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str) -> float:
-    """The learner alone on ``root``'s groups again, while an engine generates five times as many on its own cores
-    (in ``root/beside``, so nothing of the first runs is overwritten); the learner's seconds."""
+#: Seconds the busy engine must keep generating beyond the learner's own run: its start-up wait below and the
+#: learner process's start-up (imports, model build), with room to spare.
+BESIDE_SLACK_S = 40.0
+
+
+def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str,
+                          engine_s: float, learner_s: float) -> float:
+    """The learner alone on ``root``'s groups again, while an engine generates on its own cores (in
+    ``root/beside``, so nothing of the first runs is overwritten): ``steps`` batches took it ``engine_s`` alone, so
+    it is given enough batches to last ``learner_s + BESIDE_SLACK_S``. Returns the learner's seconds."""
     import shutil
 
     beside = os.path.join(root, "beside")
     engine_dir = os.path.join(beside, "engine")
     os.makedirs(engine_dir, exist_ok=True)
     shutil.copy(os.path.join(root, "groups.bin"), os.path.join(beside, "groups.bin"))
-    env = dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
-    me = os.path.abspath(__file__)
+    env = _pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] learner alone beside a generating engine: {' '.join(overrides)}", flush=True)
-    engine = subprocess.Popen([sys.executable, me, "--side", "engine", "--dir", engine_dir, "--steps",
-                               str(5 * steps), *overrides], env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    batches = steps * math.ceil((learner_s + BESIDE_SLACK_S) / max(engine_s, 1e-3))
+    engine = subprocess.Popen(_side_argv("engine", engine_dir, batches, overrides), env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(20.0)  # the engine's own start-up (model load, warm-up) before the learner's timed part
         if engine.poll() is not None:
             raise SystemExit(f"[limit] the busy engine exited early with code {engine.returncode}")
-        proc = subprocess.run([sys.executable, me, "--side", "learner", "--dir", beside, "--steps", str(steps),
-                               *overrides], capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
-            raise SystemExit(f"[limit] the learner beside the engine failed with exit code {proc.returncode}")
+        _run_side_process("learner", beside, steps, overrides, env, "the learner beside the engine")
         if engine.poll() is not None:
             print("[limit] warning: the busy engine finished before the learner; the figure is a lower bound",
                   flush=True)
@@ -158,8 +175,9 @@ def main() -> None:
     limit, sides = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
     print(json.dumps(limit.as_dict(), indent=1))
     if args.beside_engine:
-        beside = learner_beside_engine(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
         alone = sides["learner"]["learner_s"]
+        beside = learner_beside_engine(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root,
+                                       sides["engine"]["engine_s"], alone)
         print(f"[limit] learner alone {alone:.1f} s; beside a generating engine {beside:.1f} s: "
               f"x{beside / alone:.2f} (what sharing the machine costs the update)", flush=True)
 
