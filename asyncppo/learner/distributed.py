@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from asyncppo.learner.batch import TrainBatch, micro_batches
-from asyncppo.learner.forward import chunked
+from asyncppo.learner.forward import chunked, count_chunks
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.sync.group import bound_store, loopback_interface
 
@@ -352,11 +352,15 @@ def all_gather_rows(local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
     return torch.cat([p[:n] for p, (n, _) in zip(parts, shapes)], dim=0).to(local.device)
 
 
-def sharded_no_grad(fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch, chunk_rows: int) -> torch.Tensor:
-    """``chunked(fn, batch, chunk_rows)`` with the rows split over the ranks; the full result on every rank.
+def sharded_no_grad(fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch, chunk_rows: int,
+                    max_tokens: int = 0) -> torch.Tensor:
+    """``chunked(fn, batch, chunk_rows, max_tokens)`` with the rows split over the ranks; the full result on every
+    rank.
 
     Every rank gets ``ceil(B / world)`` rows (the last rank pads by repeating its last row, or row 0 when it has
-    none), so all ranks run the same number of forwards, which FSDP requires; padding rows are dropped.
+    none; padding rows are dropped). FSDP requires every rank to run the same number of forwards, and a token bound
+    cuts ranks' rows into different numbers of chunks, so the ranks agree on the most and the others run filler
+    forwards.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     per = -(-batch.size // world)
@@ -365,7 +369,10 @@ def sharded_no_grad(fn: Callable[[TrainBatch], torch.Tensor], batch: TrainBatch,
     if index.numel() < per:
         filler = end - 1 if end > start else 0
         index = torch.cat([index, torch.full((per - index.numel(),), filler, dtype=torch.long)])
-    local = chunked(fn, batch.select(index.to(batch.input_ids.device)), chunk_rows)[: end - start]
+    mine = batch.select(index.to(batch.input_ids.device))
+    forwards = torch.tensor([count_chunks(mine, chunk_rows, max_tokens)], dtype=torch.int64, device=_comm_device())
+    dist.all_reduce(forwards, op=dist.ReduceOp.MAX)
+    local = chunked(fn, mine, chunk_rows, max_tokens, forwards=int(forwards))[: end - start]
     return all_gather_rows(local)
 
 
@@ -383,7 +390,7 @@ class ShardedPPOUpdate(PPOUpdate):
         self.rank = rank
 
     def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
-        return sharded_no_grad(fn, batch, rows)
+        return sharded_no_grad(fn, batch, rows, self.no_grad_tokens)
 
     def _update_mini_batch(self, mini: TrainBatch, means) -> None:
         counts = micro_batch_counts(mini, self.world_size, self.alg.micro_batch_size,

@@ -126,16 +126,60 @@ def value_forward(critic: nn.Module, batch: TrainBatch) -> torch.Tensor:
     return _pad_back(values[:, P - 1 - lo : hi - 1 - lo].float(), batch)
 
 
+# One float32 copy of a no-grad chunk's logits may take this much; the forward holds about three such copies at its
+# peak (the float32 logits, their temperature-scaled and masked copies, the log-softmax). Rows alone do not bound it:
+# 256 rows of 64 tokens over Qwen2.5's 151,936-token vocabulary are 9.3 GiB a copy, which ran one H100 out of memory
+# beside an engine (docs/benchmarks.md, "Self-test"). With a small vocabulary the row count is the bound, as before.
+NO_GRAD_LOGITS_GIB = 1.0
+
+
+def logits_token_budget(model: nn.Module) -> int:
+    """Tokens per no-grad forward whose float32 logits fit :data:`NO_GRAD_LOGITS_GIB`; 0 (no bound) when the model
+    does not say its vocabulary size."""
+    vocab = int(getattr(getattr(model, "config", None), "vocab_size", 0) or 0)
+    return max(1, int(NO_GRAD_LOGITS_GIB * (1 << 30)) // (vocab * 4)) if vocab > 0 else 0
+
+
+def chunk_bounds(lengths: list[int], chunk_rows: int, max_tokens: int = 0) -> list[tuple[int, int]]:
+    """``[start, end)`` chunks over rows sorted by ascending length: at most ``chunk_rows`` rows each, and with
+    ``max_tokens > 0`` at most that many tokens counted as rows x the chunk's longest row (a trimmed forward's
+    width). A row longer than ``max_tokens`` is a chunk of its own."""
+    bounds, start, rows = [], 0, max(chunk_rows, 1)
+    for i, length in enumerate(lengths):
+        if i > start and (i - start >= rows or (max_tokens > 0 and (i - start + 1) * length > max_tokens)):
+            bounds.append((start, i))
+            start = i
+    if start < len(lengths):
+        bounds.append((start, len(lengths)))
+    return bounds
+
+
+def _length_order(batch: TrainBatch) -> tuple[torch.Tensor, list[int]]:
+    lengths = batch.attention_mask.sum(dim=1)
+    order = torch.argsort(lengths, stable=True)
+    return order, lengths[order].tolist()
+
+
+def count_chunks(batch: TrainBatch, chunk_rows: int, max_tokens: int = 0) -> int:
+    """How many forwards :func:`chunked` runs on this batch (ranks of a sharded model agree on the most)."""
+    return len(chunk_bounds(_length_order(batch)[1], chunk_rows, max_tokens))
+
+
 @torch.no_grad()
-def chunked(fn, batch: TrainBatch, chunk_rows: int) -> torch.Tensor:
-    """Apply a no-grad forward in row chunks (bounded activation memory) and return rows in the batch's order.
-    Chunks are formed from rows sorted by length, so that each forward trims to its own longest row."""
-    order = torch.argsort(batch.attention_mask.sum(dim=1), stable=True)
-    out = None
-    for start in range(0, batch.size, max(chunk_rows, 1)):
-        rows = order[start : start + chunk_rows].to(batch.input_ids.device)
+def chunked(fn, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0, forwards: int = 0) -> torch.Tensor:
+    """Apply a no-grad forward in chunks of at most ``chunk_rows`` rows and ``max_tokens`` tokens (bounded activation
+    and logits memory) and return rows in the batch's order. Chunks are formed from rows sorted by length, so that
+    each forward trims to its own longest row. ``forwards``: run at least this many forwards, the extra ones on one
+    row with their output dropped, because every rank of a sharded model must make the same number of calls."""
+    order, lengths = _length_order(batch)
+    order = order.to(batch.input_ids.device)
+    out, bounds = None, chunk_bounds(lengths, chunk_rows, max_tokens)
+    for start, end in bounds:
+        rows = order[start:end]
         part = fn(batch.select(rows))
         if out is None:
             out = part.new_zeros((batch.size, *part.shape[1:]))
         out[rows] = part
+    for _ in range(forwards - len(bounds)):
+        fn(batch.select(order[:1]))
     return out

@@ -36,7 +36,7 @@ from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
 from asyncppo.learner.forward import (
-    chunked, forward_footprint, policy_forward, policy_value_forward, response_logits, value_forward,
+    chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, response_logits, value_forward,
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
@@ -83,6 +83,7 @@ class PPOUpdate:
         self.alg = cfg.algorithm
         self.actor, self.critic, self.reference = actor, critic, reference
         self.device = device
+        self.no_grad_tokens = logits_token_budget(actor)  # no-grad forwards: bounded logits, whatever the row count
         self.world_size = world_size
         self.shared_critic = shares_actor_body(critic)  # values come from the actor's forward (learner/value_head.py)
         # a training forward with active dropout is a sample, not the proximal policy: no single pass then
@@ -267,7 +268,7 @@ class PPOUpdate:
 
     def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
         """No-grad forward over every row in chunks; the multi-rank learner splits this work over its ranks."""
-        return chunked(fn, batch, rows)
+        return chunked(fn, batch, rows, self.no_grad_tokens)
 
     def _prepare_mini_batch(self, mini: TrainBatch) -> TrainBatch:
         """Per-mini-batch constants computed before the micro-batch split: clip_cov / kl_cov's token selection."""

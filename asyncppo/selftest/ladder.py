@@ -52,7 +52,23 @@ def run_rung(name: str, title: str, fn: Callable[[Context], dict], ctx: Context)
     except Exception as exc:  # a failed rung is reported, and the ladder goes on
         tb = traceback.format_exc(limit=4).strip().splitlines()
         figures, status, detail = {}, "failed", f"{type(exc).__name__}: {exc} | {' / '.join(tb[-3:])}"
+    finally:
+        release_device_memory(ctx.device)
     return RungResult(name, title, status, round(time.perf_counter() - t0, 2), figures or {}, detail)
+
+
+def release_device_memory(device: str) -> None:
+    """Give the rung's freed CUDA blocks back to the device. The ladder's own process keeps a caching allocator
+    across rungs, and later rungs start other processes on the same GPU: on one H100 the learner of the ``--gpus 1``
+    launch ran out of memory while this process still held 43 GiB cached by the earlier rungs."""
+    if device != "cuda":
+        return
+    import gc
+
+    import torch  # heavy: torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 def _figure(value: Any) -> str:

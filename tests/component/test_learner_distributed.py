@@ -19,7 +19,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner import distributed as D
 from asyncppo.learner.batch import collate_groups, mini_batches
-from asyncppo.learner.forward import chunked, policy_forward
+from asyncppo.learner.forward import chunked, count_chunks, policy_forward
 from asyncppo.learner.models import load_actor, load_critic, load_reference
 from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
 from asyncppo.stream.records import Sample, TrajectoryGroup
@@ -62,6 +62,21 @@ def _groups(num_groups=4, n=2, seed=0, vocab=16, eos=1):
 
 def _batch():
     return collate_groups(_groups(), pad_token_id=0)
+
+
+def _halves(batch):
+    """Each rank's rows of ``batch`` as :func:`D.sharded_no_grad` splits them."""
+    per = -(-batch.size // WORLD)
+    return [batch.select(torch.arange(r * per, min((r + 1) * per, batch.size))) for r in range(WORLD)]
+
+
+def _uneven_budget() -> int:
+    """A token bound under which the two ranks' rows of :func:`_batch` cut into different numbers of chunks."""
+    for budget in range(4, 64):
+        counts = {count_chunks(half, 3, budget) for half in _halves(_batch())}
+        if len(counts) > 1:
+            return budget
+    raise AssertionError("no token bound splits the ranks' rows unevenly")
 
 
 def _cfg(options: dict) -> AsyncPPOConfig:
@@ -125,6 +140,18 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         actor = load_actor(model_dir, torch.float64, torch.device("cpu"))
         result["sharded_logprobs"] = D.sharded_no_grad(
             lambda b: policy_forward(actor, b, 1.0, False)[0], _batch(), 3)
+
+        # a token bound on an FSDP actor: the ranks' rows make different numbers of chunks, and a rank that makes
+        # fewer forwards than another would leave FSDP's all-gathers waiting (the test would hang, then fail)
+        sharded_actor = _fsdp(load_actor(model_dir, torch.float64, torch.device("cpu")))
+        calls: list[int] = []
+
+        def counted(b):
+            calls.append(b.size)
+            return policy_forward(sharded_actor, b, 1.0, False)[0]
+
+        result["bounded_logprobs"] = D.sharded_no_grad(counted, _batch(), 3, _uneven_budget())
+        result["bounded_calls"] = calls
 
         for name, options in SCENARIOS.items():
             cfg = _cfg(options)
@@ -208,6 +235,17 @@ def test_sharded_no_grad_equals_whole_batch_forward(ranks, model_dir):
         got = rank["sharded_logprobs"]
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+def test_sharded_no_grad_under_a_token_bound_runs_as_many_forwards_on_every_rank(ranks, model_dir):
+    budget = _uneven_budget()
+    counts = [count_chunks(half, 3, budget) for half in _halves(_batch())]
+    assert counts[0] != counts[1]  # the bound cuts the ranks' rows differently, so the filler forwards are needed
+    actor = load_actor(model_dir, torch.float64, torch.device("cpu"))
+    want = chunked(lambda b: policy_forward(actor, b, 1.0, False)[0], _batch(), 3)
+    for rank in ranks:
+        assert len(rank["bounded_calls"]) == max(counts)
+        torch.testing.assert_close(rank["bounded_logprobs"], want, rtol=0, atol=1e-10)
 
 
 @pytest.mark.parametrize("name", list(SCENARIOS))
