@@ -124,7 +124,7 @@ ROWS = [
     ("  of which waiting for groups (s)", "wait_s", "{:.1f}"),
     ("wall time, whole launch (s)", "wall_s", "{:.1f}"),
     ("trained samples", "samples", "{:d}"),
-    ("load average at start / end (2 cores)", "load", "{}"),
+    (f"load average at start / end ({os.cpu_count()} cores)", "load", "{}"),
     ("trained samples / s", "samples_per_s", "{:.1f}"),
     ("engine occupancy", "occupancy", "{:.2f}"),
     ("rollout busy", "rollout_busy", "{:.2f}"),
