@@ -130,6 +130,8 @@ def value_forward(critic: nn.Module, batch: TrainBatch) -> torch.Tensor:
 # peak (the float32 logits, their temperature-scaled and masked copies, the log-softmax). Rows alone do not bound it:
 # 256 rows of 64 tokens over Qwen2.5's 151,936-token vocabulary are 9.3 GiB a copy, which ran one H100 out of memory
 # beside an engine (docs/benchmarks.md, "Self-test"). With a small vocabulary the row count is the bound, as before.
+# Packed rows filled to the budget (flex or flash attention) are as wide as algorithm.max_tokens_per_micro_batch
+# whatever the chunk holds, so there the larger of the two bounds the logits.
 NO_GRAD_LOGITS_GIB = 1.0
 
 
