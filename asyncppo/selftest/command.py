@@ -25,6 +25,7 @@ RUNGS = {
     "vllm_engine": "vLLM engine",
     "shared_push": "shared-device weight push (shm)",
     "shared_mode": "--gpus 1 shared mode",
+    "shared_long": "--gpus 1, data=long: async vs sync",
     "nccl_push": "1 GiB NCCL weight push",
     "async_vs_sync": "async vs sync, data=reverse",
 }
@@ -46,11 +47,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _ladder():
     from asyncppo.selftest import rungs_device as D  # heavy: torch (inside the rungs)
     from asyncppo.selftest import rungs_multi as M
+    from asyncppo.selftest.rungs_long import shared_long
     from asyncppo.selftest.rungs_variants import learner_variants
 
     return {"learner_step": D.learner_step, "learner_variants": learner_variants, "hf_engine": D.hf_engine,
             "vllm_engine": D.vllm_engine, "shared_push": M.shared_push, "shared_mode": M.shared_mode,
-            "nccl_push": M.nccl_push, "async_vs_sync": M.async_vs_sync}
+            "shared_long": shared_long, "nccl_push": M.nccl_push, "async_vs_sync": M.async_vs_sync}
 
 
 def run(args: argparse.Namespace) -> int:

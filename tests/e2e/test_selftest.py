@@ -14,7 +14,8 @@ from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-selftest")
-CPU_RUNGS = ("learner_step", "learner_variants", "hf_engine", "vllm_engine", "shared_push", "shared_mode")
+CPU_RUNGS = ("learner_step", "learner_variants", "hf_engine", "vllm_engine", "shared_push", "shared_mode",
+             "shared_long")
 
 
 def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
@@ -38,6 +39,14 @@ def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
     with open(out / "shared-run" / "placement.json") as f:
         placement = json.load(f)
     assert placement["endpoints"]["shared_devices"] == 1
+    long = rungs["shared_long"]["figures"]  # data=long under --gpus 1: synchronous against the preset
+    assert long["sync lag max"] == 0 and 0 <= long["async lag max"] <= 4
+    assert long["sync learner s"] > 0 and long["async learner s"] > 0
+    assert long["speed-up"] == round(long["sync learner s"] / long["async learner s"], 2)
+    for name in ("long-sync", "long-async"):
+        with open(out / name / "config.yaml") as f:
+            config = f.read()
+        assert "task: long" in config and ("max_staleness: 0" in config) == (name == "long-sync")
     md = (out / "selftest.md").read_text()
     assert "| --gpus 1 shared mode | passed |" in md and md.count("| skipped |") == 2
     assert_no_leftovers(TAG)

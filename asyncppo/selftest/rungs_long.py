@@ -1,0 +1,50 @@
+"""The one-device rung that shows why the trainer is asynchronous: ``data=long`` (answers up to 1,028 tokens,
+long-tailed) under ``--gpus 1``, synchronous PPO against the task's own preset, to the same trained samples.
+
+Why on one shared device: most GPU machines a user tries first have one GPU, and the long tail is where waiting
+for a batch's longest answer costs synchronous PPO most (on one H100: 63.5 s against 22.4 s of learner time, 2.84x;
+docs/benchmarks.md). The two launches differ only in how generation is scheduled, as in
+``scripts/bench_async_vs_sync.py``: ``sync`` is ``max_staleness=0`` with whole-batch generation, ``async`` the
+preset (``max_staleness=4``, ``admission_lookahead=1``, continuous generation with in-flight weight updates).
+Learner time is the sum of the learner's steps (``time/step_s``): what a run pays per trained sample once started.
+"""
+
+from __future__ import annotations
+
+from asyncppo.selftest.ladder import Context, Skip
+from asyncppo.selftest.rungs_multi import _launch, _mean, missing_launch_stack
+
+SYNC = ["rollout.max_staleness=0", "rollout.admission_lookahead=null", "rollout.generation=batch",
+        "rollout.inflight_update=off"]
+
+
+def shared_long(ctx: Context) -> dict:
+    """``data=long`` under ``--gpus 1``: sync against the preset. On CUDA 20 steps of the preset's batch (16
+    prompts x 8 answers) with its warm-started model; on CPU the same code path at 3 steps of 2 x 4 answers on the
+    model without its warm start (a few seconds to build instead of minutes)."""
+    missing = missing_launch_stack()
+    if missing:
+        raise Skip(f"needs {', '.join(missing)} for the launches, not importable here")
+    cuda = ctx.device == "cuda"
+    steps = 20 if cuda else 3
+    common = ["--gpus", "1", f"cluster.shared_device={ctx.device}", "data=long", "rollout.engine=hf",
+              f"trainer.total_steps={steps}", "trainer.eval_every=0", "trainer.eval_at_start=false",
+              "data.num_eval_prompts=0", "trainer.save_every=0"]
+    if not cuda:
+        common += ["trainer.sft_warmup_steps=0", "rollout.rollout_batch_size=2",
+                   "rollout.num_return_sequences_in_group=4"]
+    figures: dict = {}
+    for label, extra in (("sync", SYNC), ("async", [])):
+        _, records = _launch(ctx, f"long-{label}", common + extra, 900 if cuda else 300)
+        if len(records) != steps:
+            raise RuntimeError(f"{label}: expected {steps} learner steps, got {len(records)}")
+        lag_max = max(int(r["staleness/max"]) for r in records)
+        bound = 0 if label == "sync" else 4
+        if lag_max > bound:
+            raise RuntimeError(f"{label}: a sample was trained {lag_max} versions late (bound {bound})")
+        figures[f"{label} learner s"] = round(sum(float(r["time/step_s"]) for r in records), 2)
+        figures[f"{label} wait s"] = round(sum(float(r.get("time/wait_s", 0.0)) for r in records), 2)
+        figures[f"{label} lag max"] = lag_max
+    figures["response length mean"] = _mean(records, "response_length/mean")
+    figures["speed-up"] = round(figures["sync learner s"] / figures["async learner s"], 2)
+    return figures
