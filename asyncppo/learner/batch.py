@@ -21,6 +21,9 @@ from asyncppo.learner.turn_batch import turn_arrays
 from asyncppo.stream.records import TrajectoryGroup
 
 
+_SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [B, P + T]; every other 2-D field is [B, T]
+
+
 @dataclass
 class TrainBatch:
     input_ids: torch.Tensor  # [B, P+T] long
@@ -72,6 +75,22 @@ class TrainBatch:
             value = getattr(self, f.name)
             picked[f.name] = value[index] if isinstance(value, torch.Tensor) else value
         return replace(self, **picked)
+
+    def narrow_response(self, width: int) -> "TrainBatch":
+        """The first ``width`` response columns (prompt layout unchanged): what a forward over rows whose responses
+        all fit ``width`` needs, so that its per-token outputs (the float32 logits above all) are ``width`` wide
+        instead of the whole batch's longest response. Columns past every row's response are padding, so nothing
+        real is cut; the caller pads results back."""
+        if width >= self.response_len:
+            return self
+        cut = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.dim() >= 2:  # [B, P + T] or [B, T, ...]
+                keep = self.prompt_len + width if f.name in _SEQUENCE_FIELDS else width
+                value = value[:, :keep]
+            cut[f.name] = value
+        return replace(self, **cut)
 
 
 def _concat_columns(groups: list[TrajectoryGroup]) -> tuple:

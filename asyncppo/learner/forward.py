@@ -156,6 +156,16 @@ def chunk_bounds(lengths: list[int], chunk_rows: int, max_tokens: int = 0) -> li
     return bounds
 
 
+def _within_response(batch: TrainBatch, part: torch.Tensor) -> torch.Tensor:
+    """1 where ``part``'s column holds a token of its row's response (model or environment token), 0 on the padding
+    after it, shaped to broadcast over ``part``: a chunk's outputs then do not depend on which rows it held (a
+    forward gives padded positions whatever the zeroed logits say, ``-log V`` for log-probs, but only up to its
+    own width)."""
+    extent = batch.attention_mask[:, batch.prompt_len :].sum(dim=1, keepdim=True)
+    inside = torch.arange(part.shape[1], device=part.device).unsqueeze(0) < extent.to(part.device)
+    return inside.to(part.dtype).view(*inside.shape, *([1] * (part.dim() - 2)))
+
+
 def _length_order(batch: TrainBatch) -> tuple[torch.Tensor, list[int]]:
     lengths = batch.attention_mask.sum(dim=1)
     order = torch.argsort(lengths, stable=True)
@@ -169,19 +179,23 @@ def count_chunks(batch: TrainBatch, chunk_rows: int, max_tokens: int = 0) -> int
 
 @torch.no_grad()
 def chunked(fn, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0, forwards: int = 0) -> torch.Tensor:
-    """Apply a no-grad forward in chunks of at most ``chunk_rows`` rows and ``max_tokens`` tokens (bounded activation
-    and logits memory) and return rows in the batch's order. Chunks are formed from rows sorted by length, so that
-    each forward trims to its own longest row. ``forwards``: run at least this many forwards, the extra ones on one
+    """Apply a no-grad forward of per-response-token outputs (``[rows, T, ...]``) in chunks of at most
+    ``chunk_rows`` rows and ``max_tokens`` tokens (bounded activation and logits memory) and return ``[B, T, ...]``
+    in the batch's order. Chunks are formed from rows sorted by length, so that each forward trims to its own
+    longest row, and each chunk's response columns are narrowed to its own longest response, so that its outputs
+    are as wide as that and not as the whole batch's longest (``_pad_back`` pads to the batch it is given). ``forwards``: run at least this many forwards, the extra ones on one
     row with their output dropped, because every rank of a sharded model must make the same number of calls."""
     order, lengths = _length_order(batch)
     order = order.to(batch.input_ids.device)
     out, bounds = None, chunk_bounds(lengths, chunk_rows, max_tokens)
     for start, end in bounds:
         rows = order[start:end]
-        part = fn(batch.select(rows))
+        chunk = batch.select(rows)
+        extent = int(chunk.attention_mask[:, chunk.prompt_len:].sum(dim=1).max())  # as in used_columns
+        part = fn(chunk.narrow_response(max(1, extent)))  # [rows, width, ...]: per-token outputs of the response
         if out is None:
-            out = part.new_zeros((batch.size, *part.shape[1:]))
-        out[rows] = part
+            out = part.new_zeros((batch.size, batch.response_len, *part.shape[2:]))
+        out[rows, : part.shape[1]] = part * _within_response(chunk, part)
     for _ in range(forwards - len(bounds)):
         fn(batch.select(order[:1]))
     return out

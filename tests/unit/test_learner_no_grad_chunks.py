@@ -111,3 +111,29 @@ def test_a_ppo_step_is_the_same_whatever_the_token_bound(model_dir):
     assert m0["actor/pg_loss"] == pytest.approx(m1["actor/pg_loss"], abs=1e-10)
     for key in w0:
         torch.testing.assert_close(w1[key], w0[key], rtol=0, atol=1e-10, msg=key)
+
+
+def test_a_chunk_of_short_rows_is_narrowed_to_its_own_longest_response(model_dir):
+    """One 200-token answer among eight of 8 tokens: the short rows' chunk must not be padded to 200 columns, or
+    its float32 logits are 25x the bound (rows x the batch's width, not rows x its own)."""
+    rng = np.random.default_rng(3)
+    samples = [Sample(response_ids=rng.integers(4, 16, size=n).astype(np.int32),
+                      behavior_logprobs=np.zeros(n, np.float32), reward=0.0, finish_reason="stop", version_min=0,
+                      version_max=0) for n in [200] + [8] * 8]
+    batch = collate_groups([TrajectoryGroup(group_id="0-0", worker_id=0, prompt_ids=np.array([5, 6], np.int32),
+                                            samples=samples)], pad_token_id=0)
+    assert batch.response_len == 200
+    actor = load_actor(model_dir, torch.float64, torch.device("cpu"))
+    widths: list[tuple[int, int, int]] = []
+
+    def forward(b):
+        logprobs, _, logits = policy_forward(actor, b, 1.0, False)
+        widths.append((b.size, b.response_len, int(logits.shape[0] * logits.shape[1])))
+        return logprobs
+
+    bounded = chunked(forward, batch, 64, 90)
+    assert widths == [(8, 8, 64), (1, 200, 200)]  # 8 rows x 8 logit positions, then the long row alone
+    whole = chunked(lambda b: policy_forward(actor, b, 1.0, False)[0], batch, 64)
+    torch.testing.assert_close(bounded, whole, rtol=0, atol=1e-12)
+    assert bounded.shape == (9, 200) and bool((bounded[1:, 8:] == 0).all())  # zeros on padding, whatever the chunk
+    assert batch.narrow_response(8).input_ids.shape == (9, batch.prompt_len + 8)
