@@ -92,6 +92,12 @@ class TrainBatch:
             cut[f.name] = value
         return replace(self, **cut)
 
+    def narrowed(self) -> "TrainBatch":
+        """:meth:`narrow_response` to the longest response these rows hold (the attention mask's extent after the
+        prompt, environment tokens of multi-turn samples included)."""
+        extent = int(self.attention_mask[:, self.prompt_len :].sum(dim=1).max()) if self.size else 0
+        return self.narrow_response(max(1, extent))
+
 
 def _concat_columns(groups: list[TrajectoryGroup]) -> tuple:
     """(response ids, log-probs, token versions, per-sample lengths, rewards, version_min, truncated, samples per
@@ -196,4 +202,6 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> 
     else:
         size = n if micro_batch_size <= 0 else micro_batch_size
         bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
-    return [batch.select(order[s:e]) for s, e in bounds]
+    # each micro-batch as wide as its own longest response: its float32 logits (and their gradient) are then
+    # rows x that width x vocab, not rows x the whole batch's longest, which a long tail makes many times larger
+    return [batch.select(order[s:e]).narrowed() for s, e in bounds]

@@ -191,8 +191,7 @@ def chunked(fn, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0, forward
     for start, end in bounds:
         rows = order[start:end]
         chunk = batch.select(rows)
-        extent = int(chunk.attention_mask[:, chunk.prompt_len:].sum(dim=1).max())  # as in used_columns
-        part = fn(chunk.narrow_response(max(1, extent)))  # [rows, width, ...]: per-token outputs of the response
+        part = fn(chunk.narrowed())  # [rows, width, ...]: per-token outputs of the response
         if out is None:
             out = part.new_zeros((batch.size, batch.response_len, *part.shape[2:]))
         out[rows, : part.shape[1]] = part * _within_response(chunk, part)

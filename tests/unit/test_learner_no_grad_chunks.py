@@ -137,3 +137,20 @@ def test_a_chunk_of_short_rows_is_narrowed_to_its_own_longest_response(model_dir
     torch.testing.assert_close(bounded, whole, rtol=0, atol=1e-12)
     assert bounded.shape == (9, 200) and bool((bounded[1:, 8:] == 0).all())  # zeros on padding, whatever the chunk
     assert batch.narrow_response(8).input_ids.shape == (9, batch.prompt_len + 8)
+
+
+def test_micro_batches_are_as_wide_as_their_own_longest_response():
+    """The training forwards get the same narrowing: a micro-batch of short rows is not padded to the batch's
+    longest response (its logits and their gradient would be rows x that width x vocab)."""
+    from asyncppo.learner.batch import micro_batches
+
+    batch = _batch(2)
+    extent = batch.attention_mask[:, batch.prompt_len:].sum(dim=1)
+    parts = micro_batches(batch, 4, 0)
+    assert sum(p.size for p in parts) == batch.size
+    for part in parts:
+        own = int(part.attention_mask[:, part.prompt_len:].sum(dim=1).max())
+        assert part.response_len == own and part.input_ids.shape[1] == part.prompt_len + own
+        assert all(t is None or t.shape[1] == own for t in (part.response_mask, part.behavior_logprobs,
+                                                             part.token_versions))
+    assert min(p.response_len for p in parts) < int(extent.max()) == batch.response_len
