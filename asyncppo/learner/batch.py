@@ -92,10 +92,14 @@ class TrainBatch:
             cut[f.name] = value
         return replace(self, **cut)
 
+    def response_extents(self) -> torch.Tensor:
+        """[B] columns each row's response spans (responses are right-padded): the attention mask after the prompt,
+        environment tokens of multi-turn samples included, which ``response_mask`` leaves out."""
+        return self.attention_mask[:, self.prompt_len :].sum(dim=1)
+
     def narrowed(self) -> "TrainBatch":
-        """:meth:`narrow_response` to the longest response these rows hold (the attention mask's extent after the
-        prompt, environment tokens of multi-turn samples included)."""
-        extent = int(self.attention_mask[:, self.prompt_len :].sum(dim=1).max()) if self.size else 0
+        """:meth:`narrow_response` to the longest response these rows hold."""
+        extent = int(self.response_extents().max()) if self.size else 0
         return self.narrow_response(max(1, extent))
 
 

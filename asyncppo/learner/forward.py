@@ -31,7 +31,7 @@ def used_columns(batch: TrainBatch) -> tuple[int, int]:
     lo = int(used.nonzero()[0, 0]) if bool(used.any()) else 0
     # the response's extent from the attention mask: a multi-turn sample's response_mask is 0 on its environment
     # tokens, so its sum would fall short of where the sample's last model token sits
-    longest = int(batch.attention_mask[:, batch.prompt_len:].sum(dim=1).max().item()) if batch.size else 0
+    longest = int(batch.response_extents().max()) if batch.size else 0
     lo = min(lo, batch.prompt_len - 1)  # the logit predicting the first response token sits at column P - 1
     return lo, batch.prompt_len + max(1, longest)
 
@@ -161,8 +161,8 @@ def _within_response(batch: TrainBatch, part: torch.Tensor) -> torch.Tensor:
     after it, shaped to broadcast over ``part``: a chunk's outputs then do not depend on which rows it held (a
     forward gives padded positions whatever the zeroed logits say, ``-log V`` for log-probs, but only up to its
     own width)."""
-    extent = batch.attention_mask[:, batch.prompt_len :].sum(dim=1, keepdim=True)
-    inside = torch.arange(part.shape[1], device=part.device).unsqueeze(0) < extent.to(part.device)
+    extent = batch.response_extents().unsqueeze(1).to(part.device)
+    inside = torch.arange(part.shape[1], device=part.device).unsqueeze(0) < extent
     return inside.to(part.dtype).view(*inside.shape, *([1] * (part.dim() - 2)))
 
 
@@ -183,8 +183,9 @@ def chunked(fn, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0, forward
     ``chunk_rows`` rows and ``max_tokens`` tokens (bounded activation and logits memory) and return ``[B, T, ...]``
     in the batch's order. Chunks are formed from rows sorted by length, so that each forward trims to its own
     longest row, and each chunk's response columns are narrowed to its own longest response, so that its outputs
-    are as wide as that and not as the whole batch's longest (``_pad_back`` pads to the batch it is given). ``forwards``: run at least this many forwards, the extra ones on one
-    row with their output dropped, because every rank of a sharded model must make the same number of calls."""
+    are as wide as that and not as the whole batch's longest (``_pad_back`` pads to the batch it is given).
+    ``forwards``: run at least this many forwards, the extra ones on one row with their output dropped, because
+    every rank of a sharded model must make the same number of calls."""
     order, lengths = _length_order(batch)
     order = order.to(batch.input_ids.device)
     out, bounds = None, chunk_bounds(lengths, chunk_rows, max_tokens)
@@ -196,5 +197,5 @@ def chunked(fn, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0, forward
             out = part.new_zeros((batch.size, batch.response_len, *part.shape[2:]))
         out[rows, : part.shape[1]] = part * _within_response(chunk, part)
     for _ in range(forwards - len(bounds)):
-        fn(batch.select(order[:1]))
+        fn(batch.select(order[:1]).narrowed())
     return out

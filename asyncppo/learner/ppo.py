@@ -36,7 +36,8 @@ from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
 from asyncppo.learner.forward import (
-    chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, response_logits, value_forward,
+    chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, response_logits,
+    value_forward,
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
