@@ -36,20 +36,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_limit import measure_limit  # noqa: E402  (scripts/: the engine alone and the learner alone)
 
-NO_LOOKAHEAD = "rollout.admission_lookahead=null"  # the window is k (a preset may set a lookahead, e.g. data=long)
-MODES = {
-    "sync": ["rollout.max_staleness=0", NO_LOOKAHEAD, "rollout.generation=batch", "rollout.inflight_update=off"],
-    "async-batch": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=batch",
-                    "rollout.inflight_update=off"],
-    "async-cont": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=continuous",
-                   "rollout.inflight_update=keep"],
-    # async-cont, with a push skipped while the previous one is still loading (learner/loop.py: _may_coalesce)
-    "async-cont-coalesce": ["rollout.max_staleness={k}", NO_LOOKAHEAD, "rollout.generation=continuous",
-                            "rollout.inflight_update=keep", "rollout.coalesce_pushes=true"],
-    # async-cont admitting only --lookahead versions ahead (fresh samples), stragglers still allowed up to k
-    "async-cont-lookahead": ["rollout.max_staleness={k}", "rollout.generation=continuous",
-                             "rollout.inflight_update=keep", "rollout.admission_lookahead={j}"],
-}
+from asyncppo.config.schedules import SCHEDULES as MODES, schedule_overrides  # noqa: E402
 
 
 def run_once(label: str, args, root: str, mode: str = "") -> dict:
@@ -66,7 +53,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         # no point-0 evaluation unless asked: its round holds the engine at version 0 while the learner waits for
         # its first push, a one-time stall the limit does not include (docs/benchmarks.md); the final one is untimed
         f"trainer.eval_at_start={'true' if args.eval_at_start else 'false'}",
-        *[m.format(k=args.staleness, j=args.lookahead) for m in MODES[base]],
+        *schedule_overrides(base, args.staleness, args.lookahead),
         *args.overrides,
         *extra,  # the mode's own overrides, after the shared ones (they win)
     ]

@@ -185,12 +185,9 @@ def mini_batches(batch: TrainBatch, groups_per_mini_batch: int, generator: torch
         yield batch.select(rows)
 
 
-def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> list[TrainBatch]:
-    """Split rows into micro-batches by sample count or by a token budget, rows sorted by length first.
-
-    Sorting puts similar lengths together, so each micro-batch's forward trims to its own longest row (see
-    :mod:`asyncppo.learner.forward`); which rows share a micro-batch never changes the gradient, because losses are
-    normalised by the mini-batch's global counts and summed."""
+def micro_batch_rows(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> list[torch.Tensor]:
+    """The row indices of each micro-batch (see :func:`micro_batches`): by sample count or by a token budget, rows
+    sorted by length first."""
     n = batch.size
     lengths = batch.attention_mask.sum(dim=1)
     order = torch.argsort(lengths, stable=True)
@@ -206,6 +203,15 @@ def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> 
     else:
         size = n if micro_batch_size <= 0 else micro_batch_size
         bounds = [(s, min(s + size, n)) for s in range(0, n, size)]
-    # each micro-batch as wide as its own longest response: its float32 logits (and their gradient) are then
-    # rows x that width x vocab, not rows x the whole batch's longest, which a long tail makes many times larger
-    return [batch.select(order[s:e]).narrowed() for s, e in bounds]
+    return [order[s:e] for s, e in bounds]
+
+
+def micro_batches(batch: TrainBatch, micro_batch_size: int, max_tokens: int) -> list[TrainBatch]:
+    """Split rows into micro-batches by sample count or by a token budget, rows sorted by length first.
+
+    Sorting puts similar lengths together, so each micro-batch's forward trims to its own longest row (see
+    :mod:`asyncppo.learner.forward`); which rows share a micro-batch never changes the gradient, because losses are
+    normalised by the mini-batch's global counts and summed. Each micro-batch is as wide as its own longest
+    response: its float32 logits (and their gradient) are then rows x that width x vocab, not rows x the whole
+    batch's longest, which a long tail makes many times larger."""
+    return [batch.select(rows).narrowed() for rows in micro_batch_rows(batch, micro_batch_size, max_tokens)]

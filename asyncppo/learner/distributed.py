@@ -392,7 +392,8 @@ class ShardedPPOUpdate(PPOUpdate):
     def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
         return sharded_no_grad(fn, batch, rows, self.no_grad_tokens)
 
-    def _update_mini_batch(self, mini: TrainBatch, means) -> None:
+    def _update_mini_batch(self, mini: TrainBatch, means, first_pass=None, fused: bool = False) -> None:
+        assert first_pass is None and not fused, "a sharded step makes separate no-grad passes (PPOUpdate)"
         counts = micro_batch_counts(mini, self.world_size, self.alg.micro_batch_size,
                                     self.alg.max_tokens_per_micro_batch)
         if len(set(counts)) != 1:

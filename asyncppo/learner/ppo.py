@@ -3,8 +3,9 @@
 1. Recompute the proximal policy's log-probs (the learner's weights before this update), the critic's values and the
    reference log-probs (when a KL term is on). A step of one optimizer step over one micro-batch (the schema's
    default; the built-in task's recipe makes 4) takes the first two from its own training forward instead of extra
-   no-grad passes. With ``model.shared_backbone`` the values come from the actor's forward through a value head
-   (:mod:`asyncppo.learner.value_head`).
+   no-grad passes; one optimizer step over several micro-batches takes the proximal log-probs from each
+   micro-batch's training forward (:mod:`asyncppo.learner.passes`). With ``model.shared_backbone`` the values come
+   from the actor's forward through a value head (:mod:`asyncppo.learner.value_head`).
 2. Shape the outcome rewards (clip, normalise), place them on the last response token, optionally subtract the KL
    penalty per token (KL in reward).
 3. Advantages and returns with the configured estimator; whitening and clipping.
@@ -34,16 +35,19 @@ from torch import nn
 
 from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.learner.batch import TrainBatch, micro_batches, mini_batches
+from asyncppo.learner.batch import TrainBatch, micro_batch_rows, mini_batches
 from asyncppo.learner.forward import (
     chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, response_logits,
     value_forward,
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
+from asyncppo.learner.passes import fuses_proximal, single_pass
 from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
-from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards, set_advantages
+from asyncppo.learner.ppo_targets import (
+    correct_rollout, mask_truncated, outcome_token_rewards, proximal_terms, set_advantages,
+)
 from asyncppo.learner.schedule import lr_lambda
 from asyncppo.learner.value_head import shares_actor_body
 
@@ -123,37 +127,43 @@ class PPOUpdate:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
-        batch, first_pass = self._prepare(batch, rows, metrics)
+        batch, first_pass, fused = self._prepare(batch, rows, metrics)
         token_rewards = outcome_token_rewards(
             self.alg, batch, self.cfg.rollout.response_length, self.reward_stats, metrics
         )
         if self.alg.add_token_level_kl:
             token_rewards = self._kl_in_reward(batch, token_rewards, rows, metrics)
         set_advantages(self.alg, batch, token_rewards, metrics)
-        self._train(batch, first_pass, metrics)
+        self._train(batch, first_pass, fused, metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["perf/pad_fraction"] = pad_fraction(self._footprints)
         return metrics
 
     def _prepare(
         self, batch: TrainBatch, rows: int, metrics: dict
-    ) -> tuple[TrainBatch, Optional[_FirstPass]]:
+    ) -> tuple[TrainBatch, Optional[_FirstPass], bool]:
         """Proximal log-probs, old values and reference log-probs (no grad), then the rollout correction. A step
         that makes one optimizer step over one micro-batch takes the first two from its own training forward
-        instead (see :meth:`_single_pass`), and trains on the one mini-batch it draws here."""
+        instead (see :meth:`_single_pass`), and trains on the one mini-batch it draws here; one optimizer step over
+        several micro-batches takes the proximal log-probs from each micro-batch's own (see
+        :meth:`_fuses_proximal`). Returns ``(batch, first pass or None, fused)``."""
         alg = self.alg
         single = self._single_pass(batch)
+        fused = self._fuses_proximal(batch)
         if single:
             batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as _train
         if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward
             batch.ref_logprobs = self._no_grad_rows(
                 lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
             )
+        if fused:  # the loss mask needs no proximal log-probs here (no rejection); the rest comes per micro-batch
+            mask_truncated(alg, batch, metrics)
+            return batch, None, True
         first_pass = self._first_pass(batch) if single else None
         self.actor.eval()
         proximal, batch.old_values = self._proximal_and_values(batch, first_pass, rows)
         correct_rollout(alg, batch, proximal, metrics)
-        return batch, first_pass
+        return batch, first_pass, False
 
     def _kl_in_reward(self, batch: TrainBatch, token_rewards: torch.Tensor, rows: int, metrics: dict) -> torch.Tensor:
         """``r_t - kl_coef * KL_t`` with the adaptive or fixed controller's coefficient, which this batch updates."""
@@ -166,9 +176,10 @@ class PPOUpdate:
         self.kl_ctrl.update(float(kl_info["kl"]), batch.size)
         return token_rewards
 
-    def _train(self, batch: TrainBatch, first_pass: Optional[_FirstPass], metrics: dict) -> None:
+    def _train(self, batch: TrainBatch, first_pass: Optional[_FirstPass], fused: bool, metrics: dict) -> None:
         """``ppo_epochs`` passes over shuffled mini-batches (or the single pass's one), stopping early on
-        ``early_stop_kl``; one learning-rate step per policy version."""
+        ``early_stop_kl``; one learning-rate step per policy version. A fused step's one mini-batch returns the
+        proximal log-probs its micro-batches produced, and the correction's batch figures are taken from them."""
         alg = self.alg
         means = MetricMean()
         self.actor.train()
@@ -183,7 +194,9 @@ class PPOUpdate:
             optimizer_steps = 1
         for _ in range(alg.ppo_epochs if first_pass is None else 0):
             for mini in mini_batches(batch, alg.ppo_mini_batch_size, self.generator):
-                self._update_mini_batch(self._prepare_mini_batch(mini), means)
+                proximal = self._update_mini_batch(self._prepare_mini_batch(mini), means, fused=fused)
+                if proximal is not None:
+                    proximal_terms(alg, mini, proximal, metrics)
                 optimizer_steps += 1
                 # the KL this mini-batch measured before its own step (as CleanRL): identical on every rank
                 if alg.early_stop_kl is not None and self.last_mini_batch_kl > alg.early_stop_kl:
@@ -200,6 +213,7 @@ class PPOUpdate:
         metrics["actor/optimizer_steps_planned"] = planned
         metrics["actor/early_stopped"] = float(stopped)
         metrics["actor/single_pass"] = float(first_pass is not None)
+        metrics["actor/fused_proximal"] = float(fused)
 
     # ------------------------------------------------------------------------------------------------------------
     def _reference_kl(self, batch: TrainBatch, rows: int) -> torch.Tensor:
@@ -215,23 +229,10 @@ class PPOUpdate:
         return self._no_grad_rows(full, batch, rows)
 
     def _single_pass(self, batch: TrainBatch) -> bool:
-        """True when this step makes exactly one optimizer step over one micro-batch on one rank.
+        return single_pass(self.alg, batch, self.world_size, self._has_dropout)
 
-        Then the weights the loss is differentiated at *are* the proximal policy and the critic's old weights, so
-        the training forward's own outputs, detached, are the proximal log-probs and old values: the separate
-        no-grad forwards (two of the eight forward-equivalents of the default step, docs/benchmarks.md) would
-        recompute the same numbers. The result is the same update up to float summation order. Several ranks,
-        mini-batches, epochs or micro-batches keep the separate passes: statistics over the whole batch
-        (whitening, weight normalisation) are needed before any micro-batch's loss."""
-        alg = self.alg
-        if self.world_size != 1 or alg.ppo_epochs != 1 or self._has_dropout:
-            return False
-        num_groups = int(batch.group_index.max().item()) + 1
-        if 0 < alg.ppo_mini_batch_size < num_groups:
-            return False
-        if alg.max_tokens_per_micro_batch > 0:
-            return int(batch.attention_mask.sum()) <= alg.max_tokens_per_micro_batch
-        return alg.micro_batch_size <= 0 or alg.micro_batch_size >= batch.size
+    def _fuses_proximal(self, batch: TrainBatch) -> bool:
+        return fuses_proximal(self.alg, batch, self.world_size, self._has_dropout, self.critic is not None)
 
     def _first_pass(self, batch: TrainBatch) -> _FirstPass:
         self.actor.train()
@@ -296,9 +297,12 @@ class PPOUpdate:
             self.alg, self._all_reduce(list(algo.loss_denominators(mini.response_mask, loss_mask(mini))))
         )
 
-    def _update_mini_batch(self, mini: TrainBatch, means: MetricMean, first_pass: Optional[_FirstPass] = None) -> None:
+    def _update_mini_batch(self, mini: TrainBatch, means: MetricMean, first_pass: Optional[_FirstPass] = None,
+                           fused: bool = False) -> Optional[torch.Tensor]:
         """One optimizer step: gradients accumulated over the micro-batches, each loss its share of the mini-batch's
-        (global normalisation), so losses are summed and ratio-type metrics are token-weighted means."""
+        (global normalisation), so losses are summed and ratio-type metrics are token-weighted means. A fused step
+        returns the proximal log-probs ``[B, T]`` of the mini-batch's rows, collected from the micro-batches'
+        training forwards (0 outside the response mask); otherwise None."""
         alg = self.alg
         norms = self._global_counts(mini)
         self.actor_opt.zero_grad(set_to_none=True)
@@ -306,9 +310,16 @@ class PPOUpdate:
             self.critic_opt.zero_grad(set_to_none=True)
         loss_sums: dict[str, float] = defaultdict(float)
         kl_sum = kl_tokens = 0.0
-        parts = [mini] if first_pass else micro_batches(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
-        for micro in parts:
-            step_metrics, sums, kl_weighted, kept = self._backward_micro_batch(micro, norms, first_pass)
+        rows = [None] if first_pass else micro_batch_rows(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
+        proximal = None
+        for part in rows:
+            micro = mini if first_pass else mini.select(part).narrowed()
+            step_metrics, sums, kl_weighted, kept, micro_proximal = self._backward_micro_batch(
+                micro, norms, first_pass, fused)
+            if micro_proximal is not None:
+                if proximal is None:
+                    proximal = torch.zeros(mini.response_mask.shape, dtype=micro_proximal.dtype, device=self.device)
+                proximal[part, : micro_proximal.shape[1]] = micro_proximal
             for key, value in sums.items():
                 loss_sums[key] += value
             kl_sum += kl_weighted
@@ -325,6 +336,7 @@ class PPOUpdate:
             critic_norm, _ = clip_and_step(self.critic_opt, self.critic.parameters(), self.cfg.trainer.grad_clip)
             extra["critic/grad_norm"] = critic_norm
         means.add(extra, 1.0)
+        return None if proximal is None else torch.where(mini.response_mask.bool(), proximal, 0.0)
 
     def _micro_forward(self, micro: TrainBatch, first_pass: Optional[_FirstPass]):
         """``(logprobs, entropy, logits, values or None)`` with grad: the single pass's own, one actor forward
@@ -336,13 +348,21 @@ class PPOUpdate:
             return policy_value_forward(self.actor, self.critic, micro, alg.temperature, alg.entropy_coef != 0)
         return (*policy_forward(self.actor, micro, alg.temperature, with_entropy=alg.entropy_coef != 0), None)
 
-    def _backward_micro_batch(self, micro: TrainBatch, norms: LossNorms, first_pass: Optional[_FirstPass]):
+    def _backward_micro_batch(self, micro: TrainBatch, norms: LossNorms, first_pass: Optional[_FirstPass],
+                              fused: bool = False):
         """Forward, losses and backward of one micro-batch: ``(metrics, loss sums, weighted approx_kl, kept
-        tokens)``. FSDP averages gradients over ranks while the losses are already normalised by global counts,
-        so each backward is scaled by the world size to undo the mean."""
+        tokens, proximal log-probs or None)``. FSDP averages gradients over ranks while the losses are already
+        normalised by global counts, so each backward is scaled by the world size to undo the mean. In a fused step
+        (:meth:`_fuses_proximal`) the forward's own log-probs, detached, are the proximal ones of these rows."""
         alg = self.alg
         scale = float(self.world_size)
         logprobs, entropy, logits, values = self._micro_forward(micro, first_pass)
+        proximal = None
+        if fused:
+            proximal = logprobs.detach()
+            micro.old_logprobs, weights, _ = proximal_terms(alg, micro, proximal, None)
+            if weights is not None:
+                micro.is_weights = weights
         if entropy is None:  # reported, not optimised: no autograd graph over the vocabulary
             with torch.no_grad():
                 entropy = algo.entropy_from_logits(logits.detach())
@@ -366,4 +386,4 @@ class PPOUpdate:
             metrics.update(vf_metrics)
         if self.shared_critic:
             (loss * scale).backward()
-        return metrics, sums, actor.kl_weighted, actor.kept_tokens
+        return metrics, sums, actor.kl_weighted, actor.kept_tokens, proximal

@@ -20,24 +20,46 @@ from asyncppo.learner.batch import TrainBatch
 
 def correct_rollout(alg: AlgorithmConfig, batch: TrainBatch, proximal: torch.Tensor, metrics: dict) -> None:
     """Set ``old_logprobs`` (the policy the trust region is taken around) and the rollout correction's constant
-    ``is_weights`` and rejection-reduced ``loss_mask``: once per batch, so they do not depend on the later split.
+    ``is_weights`` and rejection-reduced ``loss_mask``: once per batch, so they do not depend on the later split."""
+    batch.old_logprobs, weights, batch.loss_mask = proximal_terms(alg, batch, proximal, metrics)
+    if weights is not None:
+        batch.is_weights = weights
+    mask_truncated(alg, batch, metrics)
 
-    With ``mask_truncated`` the responses cut at the length limit also leave the policy terms (and their
-    denominators): an unfinished working has no verdict on its own tokens, and on long generations its one
-    zero-reward sequence, pushed down token by token, outweighs the finished answers of its group."""
+
+def proximal_terms(
+    alg: AlgorithmConfig, batch: TrainBatch, proximal: torch.Tensor, metrics: Optional[dict]
+) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(old_logprobs, is_weights or None, keep)`` of these rows given the proximal log-probs: the behaviour
+    log-probs or the proximal ones, the correction's weights (None without a correction) and its rejection-reduced
+    mask. ``metrics`` (None: not wanted) gets ``actor/mismatch_kl`` and the correction's own figures.
+
+    Every output is per token or per sequence unless ``off_policy_normalize`` or a rejection is on, so without
+    those a micro-batch's rows get the same values here as they get inside their whole batch (which is what lets
+    the update take the proximal log-probs from each micro-batch's training forward, ``PPOUpdate._fuses_proximal``)."""
     mask = batch.response_mask
-    batch.old_logprobs = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
-    # estimated on the behaviour policy's own samples, as algo.policy_loss reports it
-    metrics["actor/mismatch_kl"] = float(algo.mismatch_kl(batch.behavior_logprobs, proximal, mask))
-    batch.loss_mask = mask.bool()
-    if alg.off_policy_correction != "none":
-        batch.is_weights, batch.loss_mask, rc_metrics = algo.rollout_correction(
-            batch.old_logprobs, batch.behavior_logprobs, mask, level=alg.off_policy_level,
-            truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
-            normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
-            rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
-        )
+    old = batch.behavior_logprobs if alg.off_policy_correction == "none" else proximal
+    if metrics is not None:  # estimated on the behaviour policy's own samples, as algo.policy_loss reports it
+        metrics["actor/mismatch_kl"] = float(algo.mismatch_kl(batch.behavior_logprobs, proximal, mask))
+    if alg.off_policy_correction == "none":
+        return old, None, mask.bool()
+    weights, keep, rc_metrics = algo.rollout_correction(
+        old, batch.behavior_logprobs, mask, level=alg.off_policy_level,
+        truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
+        normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
+        rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
+    )
+    if metrics is not None:
         metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})
+    return old, weights, keep
+
+
+def mask_truncated(alg: AlgorithmConfig, batch: TrainBatch, metrics: dict) -> None:
+    """Report the share of responses cut at the length limit; with ``mask_truncated`` take them out of the policy
+    terms (and their denominators): an unfinished working has no verdict on its own tokens, and on long generations
+    its one zero-reward sequence, pushed down token by token, outweighs the finished answers of its group."""
+    if batch.loss_mask is None:
+        batch.loss_mask = batch.response_mask.bool()
     if batch.truncated is not None:
         metrics["response_length/clip_ratio"] = float(batch.truncated.float().mean())
         if alg.mask_truncated:

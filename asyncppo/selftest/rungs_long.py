@@ -12,10 +12,8 @@ Learner time is the sum of the learner's steps (``time/step_s``): what a run pay
 from __future__ import annotations
 
 from asyncppo.selftest.ladder import Context, Skip
-from asyncppo.selftest.rungs_multi import _launch, _mean, missing_launch_stack
-
-SYNC = ["rollout.max_staleness=0", "rollout.admission_lookahead=null", "rollout.generation=batch",
-        "rollout.inflight_update=off"]
+from asyncppo.config.schedules import schedule_overrides
+from asyncppo.selftest.launches import launch_run, mean_of, missing_launch_stack
 
 
 def shared_long(ctx: Context) -> dict:
@@ -34,8 +32,8 @@ def shared_long(ctx: Context) -> dict:
         common += ["trainer.sft_warmup_steps=0", "rollout.rollout_batch_size=2",
                    "rollout.num_return_sequences_in_group=4"]
     figures: dict = {}
-    for label, extra in (("sync", SYNC), ("async", [])):
-        _, records = _launch(ctx, f"long-{label}", common + extra, 900 if cuda else 300)
+    for label, extra in (("sync", schedule_overrides("sync")), ("async", [])):
+        _, records = launch_run(ctx, f"long-{label}", common + extra, 900 if cuda else 300)
         if len(records) != steps:
             raise RuntimeError(f"{label}: expected {steps} learner steps, got {len(records)}")
         lag_max = max(int(r["staleness/max"]) for r in records)
@@ -45,6 +43,6 @@ def shared_long(ctx: Context) -> dict:
         figures[f"{label} learner s"] = round(sum(float(r["time/step_s"]) for r in records), 2)
         figures[f"{label} wait s"] = round(sum(float(r.get("time/wait_s", 0.0)) for r in records), 2)
         figures[f"{label} lag max"] = lag_max
-    figures["response length mean"] = _mean(records, "response_length/mean")
+    figures["response length mean"] = mean_of(records, "response_length/mean")
     figures["speed-up"] = round(figures["sync learner s"] / figures["async learner s"], 2)
     return figures

@@ -7,23 +7,13 @@ The shared-device push needs only torch and transformers, so it runs on a bare G
 
 from __future__ import annotations
 
-import importlib
 import json
 import multiprocessing as mp
 import os
-import subprocess
-import sys
 import time
 
 from asyncppo.selftest.ladder import Context, Skip
-
-LAUNCH_STACK = ("ray", "zmq", "hydra", "omegaconf")
-
-
-def missing_launch_stack() -> list[str]:
-    """The launcher's libraries that cannot be imported here."""
-    return [name for name in LAUNCH_STACK if not _importable(name)]
-
+from asyncppo.selftest.launches import importable, launch_run, mean_of, missing_launch_stack
 
 def _engine_side(model_dir: str, device: str, port: int, pushes: int, q) -> None:
     """The engine process: an HF engine on ``device`` loading every push as a rollout worker does."""
@@ -89,28 +79,6 @@ def shared_push(ctx: Context) -> dict:
             "GB/s": round(nbytes / 1e9 / min(push_s), 2)}
 
 
-def _launch(ctx: Context, name: str, args: list[str], timeout_s: float) -> tuple[str, list[dict]]:
-    """One real ``asyncppo launch``; returns its run directory and its training records. Raises on failure."""
-    out = os.path.join(ctx.out_dir, name)
-    cmd = [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", "trainer.logger.wandb=false",
-           *args]
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
-    with open(os.path.join(ctx.out_dir, f"{name}.log"), "w") as f:
-        f.write(proc.stdout + proc.stderr)
-    if proc.returncode != 0:
-        tail = " / ".join((proc.stdout + proc.stderr).strip().splitlines()[-6:])
-        raise RuntimeError(f"launch exited {proc.returncode}: {tail}")
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return out, [r for r in records if "reward/mean" in r]
-
-
-def _mean(records: list[dict], key: str) -> float:
-    values = [float(r[key]) for r in records if key in r]
-    return round(sum(values) / len(values), 3) if values else float("nan")
-
-
 def shared_mode(ctx: Context) -> dict:
     """``asyncppo launch --gpus 1`` for ``ctx.shared_steps`` steps: engine and learner on one device."""
     missing = missing_launch_stack()
@@ -123,9 +91,9 @@ def shared_mode(ctx: Context) -> dict:
             "rollout.rollout_batch_size=32" if cuda else "rollout.rollout_batch_size=8"]
     if cuda:
         args += ["model.dtype=bfloat16", "rollout.dtype=bfloat16", "rollout.response_length=64",
-                 "rollout.engine=" + ("vllm" if _importable("vllm") else "hf")]
+                 "rollout.engine=" + ("vllm" if importable("vllm") else "hf")]
     t0 = time.perf_counter()
-    out, records = _launch(ctx, "shared-run", args, 540 if cuda else 300)
+    out, records = launch_run(ctx, "shared-run", args, 540 if cuda else 300)
     wall = time.perf_counter() - t0
     with open(os.path.join(out, "placement.json")) as f:
         backend = json.load(f)["endpoints"].get("sync_backend")
@@ -133,18 +101,9 @@ def shared_mode(ctx: Context) -> dict:
         raise RuntimeError(f"expected {ctx.shared_steps} steps over the shm weight path, got {len(records)} over "
                            f"{backend!r}")
     later = records[1:] or records
-    return {"steps": len(records), "wall s": round(wall, 1), "gen busy": _mean(later, "util/rollout_busy"),
-            "train busy": _mean(later, "util/train_busy"), "push s": _mean(later, "sync/push_s"),
-            "step s": _mean(later, "time/step_s"), "sync": backend}
-
-
-def _importable(name: str) -> bool:
-    """Whether ``name`` imports here (an ImportError, or None planted in sys.modules, says no)."""
-    try:
-        importlib.import_module(name)
-        return True
-    except Exception:
-        return False
+    return {"steps": len(records), "wall s": round(wall, 1), "gen busy": mean_of(later, "util/rollout_busy"),
+            "train busy": mean_of(later, "util/train_busy"), "push s": mean_of(later, "sync/push_s"),
+            "step s": mean_of(later, "time/step_s"), "sync": backend}
 
 
 def _nccl_receiver(port: int, pushes: int, q) -> None:
@@ -204,8 +163,8 @@ def async_vs_sync(ctx: Context) -> dict:
         args = ["data=reverse", "--rollout-gpus", "1", "--train-gpus", "1", f"rollout.max_staleness={k}",
                 "trainer.total_steps=30", "trainer.eval_every=0", "data.num_eval_prompts=16"]
         t0 = time.perf_counter()
-        _, records = _launch(ctx, f"reverse-k{k}", args, 420)  # the first builds and warm-starts the model
+        _, records = launch_run(ctx, f"reverse-k{k}", args, 420)  # the first builds and warm-starts the model
         figures[f"k={k} wall s"] = round(time.perf_counter() - t0, 1)
-        figures[f"k={k} step s"] = _mean(records[1:], "time/step_s")
+        figures[f"k={k} step s"] = mean_of(records[1:], "time/step_s")
     figures["speed-up"] = round(figures["k=0 wall s"] / figures["k=2 wall s"], 2)
     return figures

@@ -312,6 +312,54 @@ def test_single_pass_step_equals_the_separate_passes(model_dir, options):
         torch.testing.assert_close(_params(fused.critic), _params(separate.critic), rtol=1e-9, atol=1e-10)
 
 
+FUSED_IS_METRICS = ("actor/is_weight_mean", "actor/is_weight_max", "actor/is_truncated_frac", "actor/is_ratio_p05",
+                    "actor/is_ratio_p95", "actor/is_chi2_token", "actor/is_chi2_seq")
+
+
+@pytest.mark.parametrize("options", [
+    dict(adv_estimator="grpo", micro_batch_size=5),
+    dict(adv_estimator="grpo", micro_batch_size=3, off_policy_correction="tis", off_policy_level="sequence",
+         off_policy_truncation="mask", off_policy_cap=1.5),
+    dict(adv_estimator="grpo", micro_batch_size=6, off_policy_correction="none", entropy_coef=0.01),
+    dict(adv_estimator="grpo", micro_batch_size=4, use_kl_loss=True, kl_penalty="full", mask_truncated=True),
+    dict(adv_estimator="rloo", max_tokens_per_micro_batch=40, pack_sequences=True, use_kl_loss=True,
+         kl_penalty="low_var_kl", loss_agg_mode="seq-mean-token-mean"),
+])
+def test_fused_proximal_step_equals_the_separate_passes(model_dir, options):
+    """One optimizer step over several micro-batches takes each micro-batch's proximal log-probs from its own
+    training forward (the weights do not move until the step): the same update, loss terms and correction figures
+    as the separate no-grad actor forward over the whole batch, step after step."""
+    cfg = _cfg(**options)
+    fused, separate = _updater(cfg, model_dir), _updater(cfg, model_dir)
+    separate._fuses_proximal = lambda batch: False  # the separate no-grad pass, everything else the same
+    for seed in (21, 22):
+        batch = collate_groups(_groups(seed=seed), pad_token_id=0)
+        m1, m2 = fused.step(batch), separate.step(collate_groups(_groups(seed=seed), pad_token_id=0))
+        assert (m1["actor/fused_proximal"], m2["actor/fused_proximal"]) == (1.0, 0.0)
+        assert m1["actor/single_pass"] == m2["actor/single_pass"] == 0.0
+        torch.testing.assert_close(_params(fused.actor), _params(separate.actor), rtol=1e-9, atol=1e-10)
+        keys = ["actor/mismatch_kl", "actor/pg_loss", "actor/approx_kl", "actor/grad_norm", "reward/mean"]
+        if options.get("off_policy_correction") != "none":
+            keys += FUSED_IS_METRICS
+        for key in keys:
+            assert m1[key] == pytest.approx(m2[key], rel=1e-6, abs=1e-9), key
+    assert abs(m1["actor/mismatch_kl"]) > 1e-3  # the behaviour log-probs are random: the figure is not trivially 0
+
+
+@pytest.mark.parametrize("options", [
+    dict(adv_estimator="gae"),  # old values feed the advantages
+    dict(adv_estimator="grpo", add_token_level_kl=True, kl_penalty="k3"),  # KL in the reward, before advantages
+    dict(adv_estimator="grpo", off_policy_normalize=True),  # weights normalised over the batch
+    dict(adv_estimator="grpo", rejection="sequence", rejection_stat="k3", rejection_low=0.0, rejection_high=0.5),
+    dict(adv_estimator="grpo", policy_loss="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0),
+    dict(adv_estimator="grpo", ppo_mini_batch_size=2),  # two optimizer steps
+    dict(adv_estimator="grpo", ppo_epochs=2),
+])
+def test_fused_proximal_is_off_where_the_batch_needs_its_proximal_log_probs_first(model_dir, options):
+    metrics = _updater(_cfg(micro_batch_size=5, **options), model_dir).step(collate_groups(_groups(), pad_token_id=0))
+    assert metrics["actor/fused_proximal"] == 0.0 and metrics["actor/single_pass"] == 0.0
+
+
 def _shared_updater(model_dir, **options):
     cfg = _cfg(adv_estimator="gae", **options)
     cfg.model.shared_backbone = True

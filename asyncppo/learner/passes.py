@@ -1,0 +1,57 @@
+"""When a PPO step can take the proximal log-probs from its own training forwards instead of a separate no-grad pass.
+
+Why: the decoupled loss and the rollout correction need the log-probs of the policy *before* the step (the proximal
+policy). Recomputing them is a whole no-grad actor forward over the batch, a third to a half of a step's compute on
+the tasks measured in docs/benchmarks.md. While a step makes only one optimizer step, the weights do not move until
+that step, so every training forward of the step runs at the proximal policy and its own outputs, detached, are the
+numbers the separate pass would recompute. Two cases, decided here from the config and the batch alone:
+
+* :func:`single_pass`: one micro-batch. The whole batch's forward runs first, so anything may read the proximal
+  log-probs and old values before the loss (advantages from a critic, KL in the reward, batch statistics).
+* :func:`fuses_proximal`: several micro-batches. Each micro-batch's forward gives its own rows' proximal log-probs
+  just before its loss, so nothing may need those of the whole batch first.
+
+Both give the same update up to float summation order (tests/unit/test_learner.py).
+"""
+
+from __future__ import annotations
+
+from asyncppo import algo
+from asyncppo.config.schema import AlgorithmConfig
+from asyncppo.learner.batch import TrainBatch
+
+
+def _one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dropout: bool) -> bool:
+    """One epoch over one mini-batch on one rank, with no dropout (a forward with active dropout is a sample of
+    the policy, not the policy). Several ranks keep the separate passes: their no-grad work is sharded instead."""
+    if world_size != 1 or alg.ppo_epochs != 1 or has_dropout:
+        return False
+    num_groups = int(batch.group_index.max().item()) + 1
+    return not 0 < alg.ppo_mini_batch_size < num_groups
+
+
+def single_pass(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dropout: bool) -> bool:
+    """True when this step makes exactly one optimizer step over one micro-batch on one rank: the training forward
+    (run before the batch's targets) gives the proximal log-probs and the critic's old values."""
+    if not _one_optimizer_step(alg, batch, world_size, has_dropout):
+        return False
+    if alg.max_tokens_per_micro_batch > 0:
+        return int(batch.attention_mask.sum()) <= alg.max_tokens_per_micro_batch
+    return alg.micro_batch_size <= 0 or alg.micro_batch_size >= batch.size
+
+
+def fuses_proximal(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dropout: bool,
+                   has_critic: bool) -> bool:
+    """True when this step makes one optimizer step over several micro-batches with nothing that needs the
+    proximal log-probs of the whole batch before the first loss. Ruled out: a critic (its old values feed the
+    advantages), KL in the reward (it reads the proximal log-probs before the advantages), ``clip_cov`` /
+    ``kl_cov`` (their token selection spans the mini-batch), and batch-normalised correction weights or a rejection
+    (per-batch statistics; a rejection also changes the loss denominators). The correction's batch figures (its
+    metrics) are computed after the micro-batches, from the log-probs they collected."""
+    if has_critic or not _one_optimizer_step(alg, batch, world_size, has_dropout):
+        return False
+    if single_pass(alg, batch, world_size, has_dropout):
+        return False
+    if alg.add_token_level_kl or alg.policy_loss in algo.COV_LOSSES:
+        return False
+    return alg.off_policy_correction == "none" or (not alg.off_policy_normalize and alg.rejection == "none")
