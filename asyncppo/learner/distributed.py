@@ -306,15 +306,21 @@ def shard_rows(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
     Groups are taken in order of their ``group_index``; a rank gets an empty batch when there are fewer groups
     than ranks. The shards of all ranks cover every row exactly once.
     """
+    rows, groups = _shard_row_index(batch, rank, world_size)
+    shard = batch.select(rows.to(batch.group_index.device))
+    shard.group_index = groups.to(batch.group_index.device)
+    return shard
+
+
+def _shard_row_index(batch: TrainBatch, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(the rows of batch that rank's shard holds, ascending; their groups renumbered 0..k-1)``
+    (see :func:`shard_rows`)."""
     if not 0 <= rank < world_size:
         raise ValueError(f"shard_rows: rank={rank} must be in [0, world_size={world_size})")
-    groups, inverse, counts = torch.unique(batch.group_index.cpu(), sorted=True, return_inverse=True,
-                                           return_counts=True)
+    _, inverse, counts = torch.unique(batch.group_index.cpu(), sorted=True, return_inverse=True, return_counts=True)
     start, end = _balanced_bounds(counts.tolist(), world_size)[rank]
     rows = torch.nonzero((inverse >= start) & (inverse < end), as_tuple=False).squeeze(1)
-    shard = batch.select(rows.to(batch.group_index.device))
-    shard.group_index = (inverse[rows] - start).to(batch.group_index.device)
-    return shard
+    return rows, inverse[rows] - start
 
 
 def micro_batch_counts(mini: TrainBatch, world_size: int, micro_batch_size: int, max_tokens: int) -> list[int]:
@@ -392,8 +398,11 @@ class ShardedPPOUpdate(PPOUpdate):
     def _no_grad_rows(self, fn, batch: TrainBatch, rows: int) -> torch.Tensor:
         return sharded_no_grad(fn, batch, rows, self.no_grad_tokens)
 
-    def _update_mini_batch(self, mini: TrainBatch, means, first_pass=None, fused: bool = False) -> None:
-        assert first_pass is None and not fused, "a sharded step makes separate no-grad passes (PPOUpdate)"
+    def _update_mini_batch(self, mini: TrainBatch, means, first_pass=None, fused: bool = False):
+        """This rank's shard of the mini-batch. A fused step (``learner/passes.py``) returns the proximal log-probs
+        of the whole mini-batch on every rank: each rank's shard's, gathered and put back in the mini-batch's row
+        order, so the correction's batch figures are the same everywhere."""
+        assert first_pass is None, "a sharded step makes no single pass (learner/passes.py: single_pass)"
         counts = micro_batch_counts(mini, self.world_size, self.alg.micro_batch_size,
                                     self.alg.max_tokens_per_micro_batch)
         if len(set(counts)) != 1:
@@ -402,4 +411,11 @@ class ShardedPPOUpdate(PPOUpdate):
                 f"{mini.size} rows: FSDP would deadlock. Use ppo_mini_batch_size divisible by the learner "
                 f"ranks with equal group sizes, and micro_batch_size (not max_tokens_per_micro_batch)"
             )
-        super()._update_mini_batch(shard_rows(mini, self.rank, self.world_size), means)
+        proximal = super()._update_mini_batch(shard_rows(mini, self.rank, self.world_size), means, fused=fused)
+        if not fused:
+            return None
+        order = torch.cat([_shard_row_index(mini, r, self.world_size)[0] for r in range(self.world_size)])
+        gathered = all_gather_rows(proximal)
+        full = torch.zeros((mini.size, mini.response_len), dtype=gathered.dtype, device=gathered.device)
+        full[order.to(gathered.device), : gathered.shape[1]] = gathered
+        return full

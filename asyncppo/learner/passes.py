@@ -21,10 +21,10 @@ from asyncppo.config.schema import AlgorithmConfig
 from asyncppo.learner.batch import TrainBatch
 
 
-def _one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dropout: bool) -> bool:
-    """One epoch over one mini-batch on one rank, with no dropout (a forward with active dropout is a sample of
-    the policy, not the policy). Several ranks keep the separate passes: their no-grad work is sharded instead."""
-    if world_size != 1 or alg.ppo_epochs != 1 or has_dropout:
+def _one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, has_dropout: bool) -> bool:
+    """One epoch over one mini-batch, with no dropout (a forward with active dropout is a sample of the policy, not
+    the policy)."""
+    if alg.ppo_epochs != 1 or has_dropout:
         return False
     num_groups = int(batch.group_index.max().item()) + 1
     return not 0 < alg.ppo_mini_batch_size < num_groups
@@ -32,8 +32,9 @@ def _one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, world_size: int
 
 def single_pass(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dropout: bool) -> bool:
     """True when this step makes exactly one optimizer step over one micro-batch on one rank: the training forward
-    (run before the batch's targets) gives the proximal log-probs and the critic's old values."""
-    if not _one_optimizer_step(alg, batch, world_size, has_dropout):
+    (run before the batch's targets) gives the proximal log-probs and the critic's old values. Several ranks keep
+    the separate passes here: the batch's targets need every rank's rows, and their no-grad work is sharded."""
+    if world_size != 1 or not _one_optimizer_step(alg, batch, has_dropout):
         return False
     if alg.max_tokens_per_micro_batch > 0:
         return int(batch.attention_mask.sum()) <= alg.max_tokens_per_micro_batch
@@ -47,8 +48,9 @@ def fuses_proximal(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has
     advantages), KL in the reward (it reads the proximal log-probs before the advantages), ``clip_cov`` /
     ``kl_cov`` (their token selection spans the mini-batch), and batch-normalised correction weights or a rejection
     (per-batch statistics; a rejection also changes the loss denominators). The correction's batch figures (its
-    metrics) are computed after the micro-batches, from the log-probs they collected."""
-    if has_critic or not _one_optimizer_step(alg, batch, world_size, has_dropout):
+    metrics) are computed after the micro-batches, from the log-probs they collected (gathered from every rank
+    when the learner is sharded: ``ShardedPPOUpdate._update_mini_batch``)."""
+    if has_critic or not _one_optimizer_step(alg, batch, has_dropout):
         return False
     if single_pass(alg, batch, world_size, has_dropout):
         return False

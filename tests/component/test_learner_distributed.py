@@ -36,7 +36,13 @@ SCENARIOS = {
                                 loss_agg_mode="seq-mean-token-mean", ppo_mini_batch_size=2, micro_batch_size=1,
                                 lr=1e-3),
     "rpp_whole": dict(adv_estimator="reinforce_plus_plus", ppo_mini_batch_size=0, micro_batch_size=0, lr=1e-3),
+    # one optimizer step over 2 micro-batches per rank (4 on one rank): the proximal log-probs come from the
+    # training forwards on both sides (learner/passes.py), gathered from the ranks for the correction's figures
+    "grpo_fused": dict(adv_estimator="grpo", ppo_mini_batch_size=0, micro_batch_size=2, off_policy_correction="tis",
+                       off_policy_level="sequence", lr=1e-3),
 }
+# the scenarios whose step takes the proximal log-probs from its training forwards on two ranks (and on one)
+FUSED = {"rpp_whole", "grpo_fused"}
 
 
 def _free_port() -> int:
@@ -175,6 +181,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
                     result[f"{name}/critic"] = D.gather_full_state_dict(critic, rank)
                 D.broadcast_stop()
                 result[f"{name}/grad_norm"] = metrics["actor/grad_norm"]
+                result[f"{name}/metrics"] = metrics
             else:
                 result[f"{name}/steps"] = D.run_follower(updater)
                 result[f"{name}/nonzero_gather"] = D.gather_full_state_dict(actor, rank)
@@ -264,6 +271,11 @@ def test_two_ranks_update_equals_one_rank_on_whole_batch(ranks, model_dir, name)
         for key, value in critic.state_dict().items():
             torch.testing.assert_close(ranks[0][f"{name}/critic"][key], value, rtol=0, atol=1e-10, msg=key)
     assert ranks[0][f"{name}/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-9)
+    two_metrics = ranks[0][f"{name}/metrics"]
+    assert two_metrics["actor/fused_proximal"] == float(name in FUSED)
+    for key in ("actor/mismatch_kl", "actor/is_weight_mean", "actor/is_ratio_p95", "actor/is_chi2_seq"):
+        if key in metrics:  # the correction's batch figures: from every rank's rows, as on one rank
+            assert two_metrics[key] == pytest.approx(metrics[key], rel=1e-9, abs=1e-12), key
     assert ranks[1][f"{name}/steps"] == 1
     assert ranks[1][f"{name}/nonzero_gather"] is None
     if name.endswith("sharded_prep"):  # old log-probs, reference, values: each rank forwards 4 of the 8 rows
