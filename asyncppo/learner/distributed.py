@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from asyncppo.learner.batch import TrainBatch, micro_batches
+from asyncppo.learner.batch import TrainBatch, micro_batch_rows
 from asyncppo.learner.forward import chunked, count_chunks
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.sync.group import bound_store, loopback_interface
@@ -328,7 +328,7 @@ def micro_batch_counts(mini: TrainBatch, world_size: int, micro_batch_size: int,
     counts = []
     for r in range(world_size):
         shard = shard_rows(mini, r, world_size)
-        counts.append(len(micro_batches(shard, micro_batch_size, max_tokens)) if shard.size else 0)
+        counts.append(len(micro_batch_rows(shard, micro_batch_size, max_tokens)) if shard.size else 0)
     return counts
 
 

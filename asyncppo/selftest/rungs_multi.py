@@ -15,6 +15,7 @@ import time
 from asyncppo.selftest.ladder import Context, Skip
 from asyncppo.selftest.launches import importable, launch_run, mean_of, missing_launch_stack
 
+
 def _engine_side(model_dir: str, device: str, port: int, pushes: int, q) -> None:
     """The engine process: an HF engine on ``device`` loading every push as a rollout worker does."""
     try:
