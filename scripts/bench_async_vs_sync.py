@@ -14,7 +14,9 @@ disjoint GPU pools would be. For each mode it prints wall time, trained samples 
 rollout / train busy fractions, push latency p50/p99, waste, response length mean/p99 and the reward reached, and
 the speed-up of each async mode over sync in learner time to the same number of trained samples, and the
 pipeline's limit beside it: the engine alone and the learner alone on the same samples, each on its own cores
-(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode.
+(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode. ``--replay`` adds the learner
+alone on each launch's own batches: the limit's learner trains the starting policy's answers, a launch trains those
+of the policy it learns, and on ``data=long`` their lengths differ (docs/benchmarks.md).
 
     python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
     python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
@@ -34,7 +36,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_limit import measure_limit  # noqa: E402  (scripts/: the engine alone and the learner alone)
+from pipeline_limit import measure_limit, replay_learner  # noqa: E402  (scripts/: each side alone)
 
 from asyncppo.config.schedules import SCHEDULES as MODES, schedule_overrides  # noqa: E402
 
@@ -54,6 +56,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         # its first push, a one-time stall the limit does not include (docs/benchmarks.md); the final one is untimed
         f"trainer.eval_at_start={'true' if args.eval_at_start else 'false'}",
         *schedule_overrides(base, args.staleness, args.lookahead),
+        *(["trainer.save_trained_groups=true"] if getattr(args, "replay", False) else []),
         *args.overrides,
         *extra,  # the mode's own overrides, after the shared ones (they win)
     ]
@@ -79,6 +82,8 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     ro = summary.get("rollout", {})
     return {
         "label": label,
+        "run_dir": out,
+        "mode_overrides": [*schedule_overrides(base, args.staleness, args.lookahead), *extra],
         "wall_s": wall,
         "load": load,
         "train_s": train_s,
@@ -141,6 +146,9 @@ def main() -> None:
     p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
     p.add_argument("--no-limit", dest="limit", action="store_false",
                    help="skip the engine-alone and learner-alone runs (the limit and efficiency rows)")
+    p.add_argument("--replay", action="store_true",
+                   help="after the launches, the learner alone on each launch's own batches (kept with "
+                        "trainer.save_trained_groups=true): the efficiency on the run's own work")
     p.add_argument("--eval-at-start", action="store_true",
                    help="evaluate the starting weights in every launch too (the 'before' row; stalls the first push)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -159,6 +167,13 @@ def main() -> None:
         limits.append(measure_limit([*args.preset, *args.overrides], args.steps, args.rollout_cpus,
                                     args.learner_cpus, os.path.join(root, "limit-after"))[0])
     limit = mean_limit(limits) if limits else None
+    if args.replay:
+        for r in results:
+            own = replay_learner(r["run_dir"], [*args.preset, *args.overrides, *r["mode_overrides"]],
+                                 args.learner_cpus,
+                                 os.path.join(root, "replay-" + os.path.basename(r["run_dir"])))
+            r["own_learner_s"] = own["learner_s"]
+            r["own_efficiency"] = own["learner_s"] / r["train_s"]
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
@@ -172,6 +187,11 @@ def main() -> None:
     base = next((r for r in results if r["label"] == "sync"), None)
     if limit is not None:
         print_limit(limit, results, base)
+    if args.replay:
+        print("| learner alone on the launch's own batches (s) | "
+              + " | ".join(f"{r['own_learner_s']:.1f}" for r in results) + " |")
+        print("| efficiency on its own batches = that / learner time | "
+              + " | ".join(f"{r['own_efficiency']:.2f}" for r in results) + " |")
     if base is not None:
         for r in results:
             if r is not base:

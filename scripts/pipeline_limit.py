@@ -42,8 +42,9 @@ def _config(overrides: list[str], steps: int):
     return cfg, resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
 
 
-def run_side(side: str, root: str, steps: int, overrides: list[str]) -> dict:
-    """One side in this process (already pinned by the caller's environment); writes ``root/<side>.json``."""
+def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str = "") -> dict:
+    """One side in this process (already pinned by the caller's environment); writes ``root/<side>.json``. The
+    learner trains ``replay``'s own batches when given (a run directory), else the engine alone's groups."""
     from omegaconf import OmegaConf
 
     from asyncppo.launch.actors import pin_cpus, set_learner_threads  # heavy: ray (the launch's own pinning)
@@ -69,10 +70,14 @@ def run_side(side: str, root: str, steps: int, overrides: list[str]) -> dict:
                "reward_mean": sum(s.reward for g in run.finished for s in g.samples) / max(len(lengths), 1),
                "reward_failures": stats["reward_failures"]}
     else:
-        from asyncppo.learner.learner_alone import train_alone
+        from asyncppo.learner.learner_alone import ticket_batches, train_alone, trained_batches
 
         set_learner_threads(OmegaConf.to_container(OmegaConf.structured(cfg)))
-        result = train_alone(cfg, model_path, read_groups(groups_file), steps)
+        if replay:
+            batches = trained_batches(replay)
+        else:
+            batches = ticket_batches(read_groups(groups_file), cfg.rollout.rollout_batch_size, steps)
+        result = train_alone(cfg, model_path, batches)
         out = {k: result[k] for k in ("learner_s", "steps", "samples")}
         out["step_s_mean"] = result["learner_s"] / result["steps"]
     with open(os.path.join(root, f"{side}.json"), "w") as f:
@@ -84,15 +89,16 @@ def _pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
     return dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
 
 
-def _side_argv(side: str, root: str, steps: int, overrides: list[str]) -> list[str]:
+def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "") -> list[str]:
     """This script, running one side in its own process (:func:`run_side`)."""
     return [sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root, "--steps", str(steps),
-            *overrides]
+            *(["--replay", replay] if replay else []), *overrides]
 
 
-def _run_side_process(side: str, root: str, steps: int, overrides: list[str], env: dict, what: str) -> None:
+def _run_side_process(side: str, root: str, steps: int, overrides: list[str], env: dict, what: str,
+                      replay: str = "") -> None:
     """Run one side to its end; on failure, show its output's tail and stop naming ``what`` failed."""
-    proc = subprocess.run(_side_argv(side, root, steps, overrides), capture_output=True, text=True, env=env)
+    proc = subprocess.run(_side_argv(side, root, steps, overrides, replay), capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
         raise SystemExit(f"[limit] {what} failed with exit code {proc.returncode}")
@@ -119,6 +125,21 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     limit = PipelineLimit(engine_s=engine["engine_s"], learner_s=learner["learner_s"], samples=learner["samples"],
                           engine_occupancy=engine["occupancy"])
     return limit, sides
+
+
+def replay_learner(run_dir: str, overrides: list[str], learner_cpus: str, root: str) -> dict:
+    """The learner alone on ``run_dir``'s own batches (launched with ``trainer.save_trained_groups=true``), pinned
+    as the limit's learner is; its record (``learner_s``, ``steps``, ``samples``). ``overrides`` must build the
+    run's learner (its preset and overrides); the step count comes from the run."""
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
+        steps = len({json.loads(line)["step"] for line in f})  # trainer.total_steps: the run's rate schedule
+    env = _pinned_env("1", learner_cpus)
+    print(f"[limit] learner alone on the {steps} batches of {run_dir}", flush=True)
+    _run_side_process("learner", root, steps, overrides, env, "the learner alone on the run's batches",
+                      replay=run_dir)
+    with open(os.path.join(root, "learner.json")) as f:
+        return json.load(f)
 
 
 #: Seconds the busy engine must keep generating beyond the learner's own run: its start-up wait below and the
@@ -165,13 +186,19 @@ def main() -> None:
     p.add_argument("--dir", default="", help="where the groups and the per-side records go (default: a temp dir)")
     p.add_argument("--beside-engine", action="store_true",
                    help="also time the learner alone while an engine generates on its own cores (machine sharing)")
+    p.add_argument("--replay", default="", metavar="RUN_DIR",
+                   help="only the learner alone, on the own batches of a finished run launched with "
+                        "trainer.save_trained_groups=true (pass that run's preset and overrides too)")
     p.add_argument("--side", choices=SIDES, default="", help=argparse.SUPPRESS)  # internal: run one side here
     p.add_argument("overrides", nargs="*", help="Hydra presets and overrides of the run being measured")
     args = p.parse_args()
     if args.side:
-        run_side(args.side, args.dir, args.steps, args.overrides)
+        run_side(args.side, args.dir, args.steps, args.overrides, args.replay)
         return
     root = args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-")
+    if args.replay:
+        print(json.dumps(replay_learner(args.replay, args.overrides, args.learner_cpus, root), indent=1))
+        return
     limit, sides = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
     print(json.dumps(limit.as_dict(), indent=1))
     if args.beside_engine:

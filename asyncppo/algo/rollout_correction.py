@@ -87,6 +87,7 @@ def rollout_correction(
     rejection_stat: str = "ratio",
     rejection_low: float = 0.5,
     rejection_high: float = 2.0,
+    figures: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, dict]:
     """``(weights, loss_mask, metrics)`` for a batch; ``weights`` ``[B, T]`` are 0 outside ``loss_mask``.
 
@@ -113,6 +114,8 @@ def rollout_correction(
     weights = torch.where(keep, weights, torch.zeros_like(weights))
     if normalize:
         weights = _to_mean_one(weights, keep, level)
+    if not figures:
+        return weights, keep, {}
 
     n_valid = mf.sum().clamp(min=1)
     metrics = {

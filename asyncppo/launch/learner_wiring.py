@@ -58,7 +58,8 @@ class LearnerWiring:
         backend = "shm" if shared_mode(self.cfg) else backend_for(learner_on_gpu(self.cfg), engines_on_gpu(self.cfg))
         self.sockets = LearnerSockets(self.cfg, host, self.keys, self.num_workers, start_version, backend,
                                       closables=self._closables)
-        self.ledger = WorkerLedger(self.output_dir, saved_position)  # data positions, restarts (membership.py)
+        self.ledger = WorkerLedger(self.output_dir, saved_position,  # data positions, restarts (membership.py)
+                                   keep_groups=self.cfg.trainer.save_trained_groups)
         return self.sockets.endpoints(public)
 
     # the bound objects, under the names the learner loop reads (learner.loop.Wiring)

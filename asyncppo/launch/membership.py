@@ -16,13 +16,15 @@ import os
 import threading
 
 from asyncppo.data.position import DataPosition
+from asyncppo.stream.group_file import write_groups
 
 log = logging.getLogger("asyncppo.launch")
 
 
 class WorkerLedger:
-    def __init__(self, output_dir: str, saved_position: dict | None = None):
+    def __init__(self, output_dir: str, saved_position: dict | None = None, keep_groups: bool = False):
         self.output_dir = output_dir
+        self.keep_groups = keep_groups  # trainer.save_trained_groups: the trained groups' frames as well
         self.trained = DataPosition(saved_position)
         self.accepted = DataPosition(saved_position)
         self.restarts: dict[int, int] = {}
@@ -36,9 +38,13 @@ class WorkerLedger:
 
     def record_trained(self, step: int, groups) -> None:
         """The data position, and one line per step in ``trained_groups.jsonl`` (group ids, tickets, prompts): the
-        evidence that no group was trained twice and that a resume trained the sequence of an unbroken run."""
+        evidence that no group was trained twice and that a resume trained the sequence of an unbroken run. With
+        ``keep_groups`` the groups themselves go to ``trained_groups.bin`` (stream/group_file.py), so the run's own
+        batches can be replayed through the learner alone (learner/learner_alone.py: ``trained_batches``)."""
         for g in groups:
             self.trained.record(g.group_id)
+        if self.keep_groups:  # before the step's line: a line always has its groups in the file
+            write_groups(os.path.join(self.output_dir, "trained_groups.bin"), groups, append=True)
         with open(os.path.join(self.output_dir, "trained_groups.jsonl"), "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "groups": [[g.group_id, g.ticket, g.prompt_index] for g in groups]})
                     + "\n")

@@ -149,7 +149,7 @@ class PPOUpdate:
         :meth:`_fuses_proximal`). Returns ``(batch, first pass or None, fused)``."""
         alg = self.alg
         single = self._single_pass(batch)
-        fused = self._fuses_proximal(batch)
+        fused = not single and self._fuses_proximal(batch)  # fuses_proximal is False for a single pass anyway
         if single:
             batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as _train
         if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward

@@ -47,7 +47,7 @@ def proximal_terms(
         old, batch.behavior_logprobs, mask, level=alg.off_policy_level,
         truncation=alg.off_policy_truncation, cap=alg.off_policy_cap, cap_low=alg.off_policy_cap_low,
         normalize=alg.off_policy_normalize, rejection=alg.rejection, rejection_stat=alg.rejection_stat,
-        rejection_low=alg.rejection_low, rejection_high=alg.rejection_high,
+        rejection_low=alg.rejection_low, rejection_high=alg.rejection_high, figures=metrics is not None,
     )
     if metrics is not None:
         metrics.update({f"actor/{k}": float(v) for k, v in rc_metrics.items()})

@@ -18,6 +18,8 @@ import pytest
 
 from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 
+from asyncppo.learner.learner_alone import trained_batches
+
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,7 +36,8 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
     within the bound k, samples nominally j old (lag mean <= j + 0.5: only stragglers trained behind later groups
     are older), answers of 500+ tokens trained rather than dropped, nothing dropped as stale, finite losses, a step whose
     every group scored 0 makes no optimizer step (its gradient is zero: Adam would still move the weights), and
-    nothing left behind. The preset's KL anchor is off here: with it, a step whose groups all tie still has the KL
+    nothing left behind, and the kept groups (``trainer.save_trained_groups``) are each step's batch: its longest
+    answer and mean reward as the step logged them. The preset's KL anchor is off here: with it, a step whose groups all tie still has the KL
     term's gradient, so the zero-gradient check would not apply (the anchor's loss is covered by the unit tests).
     Learning is measured outside the suite: in 40 steps the training reward's rise was +0.072, +0.070, +0.117,
     +0.017 in four runs, too noisy for a test, and the held-out gain needs 100+ steps (docs/benchmarks.md)."""
@@ -45,7 +48,7 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
         [sys.executable, "-m", "asyncppo", "launch", "data=long", f"trainer.output_dir={out}",
          "trainer.logger.wandb=false", f"trainer.total_steps={steps}",
          "trainer.eval_every=0", "data.num_eval_prompts=0", f"trainer.sft_warmup_steps={WARMUP}",
-         "algorithm.use_kl_loss=false"],
+         "algorithm.use_kl_loss=false", "trainer.save_trained_groups=true"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -63,4 +66,10 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
             assert r["actor/grad_norm"] == 0.0 and r["actor/skipped_step_frac"] == 1.0, r
         elif r["actor/grad_norm"] > 0:
             assert r["actor/skipped_step_frac"] == 0.0, r
+    batches = trained_batches(str(out))  # what a replay through the learner alone trains (pipeline_limit.py)
+    assert [len(b) for b in batches] == [16] * steps
+    for r, groups in zip(train, batches):
+        samples = [s for g in groups for s in g.samples]
+        assert max(s.num_tokens for s in samples) == r["response_length/max"]
+        assert sum(s.reward for s in samples) / len(samples) == pytest.approx(r["reward/mean"], abs=1e-9)
     assert_no_leftovers(TAG)

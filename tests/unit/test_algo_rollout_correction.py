@@ -118,3 +118,14 @@ def test_weights_reach_the_loss_and_bad_arguments_are_named():
         rollout_correction(old, behav, mask, rejection="token", rejection_low=2.0, rejection_high=1.0)
     with pytest.raises(ValueError, match="ratio, k1, k2, k3"):
         rollout_correction(old, behav, mask, rejection="token", rejection_stat="k4")
+
+
+@pytest.mark.parametrize("kw", [dict(truncation="clip", cap=2.0), dict(level="sequence", truncation="mask", cap=2.0),
+                                dict(rejection="token", rejection_low=0.5, rejection_high=2.0, normalize=True)])
+def test_without_figures_the_weights_and_mask_are_the_same(kw):
+    """``figures=False`` (a micro-batch's share of a fused step) skips the metrics only, never the weights."""
+    old, behav, mask = _lp([[0.3, 0.8, 1.5, 2.5], [1.1, 4.0, 0.9, None]])
+    w, keep, m = rollout_correction(old, behav, mask, **kw)
+    w2, keep2, m2 = rollout_correction(old, behav, mask, figures=False, **kw)
+    assert m and m2 == {}
+    assert torch.equal(w, w2) and torch.equal(keep, keep2)

@@ -63,16 +63,45 @@ def test_learner_alone_trains_whole_batches_in_ticket_order_and_refuses_too_few_
 
     model_dir = build_tiny_model(str(tmp_path / "tiny"), hidden=32, heads=1, intermediate=64, seed=3)
     cfg = _cfg()  # the schema's defaults with the derived clip ratios filled in
-    cfg.rollout.rollout_batch_size = 2
     groups = _groups(num_groups=7, n=4)
     for group, ticket in zip(groups, [5, 2, 0, 6, 3, 1, 4]):  # as they arrived: out of ticket order
         group.ticket = ticket
     taken, collate = [], learner_alone.collate_groups
     monkeypatch.setattr(learner_alone, "collate_groups", lambda gs, pad: taken.append([g.ticket for g in gs])
                         or collate(gs, pad))
-    out = learner_alone.train_alone(cfg, model_dir, groups)
+    out = learner_alone.train_alone(cfg, model_dir, learner_alone.ticket_batches(groups, 2))
     assert taken == [[0, 1], [2, 3], [4, 5]]  # the staleness buffer's order; ticket 6 fills no batch
     assert (out["steps"], out["samples"], len(out["step_s"])) == (3, 24, 3)
     assert out["learner_s"] == pytest.approx(sum(out["step_s"])) and min(out["step_s"]) > 0
     with pytest.raises(ValueError, match="7 groups cannot fill 4 batches of rollout.rollout_batch_size=2"):
-        learner_alone.train_alone(cfg, model_dir, groups, steps=4)
+        learner_alone.ticket_batches(groups, 2, steps=4)
+    with pytest.raises(ValueError, match="no batches"):
+        learner_alone.train_alone(cfg, model_dir, [])
+
+
+def test_a_runs_own_batches_come_back_step_by_step_from_its_ledger(tmp_path):
+    """``trainer.save_trained_groups``: the ledger appends each step's groups; the replay gets exactly each step's
+    groups in the order the step took them, and a step trained again after a resume counts as its last training."""
+    from asyncppo.launch.membership import WorkerLedger
+    from asyncppo.learner.learner_alone import trained_batches
+
+    groups = [make_group(seed=s, n=2, T=12) for s in range(5)]
+    for i, g in enumerate(groups):
+        g.group_id, g.ticket, g.prompt_index = f"w0-{i}", i, i
+    ledger = WorkerLedger(str(tmp_path), keep_groups=True)
+    ledger.record_trained(1, [groups[2], groups[0]])  # out of ticket order, as a lookahead step may take them
+    ledger.record_trained(2, [groups[1], groups[3]])
+    ledger.record_trained(2, [groups[3], groups[4]])  # step 2 again, after a resume from the checkpoint at step 1
+    batches = trained_batches(str(tmp_path))
+    assert [[g.group_id for g in b] for b in batches] == [["w0-2", "w0-0"], ["w0-3", "w0-4"]]
+    assert_same(batches[0][0], groups[2])  # the trajectories themselves, bit for bit
+
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    WorkerLedger(str(plain)).record_trained(1, groups[:2])  # the default keeps only the jsonl line
+    assert not (plain / "trained_groups.bin").exists()
+    with pytest.raises(FileNotFoundError, match="trainer.save_trained_groups=true"):
+        trained_batches(str(plain))
+    (plain / "trained_groups.bin").write_bytes(b"")  # kept for part of the run only: the step's groups are missing
+    with pytest.raises(ValueError, match="step 1 trained groups not in trained_groups.bin"):
+        trained_batches(str(plain))
