@@ -42,7 +42,7 @@ from asyncppo.learner.forward import (
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
-from asyncppo.learner.passes import fuses_proximal, single_pass
+from asyncppo.learner.passes import fuses_proximal, single_pass, trained_rows
 from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import (
@@ -134,6 +134,8 @@ class PPOUpdate:
         if self.alg.add_token_level_kl:
             token_rewards = self._kl_in_reward(batch, token_rewards, rows, metrics)
         set_advantages(self.alg, batch, token_rewards, metrics)
+        trained = None if first_pass is not None else trained_rows(batch, self.critic is not None, self.world_size)
+        metrics["actor/untrained_rows"] = 0.0 if trained is None else float(batch.size - trained.numel())
         self._train(batch, first_pass, fused, metrics)
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["perf/pad_fraction"] = pad_fraction(self._footprints)
@@ -152,12 +154,13 @@ class PPOUpdate:
         fused = not single and self._fuses_proximal(batch)  # fuses_proximal is False for a single pass anyway
         if single:
             batch = next(mini_batches(batch, alg.ppo_mini_batch_size, self.generator))  # same RNG use as _train
-        if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward
-            batch.ref_logprobs = self._no_grad_rows(
-                lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows
-            )
         if fused:  # the loss mask needs no proximal log-probs here (no rejection); the rest comes per micro-batch
             mask_truncated(alg, batch, metrics)
+        if self.reference is not None:  # before the first pass, whose graph then stays alive until the backward
+            batch.ref_logprobs = self._no_grad_trained_rows(
+                lambda b: policy_forward(self.reference, b, alg.temperature, False)[0], batch, rows, fused
+            )
+        if fused:
             return batch, None, True
         first_pass = self._first_pass(batch) if single else None
         self.actor.eval()
@@ -195,7 +198,10 @@ class PPOUpdate:
         for _ in range(alg.ppo_epochs if first_pass is None else 0):
             for mini in mini_batches(batch, alg.ppo_mini_batch_size, self.generator):
                 proximal = self._update_mini_batch(self._prepare_mini_batch(mini), means, fused=fused)
-                if proximal is not None:
+                if proximal is not None:  # the figures of the rows that went through the forwards
+                    trained = trained_rows(mini, self.critic is not None, self.world_size)
+                    if trained is not None:
+                        mini, proximal = mini.select(trained), proximal[trained]
                     proximal_terms(alg, mini, proximal, metrics)
                 optimizer_steps += 1
                 # the KL this mini-batch measured before its own step (as CleanRL): identical on every rank
@@ -272,6 +278,17 @@ class PPOUpdate:
         """No-grad forward over every row in chunks; the multi-rank learner splits this work over its ranks."""
         return chunked(fn, batch, rows, self.no_grad_tokens)
 
+    def _no_grad_trained_rows(self, fn, batch: TrainBatch, rows: int, masked: bool) -> torch.Tensor:
+        """:meth:`_no_grad_rows` over the rows the loss trains on once the loss mask is final (``masked``), 0 for
+        the others (:func:`passes.trained_rows`); over every row otherwise."""
+        trained = trained_rows(batch, self.critic is not None, self.world_size) if masked else None
+        if trained is None:
+            return self._no_grad_rows(fn, batch, rows)
+        out = self._no_grad_rows(fn, batch.select(trained), rows)
+        full = out.new_zeros((batch.size, *out.shape[1:]))
+        full[trained] = out
+        return full
+
     def _prepare_mini_batch(self, mini: TrainBatch) -> TrainBatch:
         """Per-mini-batch constants computed before the micro-batch split: clip_cov / kl_cov's token selection."""
         alg = self.alg
@@ -310,7 +327,7 @@ class PPOUpdate:
             self.critic_opt.zero_grad(set_to_none=True)
         loss_sums: dict[str, float] = defaultdict(float)
         kl_sum = kl_tokens = 0.0
-        rows = [None] if first_pass else micro_batch_rows(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
+        rows = [None] if first_pass else self._micro_batch_rows(mini)
         proximal = None
         for part in rows:
             micro = mini if first_pass else mini.select(part).narrowed()
@@ -337,6 +354,15 @@ class PPOUpdate:
             extra["critic/grad_norm"] = critic_norm
         means.add(extra, 1.0)
         return None if proximal is None else torch.where(mini.response_mask.bool(), proximal, 0.0)
+
+    def _micro_batch_rows(self, mini: TrainBatch) -> list[torch.Tensor]:
+        """The row indices of each micro-batch, over the rows the loss trains on (:func:`passes.trained_rows`)."""
+        alg = self.alg
+        trained = trained_rows(mini, self.critic is not None, self.world_size)
+        if trained is None:
+            return micro_batch_rows(mini, alg.micro_batch_size, alg.max_tokens_per_micro_batch)
+        return [trained[part] for part in micro_batch_rows(mini.select(trained), alg.micro_batch_size,
+                                                           alg.max_tokens_per_micro_batch)]
 
     def _micro_forward(self, micro: TrainBatch, first_pass: Optional[_FirstPass]):
         """``(logprobs, entropy, logits, values or None)`` with grad: the single pass's own, one actor forward

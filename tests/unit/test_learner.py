@@ -338,12 +338,50 @@ def test_fused_proximal_step_equals_the_separate_passes(model_dir, options):
         assert (m1["actor/fused_proximal"], m2["actor/fused_proximal"]) == (1.0, 0.0)
         assert m1["actor/single_pass"] == m2["actor/single_pass"] == 0.0
         torch.testing.assert_close(_params(fused.actor), _params(separate.actor), rtol=1e-9, atol=1e-10)
-        keys = ["actor/mismatch_kl", "actor/pg_loss", "actor/approx_kl", "actor/grad_norm", "reward/mean"]
-        if options.get("off_policy_correction") != "none":
-            keys += FUSED_IS_METRICS
+        keys = ["actor/pg_loss", "actor/approx_kl", "actor/grad_norm", "reward/mean"]
+        if m1["actor/untrained_rows"] == 0:  # else the fused figures cover the trained rows only (next test)
+            keys.append("actor/mismatch_kl")
+            if options.get("off_policy_correction") != "none":
+                keys += FUSED_IS_METRICS
         for key in keys:
             assert m1[key] == pytest.approx(m2[key], rel=1e-6, abs=1e-9), key
     assert abs(m1["actor/mismatch_kl"]) > 1e-3  # the behaviour log-probs are random: the figure is not trivially 0
+
+
+@pytest.mark.parametrize("options, left_out", [
+    (dict(micro_batch_size=4, use_kl_loss=True, kl_penalty="low_var_kl"), True),  # fused, reference pass too
+    (dict(micro_batch_size=4, ppo_mini_batch_size=2, ppo_epochs=2, entropy_coef=0.01), True),  # separate passes
+    (dict(max_tokens_per_micro_batch=40, pack_sequences=True, use_kl_loss=True, kl_penalty="k3"), True),
+    (dict(micro_batch_size=4, mask_truncated=False), False),  # cut answers are trained: every row goes through
+    (dict(adv_estimator="gae", micro_batch_size=4), False),  # the critic trains on every response
+])
+def test_rows_without_a_loss_token_leave_the_training_forwards(model_dir, monkeypatch, options, left_out):
+    """``mask_truncated``: an answer cut at the length limit adds nothing to the actor's loss or its denominators, so
+    its row skips the training forwards (and a fused step's reference forward): the same parameters to 1e-9 over
+    two steps, with fewer tokens through the forwards. Kept where a critic trains on it or where it is trained."""
+    from asyncppo.learner import ppo
+
+    options = dict(dict(adv_estimator="grpo", mask_truncated=True), **options)
+    skipping, every_row = _updater(_cfg(**options), model_dir), _updater(_cfg(**options), model_dir)
+    real = ppo.trained_rows
+    for seed in (31, 32):
+        groups = _groups(seed=seed)
+        cut = sum(s.finish_reason == "length" for g in groups for s in g.samples)
+        assert 0 < cut < sum(len(g.samples) for g in groups)  # the batch has cut answers and finished ones
+        m1 = skipping.step(collate_groups(groups, pad_token_id=0))
+        tokens1 = sum(real_tokens for _, real_tokens in skipping._footprints)
+        monkeypatch.setattr(ppo, "trained_rows", lambda *a: None)  # every row through every forward
+        m2 = every_row.step(collate_groups(_groups(seed=seed), pad_token_id=0))
+        tokens2 = sum(real_tokens for _, real_tokens in every_row._footprints)
+        monkeypatch.setattr(ppo, "trained_rows", real)
+        torch.testing.assert_close(_params(skipping.actor), _params(every_row.actor), rtol=1e-9, atol=1e-10)
+        # the loss terms (summed over other micro-batches: float32 summation order); ratio-type figures such as
+        # approx_kl are means weighted by each micro-batch's response tokens, which other micro-batches change
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss"):
+            if key in m2:
+                assert m1[key] == pytest.approx(m2[key], rel=1e-5, abs=1e-8), key
+        assert m1["actor/untrained_rows"] == (cut if left_out else 0) and m2["actor/untrained_rows"] == 0
+        assert (tokens1 < tokens2) == left_out
 
 
 @pytest.mark.parametrize("options", [
