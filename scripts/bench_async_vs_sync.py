@@ -45,6 +45,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     """One launch in ``MODES[mode or label]``, its run directory ``root/label``. A mode may carry overrides of its
     own after ``+`` (``async-cont-lookahead+rollout.sync_every=2``): that launch only gets them."""
     base, *extra = (mode or label).split("+")
+    schedule = schedule_overrides(base, args.staleness, args.lookahead)
     out = os.path.join(root, re.sub(r"[^A-Za-z0-9_.-]+", "_", label))  # a Hydra value: no '=', '+' or '/'
     cmd = [
         sys.executable, "-m", "asyncppo", "launch", *args.preset,
@@ -55,7 +56,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         # no point-0 evaluation unless asked: its round holds the engine at version 0 while the learner waits for
         # its first push, a one-time stall the limit does not include (docs/benchmarks.md); the final one is untimed
         f"trainer.eval_at_start={'true' if args.eval_at_start else 'false'}",
-        *schedule_overrides(base, args.staleness, args.lookahead),
+        *schedule,
         *(["trainer.save_trained_groups=true"] if getattr(args, "replay", False) else []),
         *args.overrides,
         *extra,  # the mode's own overrides, after the shared ones (they win)
@@ -83,7 +84,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
     return {
         "label": label,
         "run_dir": out,
-        "mode_overrides": [*schedule_overrides(base, args.staleness, args.lookahead), *extra],
+        "mode_overrides": [*schedule, *extra],  # what the learner alone needs to build this launch's learner
         "wall_s": wall,
         "load": load,
         "train_s": train_s,

@@ -306,30 +306,36 @@ def shard_rows(batch: TrainBatch, rank: int, world_size: int) -> TrainBatch:
     Groups are taken in order of their ``group_index``; a rank gets an empty batch when there are fewer groups
     than ranks. The shards of all ranks cover every row exactly once.
     """
-    rows, groups = _shard_row_index(batch, rank, world_size)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"shard_rows: rank={rank} must be in [0, world_size={world_size})")
+    return _take_shard(batch, *_shard_row_indices(batch, world_size)[rank])
+
+
+def _shard_row_indices(batch: TrainBatch, world_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's ``(rows of batch its shard holds, ascending; their groups renumbered 0..k-1)``, in rank order
+    (see :func:`shard_rows`)."""
+    _, inverse, counts = torch.unique(batch.group_index.cpu(), sorted=True, return_inverse=True, return_counts=True)
+    indices = []
+    for start, end in _balanced_bounds(counts.tolist(), world_size):
+        rows = torch.nonzero((inverse >= start) & (inverse < end), as_tuple=False).squeeze(1)
+        indices.append((rows, inverse[rows] - start))
+    return indices
+
+
+def _take_shard(batch: TrainBatch, rows: torch.Tensor, groups: torch.Tensor) -> TrainBatch:
     shard = batch.select(rows.to(batch.group_index.device))
     shard.group_index = groups.to(batch.group_index.device)
     return shard
 
 
-def _shard_row_index(batch: TrainBatch, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(the rows of batch that rank's shard holds, ascending; their groups renumbered 0..k-1)``
-    (see :func:`shard_rows`)."""
-    if not 0 <= rank < world_size:
-        raise ValueError(f"shard_rows: rank={rank} must be in [0, world_size={world_size})")
-    _, inverse, counts = torch.unique(batch.group_index.cpu(), sorted=True, return_inverse=True, return_counts=True)
-    start, end = _balanced_bounds(counts.tolist(), world_size)[rank]
-    rows = torch.nonzero((inverse >= start) & (inverse < end), as_tuple=False).squeeze(1)
-    return rows, inverse[rows] - start
+def _micro_batch_count(shard: TrainBatch, micro_batch_size: int, max_tokens: int) -> int:
+    return len(micro_batch_rows(shard, micro_batch_size, max_tokens)) if shard.size else 0
 
 
 def micro_batch_counts(mini: TrainBatch, world_size: int, micro_batch_size: int, max_tokens: int) -> list[int]:
     """Micro-batches each rank will run on its :func:`shard_rows` slice of the global ``mini`` (no communication)."""
-    counts = []
-    for r in range(world_size):
-        shard = shard_rows(mini, r, world_size)
-        counts.append(len(micro_batch_rows(shard, micro_batch_size, max_tokens)) if shard.size else 0)
-    return counts
+    return [_micro_batch_count(_take_shard(mini, *index), micro_batch_size, max_tokens)
+            for index in _shard_row_indices(mini, world_size)]
 
 
 def all_gather_rows(local: torch.Tensor, pad_value: float = 0) -> torch.Tensor:
@@ -403,18 +409,20 @@ class ShardedPPOUpdate(PPOUpdate):
         of the whole mini-batch on every rank: each rank's shard's, gathered and put back in the mini-batch's row
         order, so the correction's batch figures are the same everywhere."""
         assert first_pass is None, "a sharded step makes no single pass (learner/passes.py: single_pass)"
-        counts = micro_batch_counts(mini, self.world_size, self.alg.micro_batch_size,
-                                    self.alg.max_tokens_per_micro_batch)
+        indices = _shard_row_indices(mini, self.world_size)  # every rank's shard, from one pass over the groups
+        shards = [_take_shard(mini, *index) for index in indices]
+        counts = [_micro_batch_count(shard, self.alg.micro_batch_size, self.alg.max_tokens_per_micro_batch)
+                  for shard in shards]
         if len(set(counts)) != 1:
             raise ValueError(
                 f"learner ranks would run different numbers of micro-batches {counts} on a mini-batch of "
                 f"{mini.size} rows: FSDP would deadlock. Use ppo_mini_batch_size divisible by the learner "
                 f"ranks with equal group sizes, and micro_batch_size (not max_tokens_per_micro_batch)"
             )
-        proximal = super()._update_mini_batch(shard_rows(mini, self.rank, self.world_size), means, fused=fused)
+        proximal = super()._update_mini_batch(shards[self.rank], means, fused=fused)
         if not fused:
             return None
-        order = torch.cat([_shard_row_index(mini, r, self.world_size)[0] for r in range(self.world_size)])
+        order = torch.cat([rows for rows, _ in indices])
         gathered = all_gather_rows(proximal)
         full = torch.zeros((mini.size, mini.response_len), dtype=gathered.dtype, device=gathered.device)
         full[order.to(gathered.device), : gathered.shape[1]] = gathered
