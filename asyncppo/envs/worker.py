@@ -41,7 +41,7 @@ log = logging.getLogger("asyncppo.envs")
 class EnvWorker(WorkerSkeleton):
     role = "env worker"
 
-    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints | None,
                  device: str = "cpu", incarnation: int = 0):
         # incarnation: a replacement of a worker that died (launch/supervise.py) names its group and segments by it
         super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)

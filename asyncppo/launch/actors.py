@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 
 import ray
 from omegaconf import OmegaConf
@@ -79,15 +81,13 @@ class LearnerActor:
         return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 
 
-# Two threads: run() in one, and beside it the launcher's control ping (heartbeat, launch/hang.py; a stopped or
-# wedged process answers nothing, which is what the ping detects) or a restarted learner's endpoints (reconnect).
-@ray.remote(max_restarts=0, max_concurrency=2)
+# Three threads: prepare() (the engine, built while the learner starts) and run() in two, and beside them the
+# launcher's control ping (heartbeat, launch/hang.py; a stopped or wedged process answers nothing, which is what the
+# ping detects) or a restarted learner's endpoints (reconnect).
+@ray.remote(max_restarts=0, max_concurrency=3)
 class RolloutActor:
-    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str,
-                 incarnation: int = 0, position=None):
+    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, model_path: str, incarnation: int = 0):
         # torch and the engine stack are imported in the actor's process only, never in the launcher
-        import torch  # heavy: torch
-
         if cfg_dict["env"].get("text_env"):  # multi-turn episodes (docs/environments.md)
             from asyncppo.envs.episode_worker import EpisodeRolloutWorker as RolloutWorker  # heavy: the engines
         else:
@@ -95,12 +95,45 @@ class RolloutActor:
 
         redirect_output(cfg_dict["trainer"]["output_dir"], f"worker-{worker_id}")  # a replacement appends
         logging.basicConfig(level=logging.WARNING)
+        self._threads()
+        self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, None, model_path,
+                                    incarnation=incarnation)
+        self._prepared = threading.Lock()  # held while the engine is built: run() waits for it
+        self._prepare_error: BaseException | None = None
+        self._prepare_started: float | None = None
+
+    @staticmethod
+    def _threads() -> None:
+        """Pinning and torch's thread count, set in every thread that builds or steps the engine: Ray runs each call
+        of a threaded actor on one of its pool threads, and both settings are per thread."""
+        import torch  # heavy: torch
+
         pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
         torch.set_num_threads(1)
-        self.worker = RolloutWorker(_config(cfg_dict), worker_id, num_workers, endpoints, model_path,
-                                    incarnation=incarnation, position=position)
 
-    def run(self) -> dict:
+    def prepare(self) -> None:
+        """Build the engine now, while the learner starts (launch/start.py); a failure is raised by run()."""
+        with self._prepared:
+            if self._prepare_started is not None:
+                return
+            self._prepare_started = time.time()
+            self._threads()
+            try:
+                self.worker.prepare()
+            except BaseException as exc:  # noqa: BLE001 - handed to run(), which the launcher waits on
+                self._prepare_error = exc
+
+    def run(self, endpoints, position=None) -> dict:
+        """``endpoints``: the learner's addresses; ``position``: where this worker's draws resume."""
+        asked = time.time()
+        self.prepare()  # waits for a prepare() under way; builds the engine now if none was asked for
+        if self._prepare_error is not None:
+            raise self._prepare_error
+        if self._prepare_started < asked - 0.5:
+            print(f"[asyncppo] rollout worker {self.worker.worker_id}: engine build started "
+                  f"{asked - self._prepare_started:.1f}s before the learner's addresses came", flush=True)
+        self._threads()
+        self.worker.attach(endpoints, position)
         return self.worker.run()
 
     def reconnect(self, endpoints, position=None) -> None:

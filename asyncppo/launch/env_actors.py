@@ -51,8 +51,7 @@ class EnvLearnerActor:
 # Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() steps the env.
 @ray.remote(max_restarts=0, max_concurrency=2)
 class EnvRolloutActor:
-    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, endpoints, model_path: str = "",
-                 incarnation: int = 0, position=None):
+    def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, model_path: str = "", incarnation: int = 0):
         # torch and gymnasium are imported in the actor's process only, never in the launcher
         import torch  # heavy: torch
 
@@ -64,10 +63,14 @@ class EnvRolloutActor:
         torch.set_num_threads(1)
         cfg = _config(cfg_dict)
         device = "cuda" if cfg.cluster.rollout_gpus > 0 and torch.cuda.is_available() else "cpu"
-        # position: env workers draw no dataset, so a replacement only needs its incarnation
-        self.worker = EnvWorker(cfg, worker_id, num_workers, endpoints, device=device, incarnation=incarnation)
+        self.worker = EnvWorker(cfg, worker_id, num_workers, None, device=device, incarnation=incarnation)
 
-    def run(self) -> dict:
+    def prepare(self) -> None:
+        """Nothing slow to build before the learner is up: the env and its small policy start in run()."""
+
+    def run(self, endpoints, position=None) -> dict:
+        # position: env workers draw no dataset, so a replacement only needs its incarnation
+        self.worker.attach(endpoints)
         return self.worker.run()
 
     def reconnect(self, endpoints, position=None) -> None:

@@ -4,7 +4,8 @@ Order: reserve one bundle per role (learner ranks first, then one per rollout en
 rank 0 binds the stream, control and admission sockets and decides where to listen from the node Ray placed it on
 (launch/addresses.py); every other bundle's node is checked to reach those addresses (else the launch fails at
 once, not after ``cluster.timeout_s``); ``<run_dir>/placement.json`` records it all; then the rollout workers start
-with those addresses. Nothing here waits for the run: that is launch/supervise.py.
+with those addresses (their actors were created first and have been building their engines meanwhile). Nothing here
+waits for the run: that is launch/supervise.py.
 
 Importing this module imports Ray: launch/runner.py does so only after Ray's loopback setting is in the environment.
 """
@@ -105,31 +106,43 @@ class RunActors:
             if role != "learner-0":
                 check_reachable(self.addresses, role, nodes[index], p.timeout_s)
 
-    def start_worker(self, i: int, incarnation: int, position) -> Any:
+    def create_worker(self, i: int, incarnation: int) -> Any:
+        """Rollout worker ``i``'s actor in its bundle, its engine building at once (``prepare``): the learner's
+        addresses are not needed until :meth:`start_worker`."""
+        actor = self._placed(self.rollout_cls, *self.plan.worker_slot(i)).remote(
+            self.cfg_dict, i, self.plan.num_workers, self.plan.worker_model_path, incarnation)
+        actor.prepare.remote()  # its failure is raised by run(), which the launcher waits on
+        self.actors.append(actor)
+        self.workers[i] = actor
+        return actor
+
+    def start_worker(self, i: int, incarnation: int, position, created: Any = None) -> Any:
         """Start rollout worker ``i`` (incarnation ``incarnation``, resuming its prompt sequence at ``position``) in
-        its bundle; returns the ref of its run()."""
+        its bundle, or ``created`` (its actor from :meth:`create_worker`); returns the ref of its run()."""
         p = self.plan
         if incarnation:  # a bundle whose node died may have been re-placed elsewhere
             check_reachable(self.addresses, f"rollout-{i}", bundle_nodes(self.pg)[p.worker_slot(i)[0]], p.timeout_s)
-        actor = self._placed(self.rollout_cls, *p.worker_slot(i)).remote(
-            self.cfg_dict, i, p.num_workers, self.endpoints, p.worker_model_path, incarnation, position)
-        self.actors.append(actor)
-        self.workers[i] = actor
-        ref = actor.run.remote()
+        actor = created if created is not None else self.create_worker(i, incarnation)
+        ref = actor.run.remote(self.endpoints, position)
         self.worker_refs[ref] = i
         return ref
 
     def start(self) -> tuple[Any, list]:
-        """Everything, in order; returns the learner's run() ref and every ref to wait on (learner's first)."""
+        """Everything, in order; returns the learner's run() ref and every ref to wait on (learner's first).
+
+        The rollout actors start before the learner and build their engines while it starts (vLLM's start-up and
+        the learner's model load overlap: ~8 s of a tiny launch's ~30 s on 2 CPU cores, minutes for a large model),
+        except where one device holds both (``--gpus N``: the engine's memory is sized beside the learner's)."""
         p = self.plan
         self.reserve()
+        early = {} if p.shared_devices else {i: self.create_worker(i, 0) for i in range(p.num_workers)}
         self.start_learners()
         self.record_placement()
         master = ray.get(self.learner.group_address.remote()) if p.num_learners > 1 else (None, None)
         positions = ray.get([self.learner.data_position.remote(i) for i in range(p.num_workers)],
                             timeout=p.timeout_s)
         for i in range(p.num_workers):
-            self.start_worker(i, 0, positions[i])
+            self.start_worker(i, 0, positions[i], created=early.get(i))
         learner_ref = self.learner.run.remote(*master)
         follower_refs = [f.run.remote(*master) for f in self.learners[1:]]
         return learner_ref, [learner_ref, *follower_refs, *self.worker_refs]

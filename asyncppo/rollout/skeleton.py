@@ -13,7 +13,9 @@ The loop is a small state machine, one :meth:`WorkerSkeleton._turn` per pass:
 3. **work** - :meth:`_work`: admit, generate or step, send what is finished, or wait without spinning.
 
 A subclass provides ``_open_workload`` (its engine or env, and what it needs), ``_on_weights_announced`` and
-``_work``; it may add to ``_before_close`` and ``_drop_work``.
+``_work``; it may add to ``_before_close`` and ``_drop_work``, and move into :meth:`WorkerSkeleton.prepare` what
+needs no learner (an inference engine: its imports, weights and warm-up), which a launch then runs while the learner
+starts; :meth:`WorkerSkeleton.attach` hands over the learner's addresses afterwards.
 
 **A restarted learner.** When the learner process dies, the launcher starts a new one from the latest checkpoint
 (launch/learner_restart.py) on new addresses, and hands them to every live worker with the data position the
@@ -50,7 +52,7 @@ class WorkerSkeleton:
 
     role = "worker"  # how errors and logs name this kind of worker ("rollout worker", "env worker")
 
-    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints,
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints | None,
                  incarnation: int = 0):
         self.cfg = cfg
         self.worker_id = worker_id
@@ -73,7 +75,18 @@ class WorkerSkeleton:
         self.progress = 0
 
     # ------------------------------------------------------------------------------------------------------------
+    def prepare(self) -> None:
+        """Build what needs no learner, before its addresses exist (launch/start.py overlaps it with the learner's
+        own start-up). Idempotent: :meth:`run` calls it too. Nothing by default."""
+
+    def attach(self, endpoints: Endpoints, position=None) -> None:
+        """The learner's addresses (and, for a worker that draws prompts, where its draws resume), known once the
+        learner has bound its sockets; before :meth:`run`."""
+        self.endpoints = endpoints
+
     def run(self) -> dict:
+        if self.endpoints is None:
+            raise RuntimeError(f"{self.role} {self.worker_id}: run() before attach(): no learner addresses")
         self._open()
         self.phase = "waiting"
         try:
@@ -165,6 +178,7 @@ class WorkerSkeleton:
 
     # ------------------------------------------------------------------------------------------------------------
     def _open(self) -> None:
+        self.prepare()
         self._open_workload()
         self._open_channels()
 

@@ -68,8 +68,8 @@ class EngineMeter:
 class RolloutWorker(WorkerSkeleton):
     role = "rollout worker"
 
-    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints, model_path: str,
-                 incarnation: int = 0, position: dict | None = None):
+    def __init__(self, cfg: AsyncPPOConfig, worker_id: int, num_workers: int, endpoints: Endpoints | None,
+                 model_path: str, incarnation: int = 0, position: dict | None = None):
         """``incarnation``: how many times the launcher restarted this worker (0: the first process); ``position``:
         where its prompt sequence resumes (data/position.py), from the learner's record of what it trained."""
         super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)
@@ -106,22 +106,35 @@ class RolloutWorker(WorkerSkeleton):
             self._idle()
 
     # ------------------------------------------------------------------------------------------------------------
-    def _open_workload(self) -> None:
-        """The engine, this worker's prompt sequence, the reward function and (with held-out sets: the task's
-        probe, data.eval_files) the evaluation runner and its sender."""
+    def prepare(self) -> None:
+        """The engine, warmed up, and the tokenizer: the slow part of a worker's start (imports, weights, the first
+        step's set-up), which needs no learner; a launch builds it while the learner starts (launch/start.py)."""
+        if getattr(self, "engine", None) is not None:
+            return
         from transformers import AutoTokenizer  # heavy: transformers
 
         cfg, ro = self.cfg, self.cfg.rollout
-        self.engine = worker_engine(cfg, self.model_path, self.worker_id, **self._engine_opts())
-        self.model_engine = self.engine  # what weights load into and evaluation runs on (a subclass may wrap engine)
-        self._closables.append(self.engine)
+        t0 = time.perf_counter()
+        engine = worker_engine(cfg, self.model_path, self.worker_id, **self._engine_opts())
+        self._closables.append(engine)
         # LoRA: pushes carry adapters, merged onto this engine's base weights (sync/adapter.py)
-        self.merger = (AdapterMerger(self.engine, self.model_path, cfg.model.lora_alpha / cfg.model.lora_rank)
+        self.merger = (AdapterMerger(engine, self.model_path, cfg.model.lora_alpha / cfg.model.lora_rank)
                        if cfg.model.lora_rank > 0 else None)
-        tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
-        self.tokenizer = tokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, trust_remote_code=cfg.model.trust_remote_code)
         # before the worker joins the learner: the engine's first-step set-up is start-up, not a training stall
-        self.stats["warm_up_s"] = round(warm_up(self.engine, warm_up_prompt(tokenizer, ro.prompt_length)), 3)
+        self.stats["warm_up_s"] = round(warm_up(engine, warm_up_prompt(self.tokenizer, ro.prompt_length)), 3)
+        self.stats["engine_build_s"] = round(time.perf_counter() - t0, 3)
+        self.engine = engine
+        self.model_engine = engine  # what weights load into and evaluation runs on (a subclass may wrap engine)
+
+    def attach(self, endpoints: Endpoints, position=None) -> None:
+        super().attach(endpoints)
+        self.position = position
+
+    def _open_workload(self) -> None:
+        """This worker's prompt sequence, the reward function and (with held-out sets: the task's probe,
+        data.eval_files) the evaluation runner and its sender, around the engine :meth:`prepare` built."""
+        cfg, ro, tokenizer = self.cfg, self.cfg.rollout, self.tokenizer
         dataset = self._train_dataset(tokenizer).shard(self.worker_id, self.num_workers)
         self._prompts = resume_draws(dataset.iterate(seed=cfg.data.seed + self.worker_id, shuffle=cfg.data.shuffle),
                                      self.position)
@@ -155,7 +168,8 @@ class RolloutWorker(WorkerSkeleton):
                  if self.incarnation else "")
               + f": pid {os.getpid()}, {num_prompts} prompts, dataset {self.stats['dataset']}, "
               f"generation={ro.generation}, inflight_update={ro.inflight_update}, max_num_seqs={ro.max_num_seqs}, "
-              f"admission per {ro.admission_unit}, warm-up {self.stats['warm_up_s']:.2f}s"
+              f"admission per {ro.admission_unit}, engine built in {self.stats['engine_build_s']:.1f}s "
+              f"(warm-up {self.stats['warm_up_s']:.2f}s)"
               + (f", tensor_parallel_size={ro.tensor_parallel_size}" if ro.tensor_parallel_size > 1 else ""),
               flush=True)
 

@@ -262,6 +262,10 @@ def test_synchronous_run_has_zero_lag_and_evaluates_eval_files_on_the_rollout_en
     logs = tmp_path / "run" / "logs"
     assert (logs / "learner.log").stat().st_size > 0 and (logs / "worker-0.log").stat().st_size > 0
     assert "training started" in (logs / "learner.log").read_text()
+    # the rollout actor was created before the learner and built its engine while the learner started
+    early = re.search(r"engine build started ([0-9.]+)s before the learner's addresses came",
+                      (logs / "worker-0.log").read_text())
+    assert early and float(early.group(1)) > 0, (logs / "worker-0.log").read_text()[-2000:]
 
     engine_evals = {r["step"]: r for r in records if "eval/heldout.jsonl/accuracy_greedy" in r}
     assert sorted(engine_evals) == [0, 3, 6], records
