@@ -38,7 +38,9 @@ class LearnerSockets:
         )
         self.control = ControlPublisher(bind_endpoint(host, cl.control_port), curve=curve)
         self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=start_version,
-                                             lookahead=ro.admission_lookahead)  # None: = max_staleness
+                                             lookahead=ro.admission_lookahead,  # None: = max_staleness
+                                             total_slots=max(cfg.trainer.total_steps, start_version)
+                                             * ro.rollout_batch_size)  # nothing past the last step
         room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,

@@ -38,6 +38,12 @@ one while :meth:`AdmissionController.can_defer` says every ticket not yet traine
 granted) still meets its deadline at ``B`` groups per version; a ticket at its deadline is waited for. With
 ``j = k`` (the default) nothing is deferred: ticket order, exactly as without a lookahead.
 
+The run's last slot. A run of ``S`` learner steps trains slots ``0 .. S*B - 1`` and no other: with ``total_slots =
+S*B`` the live count is also capped there (``L < min((j + v + 1) * B, total_slots)``), so the engines never generate
+the ``j`` batches past the last step that nothing would train (they finish the last batches' groups instead, with
+their slots to themselves). A released ticket still frees its slot, so dropped and skipped groups are generated
+again as before. ``None``: no last slot (an open-ended controller, as in the property tests).
+
 Resuming. A run resumed at version ``V`` has already consumed slots ``0 .. V*B - 1`` (in the run that wrote the
 checkpoint). ``start_version=V`` starts the controller as if those slots were granted and consumed: fresh indices
 start at ``V*B`` and the live count at ``V*B``, so at most ``(j + 1) * B`` tickets are in flight at once, exactly as
@@ -64,7 +70,7 @@ class AdmissionController:
     """Thread-safe ticket accounting. Pure logic: no sockets (see :mod:`asyncppo.staleness.server`)."""
 
     def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, start_version: int = 0,
-                 lookahead: int | None = None):
+                 lookahead: int | None = None, total_slots: int | None = None):
         if type(batch_groups) is not int or batch_groups < 1:
             raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
         if type(max_staleness) is not int or max_staleness < 0:
@@ -75,6 +81,10 @@ class AdmissionController:
             lookahead = max_staleness
         if type(lookahead) is not int or not 0 <= lookahead <= max_staleness:
             raise ValueError(f"lookahead must be an int in [0, max_staleness={max_staleness}], got {lookahead!r}")
+        if total_slots is not None and (type(total_slots) is not int or total_slots < start_version * batch_groups):
+            raise ValueError(f"total_slots must be an int >= start_version * batch_groups "
+                             f"({start_version * batch_groups}), got {total_slots!r}")
+        self.total_slots = total_slots  # the run's last slot + 1 (module docstring); None: open-ended
         self.B = batch_groups
         self.k = max_staleness
         self.j = lookahead  # admission window and nominal lag; k stays the hard bound (deadlines)
@@ -125,8 +135,10 @@ class AdmissionController:
         self._changed()
 
     def capacity(self) -> int:
-        """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set)."""
-        return (self.j + self._v + 1) * self.B
+        """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set), and
+        never past the run's last slot."""
+        window = (self.j + self._v + 1) * self.B
+        return window if self.total_slots is None else min(window, self.total_slots)
 
     def window(self) -> int:
         """How many tickets can be in flight at once in steady state: ``(j + 1) * B``."""

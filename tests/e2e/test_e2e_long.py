@@ -37,7 +37,7 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
     are older), answers of 500+ tokens trained rather than dropped, nothing dropped as stale, finite losses, a step whose
     every group scored 0 makes no optimizer step (its gradient is zero: Adam would still move the weights), and
     nothing left behind, and the kept groups (``trainer.save_trained_groups``) are each step's batch: its longest
-    answer and mean reward as the step logged them. The preset's KL anchor is off here: with it, a step whose groups all tie still has the KL
+    answer and mean reward as the step logged them, and no group arrives past the last step's. The preset's KL anchor is off here: with it, a step whose groups all tie still has the KL
     term's gradient, so the zero-gradient check would not apply (the anchor's loss is covered by the unit tests).
     Learning is measured outside the suite: in 40 steps the training reward's rise was +0.072, +0.070, +0.117,
     +0.017 in four runs, too noisy for a test, and the held-out gain needs 100+ steps (docs/benchmarks.md)."""
@@ -60,6 +60,9 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
     assert max(r["response_length/max"] for r in train) >= 500  # long answers are generated and trained
     summary = json.loads((out / "summary.json").read_text())
     assert summary["buffer"]["dropped_stale"] == 0
+    # nothing generated past the last step: every group the stream delivered was trained (without the run's last
+    # slot the engine filled j = 2 more batches that nothing trained)
+    assert summary["buffer"]["put"] == summary["buffer"]["taken"] == 16 * steps, summary["buffer"]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in train), [r["actor/pg_loss"] for r in train]
     for r in train:  # GRPO without entropy or KL terms: equal rewards in every group leave no gradient
         if r["reward/max"] == r["reward/min"]:

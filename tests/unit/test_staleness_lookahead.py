@@ -30,8 +30,8 @@ def _group(ticket: int, versions: list[int]) -> TrajectoryGroup:
     return TrajectoryGroup(f"g{ticket}", 0, np.zeros(2, np.int32), [sample], ticket=ticket)
 
 
-def _pair(B: int, k: int, j: int | None):
-    ctrl = AdmissionController(B, k, lookahead=j)
+def _pair(B: int, k: int, j: int | None, total_slots: int | None = None):
+    ctrl = AdmissionController(B, k, lookahead=j, total_slots=total_slots)
     buf = StalenessBuffer(k, capacity_groups=(k + 2) * B + 64, order=ctrl,
                           on_drop=lambda g: ctrl.release(g.ticket), on_take=lambda g: ctrl.consumed(g.ticket))
     return ctrl, buf
@@ -118,9 +118,10 @@ def test_can_defer_matches_a_brute_force_deadline_check():
 
 
 # ------------------------------------------------------------------------------------------------ property
-def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int) -> dict:
+def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int, capped: bool = False) -> dict:
+    """``capped``: the controller knows the run's last slot (``steps * B``), as a launch's does."""
     rng = random.Random(seed)
-    ctrl, buf = _pair(B, k, j)
+    ctrl, buf = _pair(B, k, j, steps * B if capped else None)
     slots = (k + 1) * B // workers + 2  # engines can hold the whole window: the learner is the slower side
     ws = [{"version": 0, "loads": [], "pending": [], "flights": []} for _ in range(workers)]
     deadlines: dict[int, int] = {}
@@ -195,6 +196,20 @@ def test_out_of_order_consumption_never_trains_past_the_bound(shape):
     # fresher with a smaller lookahead (the point of the option); k = j is today's rule
     assert all(mean_lag[j] < mean_lag[j + 1] for j in range(k)), mean_lag
     assert mean_lag[0] < 0.75 * mean_lag[k], mean_lag
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"k{s[0]}-B{s[1]}-w{s[2]}" for s in SHAPES])
+def test_with_the_runs_last_slot_known_exactly_its_slots_are_granted_and_trained(shape):
+    """Nothing is generated past the last step, the last batches still complete (no deadlock at the end, deferral
+    included), and the bound holds."""
+    k, B, workers = shape
+    steps = 30
+    for j in range(k + 1):
+        for seed in SEEDS[:15]:
+            out = _simulate(seed, k=k, j=j, B=B, workers=workers, steps=steps, capped=True)
+            assert sorted(out["trained"]) == list(range(steps * B)), f"seed {seed} j {j}"
+            assert out["granted"] == steps * B and out["left"] == 0
+            assert max(out["token_lags"]) <= k and out["stats"]["dropped_stale"] == 0
 
 
 def test_a_lookahead_keeps_the_freshness_of_a_small_bound_but_waits_less_for_stragglers():

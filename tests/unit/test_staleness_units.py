@@ -63,6 +63,24 @@ def test_release_regrants_index_with_recomputed_min_version():
     assert s["release_unknown"] == 3
 
 
+def test_no_ticket_past_the_runs_last_slot_and_a_released_one_is_granted_again():
+    """A run of 3 steps of B = 2 trains slots 0..5: the window (k = 2: 6 tickets at v = 0, 8 at v = 1) stops there,
+    and a ticket released near the end (a dropped or skipped group) is still granted again."""
+    B, k, steps = 2, 2, 3
+    c = AdmissionController(B, k, total_slots=steps * B)
+    assert drain(c) == [Ticket(i, 0) for i in range(6)]
+    c.set_version(1)  # the window says 8; the run has 6 slots
+    assert drain(c) == [] and c.stats()["capacity"] == 6
+    assert c.release(5) is True
+    assert c.try_acquire() == Ticket(5, 0) and c.try_acquire() is None  # slot 5 again, min_version 5 // 2 - 2 -> 0
+    c.set_version(3)
+    assert drain(c) == []
+    resumed = AdmissionController(B, k, start_version=2, total_slots=steps * B)  # slots 0..3 trained before
+    assert drain(resumed) == [Ticket(4, 0), Ticket(5, 0)]
+    with pytest.raises(ValueError, match="total_slots"):
+        AdmissionController(B, k, start_version=2, total_slots=3)
+
+
 def test_controller_invariants_under_random_drops():
     rng = np.random.default_rng(0)
     for B, k in [(1, 0), (3, 1), (4, 4)]:
