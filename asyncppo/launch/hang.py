@@ -3,7 +3,7 @@
 A process that died is seen by Ray at once; a process that is stopped (SIGSTOP) or wedged (an engine call that never
 returns) looks alive to Ray forever. So the launcher watches progress itself, from two sides:
 
-* **the worker**: a control ping (``RolloutActor.heartbeat``, a Ray call answered by a second thread of the actor)
+* **the worker**: a control ping (``RolloutActor.heartbeat``, a Ray call answered by another thread of the actor)
   returns the phase the worker's loop is in and a counter of its progress (decode steps, groups sent, weight loads).
   A stopped process answers nothing; a wedged one answers, but its counter stops while it should be generating.
 * **the learner**: a worker that did not take a weight push within ``cluster.push_timeout_s`` was retired from the
