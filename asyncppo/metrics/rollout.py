@@ -98,6 +98,7 @@ class EngineTotals:
         self.steps = 0.0
         self.running_sum = 0.0
         self.inflight_updates = 0
+        self.idle_s = {"ticket": 0.0, "weights": 0.0}  # engine empty, waiting for a ticket / for weights
         self.push_s: list[float] = []
         self.trained_tokens = 0
         self.lengths: list[int] = []
@@ -122,6 +123,9 @@ class EngineTotals:
         for g in groups:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
+        idle = {why: sum(g.timings.get(f"idle_{why}_s", 0.0) for g in groups) for why in self.idle_s}
+        for why, seconds in idle.items():
+            self.idle_s[why] += seconds
         return {
             **episode_metrics(groups),
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
@@ -129,6 +133,9 @@ class EngineTotals:
             "rollout/decode_step_s": busy / steps if steps else 0.0,
             "rollout/running_mean": running / steps if steps else 0.0,
             "rollout/inflight_updates": float(inflight),
+            # seconds the engines sat empty, by what they waited for (reported with the groups that followed)
+            "rollout/idle_ticket_s": idle["ticket"],
+            "rollout/idle_weights_s": idle["weights"],
             "sync/push_s": max(pushes, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
@@ -148,6 +155,8 @@ class EngineTotals:
         return {
             "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
             "inflight_updates": self.inflight_updates,
+            "idle_ticket_s": self.idle_s["ticket"],
+            "idle_weights_s": self.idle_s["weights"],
             "push_s_p50": _percentile(self.push_s, 0.5),
             "push_s_p99": _percentile(self.push_s, 0.99),
             "pushes_measured": len(self.push_s),

@@ -55,13 +55,19 @@ class EngineMeter:
     running_sum: int = 0  # sequences decoding, summed over steps (occupancy = running_sum / steps / max_num_seqs)
     inflight_updates: int = 0  # weight loads that happened with sequences in flight
     push_s: list[float] = field(default_factory=list)  # announcement seen -> weights loaded, per load
+    # the engine empty, by what it waited for: a ticket (admission's window full: the learner is behind), or the
+    # weights a held ticket needs (a push not yet loaded)
+    idle_ticket_s: float = 0.0
+    idle_weights_s: float = 0.0
 
     def take(self) -> dict[str, float]:
         out = {"engine_busy_s": self.busy_s, "decode_steps": float(self.steps),
                "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
                "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
-               "push_s_sum": sum(self.push_s)}
+               "push_s_sum": sum(self.push_s), "idle_ticket_s": self.idle_ticket_s,
+               "idle_weights_s": self.idle_weights_s}
         self.busy_s, self.steps, self.running_sum, self.inflight_updates, self.push_s = 0.0, 0, 0, 0, []
+        self.idle_ticket_s = self.idle_weights_s = 0.0
         return out
 
 
@@ -244,7 +250,12 @@ class RolloutWorker(WorkerSkeleton):
         if want > 0:
             self.admission.request(want)
         # Never wait while the engine has work; an idle engine waits a little for its tickets.
-        self._pending.extend(self.admission.poll_granted(0.0 if self.engine.num_unfinished_seqs() else 0.05))
+        if self.engine.num_unfinished_seqs():
+            self._pending.extend(self.admission.poll_granted(0.0))
+        else:
+            t0, waits_for = time.perf_counter(), self._waits_for()
+            self._pending.extend(self.admission.poll_granted(0.05))
+            self._count_idle(waits_for, t0)
         if ro.generation == "batch":
             while len(self._pending) < room and self.admission.open_requests:
                 more = self.admission.poll_granted(0.05)
@@ -315,13 +326,28 @@ class RolloutWorker(WorkerSkeleton):
         self.phase = phase
 
     def _idle(self) -> None:
-        """Nothing in the engine: wait for newer weights (a ticket needs them) or for tickets, without spinning."""
-        if self._pending and self._pending[0].min_version > self.version:
+        """Nothing in the engine: wait for newer weights (a ticket needs them) or for tickets, without spinning
+        (the seconds are counted by what was waited for: ``rollout/idle_weights_s``, ``rollout/idle_ticket_s``)."""
+        t0, waits_for = time.perf_counter(), self._waits_for()
+        if waits_for == "weights":
             needed = self._pending[0].min_version
             self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 1.0) \
                 or self._state
+            self._count_idle(waits_for, t0)
         elif self.admission.stopped:  # the run is ending: only a stop, or final weights to evaluate, can come
             self._state = self.control.wait_for(lambda st: st.stop or st.weights_version > self.version, 1.0) \
                 or self._state
         elif not self._pending:
             self._pending.extend(self.admission.poll_granted(0.2))
+            self._count_idle(waits_for, t0)
+
+    def _waits_for(self) -> str:
+        """What an empty engine is waiting for: the weights its next ticket needs, or a ticket."""
+        return "weights" if self._pending and self._pending[0].min_version > self.version else "ticket"
+
+    def _count_idle(self, waits_for: str, since: float) -> None:
+        seconds = time.perf_counter() - since
+        if waits_for == "weights":
+            self.meter.idle_weights_s += seconds
+        else:
+            self.meter.idle_ticket_s += seconds

@@ -136,3 +136,57 @@ def test_admission_unit_decides_how_full_the_engine_runs(random_model_dir, unit)
         assert occupancy <= 4 / 6 + 1e-9
     else:
         assert occupancy >= 0.9, occupancy
+
+
+def test_an_empty_engine_counts_its_idle_seconds_by_what_it_waits_for(random_model_dir):
+    """k = 0, B = 2: the worker generates its two groups and then holds no ticket (the window is full until the
+    learner's version moves): ~1 s waiting for a ticket. Then the version moves but the weights the new tickets need
+    are not pushed for ~1 s: waiting for weights. Each wait is reported by the groups sent after it."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = load_config([
+        "rollout.engine=hf", "rollout.rollout_batch_size=2", "rollout.num_return_sequences_in_group=2",
+        "rollout.max_staleness=0", "rollout.max_num_seqs=8", "rollout.response_length=6", "cluster.timeout_s=60",
+    ])
+    receiver = TrajectoryReceiver("tcp://127.0.0.1:0")
+    control = ControlPublisher("tcp://127.0.0.1:0")
+    ctrl = AdmissionController(2, 0)
+    server = AdmissionServer(ctrl, "tcp://127.0.0.1:0")
+    port = find_free_port()
+    ep = Endpoints(receiver.address, control.address, server.address, "127.0.0.1", port, 2, "gloo")
+    worker = RolloutWorker(cfg, 0, 1, ep, random_model_dir)
+    thread = threading.Thread(target=worker.run, daemon=True)
+    thread.start()
+    group = make_sync_group("127.0.0.1", port, rank=0, world_size=2, timeout_s=60)
+    sender = WeightSender(group)
+    model = AutoModelForCausalLM.from_pretrained(random_model_dir, dtype=torch.float32)
+
+    def collect(n: int) -> list:
+        got, end = [], time.monotonic() + 60
+        while len(got) < n and time.monotonic() < end:
+            g = receiver.recv(timeout_ms=100)
+            if g is not None:
+                got.append(g)
+        assert len(got) == n, f"only {len(got)} of {n} groups arrived"
+        return got
+
+    try:
+        control.publish(version=0, weights_version=0)
+        first = collect(2)
+        time.sleep(1.0)  # the engine is empty and the window (k = 0) is full: it waits for a ticket
+        ctrl.set_version(1)  # tickets 2, 3 need weights 1, which are not announced yet
+        control.publish(version=1, weights_version=0)
+        time.sleep(1.0)
+        control.publish(version=1, weights_version=1)
+        sender.push(model.state_dict(), 1)
+        second = collect(2)
+    finally:
+        control.publish(version=1, weights_version=1, stop=True)
+        thread.join(30)
+        for c in (server, control, receiver, group):
+            c.close()
+    assert not thread.is_alive()
+    waited = {why: sum(g.timings[f"idle_{why}_s"] for g in second) for why in ("ticket", "weights")}
+    assert 0.7 < waited["ticket"] < 2.0 and 0.7 < waited["weights"] < 2.0, waited
+    assert sum(g.timings["idle_weights_s"] for g in first) < 0.3  # its weights were there from the start
+    assert {s.version_min for g in second for s in g.samples} == {1}
