@@ -131,7 +131,7 @@ class RunActors:
         """Everything, in order; returns the learner's run() ref and every ref to wait on (learner's first).
 
         The rollout actors start before the learner and build their engines while it starts (vLLM's start-up and
-        the learner's model load overlap: ~8 s of a tiny launch's ~30 s on 2 CPU cores, minutes for a large model),
+        the learner's model load overlap: 11 s of a tiny launch's 36 s on 2 CPU cores, minutes for a large model),
         except where one device holds both (``--gpus N``: the engine's memory is sized beside the learner's)."""
         p = self.plan
         self.reserve()
