@@ -55,19 +55,17 @@ class EngineMeter:
     running_sum: int = 0  # sequences decoding, summed over steps (occupancy = running_sum / steps / max_num_seqs)
     inflight_updates: int = 0  # weight loads that happened with sequences in flight
     push_s: list[float] = field(default_factory=list)  # announcement seen -> weights loaded, per load
-    # the engine empty, by what it waited for: a ticket (admission's window full: the learner is behind), or the
-    # weights a held ticket needs (a push not yet loaded)
-    idle_ticket_s: float = 0.0
-    idle_weights_s: float = 0.0
+    # seconds the engine sat empty, by what it waited for: "ticket" (admission's window full: the learner is
+    # behind) or "weights" (a held ticket needs a push not yet loaded); RolloutWorker._waits_for names it
+    idle_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
 
     def take(self) -> dict[str, float]:
         out = {"engine_busy_s": self.busy_s, "decode_steps": float(self.steps),
                "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
                "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
-               "push_s_sum": sum(self.push_s), "idle_ticket_s": self.idle_ticket_s,
-               "idle_weights_s": self.idle_weights_s}
+               "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()}}
         self.busy_s, self.steps, self.running_sum, self.inflight_updates, self.push_s = 0.0, 0, 0, 0, []
-        self.idle_ticket_s = self.idle_weights_s = 0.0
+        self.idle_s = dict.fromkeys(self.idle_s, 0.0)
         return out
 
 
@@ -346,8 +344,4 @@ class RolloutWorker(WorkerSkeleton):
         return "weights" if self._pending and self._pending[0].min_version > self.version else "ticket"
 
     def _count_idle(self, waits_for: str, since: float) -> None:
-        seconds = time.perf_counter() - since
-        if waits_for == "weights":
-            self.meter.idle_weights_s += seconds
-        else:
-            self.meter.idle_ticket_s += seconds
+        self.meter.idle_s[waits_for] += time.perf_counter() - since
