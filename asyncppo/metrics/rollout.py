@@ -99,6 +99,7 @@ class EngineTotals:
         self.running_sum = 0.0
         self.inflight_updates = 0
         self.idle_s = {"ticket": 0.0, "weights": 0.0}  # engine empty, waiting for a ticket / for weights
+        self.unfilled_s = {"ticket": 0.0, "weights": 0.0}  # engine running with free slots, same causes
         self.push_s: list[float] = []
         self.trained_tokens = 0
         self.lengths: list[int] = []
@@ -124,8 +125,10 @@ class EngineTotals:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
         idle = {why: sum(g.timings.get(f"idle_{why}_s", 0.0) for g in groups) for why in self.idle_s}
-        for why, seconds in idle.items():
-            self.idle_s[why] += seconds
+        unfilled = {why: sum(g.timings.get(f"unfilled_{why}_s", 0.0) for g in groups) for why in self.unfilled_s}
+        for why in self.idle_s:
+            self.idle_s[why] += idle[why]
+            self.unfilled_s[why] += unfilled[why]
         return {
             **episode_metrics(groups),
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
@@ -136,6 +139,9 @@ class EngineTotals:
             # seconds the engines sat empty, by what they waited for (reported with the groups that followed)
             "rollout/idle_ticket_s": idle["ticket"],
             "rollout/idle_weights_s": idle["weights"],
+            # a running engine's free slots in engine seconds (step time x free share of max_num_seqs), same causes
+            "rollout/unfilled_ticket_s": unfilled["ticket"],
+            "rollout/unfilled_weights_s": unfilled["weights"],
             "sync/push_s": max(pushes, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
@@ -157,6 +163,8 @@ class EngineTotals:
             "inflight_updates": self.inflight_updates,
             "idle_ticket_s": self.idle_s["ticket"],
             "idle_weights_s": self.idle_s["weights"],
+            "unfilled_ticket_s": self.unfilled_s["ticket"],
+            "unfilled_weights_s": self.unfilled_s["weights"],
             "push_s_p50": _percentile(self.push_s, 0.5),
             "push_s_p99": _percentile(self.push_s, 0.99),
             "pushes_measured": len(self.push_s),

@@ -58,14 +58,18 @@ class EngineMeter:
     # seconds the engine sat empty, by what it waited for: "ticket" (admission's window full: the learner is
     # behind) or "weights" (a held ticket needs a push not yet loaded); RolloutWorker._waits_for names it
     idle_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
+    # a running engine's free slots, as engine seconds: each continuous step adds its time x the share of
+    # max_num_seqs left free, by the same causes (an engine 3/4 full for 2 s counts 0.5 s)
+    unfilled_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
 
     def take(self) -> dict[str, float]:
         out = {"engine_busy_s": self.busy_s, "decode_steps": float(self.steps),
                "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
                "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
-               "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()}}
+               "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()},
+               **{f"unfilled_{why}_s": sec for why, sec in self.unfilled_s.items()}}
         self.busy_s, self.steps, self.running_sum, self.inflight_updates, self.push_s = 0.0, 0, 0, 0, []
-        self.idle_s = dict.fromkeys(self.idle_s, 0.0)
+        self.idle_s, self.unfilled_s = dict.fromkeys(self.idle_s, 0.0), dict.fromkeys(self.unfilled_s, 0.0)
         return out
 
 
@@ -278,12 +282,16 @@ class RolloutWorker(WorkerSkeleton):
         self.engine.add_group(key, row.prompt_ids, spec)
 
     def _step(self) -> None:
-        running = min(self._occupied(), self.cfg.rollout.max_num_seqs)
+        ro = self.cfg.rollout
+        running = min(self._occupied(), ro.max_num_seqs)
         t0 = time.perf_counter()
         finished = self.engine.step()
-        self.meter.busy_s += time.perf_counter() - t0
+        step_s = time.perf_counter() - t0
+        self.meter.busy_s += step_s
         self.meter.steps += 1
         self.meter.running_sum += running
+        if running < ro.max_num_seqs and ro.generation == "continuous":  # a batch engine is never refilled
+            self.meter.unfilled_s[self._waits_for()] += step_s * (ro.max_num_seqs - running) / ro.max_num_seqs
         self.progress += 1
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now
@@ -340,7 +348,8 @@ class RolloutWorker(WorkerSkeleton):
             self._count_idle(waits_for, t0)
 
     def _waits_for(self) -> str:
-        """What an empty engine is waiting for: the weights its next ticket needs, or a ticket."""
+        """What an empty engine, or a running one's free slots, wait for: the weights the next ticket needs, or a
+        ticket (the admission window is full, or the run's last slot is granted)."""
         return "weights" if self._pending and self._pending[0].min_version > self.version else "ticket"
 
     def _count_idle(self, waits_for: str, since: float) -> None:

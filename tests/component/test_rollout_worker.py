@@ -141,7 +141,11 @@ def test_admission_unit_decides_how_full_the_engine_runs(random_model_dir, unit)
 def test_an_empty_engine_counts_its_idle_seconds_by_what_it_waits_for(random_model_dir):
     """k = 0, B = 2: the worker generates its two groups and then holds no ticket (the window is full until the
     learner's version moves): ~1 s waiting for a ticket. Then the version moves but the weights the new tickets need
-    are not pushed for ~1 s: waiting for weights. Each wait is reported by the groups sent after it."""
+    are not pushed for ~1 s: waiting for weights. Each wait is reported by the groups sent after it.
+
+    The window's 2 groups x 2 samples fill at most 4 of the engine's 8 slots, so every decode step leaves at least
+    half of them free for want of a ticket: the unfilled seconds are between half the engine's step time and all of
+    it, and none are put on the weights (the held tickets' weights were loaded when they started)."""
     from transformers import AutoModelForCausalLM
 
     cfg = load_config([
@@ -189,4 +193,8 @@ def test_an_empty_engine_counts_its_idle_seconds_by_what_it_waits_for(random_mod
     waited = {why: sum(g.timings[f"idle_{why}_s"] for g in second) for why in ("ticket", "weights")}
     assert 0.7 < waited["ticket"] < 2.0 and 0.7 < waited["weights"] < 2.0, waited
     assert sum(g.timings["idle_weights_s"] for g in first) < 0.3  # its weights were there from the start
+    busy = sum(g.timings["engine_busy_s"] for g in first + second)
+    unfilled = sum(g.timings["unfilled_ticket_s"] for g in first + second)
+    assert busy > 0 and 0.5 * busy - 1e-9 <= unfilled <= busy + 1e-9, (unfilled, busy)
+    assert sum(g.timings["unfilled_weights_s"] for g in first + second) == 0.0
     assert {s.version_min for g in second for s in g.samples} == {1}

@@ -14,21 +14,25 @@ def _group(lengths: list[int], **timings: float) -> TrajectoryGroup:
     return TrajectoryGroup(f"g{len(timings)}-{lengths}", 0, np.zeros(2, np.int32), samples, timings=timings)
 
 
-def test_occupancy_step_time_and_idle_seconds_by_hand():
+def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     totals = EngineTotals(max_num_seqs=4)
     a = _group([3, 5], decode_steps=10.0, running_seq_sum=30.0, engine_busy_s=0.5, idle_ticket_s=1.25,
-               idle_weights_s=0.0)
+               idle_weights_s=0.0, unfilled_ticket_s=0.125, unfilled_weights_s=0.0625)
     b = _group([7], decode_steps=6.0, running_seq_sum=18.0, engine_busy_s=0.3, idle_ticket_s=0.0,
                idle_weights_s=0.5, inflight_updates=1.0, push_count=1.0, push_s_max=0.04)
     step = totals.add([a, b])
     assert step["rollout/occupancy"] == 48 / (16 * 4)
     assert step["rollout/decode_step_s"] == 0.8 / 16 and step["rollout/running_mean"] == 3.0
     assert step["rollout/idle_ticket_s"] == 1.25 and step["rollout/idle_weights_s"] == 0.5
+    assert step["rollout/unfilled_ticket_s"] == 0.125 and step["rollout/unfilled_weights_s"] == 0.0625
     assert step["rollout/inflight_updates"] == 1.0 and step["sync/push_s"] == 0.04
     assert step["response_length/max"] == 7.0
     old = _group([2])  # a group from a worker that reports no idle seconds counts as none
-    step2 = totals.add([old, _group([4], decode_steps=4.0, running_seq_sum=16.0, idle_ticket_s=0.25)])
+    step2 = totals.add([old, _group([4], decode_steps=4.0, running_seq_sum=16.0, idle_ticket_s=0.25,
+                                    unfilled_ticket_s=0.25)])
     assert step2["rollout/idle_ticket_s"] == 0.25 and step2["rollout/idle_weights_s"] == 0.0
+    assert step2["rollout/unfilled_ticket_s"] == 0.25 and step2["rollout/unfilled_weights_s"] == 0.0
     summary = totals.summary()
     assert summary["idle_ticket_s"] == 1.5 and summary["idle_weights_s"] == 0.5
+    assert summary["unfilled_ticket_s"] == 0.375 and summary["unfilled_weights_s"] == 0.0625
     assert summary["occupancy"] == 64 / (20 * 4) and summary["trained_tokens"] == 3 + 5 + 7 + 2 + 4
