@@ -37,52 +37,59 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((1000,), float(version)), "b": torch.arange(10, dtype=torch.float64) * version}
 
 
-def _got(out, n: int, timeout: float = 60.0) -> list[tuple]:
-    return sorted(out.get(timeout=timeout) for _ in range(n))
+def _queues(ctx) -> dict:
+    """One report queue per worker. Not one shared queue: its writers share a lock, and a worker stopped or killed
+    between writing a report and releasing that lock would leave the other's next report stuck behind it."""
+    return {w: ctx.Queue() for w in (0, 1)}
 
 
-def _start_two(ctx, fanout: WeightFanout, port: int, out) -> dict:
+def _got(outs: dict, workers, timeout: float = 60.0) -> list[tuple]:
+    return sorted(outs[w].get(timeout=timeout) for w in workers)
+
+
+def _start_two(ctx, fanout: WeightFanout, port: int, outs: dict) -> dict:
     """Workers 0 and 1 (incarnation 0), each receiving 3 versions, joined to ``fanout``."""
     procs = {}
     for w in (0, 1):
         fanout.add(w, 0)
-        procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, out))
+        procs[w] = ctx.Process(target=_receiver, args=(w, 0, port, 3, outs[w]))
         procs[w].start()
-    assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+    assert _got(outs, (0, 1), timeout=120) == [("ready", 0), ("ready", 1)]
     fanout.wait_joined([0, 1])
     return procs
 
 
 def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weights():
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    outs = _queues(ctx)
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
     try:
-        procs.update(_start_two(ctx, fanout, port, out))
+        procs.update(_start_two(ctx, fanout, port, outs))
         fanout.push_async(_weights(1), 1)
         fanout.wait()
-        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        assert _got(outs, (0, 1)) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].join()
         t0 = time.monotonic()
         fanout.push_async(_weights(2), 2)
         fanout.wait()  # the dead member's push fails at once and retires it: no error, no timeout
         assert time.monotonic() - t0 < 30
-        assert _got(out, 1) == [(0, 0, 2, 2.0)]
+        assert _got(outs, (0,)) == [(0, 0, 2, 2.0)]
         assert len(fanout.failures) == 1 and "rollout worker 1 (incarnation 0)" in fanout.failures[0]
         assert not fanout.late and fanout.ready() == [0]
         # the replacement (incarnation 1) joins later and is handed the newest weights first, then later pushes
         fanout.replace(1, 1)
-        procs[1] = ctx.Process(target=_receiver, args=(1, 1, port, 2, out))
+        outs[1] = ctx.Queue()  # the killed member may have died holding its queue's lock
+        procs[1] = ctx.Process(target=_receiver, args=(1, 1, port, 2, outs[1]))
         procs[1].start()
-        assert out.get(timeout=120) == ("ready", 1)
+        assert outs[1].get(timeout=120) == ("ready", 1)
         fanout.wait_joined([1])
-        assert _got(out, 1) == [(1, 1, 2, 2.0)]
+        assert _got(outs, (1,)) == [(1, 1, 2, 2.0)]
         fanout.push_async(_weights(3), 3)
         fanout.wait()
-        assert _got(out, 2) == [(0, 0, 3, 3.0), (1, 1, 3, 3.0)]
+        assert _got(outs, (0, 1)) == [(0, 0, 3, 3.0), (1, 1, 3, 3.0)]
         assert fanout.versions() == {0: 3, 1: 3}
     finally:
         fanout.close()
@@ -94,27 +101,27 @@ def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weig
 
 def test_a_member_that_does_not_take_a_push_is_named_within_the_timeout():
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    outs = _queues(ctx)
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=5)
     procs = []
     try:
         for w, hang in ((0, False), (1, True)):  # worker 1 takes version 1, then stops taking anything
-            procs.append(ctx.Process(target=_receiver, args=(w, 0, port, 2, out, hang)))
+            procs.append(ctx.Process(target=_receiver, args=(w, 0, port, 2, outs[w], hang)))
             procs[-1].start()
-        assert sorted(out.get(timeout=120) for _ in procs) == [("ready", 0), ("ready", 1)]
+        assert _got(outs, (0, 1), timeout=120) == [("ready", 0), ("ready", 1)]
         for w in (0, 1):
             fanout.add(w, 0)
         fanout.wait_joined([0, 1], timeout_s=60)
         fanout.push_async(_weights(1), 1)
         fanout.wait()
-        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        assert _got(outs, (0, 1)) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
         fanout.push_async(_weights(2), 2)
         t0 = time.monotonic()
         with pytest.raises(SyncGroupError, match=r"rollout worker.* 1 .*cluster.timeout_s"):
             fanout.wait()
         assert 4 < time.monotonic() - t0 < 20
-        assert _got(out, 1) == [(0, 0, 2, 2.0)]  # the prompt member was served meanwhile
+        assert _got(outs, (0,)) == [(0, 0, 2, 2.0)]  # the prompt member was served meanwhile
     finally:
         fanout.close()
         for p in procs:
@@ -127,20 +134,20 @@ def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_
     broadcast to the stopped process blocks. ``retire_late`` retires that member at the push deadline and names it;
     the other member loaded the new weights meanwhile, and nothing waits for the group timeout (60 s here)."""
     ctx = mp.get_context("spawn")
-    out = ctx.Queue()
+    outs = _queues(ctx)
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
     big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
     try:
-        procs.update(_start_two(ctx, fanout, port, out))
+        procs.update(_start_two(ctx, fanout, port, outs))
         fanout.push_async(big(1), 1)
         assert fanout.retire_late(30) == []  # both took version 1 within the deadline
-        assert _got(out, 2) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        assert _got(outs, (0, 1)) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
         os.kill(procs[1].pid, signal.SIGSTOP)
         t0 = time.monotonic()
         fanout.push_async(big(2), 2)
-        assert out.get(timeout=30) == (0, 0, 2, 2.0)  # the running member loaded version 2 ...
+        assert outs[0].get(timeout=30) == (0, 0, 2, 2.0)  # the running member loaded version 2 ...
         served = time.monotonic() - t0
         retired = fanout.retire_late(5)  # ... and the stopped one is cut off at the deadline, not the timeout
         waited = time.monotonic() - t0
@@ -151,7 +158,7 @@ def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_
         assert [(w, g) for w, g, _ in fanout.hung] == [(1, 0)]
         assert fanout.ready() == [0] and fanout.versions() == {0: 2}
         fanout.push_async(big(3), 3)  # later pushes go to the live member alone, without waiting
-        assert fanout.retire_late(30) == [] and out.get(timeout=30) == (0, 0, 3, 3.0)
+        assert fanout.retire_late(30) == [] and outs[0].get(timeout=30) == (0, 0, 3, 3.0)
     finally:
         fanout.close()
         for p in procs.values():
