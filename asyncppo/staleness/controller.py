@@ -117,6 +117,7 @@ class AdmissionController:
         self.released = 0
         self.release_unknown = 0  # release() of an index that was not outstanding: refused, counted
         self.consumed_count = 0
+        self.granted_past_window = 0  # fill: grants past the j window while the learner waited
         self.stopped = False
         self._listeners: list[Callable[[], None]] = []  # told after every change that may free a ticket
 
@@ -186,6 +187,7 @@ class AdmissionController:
             # past the j window (fill, while the learner waits) takes the bound's own rule: lag k, deadline its slot
             slot_version = max(live // self.B, index // self.B)
             nominal = slot_version - self.j if slot_version - self.j <= self._v else slot_version - self.k
+            self.granted_past_window += slot_version - self.j > self._v
             self._deadline[index] = nominal + self.k  # unclamped: with j = k exactly the slot's version
             return Ticket(index=index, min_version=max(0, nominal))
 
@@ -298,4 +300,5 @@ class AdmissionController:
                 "version": self._v,
                 "lookahead": self.j,
                 "fill": int(self.fill),
+                "granted_past_window": self.granted_past_window,
             }

@@ -115,7 +115,7 @@ def test_fill_widens_the_window_to_k_only_while_the_learner_waits_by_hand():
     c.learner_waiting(True)  # slots 10..13: 10, 11 inside (5 - 1 > 3? no: 4 <= 3 is false) -> past the window
     assert _drain(c) == [Ticket(10, 2), Ticket(11, 2), Ticket(12, 3), Ticket(13, 3)]
     assert [c.deadline_of(i) for i in range(10, 14)] == [5, 5, 6, 6]  # each its slot's version
-    assert c.stats()["fill"] == 1
+    assert c.stats()["fill"] == 1 and c.stats()["granted_past_window"] == 8  # slots 4..7 and 10..13
     # with j = k there is no narrower window: fill does nothing
     assert AdmissionController(2, 3, fill=True).stats()["fill"] == 0
 
