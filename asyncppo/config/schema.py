@@ -136,10 +136,6 @@ class RolloutConfig:
     # admission window j <= max_staleness: tickets are granted j versions ahead (nominal lag <= j); a straggler may be
     # trained later, up to max_staleness, while the learner trains fresher groups (docs/staleness.md). null: = k
     admission_lookahead: Optional[int] = None
-    # while the learner waits for a batch, grant past the j window up to max_staleness (lag up to k, deadline at the
-    # slot): a group holds its ticket until its last answer ends, so a window of mostly finished groups leaves slots
-    # free (docs/staleness.md, "Filling the engines while the learner waits"); needs admission_lookahead < k
-    admission_fill: bool = False
     sync_every: int = 1
     # skip a due push while the previous one is still being taken, if the weights already pushed serve the next
     # batch (pushed >= version - max_staleness); the newest weights go out once it is done (docs/staleness.md)

@@ -42,10 +42,6 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("rollout.admission_lookahead", r.admission_lookahead,
                 f"must be null (= rollout.max_staleness) or in [0, rollout.max_staleness={r.max_staleness}]: "
                 "tickets granted further ahead than the bound could not be trained within it")
-    if r.admission_fill and (r.admission_lookahead is None or r.admission_lookahead >= r.max_staleness):
-        c.error("rollout.admission_fill", r.admission_fill,
-                "needs rollout.admission_lookahead < rollout.max_staleness: it widens the lookahead's window to the "
-                "bound while the learner waits, and with j = k there is nothing to widen")
     if r.sync_every < 1:
         c.error("rollout.sync_every", r.sync_every, "must be >= 1 (learner steps between weight pushes)")
     elif r.max_staleness >= 0 and r.max_staleness < r.sync_every - 1:

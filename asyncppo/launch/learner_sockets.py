@@ -39,7 +39,6 @@ class LearnerSockets:
         self.control = ControlPublisher(bind_endpoint(host, cl.control_port), curve=curve)
         self.admission = AdmissionController(ro.rollout_batch_size, ro.max_staleness, start_version=start_version,
                                              lookahead=ro.admission_lookahead,  # None: = max_staleness
-                                             fill=ro.admission_fill,
                                              total_slots=max(cfg.trainer.total_steps, start_version)
                                              * ro.rollout_batch_size)  # nothing past the last step
         room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks

@@ -24,10 +24,6 @@ says every ticket not yet trained still meets its deadline (:meth:`AdmissionCont
 its deadline is waited for, as before. So a straggler with slack no longer stalls the learner, and it is still
 trained with lag ``<= k``. ``deferred`` counts the groups trained ahead of a missing lower ticket.
 
-With ``rollout.admission_fill`` the controller also grants past the ``j`` window while the learner waits; such a
-grant has a later index but an earlier deadline, so "lowest" means earliest deadline first (the controller's
-:meth:`~AdmissionController.next_due`), and every ``take`` tells the controller whether the learner is left waiting.
-
 Why no per-sample objects: everything the buffer asks of a record (sample count, per-sample lengths and versions,
 token count) is answered from its columns (:meth:`TrajectoryGroup.sample_lengths` and friends), so a group that
 arrived columnar stays columnar on its way to the batch. An embodied segment answers the same questions.
@@ -53,13 +49,11 @@ class BufferClosed(RuntimeError):
 class TicketOrder(Protocol):
     """What ticket-ordered consumption needs from the admission controller."""
 
-    def next_due(self, n: int, among=None) -> list[int]: ...
+    def lowest_outstanding(self, n: int) -> list[int]: ...
 
     def is_outstanding(self, index: int) -> bool: ...
 
     def can_defer(self, take: list[int], version: int) -> bool: ...
-
-    def learner_waiting(self, waiting: bool) -> None: ...
 
 
 #: Drops are counted per bucket of the group's longest response, as a fraction of ``response_length``.
@@ -155,7 +149,7 @@ class StalenessBuffer:
 
     def take(self, n_groups: int, learner_version: int, timeout_s: Optional[float] = None) -> list[TrajectoryGroup]:
         """Hand out the next ``n_groups`` groups whose lag at ``learner_version`` is ``<= k`` (the oldest arrivals,
-        or in ordered mode the ``n_groups`` outstanding tickets due first), dropping every stale one met on
+        or in ordered mode exactly the ``n_groups`` lowest outstanding tickets), dropping every stale one met on
         the way. Waits for the whole batch; on timeout (or close) returns ``[]`` and keeps what
         is buffered, so a caller can retry without losing anything."""
         if n_groups < 1 or n_groups > self.capacity:
@@ -167,8 +161,6 @@ class StalenessBuffer:
             while True:
                 dropped += self._drop_stale_locked(learner_version)
                 out = self._pop_batch_locked(n_groups, learner_version)
-                if self.order is not None:  # the learner waits while its batch is incomplete (admission_fill)
-                    self.order.learner_waiting(not out)
                 if out:
                     self.taken += n_groups
                     self._record_lags(out, learner_version)
@@ -189,17 +181,17 @@ class StalenessBuffer:
         return out
 
     def _pop_batch_locked(self, n: int, learner_version: int) -> list[TrajectoryGroup]:
-        """The next batch if it is complete, else [] (nothing removed). Ordered mode: the ``n`` outstanding tickets
-        due first (lowest index; earliest deadline with fill), or, if some of them are missing, the ``n`` arrived
-        ones due first when the order lets the missing ones wait (their deadlines still hold)."""
+        """The next batch if it is complete, else [] (nothing removed). Ordered mode: the ``n`` lowest outstanding
+        tickets, or, if some of them are missing, the ``n`` lowest arrived ones when the order lets the missing
+        ones wait (their deadlines still hold)."""
         if self.order is None:
             return [self._q.popleft() for _ in range(n)] if len(self._q) >= n else []
-        want = self.order.next_due(n)
+        want = self.order.lowest_outstanding(n)
         if len(want) < n:
             return []
         by_ticket = {g.ticket: g for g in self._q}
         if not all(t in by_ticket for t in want):
-            arrived = self.order.next_due(n, among=by_ticket)
+            arrived = [t for t in sorted(by_ticket) if self.order.is_outstanding(t)][:n]
             if len(arrived) < n or not self.order.can_defer(arrived, learner_version):
                 return []
             self.deferred += sum(1 for t in arrived if t not in want)
@@ -214,7 +206,7 @@ class StalenessBuffer:
             return []
         with self._cv:
             have = {g.ticket for g in self._q}
-            return [t for t in self.order.next_due(n) if t not in have]
+            return [t for t in self.order.lowest_outstanding(n) if t not in have]
 
     def _record_lags(self, groups: list[TrajectoryGroup], v: int) -> None:
         self._last_lags = [v - m for g in groups for m in g.sample_version_mins()]

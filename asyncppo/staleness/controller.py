@@ -38,20 +38,6 @@ one while :meth:`AdmissionController.can_defer` says every ticket not yet traine
 granted) still meets its deadline at ``B`` groups per version; a ticket at its deadline is waited for. With
 ``j = k`` (the default) nothing is deferred: ticket order, exactly as without a lookahead.
 
-Filling the engines while the learner waits (``fill``, ``rollout.admission_fill``). A ticket is a whole group, and
-a group holds it until its last sample ends: on a long-tailed task the window fills with groups that are mostly
-done (seven answers finished, one long working left), and the engines decode with free slots and nothing to put in
-them while the learner waits for that working (docs/benchmarks.md, "A running engine's free slots"). With ``fill``
-the window widens from ``j`` to ``k`` *while the learner waits for a batch* (:meth:`learner_waiting`), and only
-then, and the learner trains the outstanding tickets earliest deadline first (:meth:`next_due`). A grant for slot ``p`` past the ``j`` window (``p // B - j > v``) follows the rule of the bound itself:
-``min_version = p // B - k`` (``<= v``, since ``L < (k + v + 1) * B``: weights the engines hold or will soon) and
-its deadline is its slot's version ``p // B``: it is trained at its slot or earlier, with lag ``<= k``, and with
-none of the ``k - j`` slack a grant inside the window has. Grants inside the ``j`` window are unchanged. A slot
-``s`` not yet granted may therefore get either deadline: ``s // B - j + k`` if it is inside the window at the
-current version (it stays inside as the version grows), else possibly ``s // B``; :meth:`can_defer` counts the
-future grants by that lower bound, so deferral never leaves a later grant unable to meet its deadline. While the
-learner trains, the window is ``j`` as before: on the side that is already ahead, nothing changes.
-
 The run's last slot. A run of ``S`` learner steps trains slots ``0 .. S*B - 1`` and no other: with ``total_slots =
 S*B`` the live count is also capped there (``L < min((j + v + 1) * B, total_slots)``), so the engines never generate
 the ``j`` batches past the last step that nothing would train (they finish the last batches' groups instead, with
@@ -84,7 +70,7 @@ class AdmissionController:
     """Thread-safe ticket accounting. Pure logic: no sockets (see :mod:`asyncppo.staleness.server`)."""
 
     def __init__(self, batch_groups: int, max_staleness: int, version: int = 0, start_version: int = 0,
-                 lookahead: int | None = None, total_slots: int | None = None, fill: bool = False):
+                 lookahead: int | None = None, total_slots: int | None = None):
         if type(batch_groups) is not int or batch_groups < 1:
             raise ValueError(f"batch_groups must be an int >= 1, got {batch_groups!r}")
         if type(max_staleness) is not int or max_staleness < 0:
@@ -102,8 +88,6 @@ class AdmissionController:
         self.B = batch_groups
         self.k = max_staleness
         self.j = lookahead  # admission window and nominal lag; k stays the hard bound (deadlines)
-        self.fill = bool(fill) and lookahead < max_staleness  # widen to k while the learner waits (docstring)
-        self._waiting = False  # the learner is waiting for a batch (learner_waiting)
         self.start_version = start_version
         self._v = max(version, start_version)
         self._lock = threading.Lock()
@@ -117,7 +101,6 @@ class AdmissionController:
         self.released = 0
         self.release_unknown = 0  # release() of an index that was not outstanding: refused, counted
         self.consumed_count = 0
-        self.granted_past_window = 0  # fill: grants past the j window while the learner waited
         self.stopped = False
         self._listeners: list[Callable[[], None]] = []  # told after every change that may free a ticket
 
@@ -151,19 +134,10 @@ class AdmissionController:
             self.stopped = True
         self._changed()
 
-    def learner_waiting(self, waiting: bool) -> None:
-        """The learner started (True) or stopped (False) waiting for a batch. With ``fill`` the window is ``k`` while
-        it waits; the start of a wait is announced to the listeners (more tickets may be grantable)."""
-        with self._lock:
-            began, self._waiting = waiting and not self._waiting, bool(waiting)
-        if began and self.fill:
-            self._changed()
-
     def capacity(self) -> int:
-        """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set; ``k``
-        while the learner waits, with ``fill``), and never past the run's last slot."""
-        ahead = self.k if self.fill and self._waiting else self.j
-        window = (ahead + self._v + 1) * self.B
+        """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set), and
+        never past the run's last slot."""
+        window = (self.j + self._v + 1) * self.B
         return window if self.total_slots is None else min(window, self.total_slots)
 
     def window(self) -> int:
@@ -183,11 +157,8 @@ class AdmissionController:
             self._outstanding.add(index)
             self._live += 1
             self.granted += 1
-            # slot rule, and never older than the index's own rule (attainable: index < (j + v + 1) * B); a grant
-            # past the j window (fill, while the learner waits) takes the bound's own rule: lag k, deadline its slot
-            slot_version = max(live // self.B, index // self.B)
-            nominal = slot_version - self.j if slot_version - self.j <= self._v else slot_version - self.k
-            self.granted_past_window += slot_version - self.j > self._v
+            # slot rule, and never older than the index's own rule (attainable: index < (j + v + 1) * B)
+            nominal = max(live // self.B, index // self.B) - self.j
             self._deadline[index] = nominal + self.k  # unclamped: with j = k exactly the slot's version
             return Ticket(index=index, min_version=max(0, nominal))
 
@@ -228,15 +199,11 @@ class AdmissionController:
                 del self._deadline[index]
                 self.consumed_count += 1
 
-    def next_due(self, n: int, among: Iterable[int] | None = None) -> list[int]:
-        """The ``n`` outstanding tickets the learner must train next (of ``among`` only, when given): the lowest
-        indices, which are also the earliest deadlines; with ``fill``, earliest deadline first (then index), since
-        a grant past the ``j`` window has a later index but an earlier deadline than the window's own tickets."""
+    def lowest_outstanding(self, n: int) -> list[int]:
+        """The ``n`` smallest outstanding ticket indices, ascending (fewer if fewer are outstanding): the groups
+        the learner must train next when it consumes in ticket order (see :class:`StalenessBuffer`)."""
         with self._lock:
-            pool = self._outstanding if among is None else [i for i in among if i in self._outstanding]
-            if not self.fill:
-                return heapq.nsmallest(n, pool)
-            return heapq.nsmallest(n, pool, key=lambda i: (self._deadline[i], i))
+            return heapq.nsmallest(n, self._outstanding)
 
     def is_outstanding(self, index: int) -> bool:
         with self._lock:
@@ -266,23 +233,12 @@ class AdmissionController:
             rest = sorted(d for i, d in self._deadline.items() if i not in taking)
             B, live = self.B, self._live
             last = rest[-1] if rest else version
-            # far enough that the future grants' deadlines pass the last outstanding one (from there on they grow by
-            # one per B slots, as the batches do)
-            n_future = max(0, (last + 1 + (0 if self.fill else self.j - self.k)) * B - live) + B
-            future = sorted(self.future_deadline(live + m, version) for m in range(n_future))
+            n_future = max(0, (last + 1 + self.j - self.k) * B - live) + B
+            future = ((live + m) // B - self.j + self.k for m in range(n_future))
             for m, deadline in enumerate(heapq.merge(rest, future), start=1):
                 if deadline < version + -(-m // B):
                     return False
             return True
-
-    def future_deadline(self, slot: int, version: int) -> int:
-        """A lower bound on the deadline of a ticket granted later for ``slot``, the learner now at ``version``:
-        ``slot // B - j + k``; with ``fill``, a slot outside the ``j`` window at ``version`` may be granted past it
-        while the learner waits, with the deadline ``slot // B`` (module docstring)."""
-        slot_version = slot // self.B
-        if self.fill and slot_version - self.j > version:
-            return slot_version
-        return slot_version - self.j + self.k
 
     def stats(self) -> dict[str, int]:
         """Counts: granted (re-grants included), released, consumed, live (slots in use), in_flight (granted
@@ -299,6 +255,4 @@ class AdmissionController:
                 "capacity": self.capacity(),
                 "version": self._v,
                 "lookahead": self.j,
-                "fill": int(self.fill),
-                "granted_past_window": self.granted_past_window,
             }

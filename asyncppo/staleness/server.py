@@ -332,9 +332,7 @@ class AdmissionServer:
     def summary(self) -> dict:
         """For summary.json: the ticket rule, grants and busy fraction (:class:`HoldingClock`) per worker."""
         return {"fair_tickets": self.fair_tickets, "granted_by_worker": dict(sorted(self.granted_by_worker.items())),
-                "busy_by_worker": self.holding.busy_fractions(),
-                # rollout.admission_fill: tickets granted past the lookahead's window while the learner waited
-                "granted_past_window": self.controller.granted_past_window}
+                "busy_by_worker": self.holding.busy_fractions()}
 
     @property
     def num_pending(self) -> int:

@@ -9,9 +9,7 @@ stamps every token with ``w_i`` at that tick (``keep`` updates); the learner tak
 trains for a random number of ticks, bumps the version and announces it. Asserted: every trained token's lag is
 ``<= k`` and every group is trained by its deadline; nothing is dropped; every granted ticket is trained once (after
 admission stops, the run drains); with ``j = k`` the consumed order is exactly ticket order; with ``j < k`` the lag
-is lower than with ``j = k`` on the same seeds, and groups are actually trained ahead of stragglers. The same
-property holds with ``fill`` (the window widened to ``k`` while the learner waits), which waits less for batches
-when the engines have room beyond the ``j`` window.
+is lower than with ``j = k`` on the same seeds, and groups are actually trained ahead of stragglers.
 """
 
 from __future__ import annotations
@@ -32,8 +30,8 @@ def _group(ticket: int, versions: list[int]) -> TrajectoryGroup:
     return TrajectoryGroup(f"g{ticket}", 0, np.zeros(2, np.int32), [sample], ticket=ticket)
 
 
-def _pair(B: int, k: int, j: int | None, total_slots: int | None = None, fill: bool = False):
-    ctrl = AdmissionController(B, k, lookahead=j, total_slots=total_slots, fill=fill)
+def _pair(B: int, k: int, j: int | None, total_slots: int | None = None):
+    ctrl = AdmissionController(B, k, lookahead=j, total_slots=total_slots)
     buf = StalenessBuffer(k, capacity_groups=(k + 2) * B + 64, order=ctrl,
                           on_drop=lambda g: ctrl.release(g.ticket), on_take=lambda g: ctrl.consumed(g.ticket))
     return ctrl, buf
@@ -95,43 +93,15 @@ def test_a_missing_ticket_with_slack_is_deferred_and_waited_for_at_its_deadline(
     assert buf.stats()["deferred"] == 2 and buf.stats()["dropped_stale"] == 0
 
 
-def test_fill_widens_the_window_to_k_only_while_the_learner_waits_by_hand():
-    """B=2, k=3, j=1 with fill. A grant past the j window has min_version slot // B - k and its slot's version as
-    deadline; the window is j again once the learner has its batch."""
-    c = AdmissionController(batch_groups=2, max_staleness=3, lookahead=1, fill=True)
-    woken = []
-    c.add_listener(lambda: woken.append(c.capacity()))
-    assert _drain(c) == [Ticket(i, 0) for i in range(4)] and [c.deadline_of(i) for i in range(4)] == [2, 2, 3, 3]
-    c.learner_waiting(True)  # (k + 0 + 1) * 2 = 8 live: slots 4..7 (versions 2, 3) on weights >= 2 - 3, 3 - 3
-    assert woken == [8]
-    c.learner_waiting(True)  # still waiting: nothing new to tell
-    assert woken == [8]
-    assert _drain(c) == [Ticket(i, 0) for i in range(4, 8)] and [c.deadline_of(i) for i in range(4, 8)] == [2, 2, 3, 3]
-    c.learner_waiting(False)
-    c.set_version(1)  # (j + 1 + 1) * 2 = 6 < 8 live: nothing until the window passes them
-    assert c.capacity() == 6 and _drain(c) == []
-    c.set_version(3)  # slots 8, 9: version 4, inside the j window (4 - 1 <= 3): the lookahead's rule
-    assert _drain(c) == [Ticket(8, 3), Ticket(9, 3)] and c.deadline_of(8) == 6
-    c.learner_waiting(True)  # slots 10..13: 10, 11 inside (5 - 1 > 3? no: 4 <= 3 is false) -> past the window
-    assert _drain(c) == [Ticket(10, 2), Ticket(11, 2), Ticket(12, 3), Ticket(13, 3)]
-    assert [c.deadline_of(i) for i in range(10, 14)] == [5, 5, 6, 6]  # each its slot's version
-    assert c.stats()["fill"] == 1 and c.stats()["granted_past_window"] == 8  # slots 4..7 and 10..13
-    # with j = k there is no narrower window: fill does nothing
-    assert AdmissionController(2, 3, fill=True).stats()["fill"] == 0
-
-
 def test_can_defer_matches_a_brute_force_deadline_check():
-    """The finite check (``B`` future grants past the last deadline) equals the same check over a long horizon,
-    with and without fill (whose future grants may get their slot's version as deadline)."""
+    """The finite check (``B`` future grants past the last deadline) equals the same check over a long horizon."""
     rng = random.Random(5)
-    for trial in range(600):
+    for _ in range(300):
         B, k = rng.randint(1, 4), rng.randint(1, 5)
         j = rng.randint(0, k - 1)
-        fill = trial % 2 == 1
-        c = AdmissionController(B, k, lookahead=j, fill=fill)
+        c = AdmissionController(B, k, lookahead=j)
         v = 0
         for _ in range(rng.randint(0, 6)):
-            c.learner_waiting(fill and rng.random() < 0.5)
             for t in _drain(c):
                 if rng.random() < 0.5:
                     c.consumed(t)
@@ -142,19 +112,16 @@ def test_can_defer_matches_a_brute_force_deadline_check():
         take = rng.sample(outstanding, min(len(outstanding), B))
         rest = sorted(c.deadline_of(i) for i in outstanding if i not in take)
         live = c.stats()["live"]
-        future = [(live + m) // B if fill and (live + m) // B - j > v else (live + m) // B - j + k
-                  for m in range(200)]
+        future = [(live + m) // B - j + k for m in range(200)]
         brute = all(d >= v + -(-m // B) for m, d in enumerate(sorted(rest + future)[:150], start=1))
         assert c.can_defer(take, v) == brute, (B, k, j, v, take, outstanding, granted)
 
 
 # ------------------------------------------------------------------------------------------------ property
-def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int, capped: bool = False,
-              fill: bool = False) -> dict:
-    """``capped``: the controller knows the run's last slot (``steps * B``), as a launch's does. ``fill``: the window
-    widens to ``k`` while the learner waits (the buffer tells the controller when a take finds its batch incomplete)."""
+def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int, capped: bool = False) -> dict:
+    """``capped``: the controller knows the run's last slot (``steps * B``), as a launch's does."""
     rng = random.Random(seed)
-    ctrl, buf = _pair(B, k, j, steps * B if capped else None, fill=fill)
+    ctrl, buf = _pair(B, k, j, steps * B if capped else None)
     slots = (k + 1) * B // workers + 2  # engines can hold the whole window: the learner is the slower side
     ws = [{"version": 0, "loads": [], "pending": [], "flights": []} for _ in range(workers)]
     deadlines: dict[int, int] = {}
@@ -253,30 +220,3 @@ def test_a_lookahead_keeps_the_freshness_of_a_small_bound_but_waits_less_for_str
     waited = {k: sum(o["waited"] for o in runs) for k, runs in out.items()}
     assert abs(lag[4] - lag[1]) < 0.1, lag
     assert waited[4] < 0.8 * waited[1], waited
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"k{s[0]}-B{s[1]}-w{s[2]}" for s in SHAPES])
-def test_fill_keeps_the_bound_and_trains_every_slot_once(shape):
-    """With fill, for every j < k: every token within k, every group by its deadline, nothing dropped, every slot of
-    the run granted and trained exactly once, no deadlock at the end."""
-    k, B, workers = shape
-    steps = 30
-    for j in range(k):
-        for seed in SEEDS[:20]:
-            out = _simulate(seed, k=k, j=j, B=B, workers=workers, steps=steps, capped=True, fill=True)
-            assert sorted(out["trained"]) == list(range(steps * B)), f"seed {seed} j {j}"
-            assert out["granted"] == steps * B and out["left"] == 0
-            assert max(out["token_lags"]) <= k and max(out["lags"]) <= k, f"seed {seed} j {j}"
-            assert out["stats"]["dropped_stale"] == 0 and out["stats"]["rejected_ticket"] == 0
-
-
-def test_fill_waits_less_for_batches_than_the_lookahead_alone():
-    """``k = 4, j = 1``: the engines can hold the whole k window, so while the learner waits for a straggler fill
-    lets them work on later batches; the learner then waits on fewer ticks. The price is lag: between j's and k's."""
-    runs = {fill: [_simulate(seed, k=4, j=1, B=2, workers=1, steps=30, fill=fill) for seed in SEEDS]
-            for fill in (False, True)}
-    waited = {fill: sum(o["waited"] for o in rs) for fill, rs in runs.items()}
-    lag = {fill: float(np.mean([x for o in rs for x in o["lags"]])) for fill, rs in runs.items()}
-    lag_k = float(np.mean([x for seed in SEEDS for x in _simulate(seed, k=4, j=4, B=2, workers=1, steps=30)["lags"]]))
-    assert waited[True] < 0.9 * waited[False], waited
-    assert lag[False] < lag[True] < lag_k, (lag, lag_k)
