@@ -148,7 +148,7 @@ def main() -> None:
     p.add_argument("--staleness", type=int, default=4)
     p.add_argument("--modes", default="sync,async-batch,async-cont")
     p.add_argument("--lookahead", type=int, default=1, help="rollout.admission_lookahead of the async-cont-lookahead mode")
-    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list)")
+    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the rollout worker (taskset-style list: 1 or 0-7,9)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner")
     p.add_argument("--preset", nargs="*", default=["data=reverse"], help="Hydra presets for every run")
     p.add_argument("--no-limit", dest="limit", action="store_false",

@@ -181,7 +181,7 @@ def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, l
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the engine alone (taskset-style list)")
+    p.add_argument("--rollout-cpus", default="1", help="CPU ids for the engine alone (taskset-style list: 1 or 0-7,9)")
     p.add_argument("--learner-cpus", default="0", help="CPU ids for the learner alone")
     p.add_argument("--dir", default="", help="where the groups and the per-side records go (default: a temp dir)")
     p.add_argument("--beside-engine", action="store_true",

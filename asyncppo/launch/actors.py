@@ -18,14 +18,31 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.console import redirect_output
 
 
+def parse_cpu_list(spec: str, name: str = "cpu list") -> set[int]:
+    """CPU ids from a taskset-style list: ids and inclusive ranges, comma-separated (``"0-7,9"``)."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in spec.split(",")):
+        if not part:
+            continue
+        lo, sep, hi = part.partition("-")
+        try:
+            first, last = (int(lo), int(hi)) if sep else (int(part), int(part))
+        except ValueError:
+            raise ValueError(f"{name}={spec!r}: {part!r} is neither a CPU id nor a range like 0-7") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{name}={spec!r}: {part!r} is not a range of CPU ids (low-high, low <= high)")
+        cpus.update(range(first, last + 1))
+    return cpus
+
+
 def pin_cpus(env_var: str) -> None:
-    """Pin this actor to the CPU ids listed in ``$env_var`` (e.g. ``ASYNCPPO_ROLLOUT_CPUS=1``), if set.
+    """Pin this actor to the CPU ids listed in ``$env_var`` (e.g. ``ASYNCPPO_ROLLOUT_CPUS=1`` or ``0-7``), if set.
 
     Benchmarks use it to give the rollout worker and the learner disjoint cores, as disjoint GPU pools would be;
     a run that does not set it is scheduled by the OS as usual."""
     spec = os.environ.get(env_var, "").strip()
     if spec and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in spec.split(",") if c.strip()})
+        os.sched_setaffinity(0, parse_cpu_list(spec, env_var))
 
 
 def set_learner_threads(cfg_dict: dict) -> None:

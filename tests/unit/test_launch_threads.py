@@ -45,3 +45,31 @@ def test_actors_and_the_command_get_a_passive_openmp_wait_policy(monkeypatch):
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "POLICY PASSIVE" in res.stderr
+
+
+def test_cpu_lists_take_ids_and_ranges_and_refuse_the_rest_by_name():
+    """``--rollout-cpus`` / ``$ASYNCPPO_*_CPUS`` are taskset-style lists: ``0-7,9`` is nine CPUs."""
+    import pytest
+
+    from asyncppo.launch.actors import parse_cpu_list
+
+    assert parse_cpu_list("1") == {1}
+    assert parse_cpu_list("0-3, 9,") == {0, 1, 2, 3, 9}
+    assert parse_cpu_list("8,9,10,11,12,13,14,15") == set(range(8, 16)) == parse_cpu_list("8-15")
+    with pytest.raises(ValueError, match=r"ASYNCPPO_ROLLOUT_CPUS='0-x'.*'0-x' is neither"):
+        parse_cpu_list("0-x", "ASYNCPPO_ROLLOUT_CPUS")
+    with pytest.raises(ValueError, match=r"'7-3' is not a range"):
+        parse_cpu_list("7-3")
+
+
+def test_an_actor_pins_itself_to_a_range(monkeypatch):
+    from asyncppo.launch.actors import pin_cpus
+
+    before = os.sched_getaffinity(0)
+    first = min(before)
+    try:
+        monkeypatch.setenv("ASYNCPPO_ROLLOUT_CPUS", f"{first}-{first}")  # a range of one allowed CPU
+        pin_cpus("ASYNCPPO_ROLLOUT_CPUS")
+        assert os.sched_getaffinity(0) == {first}
+    finally:
+        os.sched_setaffinity(0, before)
