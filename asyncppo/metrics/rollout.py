@@ -90,6 +90,13 @@ def episode_metrics(groups: list) -> dict[str, float]:
     }
 
 
+#: The engine's waits, as the worker's timings name them (rollout/worker.py, EngineMeter): seconds an empty engine
+#: waited ("idle") and a running engine's free slots in engine seconds ("unfilled", step time x free share of
+#: max_num_seqs), each by what was missing: a ticket, or the weights a held ticket needs. Reported with the groups
+#: sent after them.
+WAIT_KEYS = tuple(f"{kind}_{why}_s" for kind in ("idle", "unfilled") for why in ("ticket", "weights"))
+
+
 class EngineTotals:
     """Per-step rollout metrics plus run totals (for the summary: occupancy, push p50/p99, lengths)."""
 
@@ -98,8 +105,7 @@ class EngineTotals:
         self.steps = 0.0
         self.running_sum = 0.0
         self.inflight_updates = 0
-        self.idle_s = {"ticket": 0.0, "weights": 0.0}  # engine empty, waiting for a ticket / for weights
-        self.unfilled_s = {"ticket": 0.0, "weights": 0.0}  # engine running with free slots, same causes
+        self.waits = dict.fromkeys(WAIT_KEYS, 0.0)
         self.push_s: list[float] = []
         self.trained_tokens = 0
         self.lengths: list[int] = []
@@ -124,11 +130,9 @@ class EngineTotals:
         for g in groups:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
-        idle = {why: sum(g.timings.get(f"idle_{why}_s", 0.0) for g in groups) for why in self.idle_s}
-        unfilled = {why: sum(g.timings.get(f"unfilled_{why}_s", 0.0) for g in groups) for why in self.unfilled_s}
-        for why in self.idle_s:
-            self.idle_s[why] += idle[why]
-            self.unfilled_s[why] += unfilled[why]
+        waits = {key: sum(g.timings.get(key, 0.0) for g in groups) for key in WAIT_KEYS}
+        for key, seconds in waits.items():
+            self.waits[key] += seconds
         return {
             **episode_metrics(groups),
             "rollout/occupancy": running / (steps * self.max_num_seqs) if steps else 0.0,
@@ -136,12 +140,7 @@ class EngineTotals:
             "rollout/decode_step_s": busy / steps if steps else 0.0,
             "rollout/running_mean": running / steps if steps else 0.0,
             "rollout/inflight_updates": float(inflight),
-            # seconds the engines sat empty, by what they waited for (reported with the groups that followed)
-            "rollout/idle_ticket_s": idle["ticket"],
-            "rollout/idle_weights_s": idle["weights"],
-            # a running engine's free slots in engine seconds (step time x free share of max_num_seqs), same causes
-            "rollout/unfilled_ticket_s": unfilled["ticket"],
-            "rollout/unfilled_weights_s": unfilled["weights"],
+            **{f"rollout/{key}": seconds for key, seconds in waits.items()},  # WAIT_KEYS
             "sync/push_s": max(pushes, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
@@ -161,10 +160,7 @@ class EngineTotals:
         return {
             "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
             "inflight_updates": self.inflight_updates,
-            "idle_ticket_s": self.idle_s["ticket"],
-            "idle_weights_s": self.idle_s["weights"],
-            "unfilled_ticket_s": self.unfilled_s["ticket"],
-            "unfilled_weights_s": self.unfilled_s["weights"],
+            **self.waits,
             "push_s_p50": _percentile(self.push_s, 0.5),
             "push_s_p99": _percentile(self.push_s, 0.99),
             "pushes_measured": len(self.push_s),
