@@ -14,9 +14,10 @@ disjoint GPU pools would be. For each mode it prints wall time, trained samples 
 rollout / train busy fractions, push latency p50/p99, waste, response length mean/p99 and the reward reached, and
 the speed-up of each async mode over sync in learner time to the same number of trained samples, and the
 pipeline's limit beside it: the engine alone and the learner alone on the same samples, each on its own cores
-(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode. ``--replay`` adds the learner
-alone on each launch's own batches: the limit's learner trains the starting policy's answers, a launch trains those
-of the policy it learns, and on ``data=long`` their lengths differ (docs/benchmarks.md).
+(scripts/pipeline_limit.py), with ``efficiency = limit / learner time`` for every mode. ``--replay`` adds the limit
+on each launch's own work: the engine alone generating the launch's trained samples again at their own lengths and
+the learner alone on its own batches. The limit's sides work on the starting policy's answers, a launch on those of
+the policy it learns, and on ``data=long`` their lengths differ (docs/benchmarks.md).
 
     python scripts/bench_async_vs_sync.py --steps 60 --staleness 4            # the long-tailed reverse task
     python scripts/bench_async_vs_sync.py --modes sync,async-cont data=addition
@@ -36,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_limit import measure_limit, replay_learner  # noqa: E402  (scripts/: each side alone)
+from pipeline_limit import measure_limit, replay_limit  # noqa: E402  (scripts/: each side alone)
 
 from asyncppo.config.schedules import SCHEDULES as MODES, schedule_overrides  # noqa: E402
 
@@ -154,8 +155,9 @@ def main() -> None:
     p.add_argument("--no-limit", dest="limit", action="store_false",
                    help="skip the engine-alone and learner-alone runs (the limit and efficiency rows)")
     p.add_argument("--replay", action="store_true",
-                   help="after the launches, the learner alone on each launch's own batches (kept with "
-                        "trainer.save_trained_groups=true): the efficiency on the run's own work")
+                   help="after the launches, the limit on each launch's own work (its trained groups, kept with "
+                        "trainer.save_trained_groups=true): the engine alone at the samples' own lengths and the "
+                        "learner alone on its own batches, and the efficiency against that")
     p.add_argument("--eval-at-start", action="store_true",
                    help="evaluate the starting weights in every launch too (the 'before' row; stalls the first push)")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
@@ -176,11 +178,11 @@ def main() -> None:
     limit = mean_limit(limits) if limits else None
     if args.replay:
         for r in results:
-            own = replay_learner(r["run_dir"], [*args.preset, *args.overrides, *r["mode_overrides"]],
-                                 args.learner_cpus,
-                                 os.path.join(root, "replay-" + os.path.basename(r["run_dir"])))
-            r["own_learner_s"] = own["learner_s"]
-            r["own_efficiency"] = own["learner_s"] / r["train_s"]
+            own, _ = replay_limit(r["run_dir"], [*args.preset, *args.overrides, *r["mode_overrides"]],
+                                  args.rollout_cpus, args.learner_cpus,
+                                  os.path.join(root, "replay-" + os.path.basename(r["run_dir"])))
+            r["own_limit"] = own.as_dict()
+            r["own_efficiency"] = own.efficiency(r["train_s"])
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
     print("|---|" + "---|" * len(results))
@@ -195,9 +197,12 @@ def main() -> None:
     if limit is not None:
         print_limit(limit, results, base)
     if args.replay:
-        print("| learner alone on the launch's own batches (s) | "
-              + " | ".join(f"{r['own_learner_s']:.1f}" for r in results) + " |")
-        print("| efficiency on its own batches = that / learner time | "
+        print("| on the launch's own work: engine alone (s) / its occupancy | "
+              + " | ".join(f"{r['own_limit']['engine_s']:.1f} / {r['own_limit']['engine_occupancy']:.2f}"
+                           for r in results) + " |")
+        print("| on the launch's own work: learner alone (s) | "
+              + " | ".join(f"{r['own_limit']['learner_s']:.1f}" for r in results) + " |")
+        print("| efficiency on its own work = slower of the two / learner time | "
               + " | ".join(f"{r['own_efficiency']:.2f}" for r in results) + " |")
     if base is not None:
         for r in results:

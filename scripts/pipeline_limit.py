@@ -59,16 +59,22 @@ def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str
     if side == "engine":
         import torch
 
-        from asyncppo.rollout.engine_alone import generate_alone
+        from asyncppo.rollout.engine_alone import generate_alone, replay_alone
 
         torch.set_num_threads(1)
-        run, stats = generate_alone(cfg, model_path, steps * cfg.rollout.rollout_batch_size)
-        write_groups(groups_file, run.finished)
-        lengths = [s.num_tokens for g in run.finished for s in g.samples]
-        out = {"engine_s": run.wall_s, "step_s": run.step_s, "decode_steps": run.steps,
-               "occupancy": run.occupancy, "samples": len(lengths), "gen_tokens": sum(lengths),
-               "reward_mean": sum(s.reward for g in run.finished for s in g.samples) / max(len(lengths), 1),
-               "reward_failures": stats["reward_failures"]}
+        if replay:
+            from asyncppo.learner.learner_alone import trained_batches
+
+            run = replay_alone(cfg, model_path, [g for batch in trained_batches(replay) for g in batch])
+            out = {"samples": len(run.finished), "gen_tokens": sum(run.finished)}
+        else:
+            run, stats = generate_alone(cfg, model_path, steps * cfg.rollout.rollout_batch_size)
+            write_groups(groups_file, run.finished)
+            lengths = [s.num_tokens for g in run.finished for s in g.samples]
+            out = {"samples": len(lengths), "gen_tokens": sum(lengths),
+                   "reward_mean": sum(s.reward for g in run.finished for s in g.samples) / max(len(lengths), 1),
+                   "reward_failures": stats["reward_failures"]}
+        out.update(engine_s=run.wall_s, step_s=run.step_s, decode_steps=run.steps, occupancy=run.occupancy)
     else:
         from asyncppo.learner.learner_alone import ticket_batches, train_alone, trained_batches
 
@@ -127,19 +133,30 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     return limit, sides
 
 
-def replay_learner(run_dir: str, overrides: list[str], learner_cpus: str, root: str) -> dict:
-    """The learner alone on ``run_dir``'s own batches (launched with ``trainer.save_trained_groups=true``), pinned
-    as the limit's learner is; its record (``learner_s``, ``steps``, ``samples``). ``overrides`` must build the
-    run's learner (its preset and overrides); the step count comes from the run."""
+def replay_limit(run_dir: str, overrides: list[str], rollout_cpus: str, learner_cpus: str, root: str):
+    """The limit on ``run_dir``'s own work (launched with ``trainer.save_trained_groups=true``): the engine alone
+    generating every trained sample again at its own length (rollout/engine_alone.py: ``replay_alone``), then the
+    learner alone on the run's own batches, each pinned as the limit's sides are. ``overrides`` must build the run's
+    engine and learner (its preset and overrides); the step count comes from the run. Returns the
+    :class:`PipelineLimit` and the two sides' records."""
+    from asyncppo.report.limit import PipelineLimit
+
     os.makedirs(root, exist_ok=True)
     with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
         steps = len({json.loads(line)["step"] for line in f})  # trainer.total_steps: the run's rate schedule
-    env = _pinned_env("1", learner_cpus)
-    print(f"[limit] learner alone on the {steps} batches of {run_dir}", flush=True)
-    _run_side_process("learner", root, steps, overrides, env, "the learner alone on the run's batches",
-                      replay=run_dir)
-    with open(os.path.join(root, "learner.json")) as f:
-        return json.load(f)
+    env = _pinned_env(rollout_cpus, learner_cpus)
+    sides = {}
+    for side in SIDES:
+        print(f"[limit] {side} alone on the {steps} batches of {run_dir}", flush=True)
+        _run_side_process(side, root, steps, overrides, env, f"the {side} alone on the run's batches",
+                          replay=run_dir)
+        with open(os.path.join(root, f"{side}.json")) as f:
+            sides[side] = json.load(f)
+        print(f"[limit] {side} alone on the run's own work: {json.dumps(sides[side])}", flush=True)
+    engine, learner = sides["engine"], sides["learner"]
+    limit = PipelineLimit(engine_s=engine["engine_s"], learner_s=learner["learner_s"], samples=learner["samples"],
+                          engine_occupancy=engine["occupancy"])
+    return limit, sides
 
 
 #: Seconds the busy engine must keep generating beyond the learner's own run: its start-up wait below and the
@@ -187,8 +204,9 @@ def main() -> None:
     p.add_argument("--beside-engine", action="store_true",
                    help="also time the learner alone while an engine generates on its own cores (machine sharing)")
     p.add_argument("--replay", default="", metavar="RUN_DIR",
-                   help="only the learner alone, on the own batches of a finished run launched with "
-                        "trainer.save_trained_groups=true (pass that run's preset and overrides too)")
+                   help="the limit on a finished run's own work instead (launched with trainer.save_trained_groups="
+                        "true; pass that run's preset and overrides too): the engine alone generating its samples "
+                        "again at their own lengths, then the learner alone on its own batches")
     p.add_argument("--side", choices=SIDES, default="", help=argparse.SUPPRESS)  # internal: run one side here
     p.add_argument("overrides", nargs="*", help="Hydra presets and overrides of the run being measured")
     args = p.parse_args()
@@ -197,7 +215,8 @@ def main() -> None:
         return
     root = args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-")
     if args.replay:
-        print(json.dumps(replay_learner(args.replay, args.overrides, args.learner_cpus, root), indent=1))
+        limit, _ = replay_limit(args.replay, args.overrides, args.rollout_cpus, args.learner_cpus, root)
+        print(json.dumps(limit.as_dict(), indent=1))
         return
     limit, sides = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
     print(json.dumps(limit.as_dict(), indent=1))

@@ -7,10 +7,18 @@ driver: it keeps a backlog of waiting sequences, so a slot freed in one step is 
 scheduler in the next (vLLM fans a group out into ``n`` requests, so the refill is per slot, not per group).
 :func:`generate_alone` runs it on the run's prompts, scores each group as a worker does and returns the stream
 records, which the learner alone (learner/learner_alone.py) then trains.
+
+:func:`replay_alone` is the same engine on a finished run's own work: the policy a run learns writes other lengths
+than the starting one (on ``data=long`` 5-22% longer workings at some seeds), so the limit's engine, generating the
+starting policy's answers, measures less work than the run did. Replayed, every sample of the run is generated
+again from its own prompt with exactly its own number of tokens (``ignore_eos``, ``max_tokens`` = its length): a
+decode step's cost follows the sequences' count and context lengths, not which tokens they hold, so this is the
+engine side's time on the run's own work, as ``learner_alone.trained_batches`` is the learner side's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -97,5 +105,38 @@ def generate_alone(cfg, model_path: str, num_groups: int) -> tuple[FullRun, dict
         run = keep_full(engine, next_group(), num_groups,
                         lambda done: builder.build(done, flights.pop(done.key), meter))
         return run, stats
+    finally:
+        engine.close()
+
+
+def replay_requests(groups: list, sampling: SamplingSpec) -> list[tuple[str, list, SamplingSpec]]:
+    """One engine request per sample of ``groups``, in ticket order (the order a run admitted them), each asking
+    for exactly that sample's number of tokens with the run's ``sampling`` otherwise: ``(key, prompt ids, spec)``
+    for :func:`keep_full`."""
+    requests = []
+    for g in sorted(groups, key=lambda g: g.ticket):
+        prompt = [int(t) for t in g.prompt_ids]
+        for j, s in enumerate(g.samples):
+            length = s.num_tokens
+            if length < 1:
+                raise ValueError(f"engine replay: group {g.group_id!r} sample {j} has no response tokens")
+            spec = dataclasses.replace(sampling, n=1, max_tokens=length, ignore_eos=True, seed=None,
+                                       stop_token_ids=())
+            requests.append((f"{g.group_id}/{j}", prompt, spec))
+    return requests
+
+
+def replay_alone(cfg, model_path: str, groups: list) -> FullRun:
+    """Worker 0's engine, kept full, generating every sample of ``groups`` (a finished run's trained groups) again
+    at exactly its own length (module docstring). Each :attr:`FullRun.finished` entry is a sample's token count."""
+    from transformers import AutoTokenizer  # heavy: transformers
+
+    requests = replay_requests(groups, group_spec(cfg, 0, 0))
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=cfg.model.trust_remote_code)
+    engine = worker_engine(cfg, model_path, 0)
+    try:
+        warm_up(engine, warm_up_prompt(tokenizer, cfg.rollout.prompt_length))
+        return keep_full(engine, iter(requests), len(requests),
+                         lambda done: sum(c.num_tokens for c in done.completions))
     finally:
         engine.close()

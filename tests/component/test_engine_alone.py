@@ -51,3 +51,36 @@ def test_keep_full_decodes_every_slot_at_every_step_until_the_prompts_run_out(vl
     assert full == [slots] * len(full), (scheduled, unfinished)
     assert run.occupancy == sum(min(u, slots) for u in unfinished) / run.steps / slots
     assert run.occupancy >= len(full) / run.steps and run.wall_s >= run.step_s > 0  # the tail is all it loses
+
+
+def _group(ticket: int, prompt, lengths: list[int]):
+    import numpy as np
+
+    from asyncppo.stream.records import Sample, TrajectoryGroup
+
+    samples = [Sample(response_ids=np.full(n, 7, dtype=np.int32), behavior_logprobs=np.zeros(n, dtype=np.float32),
+                      reward=0.0, finish_reason="stop", version_min=0, version_max=0) for n in lengths]
+    return TrajectoryGroup(f"0-{ticket}", 0, np.asarray(prompt, dtype=np.int32), samples, ticket=ticket)
+
+
+def test_a_replay_generates_every_sample_again_at_exactly_its_own_length_in_ticket_order(vllm_engine, prompts):
+    """The engine side of the limit on a run's own work (``replay_alone``): one request per trained sample, asking
+    for that sample's token count with eos ignored. Read back from what vLLM generated, not from the requests."""
+    require_vllm()
+    from asyncppo.rollout.engine_alone import replay_requests
+
+    # tickets out of order, lengths spread (1 token up to 60) and distinct within a group
+    tickets = [5, 0, 3, 1, 4, 2]
+    groups = [_group(t, prompts[t % len(prompts)], [1 + (7 * t + 11 * j) % 60 for j in range(4)]) for t in tickets]
+    run_spec = SamplingSpec(n=4, max_tokens=64, temperature=1.0, top_p=0.9, seed=123, stop_token_ids=(2,))
+    requests = replay_requests(groups, run_spec)
+
+    by_ticket = sorted(groups, key=lambda g: g.ticket)
+    assert [key for key, _, _ in requests] == [f"{g.group_id}/{j}" for g in by_ticket for j in range(4)]
+    assert all(spec.n == 1 and spec.ignore_eos and spec.top_p == 0.9 and spec.seed is None
+               and spec.stop_token_ids == () for _, _, spec in requests)
+    expected = {f"{g.group_id}/{j}": s.num_tokens for g in groups for j, s in enumerate(g.samples)}
+    run = keep_full(vllm_engine, iter(requests), len(requests),
+                    on_finished=lambda done: (done.key, sum(c.num_tokens for c in done.completions)))
+    assert dict(run.finished) == expected and len(run.finished) == 24
+    assert sum(n for _, n in run.finished) == sum(expected.values())
