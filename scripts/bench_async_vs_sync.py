@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from pipeline_limit import measure_limit, replay_limit  # noqa: E402  (scripts/: each side alone)
 
 from asyncppo.config.schedules import SCHEDULES as MODES, schedule_overrides  # noqa: E402
+from asyncppo.metrics.rollout import WAIT_KEYS  # noqa: E402
 
 
 def run_once(label: str, args, root: str, mode: str = "") -> dict:
@@ -96,9 +97,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         "occupancy": ro.get("occupancy", float("nan")),
         "rollout_busy": mean("util/rollout_busy", steady),
         "train_busy": mean("util/train_busy", steady),
-        "idle_ticket_s": ro.get("idle_ticket_s", float("nan")),
-        "unfilled_ticket_s": ro.get("unfilled_ticket_s", float("nan")),
-        "unfilled_weights_s": ro.get("unfilled_weights_s", float("nan")),
+        **{key: ro.get(key, float("nan")) for key in WAIT_KEYS},  # engine empty / slots free, by cause
         "push_p50": ro.get("push_s_p50", float("nan")),
         "push_p99": ro.get("push_s_p99", float("nan")),
         "inflight_updates": ro.get("inflight_updates", 0),
@@ -127,6 +126,7 @@ ROWS = [
     ("rollout busy", "rollout_busy", "{:.2f}"),
     ("train busy", "train_busy", "{:.2f}"),
     ("engine empty, no ticket (s)", "idle_ticket_s", "{:.1f}"),
+    ("engine empty, waiting for weights (s)", "idle_weights_s", "{:.1f}"),
     ("free slots, no ticket (engine s)", "unfilled_ticket_s", "{:.1f}"),
     ("free slots, waiting for weights (engine s)", "unfilled_weights_s", "{:.1f}"),
     ("push latency p50 (s)", "push_p50", "{:.3f}"),

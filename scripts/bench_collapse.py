@@ -64,7 +64,8 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     from asyncppo.data.tiny import resolve_model_path
     from asyncppo.learner.models import load_actor, load_reference
     from asyncppo.learner.value_head import build_critic
-    from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+    from asyncppo.config.checks import uses_critic, uses_reference
+    from asyncppo.learner.ppo import PPOUpdate
     from inproc import evaluate, load, sampled_batch
 
     torch.set_num_threads(1)
@@ -74,9 +75,9 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     path = resolve_model_path("builtin:tiny-addition")
     dev = torch.device("cpu")
     actor = load_actor(path, torch.float32, dev)
-    critic = build_critic(cfg, path, torch.float32, dev, False) if needs_critic(cfg) else None
+    critic = build_critic(cfg, path, torch.float32, dev, False) if uses_critic(cfg) else None
     tok = load(path)[1]
-    reference = load_reference(path, torch.float32, dev) if needs_reference(cfg) else None
+    reference = load_reference(path, torch.float32, dev) if uses_reference(cfg) else None
     update = PPOUpdate(cfg, actor, critic, reference, dev)
     import asyncppo.algo as algo
 

@@ -18,6 +18,12 @@ its own cores at the same time (enough groups to outlast the learner's start-up 
 times just measured; then stopped). The two sides share no work, only the machine (caches, memory bandwidth, the
 kernel); the ratio of the two learner times is what sharing the machine costs the update, a cost no pipeline on
 that machine can avoid. It is reported beside the limit, which stays as defined.
+
+``--replay RUN_DIR`` measures the limit on a finished run's own work instead (its trained samples regenerated at
+their own lengths, its own batches trained); with ``--beside-learner`` the engine side runs once more while a
+learner trains that run's batches on its own cores: what sharing the machine costs the engine.
+
+    python scripts/pipeline_limit.py --replay RUN_DIR --beside-learner data=long trainer.seed=2 <the run's overrides>
 """
 
 from __future__ import annotations
@@ -42,9 +48,10 @@ def _config(overrides: list[str], steps: int):
     return cfg, resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
 
 
-def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str = "") -> dict:
+def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1) -> dict:
     """One side in this process (already pinned by the caller's environment); writes ``root/<side>.json``. The
-    learner trains ``replay``'s own batches when given (a run directory), else the engine alone's groups."""
+    learner trains ``replay``'s own batches when given (a run directory), else the engine alone's groups, ``repeat``
+    times over (a busy learner beside a measured engine)."""
     from omegaconf import OmegaConf
 
     from asyncppo.launch.actors import pin_cpus, set_learner_threads  # heavy: ray (the launch's own pinning)
@@ -83,7 +90,7 @@ def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str
             batches = trained_batches(replay)
         else:
             batches = ticket_batches(read_groups(groups_file), cfg.rollout.rollout_batch_size, steps)
-        result = train_alone(cfg, model_path, batches)
+        result = train_alone(cfg, model_path, batches * max(1, repeat))
         out = {k: result[k] for k in ("learner_s", "steps", "samples")}
         out["step_s_mean"] = result["learner_s"] / result["steps"]
     with open(os.path.join(root, f"{side}.json"), "w") as f:
@@ -95,10 +102,12 @@ def _pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
     return dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
 
 
-def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "") -> list[str]:
+def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1
+               ) -> list[str]:
     """This script, running one side in its own process (:func:`run_side`)."""
     return [sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root, "--steps", str(steps),
-            *(["--replay", replay] if replay else []), *overrides]
+            *(["--replay", replay] if replay else []), *(["--repeat", str(repeat)] if repeat > 1 else []),
+            *overrides]
 
 
 def _run_side_process(side: str, root: str, steps: int, overrides: list[str], env: dict, what: str,
@@ -195,6 +204,37 @@ def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, l
         return json.load(f)["learner_s"]
 
 
+def engine_beside_learner(run_dir: str, overrides: list[str], rollout_cpus: str, learner_cpus: str, root: str,
+                          engine_s: float, learner_s: float) -> float:
+    """The engine alone on ``run_dir``'s own work again (:func:`replay_limit`'s engine side), while a learner trains
+    that run's batches on its own cores at the same time (repeated to outlast the engine, then stopped): the
+    engine's share of what sharing the machine costs, as :func:`learner_beside_engine` measures the update's.
+    Returns the engine's seconds."""
+    beside = os.path.join(root, "beside-learner")
+    learner_dir = os.path.join(beside, "learner")
+    os.makedirs(learner_dir, exist_ok=True)
+    with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
+        steps = len({json.loads(line)["step"] for line in f})
+    env = _pinned_env(rollout_cpus, learner_cpus)
+    print(f"[limit] engine alone on the run's own work beside a training learner: {run_dir}", flush=True)
+    repeat = math.ceil((engine_s + BESIDE_SLACK_S) / max(learner_s, 1e-3))
+    learner = subprocess.Popen(_side_argv("learner", learner_dir, steps, overrides, run_dir, repeat), env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(20.0)  # the learner's own start-up (imports, model build) before the engine's timed part
+        if learner.poll() is not None:
+            raise SystemExit(f"[limit] the busy learner exited early with code {learner.returncode}")
+        _run_side_process("engine", beside, steps, overrides, env, "the engine beside the learner", replay=run_dir)
+        if learner.poll() is not None:
+            print("[limit] warning: the busy learner finished before the engine; the figure is a lower bound",
+                  flush=True)
+    finally:
+        learner.kill()
+        learner.wait()
+    with open(os.path.join(beside, "engine.json")) as f:
+        return json.load(f)["engine_s"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=60)
@@ -203,20 +243,30 @@ def main() -> None:
     p.add_argument("--dir", default="", help="where the groups and the per-side records go (default: a temp dir)")
     p.add_argument("--beside-engine", action="store_true",
                    help="also time the learner alone while an engine generates on its own cores (machine sharing)")
+    p.add_argument("--beside-learner", action="store_true",
+                   help="with --replay: also time the engine on the run's own work while a learner trains on its "
+                        "own cores (machine sharing, the engine's side)")
     p.add_argument("--replay", default="", metavar="RUN_DIR",
                    help="the limit on a finished run's own work instead (launched with trainer.save_trained_groups="
                         "true; pass that run's preset and overrides too): the engine alone generating its samples "
                         "again at their own lengths, then the learner alone on its own batches")
     p.add_argument("--side", choices=SIDES, default="", help=argparse.SUPPRESS)  # internal: run one side here
+    p.add_argument("--repeat", type=int, default=1, help=argparse.SUPPRESS)  # internal: the learner's batches N times
     p.add_argument("overrides", nargs="*", help="Hydra presets and overrides of the run being measured")
     args = p.parse_args()
     if args.side:
-        run_side(args.side, args.dir, args.steps, args.overrides, args.replay)
+        run_side(args.side, args.dir, args.steps, args.overrides, args.replay, args.repeat)
         return
     root = args.dir or tempfile.mkdtemp(prefix="asyncppo-limit-")
     if args.replay:
         limit, _ = replay_limit(args.replay, args.overrides, args.rollout_cpus, args.learner_cpus, root)
         print(json.dumps(limit.as_dict(), indent=1))
+        if args.beside_learner:
+            beside = engine_beside_learner(args.replay, args.overrides, args.rollout_cpus, args.learner_cpus, root,
+                                           limit.engine_s, limit.learner_s)
+            print(f"[limit] engine alone on the run's own work {limit.engine_s:.1f} s; beside a training learner "
+                  f"{beside:.1f} s: x{beside / limit.engine_s:.2f} (what sharing the machine costs the engine)",
+                  flush=True)
         return
     limit, sides = measure_limit(args.overrides, args.steps, args.rollout_cpus, args.learner_cpus, root)
     print(json.dumps(limit.as_dict(), indent=1))

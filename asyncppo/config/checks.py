@@ -77,3 +77,8 @@ def uses_critic(cfg: AsyncPPOConfig) -> bool:
     """Whether the run trains a value model: ``use_critic``, or GAE when that is null."""
     a = cfg.algorithm
     return (a.adv_estimator == "gae") if a.use_critic is None else bool(a.use_critic)
+
+
+def uses_reference(cfg: AsyncPPOConfig) -> bool:
+    """Whether the run keeps a frozen reference policy: a KL term, in the loss or in the reward."""
+    return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.add_token_level_kl)

@@ -25,6 +25,7 @@ import math
 import os
 from typing import Any, Optional
 
+from asyncppo.config.checks import uses_critic
 from asyncppo.config.hosts import is_loopback
 from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
@@ -290,13 +291,12 @@ def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional
     (also when resuming under LoRA: the engines merge every pushed adapter onto the base, sync/adapter.py)."""
     if not cfg.trainer.resume_from:
         return model_path, None
-    # only when resuming: checkpoint reading and the critic rule of the PPO update bring torch
+    # only when resuming: checkpoint reading brings torch
     from asyncppo.learner.checkpoint import CheckpointError, check_compatible, resolve_checkpoint  # heavy: torch
-    from asyncppo.learner.ppo import needs_critic  # heavy: torch
 
     try:
         ckpt = resolve_checkpoint(cfg.trainer.resume_from)
-        check_compatible(ckpt, model_path, needs_critic=needs_critic(cfg))
+        check_compatible(ckpt, model_path, needs_critic=uses_critic(cfg))
     except CheckpointError as exc:
         raise LaunchError(str(exc)) from None
     if ckpt.version >= cfg.trainer.total_steps:

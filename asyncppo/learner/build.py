@@ -14,10 +14,11 @@ from typing import Any, Optional
 
 import torch
 
-from asyncppo.learner import distributed as D
 from asyncppo.learner.lora import ADAPTER_DIR, AdaptersOff, lora_actor
 from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
-from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.config.checks import uses_critic, uses_reference
+from asyncppo.learner.ppo import PPOUpdate
+from asyncppo.learner.sharding import ShardedPPOUpdate
 from asyncppo.learner.value_head import build_critic
 
 
@@ -26,7 +27,7 @@ class LearnerModels:
     actor: torch.nn.Module  # sharded over the learner ranks when there are several (FSDP2)
     critic: Optional[torch.nn.Module]
     reference: Optional[torch.nn.Module]
-    updater: Any  # PPOUpdate, or distributed.ShardedPPOUpdate with several ranks
+    updater: Any  # PPOUpdate, or sharding.ShardedPPOUpdate with several ranks
     actor_path: str
     dtype: torch.dtype
     device: torch.device
@@ -57,15 +58,15 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     actor = maybe_shard(actor, world_size, device)
     critic = (
         maybe_shard(build_critic(cfg, model_path, dtype, device, remote), world_size, device)
-        if needs_critic(cfg)
+        if uses_critic(cfg)
         else None
     )
     reference = None
-    if needs_reference(cfg):  # under LoRA the base is the actor with its adapters off: no second copy
+    if uses_reference(cfg):  # under LoRA the base is the actor with its adapters off: no second copy
         reference = (AdaptersOff(actor) if lora and not cfg.model.ref_path
                      else load_reference(cfg.model.ref_path or model_path, dtype, device, remote, attn))
     if world_size > 1:
-        updater = D.ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
+        updater = ShardedPPOUpdate(cfg, actor, critic, reference, device, rank=rank, world_size=world_size)
     else:
         updater = PPOUpdate(cfg, actor, critic, reference, device)
     return LearnerModels(actor=actor, critic=critic, reference=reference, updater=updater, actor_path=actor_path,

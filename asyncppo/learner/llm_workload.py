@@ -21,7 +21,7 @@ from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.build import build_models
 from asyncppo.learner.dynamic_sampling import GroupFilter
 from asyncppo.learner.lora import LoraExport, adapter_tensors, is_lora
-from asyncppo.learner.ppo import needs_critic
+from asyncppo.config.checks import uses_critic
 from asyncppo.learner.push import WeightPusher
 from asyncppo.learner.step_metrics import StepMeters
 from asyncppo.learner.value_head import uses_shared_head
@@ -82,7 +82,7 @@ class LLMWorkload:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         if self._resolve() is not None:
             wanted = "head" if uses_shared_head(cfg) else "model"
-            C.check_compatible(self.resume, self.model_path, needs_critic=needs_critic(cfg), wanted_critic=wanted)
+            C.check_compatible(self.resume, self.model_path, needs_critic=uses_critic(cfg), wanted_critic=wanted)
         models = build_models(cfg, self.model_path, self.resume, device, self.rank, self.world_size)
         self.actor, self.critic, self.updater = models.actor, models.critic, models.updater
         if self.rank > 0:

@@ -48,21 +48,8 @@ from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss
 from asyncppo.learner.ppo_targets import (
     correct_rollout, mask_truncated, outcome_token_rewards, proximal_terms, set_advantages,
 )
-from asyncppo.learner.schedule import lr_lambda
+from asyncppo.learner.schedule import scheduled_adamw
 from asyncppo.learner.value_head import shares_actor_body
-
-CRITIC_ESTIMATORS = {"gae"}
-
-
-def needs_critic(cfg: AsyncPPOConfig) -> bool:
-    if cfg.algorithm.use_critic is not None:
-        return bool(cfg.algorithm.use_critic)
-    return cfg.algorithm.adv_estimator in CRITIC_ESTIMATORS
-
-
-def needs_reference(cfg: AsyncPPOConfig) -> bool:
-    return cfg.algorithm.use_kl_loss or cfg.algorithm.add_token_level_kl
-
 
 @dataclass
 class _FirstPass:
@@ -97,17 +84,9 @@ class PPOUpdate:
         )
         t = cfg.trainer
         trainable = [p for p in actor.parameters() if p.requires_grad]  # a LoRA actor: its adapters (no base moments)
-        self.actor_opt = torch.optim.AdamW(
-            trainable, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay
-        )
-        schedule = lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
-        self.actor_sched = torch.optim.lr_scheduler.LambdaLR(self.actor_opt, schedule)
-        self.critic_opt = self.critic_sched = None
-        if critic is not None:
-            self.critic_opt = torch.optim.AdamW(
-                critic.parameters(), lr=t.critic_lr, betas=tuple(t.betas), weight_decay=t.weight_decay
-            )
-            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(self.critic_opt, schedule)
+        self.actor_opt, self.actor_sched = scheduled_adamw(trainable, t.lr, t)
+        self.critic_opt, self.critic_sched = (None, None) if critic is None else scheduled_adamw(
+            critic.parameters(), t.critic_lr, t)
         kc = self.alg.kl_ctrl
         self.kl_ctrl = algo.get_kl_controller(
             kc.type, init_kl_coef=kc.init_kl_coef, target_kl=kc.target_kl, horizon=kc.kl_horizon

@@ -6,6 +6,8 @@ many mini-batches it is split into."""
 
 from __future__ import annotations
 
+import torch
+
 
 def lr_lambda(warmup: int, total: int, schedule: str):
     """The factor on ``trainer.lr`` after ``step`` learner versions, for ``torch.optim.lr_scheduler.LambdaLR``."""
@@ -16,3 +18,10 @@ def lr_lambda(warmup: int, total: int, schedule: str):
         return warm * anneal
 
     return factor
+
+
+def scheduled_adamw(params, lr: float, trainer) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` at rate ``lr`` with ``trainer``'s betas and weight decay, and its schedule (above)."""
+    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
+    schedule = lr_lambda(trainer.warmup_steps, trainer.total_steps, trainer.lr_schedule)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)

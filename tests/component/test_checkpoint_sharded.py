@@ -13,6 +13,7 @@ import torch.multiprocessing as mp
 
 from asyncppo.learner import checkpoint as C
 from asyncppo.learner import distributed as D
+from asyncppo.learner import sharding as S
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.models import load_actor, load_critic, load_reference
 
@@ -39,7 +40,7 @@ def _learner(cfg, actor_dir: str, model_dir: str, rank: int):
     actor = _fsdp(load_actor(actor_dir, torch.float64, CPU))
     critic = _fsdp(load_critic(model_dir, torch.float64, CPU).double())
     ref = load_reference(model_dir, torch.float64, CPU)
-    return D.ShardedPPOUpdate(cfg, actor, critic, ref, CPU, rank=rank, world_size=WORLD), critic
+    return S.ShardedPPOUpdate(cfg, actor, critic, ref, CPU, rank=rank, world_size=WORLD), critic
 
 
 def _train_and_gather(updater, critic, rank: int, batches, on_checkpoint=None):

@@ -18,10 +18,12 @@ from torch import nn
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner import distributed as D
+from asyncppo.learner import sharding as S
 from asyncppo.learner.batch import collate_groups, mini_batches
 from asyncppo.learner.forward import chunked, count_chunks, policy_forward
 from asyncppo.learner.models import load_actor, load_critic, load_reference
-from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.config.checks import uses_critic, uses_reference
+from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.stream.records import Sample, TrajectoryGroup
 
 WORLD = 2
@@ -71,7 +73,7 @@ def _batch():
 
 
 def _halves(batch):
-    """Each rank's rows of ``batch`` as :func:`D.sharded_no_grad` splits them."""
+    """Each rank's rows of ``batch`` as :func:`asyncppo.learner.sharding.sharded_no_grad` splits them."""
     per = -(-batch.size // WORLD)
     return [batch.select(torch.arange(r * per, min((r + 1) * per, batch.size))) for r in range(WORLD)]
 
@@ -110,8 +112,8 @@ def _fsdp(model: nn.Module) -> nn.Module:
 def _models(cfg, model_dir, shard: bool):
     dev = torch.device("cpu")
     actor = load_actor(model_dir, torch.float64, dev)
-    critic = load_critic(model_dir, torch.float64, dev).double() if needs_critic(cfg) else None
-    ref = load_reference(model_dir, torch.float64, dev) if needs_reference(cfg) else None
+    critic = load_critic(model_dir, torch.float64, dev).double() if uses_critic(cfg) else None
+    ref = load_reference(model_dir, torch.float64, dev) if uses_reference(cfg) else None
     if ref is not None:
         g = torch.Generator().manual_seed(5)
         with torch.no_grad():
@@ -140,11 +142,11 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
         result["broadcast"] = got
 
         local = torch.arange(rank * 100, rank * 100 + (rank + 2) * (rank + 3), dtype=torch.float64)
-        result["gather2d"] = D.all_gather_rows(local.view(rank + 2, rank + 3), pad_value=-1)
-        result["gather1d"] = D.all_gather_rows(torch.arange(rank + 1) + 10 * rank)
+        result["gather2d"] = S.all_gather_rows(local.view(rank + 2, rank + 3), pad_value=-1)
+        result["gather1d"] = S.all_gather_rows(torch.arange(rank + 1) + 10 * rank)
 
         actor = load_actor(model_dir, torch.float64, torch.device("cpu"))
-        result["sharded_logprobs"] = D.sharded_no_grad(
+        result["sharded_logprobs"] = S.sharded_no_grad(
             lambda b: policy_forward(actor, b, 1.0, False)[0], _batch(), 3)
 
         # a token bound on an FSDP actor: the ranks' rows make different numbers of chunks, and a rank that makes
@@ -156,13 +158,13 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str) -> None:
             calls.append(b.size)
             return policy_forward(sharded_actor, b, 1.0, False)[0]
 
-        result["bounded_logprobs"] = D.sharded_no_grad(counted, _batch(), 3, _uneven_budget())
+        result["bounded_logprobs"] = S.sharded_no_grad(counted, _batch(), 3, _uneven_budget())
         result["bounded_calls"] = calls
 
         for name, options in SCENARIOS.items():
             cfg = _cfg(options)
             actor, critic, ref = _models(cfg, model_dir, shard=True)
-            updater = D.ShardedPPOUpdate(cfg, actor, critic, ref, torch.device("cpu"), rank=rank, world_size=WORLD)
+            updater = S.ShardedPPOUpdate(cfg, actor, critic, ref, torch.device("cpu"), rank=rank, world_size=WORLD)
             prep_rows: list[int] = []
             if name.endswith("sharded_prep"):  # record how many rows each no-grad forward sees on this rank
                 split = updater._no_grad_rows
@@ -290,7 +292,7 @@ def test_shard_rows_keeps_groups_whole_and_covers_every_row_once():
     batch = collate_groups(groups, pad_token_id=0)
     batch.scores = torch.arange(batch.size, dtype=torch.float32)  # row identity
     for world in (1, 2, 3, 7):
-        shards = [D.shard_rows(batch, r, world) for r in range(world)]
+        shards = [S.shard_rows(batch, r, world) for r in range(world)]
         seen = torch.cat([s.scores for s in shards]).long().tolist()
         assert sorted(seen) == list(range(batch.size))
         owner = {}
@@ -301,16 +303,16 @@ def test_shard_rows_keeps_groups_whole_and_covers_every_row_once():
             for row in s.scores.long().tolist():
                 owner.setdefault(int(batch.group_index[row]), set()).add(r)
         assert all(len(v) == 1 for v in owner.values())  # no group is split across ranks
-    two = [D.shard_rows(batch, r, 2).size for r in range(2)]
+    two = [S.shard_rows(batch, r, 2).size for r in range(2)]
     assert two == [7, 6]  # groups of 3,1,3,3,3 rows: balanced by rows, not by groups
 
 
 def test_mismatched_micro_batch_counts_are_reported_not_deadlocked():
     batch = collate_groups(_groups(num_groups=3, n=2), pad_token_id=0)
-    assert D.micro_batch_counts(batch, 2, 1, 0) == [4, 2]  # 3 groups over 2 ranks
-    assert D.micro_batch_counts(batch, 2, 0, 0) == [1, 1]
+    assert S.micro_batch_counts(batch, 2, 1, 0) == [4, 2]  # 3 groups over 2 ranks
+    assert S.micro_batch_counts(batch, 2, 0, 0) == [1, 1]
     mini = next(mini_batches(batch, 1, torch.Generator().manual_seed(0)))
-    assert D.micro_batch_counts(mini, 2, 0, 0) == [1, 0]  # one group cannot feed two ranks
+    assert S.micro_batch_counts(mini, 2, 0, 0) == [1, 0]  # one group cannot feed two ranks
 
 
 def test_init_learner_group_times_out_with_a_clear_error():

@@ -14,7 +14,8 @@ from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner.batch import collate_groups, micro_batches
 from asyncppo.learner.forward import policy_forward
 from asyncppo.learner.models import load_actor, load_reference
-from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.config.checks import uses_critic, uses_reference
+from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.ppo_targets import correct_rollout, outcome_token_rewards
 from asyncppo.learner.value_head import SharedValueHead, build_critic
 from asyncppo.stream.records import Sample, TrajectoryGroup
@@ -59,8 +60,8 @@ def _updater(cfg, model_dir):
     dev = torch.device("cpu")
     torch.manual_seed(0)
     actor = load_actor(model_dir, torch.float64, dev)
-    critic = build_critic(cfg, model_dir, torch.float64, dev, False) if needs_critic(cfg) else None
-    ref = load_reference(model_dir, torch.float64, dev) if needs_reference(cfg) else None
+    critic = build_critic(cfg, model_dir, torch.float64, dev, False) if uses_critic(cfg) else None
+    ref = load_reference(model_dir, torch.float64, dev) if uses_reference(cfg) else None
     if ref is not None:  # make the reference differ so that KL terms are non-zero
         with torch.no_grad():
             for p in ref.parameters():
@@ -108,7 +109,7 @@ def test_one_step_per_option(model_dir, options):
         assert metrics["actor/kl_loss"] > 0
     if cfg.algorithm.add_token_level_kl:
         assert metrics["actor/reward_kl"] != 0
-    if needs_critic(cfg):
+    if uses_critic(cfg):
         assert "critic/vf_loss" in metrics and "critic/explained_variance" in metrics
     expected_steps = cfg.algorithm.ppo_epochs * (2 if cfg.algorithm.ppo_mini_batch_size == 2 else 1)
     assert metrics["actor/optimizer_steps"] == expected_steps

@@ -17,7 +17,8 @@ from asyncppo.learner.models import load_actor, load_critic, load_reference
 from asyncppo.learner.packing import (
     LONGEST, ONE_ROW, PADDED, pack_capacity, pack_rows, pad_fraction, uses_varlen_attention,
 )
-from asyncppo.learner.ppo import PPOUpdate, needs_critic, needs_reference
+from asyncppo.config.checks import uses_critic, uses_reference
+from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.value_head import build_critic
 from asyncppo.stream.records import Sample, TrajectoryGroup
 
@@ -61,8 +62,8 @@ def _updater(cfg, model_dir) -> PPOUpdate:
     dev = torch.device("cpu")
     torch.manual_seed(0)
     actor = load_actor(model_dir, torch.float64, dev)
-    critic = build_critic(cfg, model_dir, torch.float64, dev, False) if needs_critic(cfg) else None
-    ref = load_reference(model_dir, torch.float64, dev) if needs_reference(cfg) else None
+    critic = build_critic(cfg, model_dir, torch.float64, dev, False) if uses_critic(cfg) else None
+    ref = load_reference(model_dir, torch.float64, dev) if uses_reference(cfg) else None
     if ref is not None:  # a reference that differs, so that every KL term is non-zero
         with torch.no_grad():
             for p in ref.parameters():
