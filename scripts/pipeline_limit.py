@@ -187,21 +187,30 @@ def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, l
     env = _pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] learner alone beside a generating engine: {' '.join(overrides)}", flush=True)
     batches = steps * math.ceil((learner_s + BESIDE_SLACK_S) / max(engine_s, 1e-3))
-    engine = subprocess.Popen(_side_argv("engine", engine_dir, batches, overrides), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    busy = _side_argv("engine", engine_dir, batches, overrides)
+    return _beside(busy, "engine", _side_argv("learner", beside, steps, overrides), "learner", beside, env)
+
+
+def _beside(busy_argv: list[str], busy: str, measured_argv: list[str], measured: str, root: str, env: dict) -> float:
+    """Run the ``measured`` side (its argv, writing ``root/<measured>.json``) while the ``busy`` side works on its
+    own cores from 20 s before (its start-up) to the end; the measured side's seconds."""
+    proc = subprocess.Popen(busy_argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        time.sleep(20.0)  # the engine's own start-up (model load, warm-up) before the learner's timed part
-        if engine.poll() is not None:
-            raise SystemExit(f"[limit] the busy engine exited early with code {engine.returncode}")
-        _run_side_process("learner", beside, steps, overrides, env, "the learner beside the engine")
-        if engine.poll() is not None:
-            print("[limit] warning: the busy engine finished before the learner; the figure is a lower bound",
+        time.sleep(20.0)  # the busy side's own start-up (imports, model load) before the measured side's timed part
+        if proc.poll() is not None:
+            raise SystemExit(f"[limit] the busy {busy} exited early with code {proc.returncode}")
+        run = subprocess.run(measured_argv, capture_output=True, text=True, env=env)
+        if run.returncode != 0:
+            sys.stderr.write(run.stdout[-3000:] + run.stderr[-4000:])
+            raise SystemExit(f"[limit] the {measured} beside the {busy} failed with exit code {run.returncode}")
+        if proc.poll() is not None:
+            print(f"[limit] warning: the busy {busy} finished before the {measured}; the figure is a lower bound",
                   flush=True)
     finally:
-        engine.kill()
-        engine.wait()
-    with open(os.path.join(beside, "learner.json")) as f:
-        return json.load(f)["learner_s"]
+        proc.kill()
+        proc.wait()
+    with open(os.path.join(root, f"{measured}.json")) as f:
+        return json.load(f)[f"{measured}_s"]
 
 
 def engine_beside_learner(run_dir: str, overrides: list[str], rollout_cpus: str, learner_cpus: str, root: str,
@@ -218,21 +227,8 @@ def engine_beside_learner(run_dir: str, overrides: list[str], rollout_cpus: str,
     env = _pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] engine alone on the run's own work beside a training learner: {run_dir}", flush=True)
     repeat = math.ceil((engine_s + BESIDE_SLACK_S) / max(learner_s, 1e-3))
-    learner = subprocess.Popen(_side_argv("learner", learner_dir, steps, overrides, run_dir, repeat), env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(20.0)  # the learner's own start-up (imports, model build) before the engine's timed part
-        if learner.poll() is not None:
-            raise SystemExit(f"[limit] the busy learner exited early with code {learner.returncode}")
-        _run_side_process("engine", beside, steps, overrides, env, "the engine beside the learner", replay=run_dir)
-        if learner.poll() is not None:
-            print("[limit] warning: the busy learner finished before the engine; the figure is a lower bound",
-                  flush=True)
-    finally:
-        learner.kill()
-        learner.wait()
-    with open(os.path.join(beside, "engine.json")) as f:
-        return json.load(f)["engine_s"]
+    busy = _side_argv("learner", learner_dir, steps, overrides, run_dir, repeat)
+    return _beside(busy, "learner", _side_argv("engine", beside, steps, overrides, run_dir), "engine", beside, env)
 
 
 def main() -> None:
