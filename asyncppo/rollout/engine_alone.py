@@ -120,6 +120,9 @@ def replay_requests(groups: list, sampling: SamplingSpec) -> list[tuple[str, lis
             length = s.num_tokens
             if length < 1:
                 raise ValueError(f"engine replay: group {g.group_id!r} sample {j} has no response tokens")
+            if s.env_runs is not None:  # the environment wrote part of it: no engine generates that by length
+                raise ValueError(f"engine replay: group {g.group_id!r} is a multi-turn episode; only single-turn "
+                                 "groups can be replayed at their lengths")
             spec = dataclasses.replace(sampling, n=1, max_tokens=length, ignore_eos=True, seed=None,
                                        stop_token_ids=())
             requests.append((f"{g.group_id}/{j}", prompt, spec))
