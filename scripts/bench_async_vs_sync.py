@@ -95,6 +95,8 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         "samples": train[-1]["samples_trained"],
         "samples_per_s": train[-1]["samples_trained"] / train_s,
         "occupancy": ro.get("occupancy", float("nan")),
+        "running_mean": ro.get("running_mean", float("nan")),
+        "decode_tokens_per_s": ro.get("decode_tokens_per_s", float("nan")),
         "rollout_busy": mean("util/rollout_busy", steady),
         "train_busy": mean("util/train_busy", steady),
         **{key: ro.get(key, float("nan")) for key in WAIT_KEYS},  # engine empty / slots free, by cause
@@ -123,6 +125,8 @@ ROWS = [
     (f"load average at start / end ({os.cpu_count()} cores)", "load", "{}"),
     ("trained samples / s", "samples_per_s", "{:.1f}"),
     ("engine occupancy", "occupancy", "{:.2f}"),
+    ("engine: sequences a step", "running_mean", "{:.1f}"),
+    ("engine: tokens a second while stepping", "decode_tokens_per_s", "{:.0f}"),
     ("rollout busy", "rollout_busy", "{:.2f}"),
     ("train busy", "train_busy", "{:.2f}"),
     ("engine empty, no ticket (s)", "idle_ticket_s", "{:.1f}"),
@@ -178,10 +182,11 @@ def main() -> None:
     limit = mean_limit(limits) if limits else None
     if args.replay:
         for r in results:
-            own, _ = replay_limit(r["run_dir"], [*args.preset, *args.overrides, *r["mode_overrides"]],
-                                  args.rollout_cpus, args.learner_cpus,
-                                  os.path.join(root, "replay-" + os.path.basename(r["run_dir"])))
+            own, sides = replay_limit(r["run_dir"], [*args.preset, *args.overrides, *r["mode_overrides"]],
+                                      args.rollout_cpus, args.learner_cpus,
+                                      os.path.join(root, "replay-" + os.path.basename(r["run_dir"])))
             r["own_limit"] = own.as_dict()
+            r["own_engine_tokens_per_s"] = sides["engine"]["gen_tokens"] / sides["engine"]["step_s"]
             r["own_efficiency"] = own.efficiency(r["train_s"])
     print()
     print("| metric | " + " | ".join(f"{r['label']}" for r in results) + " |")
@@ -200,6 +205,8 @@ def main() -> None:
         print("| on the launch's own work: engine alone (s) / its occupancy | "
               + " | ".join(f"{r['own_limit']['engine_s']:.1f} / {r['own_limit']['engine_occupancy']:.2f}"
                            for r in results) + " |")
+        print("| on the launch's own work: engine alone, tokens a second while stepping | "
+              + " | ".join(f"{r['own_engine_tokens_per_s']:.0f}" for r in results) + " |")
         print("| on the launch's own work: learner alone (s) | "
               + " | ".join(f"{r['own_limit']['learner_s']:.1f}" for r in results) + " |")
         print("| efficiency on its own work = slower of the two / learner time | "

@@ -104,6 +104,7 @@ class EngineTotals:
         self.max_num_seqs = max(1, int(max_num_seqs))
         self.steps = 0.0
         self.running_sum = 0.0
+        self.busy_s = 0.0  # inside the engines' step calls
         self.inflight_updates = 0
         self.waits = dict.fromkeys(WAIT_KEYS, 0.0)
         self.push_s: list[float] = []
@@ -130,6 +131,7 @@ class EngineTotals:
         for g in groups:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
+        self.busy_s += busy
         waits = {key: sum(g.timings.get(key, 0.0) for g in groups) for key in WAIT_KEYS}
         for key, seconds in waits.items():
             self.waits[key] += seconds
@@ -159,6 +161,11 @@ class EngineTotals:
         lengths = [float(x) for x in self.lengths]
         return {
             "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
+            # every decoding sequence makes one token a step: tokens a second while stepping, the figure to set
+            # beside the engine alone's (scripts/pipeline_limit.py: gen_tokens / step_s)
+            "engine_step_s": self.busy_s,
+            "running_mean": self.running_sum / self.steps if self.steps else 0.0,
+            "decode_tokens_per_s": self.running_sum / self.busy_s if self.busy_s else 0.0,
             "inflight_updates": self.inflight_updates,
             **self.waits,
             "push_s_p50": _percentile(self.push_s, 0.5),

@@ -28,11 +28,14 @@ def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     assert step["rollout/inflight_updates"] == 1.0 and step["sync/push_s"] == 0.04
     assert step["response_length/max"] == 7.0
     old = _group([2])  # a group from a worker that reports no idle seconds counts as none
-    step2 = totals.add([old, _group([4], decode_steps=4.0, running_seq_sum=16.0, idle_ticket_s=0.25,
-                                    unfilled_ticket_s=0.25)])
+    step2 = totals.add([old, _group([4], decode_steps=4.0, running_seq_sum=16.0, engine_busy_s=0.2,
+                                    idle_ticket_s=0.25, unfilled_ticket_s=0.25)])
     assert step2["rollout/idle_ticket_s"] == 0.25 and step2["rollout/idle_weights_s"] == 0.0
     assert step2["rollout/unfilled_ticket_s"] == 0.25 and step2["rollout/unfilled_weights_s"] == 0.0
     summary = totals.summary()
     assert summary["idle_ticket_s"] == 1.5 and summary["idle_weights_s"] == 0.5
     assert summary["unfilled_ticket_s"] == 0.375 and summary["unfilled_weights_s"] == 0.0625
     assert summary["occupancy"] == 64 / (20 * 4) and summary["trained_tokens"] == 3 + 5 + 7 + 2 + 4
+    # 64 sequence-steps (one token each) in 0.5 + 0.3 + 0.2 engine seconds, 20 steps
+    assert summary["engine_step_s"] == 1.0 and summary["running_mean"] == 3.2
+    assert summary["decode_tokens_per_s"] == 64.0
