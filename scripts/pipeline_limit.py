@@ -142,6 +142,12 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     return limit, sides
 
 
+def _run_steps(run_dir: str) -> int:
+    """How many steps a finished run trained (its ``trainer.total_steps``: the learner's rate schedule needs it)."""
+    with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
+        return len({json.loads(line)["step"] for line in f})
+
+
 def replay_limit(run_dir: str, overrides: list[str], rollout_cpus: str, learner_cpus: str, root: str):
     """The limit on ``run_dir``'s own work (launched with ``trainer.save_trained_groups=true``): the engine alone
     generating every trained sample again at its own length (rollout/engine_alone.py: ``replay_alone``), then the
@@ -151,8 +157,7 @@ def replay_limit(run_dir: str, overrides: list[str], rollout_cpus: str, learner_
     from asyncppo.report.limit import PipelineLimit
 
     os.makedirs(root, exist_ok=True)
-    with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
-        steps = len({json.loads(line)["step"] for line in f})  # trainer.total_steps: the run's rate schedule
+    steps = _run_steps(run_dir)
     env = _pinned_env(rollout_cpus, learner_cpus)
     sides = {}
     for side in SIDES:
@@ -222,8 +227,7 @@ def engine_beside_learner(run_dir: str, overrides: list[str], rollout_cpus: str,
     beside = os.path.join(root, "beside-learner")
     learner_dir = os.path.join(beside, "learner")
     os.makedirs(learner_dir, exist_ok=True)
-    with open(os.path.join(run_dir, "trained_groups.jsonl"), encoding="utf-8") as f:
-        steps = len({json.loads(line)["step"] for line in f})
+    steps = _run_steps(run_dir)
     env = _pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] engine alone on the run's own work beside a training learner: {run_dir}", flush=True)
     repeat = math.ceil((engine_s + BESIDE_SLACK_S) / max(learner_s, 1e-3))
