@@ -110,27 +110,29 @@ def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: s
             *overrides]
 
 
-def _run_side_process(side: str, root: str, steps: int, overrides: list[str], env: dict, what: str,
-                      replay: str = "") -> None:
-    """Run one side to its end; on failure, show its output's tail and stop naming ``what`` failed."""
-    proc = subprocess.run(_side_argv(side, root, steps, overrides, replay), capture_output=True, text=True, env=env)
+def _run_side_process(argv: list[str], env: dict, what: str) -> None:
+    """Run one side (its :func:`_side_argv`) to its end; on failure, show its output's tail and stop naming ``what``
+    failed."""
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-4000:])
         raise SystemExit(f"[limit] {what} failed with exit code {proc.returncode}")
 
 
-def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str):
-    """Both sides, one after the other, each in its own pinned process; the :class:`PipelineLimit` and the two
-    sides' records."""
+def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_cpus: str, root: str,
+                  replay: str = ""):
+    """Both sides, one after the other, each in its own pinned process, on the engine alone's own groups or, with
+    ``replay`` (a run directory), on that run's work; the :class:`PipelineLimit` and the two sides' records."""
     from asyncppo.report.limit import PipelineLimit
 
     os.makedirs(root, exist_ok=True)
     env = _pinned_env(rollout_cpus, learner_cpus)
+    work = f"the {steps} batches of {replay}" if replay else " ".join(overrides)
     sides = {}
     for side in SIDES:
-        print(f"[limit] {side} alone: {' '.join(overrides)}", flush=True)
+        print(f"[limit] {side} alone: {work}", flush=True)
         t0, load_before = time.perf_counter(), os.getloadavg()[0]
-        _run_side_process(side, root, steps, overrides, env, f"the {side} alone")
+        _run_side_process(_side_argv(side, root, steps, overrides, replay), env, f"the {side} alone on {work}")
         with open(os.path.join(root, f"{side}.json")) as f:
             sides[side] = json.load(f)
         sides[side]["load"] = f"{load_before:.1f} / {os.getloadavg()[0]:.1f}"  # 1-minute load at start / end
@@ -154,23 +156,7 @@ def replay_limit(run_dir: str, overrides: list[str], rollout_cpus: str, learner_
     learner alone on the run's own batches, each pinned as the limit's sides are. ``overrides`` must build the run's
     engine and learner (its preset and overrides); the step count comes from the run. Returns the
     :class:`PipelineLimit` and the two sides' records."""
-    from asyncppo.report.limit import PipelineLimit
-
-    os.makedirs(root, exist_ok=True)
-    steps = _run_steps(run_dir)
-    env = _pinned_env(rollout_cpus, learner_cpus)
-    sides = {}
-    for side in SIDES:
-        print(f"[limit] {side} alone on the {steps} batches of {run_dir}", flush=True)
-        _run_side_process(side, root, steps, overrides, env, f"the {side} alone on the run's batches",
-                          replay=run_dir)
-        with open(os.path.join(root, f"{side}.json")) as f:
-            sides[side] = json.load(f)
-        print(f"[limit] {side} alone on the run's own work: {json.dumps(sides[side])}", flush=True)
-    engine, learner = sides["engine"], sides["learner"]
-    limit = PipelineLimit(engine_s=engine["engine_s"], learner_s=learner["learner_s"], samples=learner["samples"],
-                          engine_occupancy=engine["occupancy"])
-    return limit, sides
+    return measure_limit(overrides, _run_steps(run_dir), rollout_cpus, learner_cpus, root, replay=run_dir)
 
 
 #: Seconds the busy engine must keep generating beyond the learner's own run: its start-up wait below and the
@@ -204,10 +190,7 @@ def _beside(busy_argv: list[str], busy: str, measured_argv: list[str], measured:
         time.sleep(20.0)  # the busy side's own start-up (imports, model load) before the measured side's timed part
         if proc.poll() is not None:
             raise SystemExit(f"[limit] the busy {busy} exited early with code {proc.returncode}")
-        run = subprocess.run(measured_argv, capture_output=True, text=True, env=env)
-        if run.returncode != 0:
-            sys.stderr.write(run.stdout[-3000:] + run.stderr[-4000:])
-            raise SystemExit(f"[limit] the {measured} beside the {busy} failed with exit code {run.returncode}")
+        _run_side_process(measured_argv, env, f"the {measured} beside the {busy}")
         if proc.poll() is not None:
             print(f"[limit] warning: the busy {busy} finished before the {measured}; the figure is a lower bound",
                   flush=True)

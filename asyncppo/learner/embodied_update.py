@@ -35,7 +35,7 @@ from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
 from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.learner.optim_step import clip_and_step
-from asyncppo.learner.schedule import lr_lambda
+from asyncppo.learner.schedule import scheduled_adamw
 from asyncppo.stream.segments import EnvSegment
 
 
@@ -70,15 +70,15 @@ class EmbodiedPPO:
         self.cfg, self.policy, self.device = cfg, policy, device
         a, t = cfg.algorithm, cfg.trainer
         self.actor_critic = a.loss_type == "actor_critic"
-        lam = lr_lambda(t.warmup_steps, t.total_steps, t.lr_schedule)
-        kw = dict(betas=tuple(t.betas), eps=1e-5, weight_decay=t.weight_decay)
         if self.actor_critic:
-            self.opts = [torch.optim.AdamW(policy.parameters(), lr=t.lr, **kw)]
+            params = [(policy.parameters(), t.lr)]
         else:
             critic = [p for n, p in policy.named_parameters() if n.startswith(("critic_trunk.", "critic_head."))]
             actor = [p for n, p in policy.named_parameters() if not n.startswith(("critic_trunk.", "critic_head."))]
-            self.opts = [torch.optim.AdamW(actor, lr=t.lr, **kw), torch.optim.AdamW(critic, lr=t.critic_lr, **kw)]
-        self.scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in self.opts]
+            params = [(actor, t.lr), (critic, t.critic_lr)]
+        opts_scheds = [scheduled_adamw(group, lr, t, eps=1e-5) for group, lr in params]
+        self.opts = [opt for opt, _ in opts_scheds]
+        self.scheds = [sched for _, sched in opts_scheds]
         self.scaler = ReturnScaler(a.gamma) if cfg.env.normalize_reward else None
         self.gen = torch.Generator().manual_seed(t.seed)
 

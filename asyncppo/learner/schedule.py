@@ -20,8 +20,10 @@ def lr_lambda(warmup: int, total: int, schedule: str):
     return factor
 
 
-def scheduled_adamw(params, lr: float, trainer) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW over ``params`` at rate ``lr`` with ``trainer``'s betas and weight decay, and its schedule (above)."""
-    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(trainer.betas), weight_decay=trainer.weight_decay)
+def scheduled_adamw(params, lr: float, trainer, eps: float = 1e-8
+                    ) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` at rate ``lr`` with ``trainer``'s betas and weight decay, and its schedule (above).
+    ``eps``: torch's default; the embodied learner uses CleanRL's 1e-5."""
+    opt = torch.optim.AdamW(params, lr=lr, betas=tuple(trainer.betas), eps=eps, weight_decay=trainer.weight_decay)
     schedule = lr_lambda(trainer.warmup_steps, trainer.total_steps, trainer.lr_schedule)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
