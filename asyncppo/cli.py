@@ -107,9 +107,10 @@ _TEXTS = {
         "FIRST_RUN/compare/ unless --out is given.",
     ),
     "advise": (
-        "predict throughput, busy fractions, lag and idle GPUs for every rollout/train split and max_staleness",
+        "predict throughput, occupancy, lag and idle GPUs for every rollout/train split, max_staleness and lookahead",
         "Measure a run's rates (generation speed by occupancy, learner speed per token, weight-load time, response "
-        "lengths), simulate the pipeline for a GPU budget and recommend a split and max_staleness. Prints a table "
+        "lengths), simulate the pipeline for a GPU budget and recommend a split, max_staleness and admission "
+        "lookahead. Prints a table "
         "and writes a PNG of predicted throughput over the split. See docs/advisor.md.",
     ),
 }
@@ -143,10 +144,22 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--nodes", type=int, default=1, metavar="K", help="nodes the GPUs are on (pools get whole nodes)")
     p.add_argument("--tp", type=int, default=1, metavar="T", help="GPUs per rollout engine (tensor parallel)")
     p.add_argument("--staleness", default="0,1,2,4,8", metavar="K,K,...", help="max_staleness values to try")
+    p.add_argument("--lookahead", default=None, metavar="J,J,...",
+                   help="admission lookaheads to try under each k (only those < k; default: the run's own "
+                        "rollout.admission_lookahead, if it set one)")
     p.add_argument("--batch", type=int, default=None, metavar="B", help="prompts per step (default: the run's)")
     p.add_argument("--steps", type=int, default=40, help="simulated learner steps per configuration")
     p.add_argument("--out", metavar="PNG", default=None, help="plot path (default: RUN_DIR/advise_<N>gpus.png)")
     p.set_defaults(func=_cmd_advise)
+
+
+def _counts(text: str) -> list[int] | None:
+    """``"0,1,4"`` -> ``[0, 1, 4]`` (sorted, unique); None unless every item is an integer >= 0 and there is one."""
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        return None
+    return values if values and all(v >= 0 for v in values) else None
 
 
 def _cmd_advise(args: argparse.Namespace) -> int:
@@ -156,12 +169,12 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 
     if (args.run is None) == (args.workload is None):
         return _fail("advise needs exactly one of RUN_DIR or --workload NAME")
-    try:
-        ks = sorted({int(x) for x in args.staleness.split(",") if x.strip()})
-        if any(k < 0 for k in ks) or not ks:
-            raise ValueError
-    except ValueError:
+    ks = _counts(args.staleness)
+    if ks is None:
         return _fail(f"--staleness {args.staleness!r}: expected comma-separated integers >= 0, e.g. 0,1,2,4")
+    lookaheads = None if args.lookahead is None else _counts(args.lookahead)
+    if args.lookahead is not None and lookaheads is None:
+        return _fail(f"--lookahead {args.lookahead!r}: expected comma-separated integers >= 0, e.g. 1,2,3")
     switch_s = 0.0
     try:
         if args.workload:
@@ -169,7 +182,8 @@ def _cmd_advise(args: argparse.Namespace) -> int:
         else:
             rates = measure(args.run)
         rows = sweep(rates, args.gpus, nodes=args.nodes, tp=args.tp, ks=ks, steps=args.steps,
-                     warmup=max(2, args.steps // 4), switch_s=switch_s, batch_groups=args.batch)
+                     warmup=max(2, args.steps // 4), switch_s=switch_s, batch_groups=args.batch,
+                     lookaheads=lookaheads)
     except ValueError as exc:
         return _fail(str(exc))
     pick = recommend(rows)
@@ -179,7 +193,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
     print(f"\nrecommended: {pick.label}: {pick.result.samples_per_s:.2f} samples/s, lag mean "
           f"{pick.result.lag_mean:.2f}, idle GPU {pick.result.idle_gpu_frac:.0%}\n"
           f"  asyncppo launch --rollout-gpus {pick.rollout_gpus} --train-gpus {pick.train_gpus} "
-          f"rollout.max_staleness={pick.max_staleness}")
+          f"{pick.overrides}")
     out = args.out or os.path.join(args.run or ".", f"advise_{args.gpus}gpus.png")
     print(f"plot: {plot(rows, pick, out, title=f'{args.run or args.workload}: {args.gpus} GPUs')}")
     return 0

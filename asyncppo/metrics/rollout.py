@@ -104,6 +104,7 @@ class EngineTotals:
         self.max_num_seqs = max(1, int(max_num_seqs))
         self.steps = 0.0
         self.running_sum = 0.0
+        self._before_last = (0.0, 0.0)  # (steps, running_sum) before the last add(): occupancy_steady
         self.busy_s = 0.0  # inside the engines' step calls
         self.inflight_updates = 0
         self.waits = dict.fromkeys(WAIT_KEYS, 0.0)
@@ -122,6 +123,7 @@ class EngineTotals:
         inflight = int(sum(g.timings.get("inflight_updates", 0.0) for g in groups))
         pushes = [g.timings["push_s_max"] for g in groups if g.timings.get("push_count", 0.0) > 0]
         lengths = [n for g in groups for n in g.sample_lengths()]
+        self._before_last = (self.steps, self.running_sum)
         self.steps += steps
         self.running_sum += running
         self.inflight_updates += inflight
@@ -161,6 +163,11 @@ class EngineTotals:
         lengths = [float(x) for x in self.lengths]
         return {
             "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
+            # the same without the last step's groups: the run's drain (its last stragglers decoding nearly alone,
+            # since nothing past the last slot is granted) rides on them, and a short run's figure is mostly that
+            # drain's (docs/staleness.md, "What to watch")
+            "occupancy_steady": (self._before_last[1] / (self._before_last[0] * self.max_num_seqs)
+                                 if self._before_last[0] else 0.0),
             # every decoding sequence makes one token a step: tokens a second while stepping, the figure to set
             # beside the engine alone's (scripts/pipeline_limit.py: gen_tokens / step_s)
             "engine_step_s": self.busy_s,

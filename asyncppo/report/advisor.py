@@ -2,7 +2,10 @@
 
 Why a recommendation rule and not just "the fastest": more staleness is never free for learning (docs/staleness.md),
 so among the configurations within ``tolerance`` (default 3%) of the best predicted throughput the advisor picks the
-smallest ``k``, then the split with the least idle GPU time. A synchronous trainer colocated on the whole budget
+smallest ``k``, then the smallest admission lookahead ``j`` (the lag most samples get), then the split with the least
+idle GPU time. Lookaheads (``--lookahead``) are swept beside ``k`` because on long-tailed groups they decide how full
+the engines run: a group holds its ticket until its last sample ends, so the window of ``(j + 1) * B`` groups holds
+far fewer running samples than ``(j + 1) * B * n`` (docs/staleness.md, "Choosing j"). A synchronous trainer colocated on the whole budget
 (every GPU generates, then every GPU trains) is simulated alongside as the baseline that published speed-ups are
 measured against.
 
@@ -28,11 +31,24 @@ class Row:
     max_staleness: int
     result: Result
     colocated: bool = False
+    lookahead: Optional[int] = None  # j; None: k (no lookahead)
+
+    @property
+    def j(self) -> int:
+        return self.max_staleness if self.lookahead is None else self.lookahead
 
     @property
     def label(self) -> str:
-        return f"colocated sync ({self.rollout_gpus} GPUs)" if self.colocated else \
-            f"{self.rollout_gpus} rollout / {self.train_gpus} train, k={self.max_staleness}"
+        if self.colocated:
+            return f"colocated sync ({self.rollout_gpus} GPUs)"
+        ahead = "" if self.lookahead is None else f", j={self.lookahead}"
+        return f"{self.rollout_gpus} rollout / {self.train_gpus} train, k={self.max_staleness}{ahead}"
+
+    @property
+    def overrides(self) -> str:
+        """The configuration keys of this row, as ``asyncppo launch`` takes them."""
+        ahead = "" if self.lookahead is None else f" rollout.admission_lookahead={self.lookahead}"
+        return f"rollout.max_staleness={self.max_staleness}{ahead}"
 
 
 def splits(gpus: int, nodes: int = 1, tp: int = 1, max_splits: int = 12) -> list[int]:
@@ -53,22 +69,35 @@ def splits(gpus: int, nodes: int = 1, tp: int = 1, max_splits: int = 12) -> list
     return options
 
 
+def lookaheads_for(k: int, lookaheads: Optional[Sequence[Optional[int]]]) -> list[Optional[int]]:
+    """The lookaheads to try under ``k``: each given ``j < k``, and always none (``j = k``: ticket order, the
+    baseline a lookahead is judged against)."""
+    return [*sorted({j for j in (lookaheads or ()) if j is not None and 0 <= j < k}), None]
+
+
 def sweep(rates: Rates, gpus: int, nodes: int = 1, tp: int = 1, ks: Sequence[int] = (0, 1, 2, 4, 8),
           steps: int = 40, warmup: int = 10, switch_s: float = 0.0, max_splits: int = 12,
-          batch_groups: Optional[int] = None) -> list[Row]:
-    """Every split x every ``k`` (``k >= sync_every - 1``), plus the colocated synchronous baseline."""
+          batch_groups: Optional[int] = None, lookaheads: Optional[Sequence[int]] = None) -> list[Row]:
+    """Every split x every ``k`` (``k >= sync_every - 1``) x every lookahead ``j < k`` (default: the run's own, if
+    it set one), plus the colocated synchronous baseline."""
     common = dict(steps=steps, warmup_steps=warmup)
     if batch_groups:
         common["batch_groups"] = batch_groups
+    if lookaheads is None:
+        lookaheads = () if rates.lookahead is None else (rates.lookahead,)
     rows = []
     for r in splits(gpus, nodes, tp, max_splits):
         for k in ks:
             if k < rates.sync_every - 1:
                 continue
-            setup = rates.setup(engines=r // tp, train_ranks=gpus - r, max_staleness=k, **common)
-            rows.append(Row(r, gpus - r, k, simulate(setup, rates.gen, rates.train, rates.lengths)))
+            for j in lookaheads_for(k, lookaheads):
+                if j is not None and j < rates.sync_every - 1:
+                    continue
+                setup = rates.setup(engines=r // tp, train_ranks=gpus - r, max_staleness=k, lookahead=j, **common)
+                rows.append(Row(r, gpus - r, k, simulate(setup, rates.gen, rates.train, rates.lengths),
+                                lookahead=j))
     colo = dataclasses.replace(rates.setup(engines=gpus // tp, train_ranks=gpus, max_staleness=0, sync_every=1,
-                                           colocated=True, switch_s=switch_s, **common))
+                                           lookahead=None, colocated=True, switch_s=switch_s, **common))
     rows.append(Row(gpus, gpus, 0, simulate(colo, rates.gen, rates.train, rates.lengths), colocated=True))
     return rows
 
@@ -77,12 +106,12 @@ def recommend(rows: Sequence[Row], tolerance: float = 0.03) -> Row:
     candidates = [r for r in rows if not r.colocated]
     best = max(r.result.samples_per_s for r in candidates)
     good = [r for r in candidates if r.result.samples_per_s >= (1 - tolerance) * best]
-    return min(good, key=lambda r: (r.max_staleness, r.result.idle_gpu_frac))
+    return min(good, key=lambda r: (r.max_staleness, r.j, r.result.idle_gpu_frac))
 
 
 def format_table(rows: Sequence[Row], pick: Row) -> str:
     base = next((r for r in rows if r.colocated), None)
-    head = (f"{'rollout':>7s} {'train':>5s} {'k':>2s} | {'samples/s':>9s} {'tokens/s':>10s} {'vs sync':>7s} | "
+    head = (f"{'rollout':>7s} {'train':>5s} {'k':>2s} {'j':>2s} | {'samples/s':>9s} {'tokens/s':>10s} {'vs sync':>7s} | "
             f"{'gen busy':>8s} {'train busy':>10s} {'occup.':>6s} | {'lag':>4s} {'tok lag':>7s} {'lag max':>7s} | "
             f"{'idle GPU':>8s} {'waste':>5s}")
     out = [head, "-" * len(head)]
@@ -91,7 +120,7 @@ def format_table(rows: Sequence[Row], pick: Row) -> str:
         rel = x.samples_per_s / base.result.samples_per_s if base and base.result.samples_per_s else float("nan")
         split = ("colocated", "sync") if r.colocated else (str(r.rollout_gpus), str(r.train_gpus))
         mark = "  <- recommended" if r is pick else ""
-        out.append(f"{split[0]:>7s} {split[1]:>5s} {r.max_staleness:>2d} | {x.samples_per_s:9.2f} {x.tokens_per_s:10.0f} "
+        out.append(f"{split[0]:>7s} {split[1]:>5s} {r.max_staleness:>2d} {r.j:>2d} | {x.samples_per_s:9.2f} {x.tokens_per_s:10.0f} "
                    f"{rel:6.2f}x | {x.rollout_busy:8.2f} {x.train_busy:10.2f} {x.occupancy:6.2f} | {x.lag_mean:4.2f} "
                    f"{x.token_lag_mean:7.2f} {x.lag_max:7d} | {x.idle_gpu_frac:8.2f} {x.waste:5.2f}{mark}")
     return "\n".join(out)
@@ -104,9 +133,12 @@ def plot(rows: Sequence[Row], pick: Row, path: str, title: str = "") -> str:
     import matplotlib.pyplot as plt  # heavy: matplotlib; after use("Agg") so no display backend is tried
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for k in sorted({r.max_staleness for r in rows if not r.colocated}):
-        pts = sorted((r.rollout_gpus, r.result.samples_per_s) for r in rows if not r.colocated and r.max_staleness == k)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"max_staleness={k}")
+    for k, j in sorted({(r.max_staleness, r.lookahead if r.lookahead is not None else -1)
+                        for r in rows if not r.colocated}):
+        pts = sorted((r.rollout_gpus, r.result.samples_per_s) for r in rows
+                     if not r.colocated and (r.max_staleness, r.lookahead if r.lookahead is not None else -1) == (k, j))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
+                label=f"max_staleness={k}" + ("" if j < 0 else f", lookahead={j}"))
     base = next((r for r in rows if r.colocated), None)
     if base is not None:
         ax.axhline(base.result.samples_per_s, color="grey", linestyle="--", label="colocated synchronous")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field, replace
+from typing import Optional
 
 from asyncppo.report.lengths import LogNormalLengths, capped, parse_groups
 from asyncppo.report.runs import Run, load_run
@@ -42,12 +43,14 @@ class Rates:
     notes: list[str] = field(default_factory=list)
     prompt_tokens: int = 0  # only the per-KV-token term reads it (0 for runs: CPU engines are fitted without it)
     admission_unit: str = "group"  # rollout.admission_unit of the run (runs before the option admitted per group)
+    lookahead: Optional[int] = None  # rollout.admission_lookahead of the run (None: k)
 
     def setup(self, **overrides) -> Setup:
         """The run's own configuration as a simulator setup, with ``overrides`` (engines=, max_staleness=, ...)."""
         base = Setup(engines=self.engines, train_ranks=self.train_ranks, batch_groups=self.batch_groups,
                      group_size=self.group_size, max_staleness=self.max_staleness, sync_every=self.sync_every,
-                     load_s=self.load_s, prompt_tokens=self.prompt_tokens, admission_unit=self.admission_unit)
+                     load_s=self.load_s, prompt_tokens=self.prompt_tokens, admission_unit=self.admission_unit,
+                     lookahead=self.lookahead)
         return replace(base, **overrides)
 
     def with_response_length(self, cap: int) -> "Rates":
@@ -143,4 +146,6 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
+        lookahead=None if run.cfg("rollout.admission_lookahead", None) is None
+        else int(run.cfg("rollout.admission_lookahead")),
     )

@@ -12,10 +12,14 @@ sequences finishing, so a run of thousands of learner steps on hundreds of engin
   (``"slot"``: the samples that find no slot wait in the engine's queue and start as slots free, as vLLM's
   scheduler starts them); its slots free one by one as samples finish; the group is delivered when its last sample
   finishes (the stream costs nothing at this scale: docs/benchmarks.md, Transport).
-* **admission**: ticket ``i`` is granted while ``i < (k + v + 1) * B`` and needs weights ``>= i // B - k``;
-  engines take tickets in order as they have room, exactly like the workers.
-* **learner**: the batch at version ``v`` is tickets ``[v*B, (v+1)*B)`` (ticket-ordered consumption); it starts when
-  all are delivered and takes ``base + per_token * tokens / ranks`` seconds; then ``v + 1``, and every
+* **admission**: the run's own :class:`~asyncppo.staleness.controller.AdmissionController` grants the tickets:
+  ticket ``i`` while ``i < (j + v + 1) * B``, needing weights ``>= i // B - j``, with the deadline ``i // B - j + k``
+  (``j = rollout.admission_lookahead``, ``k`` when unset); engines take tickets in order as they have room, exactly
+  like the workers.
+* **learner**: the batch at version ``v`` is chosen by the buffer's own rule (:func:`~asyncppo.staleness.order.
+  next_batch`): the ``B`` lowest outstanding tickets once all are delivered, or, under a lookahead, the ``B`` lowest
+  delivered ones when every missing ticket still meets its deadline; it takes ``base + per_token * tokens / ranks``
+  seconds; then ``v + 1``, and every
   ``sync_every`` versions the weights are pushed: every engine pauses ``load_s`` (between two decode steps, keeping
   its sequences, as ``inflight_update=keep``) and then labels new tokens with the new version.
 * **colocated** (``colocated=True``, needs ``k = 0``): the same GPUs generate and train, as a synchronous trainer
@@ -39,6 +43,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from asyncppo.config.choices import ADMISSION_UNITS, admission_room
+from asyncppo.staleness.controller import AdmissionController
+from asyncppo.staleness.order import next_batch
 
 
 @dataclass(frozen=True)
@@ -82,6 +88,7 @@ class Setup:
     colocated: bool = False
     switch_s: float = 0.0
     admission_unit: str = "group"  # group | slot, as rollout.admission_unit (config/choices.py: admission_room)
+    lookahead: Optional[int] = None  # j = rollout.admission_lookahead (None: k, ticket order without deferral)
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.train_ranks < 1 or self.batch_groups < 1 or self.group_size < 1:
@@ -94,6 +101,8 @@ class Setup:
             raise ValueError("a colocated pool alternates: it needs max_staleness = 0")
         if not 0 <= self.warmup_steps < self.steps:
             raise ValueError("need 0 <= warmup_steps < steps")
+        if self.lookahead is not None and not 0 <= self.lookahead <= self.max_staleness:
+            raise ValueError(f"lookahead must be in [0, max_staleness={self.max_staleness}], got {self.lookahead}")
         if self.admission_unit not in ADMISSION_UNITS:
             raise ValueError(f"admission_unit must be one of {ADMISSION_UNITS}, got {self.admission_unit!r}")
 
@@ -139,10 +148,10 @@ class _RunState:
     """What one :meth:`Simulator.run` changes as events fire (the engines' own state lives in :class:`_Engine`)."""
 
     engines: list
+    tickets: AdmissionController
     seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, admit progress, length)
     groups: dict = field(default_factory=dict)  # ticket -> {left, tokens, vmin, tv}
     delivered: dict = field(default_factory=dict)
-    next_ticket: int = 0
     version: int = 0
     learner_busy_until: Optional[float] = None
     step_ends: list = field(default_factory=lambda: [0.0])
@@ -217,7 +226,8 @@ class Simulator:
         """Replay events (sequence finished, step trained, weights loaded) in time order until the last step."""
         self.events: list = []
         self._counter = 0
-        self.r = r = _RunState(engines=[_Engine(i) for i in range(self.s.engines)])
+        tickets = AdmissionController(self.s.batch_groups, self.s.max_staleness, lookahead=self.s.lookahead)
+        self.r = r = _RunState(engines=[_Engine(i) for i in range(self.s.engines)], tickets=tickets)
         self._admit_all(0.0)
         while self.events and r.version < self.s.steps:
             now, _, _, ev = heapq.heappop(self.events)
@@ -233,16 +243,17 @@ class Simulator:
 
     def _admit(self, e: _Engine, now: float) -> None:
         """Request tickets in order while the engine has room, then admit every group whose version it satisfies."""
-        s, r = self.s, self.r
-        B, n, k = s.batch_groups, s.group_size, s.max_staleness
+        r, n = self.r, self.s.group_size
         self._advance(e, now)
         room = self._room(e)
-        while len(e.pending) < room and r.next_ticket < (k + r.version + 1) * B:  # request tickets, in order
-            e.pending.append(r.next_ticket)
-            r.next_ticket += 1
+        while len(e.pending) < room:  # request tickets, in order, while the window has them
+            granted = r.tickets.try_acquire()
+            if granted is None:
+                break
+            e.pending.append(granted)
         added = False
-        while e.pending and self._room(e) and e.pending[0] // B - k <= e.version:
-            ticket = e.pending.popleft()
+        while e.pending and self._room(e) and e.pending[0].min_version <= e.version:
+            ticket = e.pending.popleft().index
             r.groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
             e.queue.extend((ticket, L) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
@@ -272,14 +283,17 @@ class Simulator:
             self._admit(e, now)
 
     def _try_train(self, now: float) -> None:
-        """Start the next step once the learner is free and every ticket of its batch is delivered."""
+        """Start the next step once the learner is free and the buffer's rule has a batch for it."""
         s, r = self.s, self.r
         B, n = s.batch_groups, s.group_size
         if r.learner_busy_until is not None or r.version >= s.steps:
             return
-        batch = range(r.version * B, (r.version + 1) * B)
-        if not all(t in r.delivered for t in batch):
+        pick = next_batch(r.tickets, r.delivered, B, r.version)
+        if pick is None:
             return
+        batch = pick[0]
+        for t in batch:
+            r.tickets.consumed(t)
         recs = [r.delivered.pop(t) for t in batch]
         tokens = sum(rec["tokens"] for rec in recs)
         for rec in recs:
@@ -326,6 +340,7 @@ class Simulator:
         s, r = self.s, self.r
         r.learner_busy_until = None
         r.version += 1
+        r.tickets.set_version(r.version)
         r.step_ends.append(now)
         if r.version == s.warmup_steps:
             for e in r.engines:

@@ -37,23 +37,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional
 
+from asyncppo.staleness.order import TicketOrder, next_batch
 from asyncppo.stream.records import TrajectoryGroup
 
 
 class BufferClosed(RuntimeError):
     """Raised by ``put`` on a closed buffer."""
-
-
-class TicketOrder(Protocol):
-    """What ticket-ordered consumption needs from the admission controller."""
-
-    def lowest_outstanding(self, n: int) -> list[int]: ...
-
-    def is_outstanding(self, index: int) -> bool: ...
-
-    def can_defer(self, take: list[int], version: int) -> bool: ...
 
 
 #: Drops are counted per bucket of the group's longest response, as a fraction of ``response_length``.
@@ -186,16 +177,12 @@ class StalenessBuffer:
         ones wait (their deadlines still hold)."""
         if self.order is None:
             return [self._q.popleft() for _ in range(n)] if len(self._q) >= n else []
-        want = self.order.lowest_outstanding(n)
-        if len(want) < n:
-            return []
         by_ticket = {g.ticket: g for g in self._q}
-        if not all(t in by_ticket for t in want):
-            arrived = [t for t in sorted(by_ticket) if self.order.is_outstanding(t)][:n]
-            if len(arrived) < n or not self.order.can_defer(arrived, learner_version):
-                return []
-            self.deferred += sum(1 for t in arrived if t not in want)
-            want = arrived
+        pick = next_batch(self.order, by_ticket, n, learner_version)
+        if pick is None:
+            return []
+        want, deferred = pick
+        self.deferred += deferred
         chosen = set(want)
         self._q = collections.deque(g for g in self._q if g.ticket not in chosen)
         return [by_ticket[t] for t in want]

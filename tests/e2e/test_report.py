@@ -96,11 +96,12 @@ def test_report_and_advise_cli(real_run, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert os.path.isfile(tmp_path / "report.png")
     png = str(tmp_path / "advise.png")
-    proc = subprocess.run([*ASYNCPPO, "advise", real_run, "--gpus", "4", "--staleness", "0,1", "--steps", "16",
-                           "--out", png], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*ASYNCPPO, "advise", real_run, "--gpus", "4", "--staleness", "0,1", "--lookahead", "0",
+                           "--steps", "16", "--out", png], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "recommended:" in proc.stdout and "colocated" in proc.stdout
-    assert len([l for l in proc.stdout.splitlines() if " | " in l]) == 3 * 2 + 1 + 1  # 3 splits x 2 k + sync + head
+    # 3 splits x (k = 0; k = 1 with j = 0 and without a lookahead) + sync + head
+    assert len([l for l in proc.stdout.splitlines() if " | " in l]) == 3 * 3 + 1 + 1
     assert _read(png)[..., :3].std() > 0.05
 
 
@@ -111,6 +112,7 @@ def test_measured_rates_of_a_real_run(real_run):
     assert rates.gen.base_s >= 0 and rates.gen.per_seq_s >= 0 and rates.gen.base_s + rates.gen.per_seq_s > 0
     assert rates.train.per_token_s > 0 or rates.train.base_s > 0
     assert rates.batch_groups == 4 and rates.group_size == 8 and rates.max_staleness == 1
+    assert rates.lookahead is None  # the run set no rollout.admission_lookahead
     # the builtin addition task answers in at most 4 tokens + eos: replayed groups come from the run itself
     assert 1 <= rates.lengths.mean <= 5 and rates.measured_samples_per_s > 0
 
@@ -123,6 +125,9 @@ def test_cli_errors_are_clear(tmp_path):
     proc = subprocess.run([*ASYNCPPO, "advise", "--workload", "7b-long", "--gpus", "8", "--staleness", "a"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "--staleness" in proc.stderr
+    proc = subprocess.run([*ASYNCPPO, "advise", "--workload", "7b-long", "--gpus", "8", "--lookahead", "-1"],
+                          capture_output=True, text=True)
+    assert proc.returncode == 2 and "--lookahead" in proc.stderr
     proc = subprocess.run([*ASYNCPPO, "advise", "--workload", "7b-long", "--gpus", "9", "--nodes", "2"],
                           capture_output=True, text=True)
     assert proc.returncode == 2 and "multiple of --nodes" in proc.stderr

@@ -182,3 +182,44 @@ def test_admission_units_agree_for_groups_of_one():
                            warmup_steps=8, admission_unit=unit, seed=3),
                      EngineSpeed(0.02, 0.001, 0.0, 5), TrainSpeed(0.05, 1e-4), lengths) for unit in ("group", "slot")]
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("j", [0, 1, 2, 4])
+def test_training_bound_lag_is_exactly_the_lookahead(j):
+    """Generation is (almost) free and training takes 2 s a step, k = 4. Ticket ``i`` is granted once the learner
+    reaches version ``i // B - j`` (the lookahead's window), generated at once with those weights, and trained at
+    version ``i // B``: every sample's lag is exactly ``j``. With ``j >= 1`` the next batch is always ready (period
+    2 s); with ``j = 0`` the learner waits for each batch's 10 decode steps of 1e-4 s."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=4, group_size=2, max_staleness=4, lookahead=j,
+                       steps=20, warmup_steps=4), EngineSpeed(1e-4, 0.0, 0.0, 64), TrainSpeed(2.0, 0.0),
+                 FixedLengths(10))
+    assert r.lag_mean == j and r.lag_max == j
+    assert r.step_s == pytest.approx(2.0 + (1e-3 if j == 0 else 0.0), rel=1e-9)
+
+
+def test_a_lookahead_equal_to_k_is_ticket_order():
+    """``lookahead = k`` is no lookahead: the same run, event for event, as leaving it unset."""
+    args = dict(engines=2, train_ranks=1, batch_groups=6, group_size=4, max_staleness=3, load_s=0.02, steps=30,
+                warmup_steps=5, seed=4, admission_unit="slot")
+    runs = [simulate(Setup(lookahead=j, **args), EngineSpeed(0.01, 0.0005, 0.0, 24), TrainSpeed(0.1, 1e-4),
+                     LogNormalLengths(20, 150, 200, within_group=0.3)) for j in (None, 3)]
+    assert runs[0] == runs[1]
+
+
+def test_deferral_keeps_the_bound_and_beats_a_tight_window_on_long_tails():
+    """k = 4, j = 1 against k = j = 1 on a heavy tail: both grant one batch ahead, but with slack the learner trains
+    the groups that arrived ahead of a straggler (the buffer's rule, staleness/order.py: next_batch) instead of
+    waiting for it. Every lag stays <= k, the mean stays near j, and the learner waits less."""
+    args = dict(engines=1, train_ranks=1, batch_groups=8, group_size=4, load_s=0.01, steps=60, warmup_steps=10,
+                seed=1, admission_unit="slot")
+    speed, train, lengths = EngineSpeed(0.01, 0.0002, 0.0, 64), TrainSpeed(0.3, 0.0), LogNormalLengths(15, 150, 300)
+    tight = simulate(Setup(max_staleness=1, **args), speed, train, lengths)
+    slack = simulate(Setup(max_staleness=4, lookahead=1, **args), speed, train, lengths)
+    assert tight.lag_max <= 1 and slack.lag_max <= 4
+    assert slack.lag_mean < 1.5
+    assert slack.samples_per_s > 1.3 * tight.samples_per_s, (slack.samples_per_s, tight.samples_per_s)  # 1.57-1.69 at seeds 0-3
+
+
+def test_a_lookahead_above_k_is_refused():
+    with pytest.raises(ValueError, match="lookahead must be in"):
+        Setup(1, 1, 1, 1, max_staleness=2, lookahead=3)

@@ -36,6 +36,8 @@ def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     assert summary["idle_ticket_s"] == 1.5 and summary["idle_weights_s"] == 0.5
     assert summary["unfilled_ticket_s"] == 0.375 and summary["unfilled_weights_s"] == 0.0625
     assert summary["occupancy"] == 64 / (20 * 4) and summary["trained_tokens"] == 3 + 5 + 7 + 2 + 4
+    # without the last step's groups (the run's drain rides on them): the first step's 48 of 16 x 4
+    assert summary["occupancy_steady"] == 48 / (16 * 4)
     # 64 sequence-steps (one token each) in 0.5 + 0.3 + 0.2 engine seconds, 20 steps
     assert summary["engine_step_s"] == 1.0 and summary["running_mean"] == 3.2
     assert summary["decode_tokens_per_s"] == 64.0

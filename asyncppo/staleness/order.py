@@ -1,0 +1,39 @@
+"""Which groups the learner trains next: ticket order, with deferral under an admission lookahead.
+
+Pure logic on ticket indices (no records, sockets or threads), so that the buffer (:mod:`asyncppo.staleness.buffer`)
+and the advisor's pipeline simulator (asyncppo/report/simulator.py) apply one and the same rule.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class TicketOrder(Protocol):
+    """What ticket-ordered consumption needs from the admission controller."""
+
+    def lowest_outstanding(self, n: int) -> list[int]: ...
+
+    def is_outstanding(self, index: int) -> bool: ...
+
+    def can_defer(self, take: list[int], version: int) -> bool: ...
+
+
+def next_batch(order: TicketOrder, arrived, n: int, version: int) -> tuple[list[int], int] | None:
+    """The tickets of the batch the learner trains at ``version``, given the tickets that have ``arrived`` (a
+    container of indices), and how many of them overtook a missing lower ticket; None if the batch is not ready.
+
+    The rule of ticket-ordered consumption with deferral (the buffer's docstring says why), pure so that the simulator
+    (asyncppo/report/simulator.py) replays exactly what the buffer does: the ``n`` lowest outstanding tickets when
+    all have arrived; else the ``n`` lowest arrived ones, if ``order.can_defer`` says every missing ticket still
+    meets its deadline."""
+    want = order.lowest_outstanding(n)
+    if len(want) < n:
+        return None
+    if all(t in arrived for t in want):
+        return want, 0
+    pool = [t for t in sorted(arrived) if order.is_outstanding(t)][:n]
+    if len(pool) < n or not order.can_defer(pool, version):
+        return None
+    lowest = set(want)
+    return pool, sum(1 for t in pool if t not in lowest)
