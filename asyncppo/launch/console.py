@@ -153,7 +153,7 @@ class RunConsole:
                     summary = json.load(f)
             except ValueError:
                 summary = {}
-        return summary_table(self.records, summary, wall_s)
+        return summary_table(self.records, summary, wall_s, run_dir=self.run_dir)
 
 
 def _mean(values: list) -> Optional[float]:
@@ -165,8 +165,10 @@ def _fmt(value, spec: str = "{:.3f}") -> str:
     return "-" if value is None else spec.format(value)
 
 
-def summary_table(records: list[dict], summary: dict, wall_s: float) -> str:
-    """Rows of ``what | value``: steps, samples, wall time, reward and eval before/after, lag, busy, drops, rejections.
+def summary_table(records: list[dict], summary: dict, wall_s: float, run_dir: str = "RUN_DIR") -> str:
+    """Rows of ``what | value``: steps, samples, wall time, reward and eval before/after, lag, busy, engine occupancy,
+    drops, rejections; then a hint when the engines ran short of tickets while the learner waited
+    (:func:`lookahead_hint`).
 
     "Before"/"after" of the training reward average the first and last tenth of the steps (at least one step), since
     one step's reward is noisy; eval values are the first and last evaluation of each metric."""
@@ -192,6 +194,10 @@ def summary_table(records: list[dict], summary: dict, wall_s: float) -> str:
         rows.append(("busy (rollout / train)",
                      f"{_fmt(_mean([r.get('util/rollout_busy') for r in train]), '{:.2f}')} / "
                      f"{_fmt(_mean([r.get('util/train_busy') for r in train]), '{:.2f}')}"))
+    rollout = summary.get("rollout") if isinstance(summary.get("rollout"), dict) else {}
+    if isinstance(rollout.get("occupancy_steady"), (int, float)):
+        rows.append(("engine occupancy (without the last step / all)",
+                     f"{rollout['occupancy_steady']:.2f} / {_fmt(rollout.get('occupancy'), '{:.2f}')}"))
     buffer = summary.get("buffer") or {}
     rows.append(("groups dropped (stale)", str(buffer.get("dropped_stale", train[-1].get("buffer/dropped_stale", 0)
                                                            if train else 0))))
@@ -202,4 +208,24 @@ def summary_table(records: list[dict], summary: dict, wall_s: float) -> str:
     width = max(len(k) for k, _ in rows)
     lines = ["run summary", "-" * (width + 30)]
     lines += [f"{k.ljust(width)} | {v}" for k, v in rows]
-    return "\n".join(lines)
+    hint = lookahead_hint(train, rollout, run_dir)
+    return "\n".join(lines + ([hint] if hint else []))
+
+
+def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[str]:
+    """A pointer to the advisor when the run lost engine time for want of tickets while its learner waited.
+
+    On long-tailed groups a group keeps its ticket until its last sample ends, so the admission window runs the
+    engines part-empty (docs/staleness.md, "Choosing j"); if the learner also waited, the engines were the slower
+    side and more of the window would have sped the run up. Thresholds: engines below 0.85 full outside the run's
+    drain, more than a tenth of their stepping time as free slots without a ticket, learner busy below 0.85."""
+    occupancy, unfilled = rollout.get("occupancy_steady"), rollout.get("unfilled_ticket_s")
+    stepping, busy = rollout.get("engine_step_s"), _mean([r.get("util/train_busy") for r in train])
+    if not all(isinstance(x, (int, float)) for x in (occupancy, unfilled, stepping, busy)) or stepping <= 0:
+        return None
+    if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
+        return None
+    return (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
+            f"while the learner waited {1 - busy:.0%} of its time: `asyncppo advise {run_dir} --gpus N --lookahead "
+            "1,2,3,4 --staleness K,...` predicts what a wider rollout.admission_lookahead (and the max_staleness "
+            "its stragglers need) would buy (docs/advisor.md)")

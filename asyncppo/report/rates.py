@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from typing import Optional
 
 from asyncppo.report.lengths import LogNormalLengths, capped, parse_groups
+from asyncppo.report.pipeline import EngineSpeed, Setup, TrainSpeed
 from asyncppo.report.runs import Run, load_run
-from asyncppo.report.simulator import EngineSpeed, Setup, TrainSpeed
 
 
 @dataclass

@@ -25,8 +25,8 @@ Qwen2.5-7B). The rates are derived from public specifications, not measured here
 from __future__ import annotations
 
 from asyncppo.report.lengths import LogNormalLengths
+from asyncppo.report.pipeline import EngineSpeed, TrainSpeed
 from asyncppo.report.rates import Rates
-from asyncppo.report.simulator import EngineSpeed, TrainSpeed
 
 SWITCH_S = {"7b-long": 5.0}
 PROMPT_TOKENS = {"7b-long": 512}

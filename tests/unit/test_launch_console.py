@@ -105,6 +105,24 @@ def test_summary_table_values(tmp_path):
     assert rows["busy (rollout / train)"] == "0.50 / 1.00"
     assert rows["groups dropped (stale)"] == "3"
     assert rows["messages rejected"] == "3 (oversized 1, schema 2)"
+    assert "engine occupancy (without the last step / all)" not in rows and "hint:" not in table  # none reported
+
+
+def test_summary_points_to_the_advisor_only_when_engines_lacked_tickets_while_the_learner_waited():
+    records = [{"step": s, "reward/mean": 0.1, "util/train_busy": 0.7} for s in range(1, 11)]
+    starved = {"rollout": {"occupancy": 0.63, "occupancy_steady": 0.69, "unfilled_ticket_s": 32.5,
+                           "engine_step_s": 140.0}}
+    table = summary_table(records, starved, 280.0, run_dir="/runs/a")
+    rows = {k.strip(): v for k, v in (line.split(" | ", 1) for line in table.splitlines()[2:] if " | " in line)}
+    assert rows["engine occupancy (without the last step / all)"] == "0.69 / 0.63"
+    hint = table.splitlines()[-1]
+    assert hint.startswith("hint: the engines ran 0.69 full") and "32 engine-s" in hint and "waited 30%" in hint
+    assert "asyncppo advise /runs/a --gpus N --lookahead" in hint
+    # each condition alone silences it: a full engine, slots free for another reason, a busy learner
+    for change in ({"occupancy_steady": 0.9}, {"unfilled_ticket_s": 13.9}):
+        assert "hint:" not in summary_table(records, {"rollout": {**starved["rollout"], **change}}, 1.0)
+    busy = [{**r, "util/train_busy": 0.9} for r in records]
+    assert "hint:" not in summary_table(busy, starved, 1.0)
 
 
 def test_redirect_output_captures_python_and_c_level_writes(tmp_path):
