@@ -18,6 +18,7 @@ import pytest
 
 from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 
+from asyncppo.config import load_config
 from asyncppo.learner.learner_alone import trained_batches
 
 pytestmark = pytest.mark.slow
@@ -28,7 +29,7 @@ WARMUP = 60
 
 
 def test_long_generation_run_stays_within_the_bound(tmp_path):
-    """8 steps of 16 prompts x 8 samples at the preset's staleness bound k=8 and admission lookahead j=2, from a
+    """8 steps of 16 prompts x 8 samples at the preset's staleness bound k and admission lookahead j, from a
     model warm-started for 60 steps instead of the preset's 300 (the suite's budget: the full build takes ~80 s on
     2 cores). Such a model solves nothing yet (reward 0) but writes long workings: sequences up to the preset's
     1,028-token response limit go through the engines, the stream, packed micro-batches and the update. What is
@@ -41,7 +42,8 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
     term's gradient, so the zero-gradient check would not apply (the anchor's loss is covered by the unit tests).
     Learning is measured outside the suite: in 40 steps the training reward's rise was +0.072, +0.070, +0.117,
     +0.017 in four runs, too noisy for a test, and the held-out gain needs 100+ steps (docs/benchmarks.md)."""
-    k, j, steps = 8, 2, 8  # the preset's rollout.max_staleness and admission_lookahead
+    preset = load_config(["data=long"]).rollout
+    k, j, steps = preset.max_staleness, preset.admission_lookahead, 8
     out = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.run(
@@ -61,7 +63,7 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["buffer"]["dropped_stale"] == 0
     # nothing generated past the last step: every group the stream delivered was trained (without the run's last
-    # slot the engine filled j = 2 more batches that nothing trained)
+    # slot the engine filled j more batches that nothing trained)
     assert summary["buffer"]["put"] == summary["buffer"]["taken"] == 16 * steps, summary["buffer"]
     assert all(math.isfinite(r["actor/pg_loss"]) for r in train), [r["actor/pg_loss"] for r in train]
     for r in train:  # GRPO without entropy or KL terms: equal rewards in every group leave no gradient
