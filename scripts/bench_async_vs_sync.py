@@ -95,7 +95,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         "samples": train[-1]["samples_trained"],
         "samples_per_s": train[-1]["samples_trained"] / train_s,
         "occupancy": ro.get("occupancy", float("nan")),
-        "occupancy_steady": ro.get("occupancy_steady", float("nan")),
+        "occupancy_steady": ro.get("occupancy_steady") if ro.get("occupancy_steady") is not None else float("nan"),
         "running_mean": ro.get("running_mean", float("nan")),
         "decode_tokens_per_s": ro.get("decode_tokens_per_s", float("nan")),
         "rollout_busy": mean("util/rollout_busy", steady),

@@ -165,9 +165,9 @@ class EngineTotals:
             "occupancy": self.running_sum / (self.steps * self.max_num_seqs) if self.steps else 0.0,
             # the same without the last step's groups: the run's drain (its last stragglers decoding nearly alone,
             # since nothing past the last slot is granted) rides on them, and a short run's figure is mostly that
-            # drain's (docs/staleness.md, "What to watch")
+            # drain's (docs/staleness.md, "What to watch"); None for a run of one step (nothing before its last)
             "occupancy_steady": (self._before_last[1] / (self._before_last[0] * self.max_num_seqs)
-                                 if self._before_last[0] else 0.0),
+                                 if self._before_last[0] else None),
             # every decoding sequence makes one token a step: tokens a second while stepping, the figure to set
             # beside the engine alone's (scripts/pipeline_limit.py: gen_tokens / step_s)
             "engine_step_s": self.busy_s,

@@ -146,6 +146,12 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
-        lookahead=None if run.cfg("rollout.admission_lookahead", None) is None
-        else int(run.cfg("rollout.admission_lookahead")),
+        lookahead=_lookahead(run),
     )
+
+
+def _lookahead(run: Run) -> Optional[int]:
+    """The run's admission lookahead, or None where it had none: a saved config fills a null
+    ``rollout.admission_lookahead`` with ``max_staleness`` (config/validate.py), and ``j = k`` is no lookahead."""
+    j, k = run.cfg("rollout.admission_lookahead", None), int(run.cfg("rollout.max_staleness", 1))
+    return None if j is None or int(j) >= k else int(j)

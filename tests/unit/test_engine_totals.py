@@ -38,6 +38,9 @@ def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     assert summary["occupancy"] == 64 / (20 * 4) and summary["trained_tokens"] == 3 + 5 + 7 + 2 + 4
     # without the last step's groups (the run's drain rides on them): the first step's 48 of 16 x 4
     assert summary["occupancy_steady"] == 48 / (16 * 4)
+    one_step = EngineTotals(max_num_seqs=4)
+    one_step.add([a])
+    assert one_step.summary()["occupancy_steady"] is None  # nothing before the last step
     # 64 sequence-steps (one token each) in 0.5 + 0.3 + 0.2 engine seconds, 20 steps
     assert summary["engine_step_s"] == 1.0 and summary["running_mean"] == 3.2
     assert summary["decode_tokens_per_s"] == 64.0
