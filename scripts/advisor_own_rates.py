@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import statistics
 import sys
@@ -23,6 +22,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from asyncppo.report.rates import measure  # noqa: E402
+from asyncppo.report.runs import load_run  # noqa: E402
 from asyncppo.report.simulator import simulate  # noqa: E402
 
 
@@ -55,10 +55,9 @@ def main() -> int:
     print("|---|---|---|---|---|---|" + "---|" * len(settings))
     for path in args.runs:
         for run in run_dirs(path):
-            with open(os.path.join(run, "summary.json"), encoding="utf-8") as f:
-                ro = json.load(f).get("rollout", {})
-            with open(os.path.join(run, "metrics.jsonl"), encoding="utf-8") as f:
-                train = [r for r in map(json.loads, filter(str.strip, f)) if "staleness/mean" in r]
+            measured = load_run(run)
+            ro = measured.summary.get("rollout", {})
+            train = [r for r in measured.records if "staleness/mean" in r]
             rates = measure(run)
             steps = len(train)
             occ, lag, step = predicted(rates, steps, args.seeds)

@@ -134,12 +134,11 @@ def plot(rows: Sequence[Row], pick: Row, path: str, title: str = "") -> str:
     import matplotlib.pyplot as plt  # heavy: matplotlib; after use("Agg") so no display backend is tried
 
     fig, ax = plt.subplots(figsize=(7.5, 4.5))
-    for k, j in sorted({(r.max_staleness, r.lookahead if r.lookahead is not None else -1)
-                        for r in rows if not r.colocated}):
+    for k, j in sorted({(r.max_staleness, r.j) for r in rows if not r.colocated}):
         pts = sorted((r.rollout_gpus, r.result.samples_per_s) for r in rows
-                     if not r.colocated and (r.max_staleness, r.lookahead if r.lookahead is not None else -1) == (k, j))
+                     if not r.colocated and (r.max_staleness, r.j) == (k, j))
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o",
-                label=f"max_staleness={k}" + ("" if j < 0 else f", lookahead={j}"))
+                label=f"max_staleness={k}" + (f", lookahead={j}" if j < k else ""))
     base = next((r for r in rows if r.colocated), None)
     if base is not None:
         ax.axhline(base.result.samples_per_s, color="grey", linestyle="--", label="colocated synchronous")
