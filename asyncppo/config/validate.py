@@ -48,6 +48,11 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("rollout.max_staleness", r.max_staleness,
                 f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: pushing weights every {r.sync_every} "
                 f"steps makes samples up to {r.sync_every - 1} versions old, so a smaller bound can never hold")
+    elif r.admission_lookahead is not None and 0 <= r.admission_lookahead < r.sync_every - 1:
+        c.error("rollout.admission_lookahead", r.admission_lookahead,
+                f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: a ticket needs weights at most "
+                f"{r.admission_lookahead} versions old, and with a push every {r.sync_every} steps the engines "
+                "never get them, so the run would hang")
     c.choice("rollout.dtype", r.dtype, C.ROLLOUT_DTYPES)
     c.in_range("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
     c.positive("rollout.kv_cache_gib", r.kv_cache_gib)

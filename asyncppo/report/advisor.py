@@ -80,7 +80,8 @@ def sweep(rates: Rates, gpus: int, nodes: int = 1, tp: int = 1, ks: Sequence[int
           steps: int = 40, warmup: int = 10, switch_s: float = 0.0, max_splits: int = 12,
           batch_groups: Optional[int] = None, lookaheads: Optional[Sequence[int]] = None) -> list[Row]:
     """Every split x every ``k`` (``k >= sync_every - 1``) x every lookahead ``j < k`` (default: the run's own, if
-    it set one), plus the colocated synchronous baseline."""
+    it set one), plus the colocated synchronous baseline. A ``j < sync_every - 1`` is left out, as the config
+    refuses it: its tickets would wait for weights that no push brings."""
     common = dict(steps=steps, warmup_steps=warmup)
     if batch_groups:
         common["batch_groups"] = batch_groups

@@ -68,6 +68,10 @@ class Setup:
             raise ValueError("need 0 <= warmup_steps < steps")
         if self.lookahead is not None and not 0 <= self.lookahead <= self.max_staleness:
             raise ValueError(f"lookahead must be in [0, max_staleness={self.max_staleness}], got {self.lookahead}")
+        if self.lookahead is not None and self.lookahead < self.sync_every - 1:
+            raise ValueError(f"lookahead must be >= sync_every - 1 = {self.sync_every - 1} (as "
+                             "rollout.admission_lookahead requires: the engines would never get the weights a "
+                             "ticket needs, and the pipeline would stall)")
         if self.admission_unit not in ADMISSION_UNITS:
             raise ValueError(f"admission_unit must be one of {ADMISSION_UNITS}, got {self.admission_unit!r}")
 

@@ -223,3 +223,11 @@ def test_deferral_keeps_the_bound_and_beats_a_tight_window_on_long_tails():
 def test_a_lookahead_above_k_is_refused():
     with pytest.raises(ValueError, match="lookahead must be in"):
         Setup(1, 1, 1, 1, max_staleness=2, lookahead=3)
+
+
+def test_a_lookahead_below_the_push_period_is_refused():
+    """``j < sync_every - 1`` would stall: a ticket at version ``v`` needs weights ``v - j``, which the engines get
+    only at the next push (the real run would hang the same way, and the config refuses it by name)."""
+    with pytest.raises(ValueError, match="lookahead must be >= sync_every - 1 = 1"):
+        Setup(1, 1, 1, 1, max_staleness=4, sync_every=2, lookahead=0)
+    Setup(1, 1, 1, 1, max_staleness=4, sync_every=2, lookahead=1)

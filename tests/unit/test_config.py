@@ -197,6 +197,8 @@ INVALID = [
     (["rollout.sampling.top_p=0"], "rollout.sampling.top_p=0.0"),
     (["rollout.max_staleness=2", "rollout.admission_lookahead=3"], "rollout.admission_lookahead=3"),
     (["rollout.admission_lookahead=-1"], "rollout.admission_lookahead=-1"),
+    (["rollout.sync_every=3", "rollout.max_staleness=4", "rollout.admission_lookahead=1"],
+     "rollout.admission_lookahead=1"),
 ]
 
 
@@ -234,6 +236,7 @@ def test_all_problems_collected_in_one_error():
     ["rollout.sampling.temperature=0.7", "algorithm.temperature=0.7"],
     ["rollout.max_staleness=4", "rollout.admission_lookahead=0"],
     ["rollout.max_staleness=4", "rollout.admission_lookahead=4"],
+    ["rollout.sync_every=3", "rollout.max_staleness=4", "rollout.admission_lookahead=2"],  # exactly sync_every - 1
 ])
 def test_valid_edge_cases_pass(good):
     load_config(good)
