@@ -79,7 +79,6 @@ class _RunState:
     seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, admit progress, length)
     groups: dict = field(default_factory=dict)  # ticket -> {left, tokens, vmin, tv}
     delivered: dict = field(default_factory=dict)
-    version: int = 0
     learner_busy_until: Optional[float] = None
     step_ends: list = field(default_factory=lambda: [0.0])
     train_time: list = field(default_factory=list)
@@ -88,6 +87,11 @@ class _RunState:
     snap: dict = field(default_factory=lambda: {"t": 0.0, "busy": [0.0], "steps": [0.0], "run": [0.0], "train": 0.0,
                                                 "lags": 0, "tlags": 0})
     seq_ids: int = 0
+
+    @property
+    def version(self) -> int:
+        """The learner's version: the controller's own, so the two can never disagree."""
+        return self.tickets.version
 
 
 class Simulator:
@@ -266,8 +270,7 @@ class Simulator:
         """A step ended: the next version, the warm-up snapshot, and every ``sync_every`` versions a weight push."""
         s, r = self.s, self.r
         r.learner_busy_until = None
-        r.version += 1
-        r.tickets.set_version(r.version)
+        r.tickets.set_version(r.version + 1)
         r.step_ends.append(now)
         if r.version == s.warmup_steps:
             for e in r.engines:

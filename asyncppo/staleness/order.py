@@ -6,6 +6,7 @@ and the advisor's pipeline simulator (asyncppo/report/simulator.py) apply one an
 
 from __future__ import annotations
 
+import heapq
 from typing import Protocol
 
 
@@ -32,7 +33,7 @@ def next_batch(order: TicketOrder, arrived, n: int, version: int) -> tuple[list[
         return None
     if all(t in arrived for t in want):
         return want, 0
-    pool = [t for t in sorted(arrived) if order.is_outstanding(t)][:n]
+    pool = heapq.nsmallest(n, (t for t in arrived if order.is_outstanding(t)))  # no full sort per call
     if len(pool) < n or not order.can_defer(pool, version):
         return None
     lowest = set(want)
