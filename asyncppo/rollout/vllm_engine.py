@@ -23,6 +23,7 @@ Settings and why:
   pushes then go through :mod:`asyncppo.rollout.tp_load`: full tensors to every rank, staged and checked on all of
   them before any rank loads, so a push reaches every rank or none; an engine whose ranks may disagree refuses to
   generate until a complete set of weights has loaded.
+* CPU: the sampler's rank count runs eagerly (:func:`_eager_rank_count`), not compiled on the engine's first step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,27 @@ def _configure_env(device: str, kv_cache_gib: float) -> None:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cpu_kv_cache_space_gib(kv_cache_gib)))
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _eager_rank_count() -> bool:
+    """On CPU, run vLLM's sampled-token rank count eagerly instead of compiling it on the engine's first step.
+
+    vLLM 0.32 wraps ``batched_count_greater_than`` (the rank of each sampled token among the vocabulary's log-probs,
+    ``(logprobs >= sampled).sum(-1)``) in ``torch.compile`` with inductor, also under ``enforce_eager``. On CPU that
+    first call generates and compiles C++: measured 4.5 s of every engine's 4.6 s warm-up (cProfile, the 0.5M-
+    parameter model), paid at every launch and every replaced worker. Eagerly the same sum costs one comparison
+    over a ``(sequences, vocabulary)`` tensor per step. The ranks are not used by asyncppo (it reads the sampled
+    token's log-prob only). Returns whether the eager original was found (a later vLLM may differ: then nothing is
+    changed)."""
+    try:
+        from vllm.v1.sample import sampler
+    except ImportError:
+        return False
+    original = getattr(getattr(sampler, "batched_count_greater_than", None), "_torchdynamo_orig_callable", None)
+    if original is None:
+        return False
+    sampler.batched_count_greater_than = original
+    return True
 
 
 EMBED, LM_HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -129,6 +151,8 @@ class VLLMEngine(RolloutEngine):
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size, distributed_executor_backend="mp",
                           worker_extension_cls=EXTENSION)
         kwargs.update(llm_kwargs)
+        if device == "cpu":
+            _eager_rank_count()  # before the engine starts, so TP ranks it forks run it eagerly too
         try:
             self.llm = LLM(**kwargs)
         finally:

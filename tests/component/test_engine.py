@@ -263,3 +263,16 @@ def test_throughput_report(engine, prompts):
     toks = sum(c.num_tokens for comps in out for c in comps)
     print(f"\n[{type(engine).__name__}] {len(batch)}x4 samples, {toks} tokens in {dt:.2f}s = {toks / dt:.0f} tok/s")
     assert len(out) == 32 and all(len(c) == 4 for c in out)
+
+
+def test_vllm_cpu_engine_counts_sampled_token_ranks_eagerly(vllm_engine):
+    """On CPU the sampler's rank count is vLLM's own function run eagerly, not the inductor-compiled wrapper whose
+    first call compiled C++ for seconds in every engine's first step (rollout/vllm_engine.py: _eager_rank_count);
+    it still counts, for each row, the log-probs at least as large as the row's sampled one."""
+    from vllm.v1.sample import sampler
+
+    fn = sampler.batched_count_greater_than
+    assert not hasattr(fn, "_torchdynamo_orig_callable"), "the compiled wrapper is still in place"
+    logprobs = torch.tensor([[-0.1, -2.0, -3.0, -0.5], [-1.0, -1.0, -0.2, -4.0]])
+    sampled = torch.tensor([[-0.5], [-1.0]])
+    assert fn(logprobs, sampled).tolist() == [2, 3]  # by hand: {-0.1, -0.5} and {-1.0, -1.0, -0.2}
