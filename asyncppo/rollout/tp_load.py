@@ -49,8 +49,8 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
+from asyncppo.sync.reload_quiet import quiet_reload
+
 
 
 class TPLoadRejected(RuntimeError):
@@ -112,18 +112,12 @@ class StagedWeightsExtension:
         staged, self._asyncppo_staged = getattr(self, "_asyncppo_staged", None), None
         if staged is None:
             return {"rank": rank, "ok": False, "error": "nothing staged"}
-        loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS]  # per-layer noise of a partial reload
-        levels = [lg.level for lg in loggers]
-        for lg in loggers:
-            lg.setLevel(logging.ERROR)
         try:
-            self.reload_weights(weights_iterator=staged)
+            with quiet_reload():  # per-layer noise of a partial reload
+                self.reload_weights(weights_iterator=staged)
             return {"rank": rank, "ok": True, "error": ""}
         except Exception as exc:
             return {"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            for lg, level in zip(loggers, levels):
-                lg.setLevel(level)
 
 
 EXTENSION = f"{StagedWeightsExtension.__module__}.{StagedWeightsExtension.__qualname__}"

@@ -27,7 +27,6 @@ when it cannot tell which tensor is the embedding.
 from __future__ import annotations
 
 import json
-import logging
 import os
 from collections.abc import Iterable
 from typing import Any, Protocol
@@ -36,6 +35,7 @@ import torch
 
 from asyncppo.sync.broadcast import NamedTensors, WeightReceiver
 from asyncppo.sync.layout import Header
+from asyncppo.sync.reload_quiet import quiet_reload
 
 EMBED_NAMES = ("model.embed_tokens.weight", "transformer.wte.weight", "model.decoder.embed_tokens.weight")
 LM_HEAD_NAME = "lm_head.weight"
@@ -174,10 +174,6 @@ def receive_into_engine(receiver: WeightReceiver, engine: WeightLoadingEngine, *
                             device=device).receive(receiver)
 
 
-_RELOAD_LOGGERS = ("vllm.model_executor.model_loader.reload.layerwise",
-                   "vllm.model_executor.model_loader.reload.inplace")
-
-
 def vllm_reload_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tensor]], *,
                         quiet_partial: bool = False) -> None:
     """Load (a layer-complete subset of) checkpoint-format weights into a running ``vllm.LLM`` in place.
@@ -187,13 +183,6 @@ def vllm_reload_weights(llm: Any, named_tensors: Iterable[tuple[str, torch.Tenso
     deliberate partial load triggers for every layer it does not touch (in-process engines only: a multiprocess
     engine logs from its worker process).
     """
-    loggers = [logging.getLogger(n) for n in _RELOAD_LOGGERS] if quiet_partial else []
-    levels = [lg.level for lg in loggers]
-    for lg in loggers:
-        lg.setLevel(logging.ERROR)
-    try:
+    with quiet_reload(quiet_partial):
         llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(named_tensors)})
-    finally:
-        for lg, level in zip(loggers, levels):
-            lg.setLevel(level)
     llm.reset_prefix_cache()
