@@ -50,11 +50,8 @@ class AdmissionClient:
         self._req += 1
         req = self._req
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        # A DEALER with no connected peer (the server is not up, or refused our CURVE handshake) blocks in send:
-        # wait for the socket to be writable within the deadline instead.
-        if deadline is not None and not self._sock.poll(max(0, int(timeout_s * 1000)), zmq.POLLOUT):
+        if not self._send_within(encode_message("acquire", worker_id=self.worker_id, req=req, count=1), deadline):
             return None
-        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=req, count=1))
         while True:
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
@@ -88,7 +85,7 @@ class AdmissionClient:
         first = self._req + 1
         self._req += count
         self._open.update(range(first, first + count))
-        self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=first, count=count))
+        self._send_within(encode_message("acquire", worker_id=self.worker_id, req=first, count=count), None)
 
     @property
     def open_requests(self) -> int:
@@ -139,6 +136,23 @@ class AdmissionClient:
     def _give_back(self, index: int) -> None:
         self._send_nowait(encode_message("release", worker_id=self.worker_id, index=index))
         self.returned += 1
+
+    def _send_within(self, msg: bytes, deadline: Optional[float]) -> bool:
+        """Send ``msg`` once a server is connected, or give up at ``deadline`` (``time.monotonic()``; None: wait
+        as long as it takes). A DEALER with no connected peer (the server not up, or our CURVE handshake refused)
+        cannot send, and a refused handshake drops the peer at any moment, so a socket polled writable may have
+        none by the time it sends: a blocking send after the poll hung a refused client for good (seen in the
+        auth test). So every try is non-blocking, and the waits between tries are polls bounded by the deadline."""
+        while True:
+            try:
+                self._sock.send(msg, zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                pass
+            wait_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
+            if wait_ms <= 0:
+                return False
+            self._sock.poll(min(wait_ms, 1000), zmq.POLLOUT)
 
     def _send_nowait(self, msg: bytes) -> bool:
         """Cancels and releases never block: with no connected server (gone, or our handshake refused) there is

@@ -33,6 +33,38 @@ def test_auth_modes():
 
 
 @pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
+def test_a_refused_admission_client_gives_up_at_its_deadline_every_time():
+    """A client whose CURVE handshake the server refuses gains and loses its only peer as it reconnects; acquire
+    must return None by its deadline whatever moment it sends at (a blocking send after a writable poll once hung
+    the suite). Each try runs in a thread, so a hang fails the test instead of stopping it."""
+    import threading
+
+    ctx = zmq.Context()
+    keys = CurveKeys.generate()
+    server = AdmissionServer(AdmissionController(batch_groups=4, max_staleness=0), "tcp://127.0.0.1:0",
+                             context=ctx, curve=keys)
+    impostor = CurveKeys.generate().for_workers()
+    impostor = CurveKeys(keys.server_public, impostor.client_public, impostor.client_secret)
+    try:
+        for attempt in range(20):
+            client = AdmissionClient(server.address, worker_id=0, context=ctx, curve=impostor)
+            got: list = []
+            t = threading.Thread(target=lambda: got.append(client.acquire(timeout_s=0.05 * (attempt % 4 + 1))),
+                                 daemon=True)
+            t.start()
+            t.join(timeout=10)
+            assert not t.is_alive(), f"acquire did not return by its deadline (attempt {attempt})"
+            assert got == [None]
+            client.close()
+    finally:
+        server.close()
+        # term() waits for every socket: a client stuck in send would hold it, so it gets a bounded wait
+        term = threading.Thread(target=ctx.term, daemon=True)
+        term.start()
+        term.join(timeout=10)
+
+
+@pytest.mark.skipif(not zmq.has("curve"), reason="libzmq without CURVE")
 def test_a_client_without_the_keys_can_neither_push_nor_take_a_ticket_nor_read_control():
     ctx = zmq.Context()
     keys = CurveKeys.generate()
