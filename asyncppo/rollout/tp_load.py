@@ -52,7 +52,6 @@ from safetensors.torch import load_file, save_file
 from asyncppo.sync.reload_quiet import quiet_reload
 
 
-
 class TPLoadRejected(RuntimeError):
     """A rank refused the staged weights; no rank loaded anything and the old weights still serve."""
 

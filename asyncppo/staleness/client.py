@@ -157,11 +157,7 @@ class AdmissionClient:
     def _send_nowait(self, msg: bytes) -> bool:
         """Cancels and releases never block: with no connected server (gone, or our handshake refused) there is
         nothing to cancel, and a grant the server cannot deliver is released on its side."""
-        try:
-            self._sock.send(msg, zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            return False
+        return self._send_within(msg, deadline=time.monotonic())  # one try, no wait
 
     def close(self) -> None:
         """Return any grant that arrived after its request was abandoned, then close."""

@@ -39,17 +39,8 @@ class _BelowErrorWhileQuiet(logging.Filter):
 
 
 _FILTER = _BelowErrorWhileQuiet()
-_installed_lock = threading.Lock()
-_installed = False
-
-
-def _install() -> None:
-    global _installed
-    with _installed_lock:
-        if not _installed:
-            for name in RELOAD_LOGGERS:
-                logging.getLogger(name).addFilter(_FILTER)
-            _installed = True
+for _name in RELOAD_LOGGERS:  # once, at import: outside quiet_reload the filter passes everything
+    logging.getLogger(_name).addFilter(_FILTER)
 
 
 @contextlib.contextmanager
@@ -58,7 +49,6 @@ def quiet_reload(enabled: bool = True) -> Iterator[None]:
     if not enabled:
         yield
         return
-    _install()
     before, _FILTER.quiet = _FILTER.quiet, True
     try:
         yield
