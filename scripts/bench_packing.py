@@ -16,6 +16,8 @@ the same GRPO step (one mini-batch, decoupled correction):
   rows as wide as each micro-batch's longest sequence;
 * ``packed-budget-rows``: the row layout of the varlen (flash-attention) path, rows filled up to the budget, run here
   through the same mask (so its pad fraction is the GPU path's, its CPU time is not);
+* ``packed-varlen``: the learner loaded with ``model.attn_implementation=sdpa_varlen`` (one causal sdpa call per
+  sequence of a packed row), rows filled up to the budget;
 * ``packed-flex`` (``--flex``, CUDA): the learner loaded with ``model.attn_implementation=flex_attention``, whose
   block mask skips the blocks outside every sequence, so rows are filled up to the budget as on the varlen path.
 
@@ -129,6 +131,8 @@ def main() -> None:
                         pack_sequences=False),
             run_setting("packed", model_dir, groups, args, max_tokens_per_micro_batch=args.tokens),
             run_setting("packed-budget-rows", model_dir, groups, args, varlen_rows=True,
+                        max_tokens_per_micro_batch=args.tokens),
+            run_setting("packed-varlen", model_dir, groups, args, attn="sdpa_varlen",
                         max_tokens_per_micro_batch=args.tokens),
         ]
         if args.flex:

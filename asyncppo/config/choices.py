@@ -42,8 +42,9 @@ ADMISSION_UNITS = ("slot", "group")
 ROLLOUT_DTYPES = ("float32", "bfloat16", "float16")
 # float16 training needs loss scaling, which the learner does not implement.
 LEARNER_DTYPES = ("float32", "bfloat16")
-# model.attn_implementation (null: transformers' choice); flash_* need the flash-attn package, flex a CUDA learner
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+# model.attn_implementation (null: sdpa_varlen on a CPU learner, transformers' choice on a GPU; learner/models.py);
+# flash_* need the flash-attn package, flex a CUDA learner
+ATTN_IMPLEMENTATIONS = ("sdpa", "sdpa_varlen", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 OVERLONG_PROMPT = ("truncate", "skip")
 BUILTIN_REWARD_FNS = ("auto", "exact_match", "math")
 WANDB_MODES = ("offline", "online", "disabled")

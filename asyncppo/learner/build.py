@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 
 from asyncppo.learner.lora import ADAPTER_DIR, AdaptersOff, lora_actor
-from asyncppo.learner.models import load_actor, load_reference, maybe_shard, torch_dtype
+from asyncppo.learner.models import learner_attention, load_actor, load_reference, maybe_shard, torch_dtype
 from asyncppo.config.checks import uses_critic, uses_reference
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.sharding import ShardedPPOUpdate
@@ -51,7 +51,7 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     remote = cfg.model.trust_remote_code
     lora = cfg.model.lora_rank > 0  # LoRA: the actor is always the base + adapters (a resume loads its adapter)
     actor_path = resume.actor_dir if resume is not None and not lora else model_path
-    attn = cfg.model.attn_implementation
+    attn = learner_attention(cfg.model, device)
     actor = load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing, attn)
     if lora:
         actor = lora_actor(actor, cfg.model, os.path.join(resume.actor_dir, ADAPTER_DIR) if resume else None)

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+from asyncppo.learner import varlen_sdpa  # noqa: F401  registers the sdpa_varlen attention with transformers
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -26,6 +28,18 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     return model
+
+
+def learner_attention(model_cfg, device: torch.device) -> str | None:
+    """The attention kernel the learner's models load with: ``model.attn_implementation`` when set; left null, on a
+    CPU learner ``sdpa_varlen`` (packed rows filled to the token budget, one causal sdpa call per sequence:
+    learner/varlen_sdpa.py; padded forwards go to sdpa unchanged), elsewhere transformers' own choice. A remote-code
+    model keeps its own attention (it may not go through transformers' attention interface)."""
+    if model_cfg.attn_implementation is not None:
+        return model_cfg.attn_implementation
+    if device.type == "cpu" and not model_cfg.trust_remote_code:
+        return varlen_sdpa.NAME
+    return None
 
 
 def _attention(attn_implementation: str | None) -> dict:

@@ -36,9 +36,9 @@ def uses_varlen_attention(model) -> bool:
     """Whether ``model``'s attention costs per sequence rather than per row on a packed row: flash-attention (varlen
     kernels over the boundaries from the position ids) or flex-attention (a block mask built from the same boundaries;
     the blocks outside every sequence are skipped, so a row costs about the sum of its sequences' squares, to within
-    a 128-token block)."""
+    a 128-token block), or ``sdpa_varlen`` (one causal sdpa call per sequence, :mod:`asyncppo.learner.varlen_sdpa`)."""
     impl = str(getattr(getattr(model, "config", None), "_attn_implementation", "") or "")
-    return impl.startswith("flash") or impl == "flex_attention"
+    return impl.startswith("flash") or impl in ("flex_attention", "sdpa_varlen")
 
 
 def pack_capacity(alg: AlgorithmConfig, varlen: bool) -> int:

@@ -52,7 +52,7 @@ def build_critic(cfg, model_path: str, dtype: torch.dtype, device: torch.device,
         return SharedValueHead(hidden).to(device)
     # ppo.py and checkpoint.py import this module for shares_actor_body, and the launcher imports those to check a
     # resume, where the model classes are never needed
-    from asyncppo.learner.models import load_critic  # heavy: transformers
+    from asyncppo.learner.models import learner_attention, load_critic  # heavy: transformers
 
     return load_critic(cfg.model.critic_path or model_path, dtype, device, trust_remote_code,
-                       cfg.model.attn_implementation)
+                       learner_attention(cfg.model, device))

@@ -13,7 +13,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner.batch import collate_groups, micro_batches
 from asyncppo.learner.forward import forward_footprint, policy_forward, value_forward
-from asyncppo.learner.models import load_actor, load_critic, load_reference
+from asyncppo.learner.models import learner_attention, load_actor, load_critic, load_reference
 from asyncppo.learner.packing import (
     LONGEST, ONE_ROW, PADDED, pack_capacity, pack_rows, pad_fraction, uses_varlen_attention,
 )
@@ -61,9 +61,10 @@ def _cfg(**algorithm) -> AsyncPPOConfig:
 def _updater(cfg, model_dir) -> PPOUpdate:
     dev = torch.device("cpu")
     torch.manual_seed(0)
-    actor = load_actor(model_dir, torch.float64, dev)
+    actor = load_actor(model_dir, torch.float64, dev, attn_implementation=learner_attention(cfg.model, dev))
     critic = build_critic(cfg, model_dir, torch.float64, dev, False) if uses_critic(cfg) else None
-    ref = load_reference(model_dir, torch.float64, dev) if uses_reference(cfg) else None
+    ref = (load_reference(model_dir, torch.float64, dev, attn_implementation=learner_attention(cfg.model, dev))
+           if uses_reference(cfg) else None)
     if ref is not None:  # a reference that differs, so that every KL term is non-zero
         with torch.no_grad():
             for p in ref.parameters():
@@ -80,6 +81,7 @@ def _grads(module) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in module.parameters() if p.grad is not None])
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "sdpa_varlen"])
 @pytest.mark.parametrize("options", [
     dict(adv_estimator="gae", entropy_coef=0.01),  # separate value model
     dict(adv_estimator="gae", shared_backbone=True),  # value head on the actor's body
@@ -87,9 +89,13 @@ def _grads(module) -> torch.Tensor:
     dict(adv_estimator="grpo", use_kl_loss=True, kl_penalty="full", loss_agg_mode="seq-mean-token-sum-norm"),
     dict(adv_estimator="grpo", add_token_level_kl=True, kl_penalty="kl", loss_agg_mode="seq-mean-token-mean"),
 ])
-def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(model_dir, options):
+def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(model_dir, options, attention):
+    """sdpa: rows as wide as each micro-batch's longest sequence; sdpa_varlen (the CPU learner's default): rows
+    filled up to the token budget, one causal sdpa call per sequence. The padded side runs plain sdpa."""
     padded_cfg = _cfg(max_tokens_per_micro_batch=48, pack_sequences=False, **options)
+    padded_cfg.model.attn_implementation = "sdpa"
     packed_cfg = copy.deepcopy(padded_cfg)
+    packed_cfg.model.attn_implementation = attention
     packed_cfg.algorithm.pack_sequences = None  # auto: on, since a token budget is set
     padded, packed = _updater(padded_cfg, model_dir), _updater(packed_cfg, model_dir)
     batch = collate_groups(_long_tailed_groups(), pad_token_id=0)
@@ -103,7 +109,10 @@ def test_packed_and_padded_micro_batches_give_the_same_loss_and_gradients(model_
     if padded.critic is not None:
         torch.testing.assert_close(_grads(packed.critic), _grads(padded.critic), rtol=1e-7, atol=1e-10)
     assert m_pad["perf/pad_fraction"] > 0.2  # long-tailed lengths: a fifth of the padded forwards is padding
-    assert m_pack["perf/pad_fraction"] < 0.6 * m_pad["perf/pad_fraction"]  # rows as wide as the longest (CPU)
+    if attention == "sdpa":  # rows as wide as the longest
+        assert m_pack["perf/pad_fraction"] < 0.6 * m_pad["perf/pad_fraction"]
+    else:  # rows filled up to the budget: a micro-batch of <= 48 tokens is one row of exactly its tokens
+        assert m_pack["perf/pad_fraction"] == 0.0
 
 
 def test_position_ids_restart_per_sequence_and_tokens_are_the_valid_ones():
@@ -172,8 +181,12 @@ def test_step_reports_the_pad_fraction_of_its_forwards(model_dir):
     groups = [_group(0, 2, [1, 3], rng), _group(1, 4, [2, 6], rng)]
     upd = _updater(_cfg(adv_estimator="grpo", ppo_epochs=2), model_dir)  # two passes over one 40-slot forward
     assert upd.step(collate_groups(groups, pad_token_id=0))["perf/pad_fraction"] == pytest.approx(16 / 40)
-    upd = _updater(_cfg(adv_estimator="grpo", pack_sequences=True), model_dir)
-    assert upd.step(collate_groups(groups, pad_token_id=0))["perf/pad_fraction"] == pytest.approx(6 / 30)  # LONGEST
+    cfg = _cfg(adv_estimator="grpo", pack_sequences=True)
+    cfg.model.attn_implementation = "sdpa"  # rows as wide as the longest: [10], [6, 3], [5], 24 tokens in 3 x 10 slots
+    assert _updater(cfg, model_dir).step(collate_groups(groups, pad_token_id=0))["perf/pad_fraction"] \
+        == pytest.approx(6 / 30)
+    cfg.model.attn_implementation = None  # the CPU default, sdpa_varlen: no budget, so all 24 tokens in one row
+    assert _updater(cfg, model_dir).step(collate_groups(groups, pad_token_id=0))["perf/pad_fraction"] == 0.0
 
 
 def test_pack_sequences_option(model_dir):
