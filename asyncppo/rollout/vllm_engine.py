@@ -43,6 +43,7 @@ from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
 
 from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
 from .tp_load import EXTENSION, TPLoadBroken, TPLoadRejected, staged_reload
+from .vllm_cpu_reload import fast_load
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -172,6 +173,10 @@ class VLLMEngine(RolloutEngine):
         self._broken: Optional[str] = None
         self._reloaded: set[str] = set()
         self._push_begun = False
+        # CPU, one rank: pushes load through rollout/vllm_cpu_reload.py (a fraction of vLLM's reload's cost) unless
+        # it turns out unsupported for this model; ASYNCPPO_VLLM_RELOAD=vllm keeps vLLM's own reload throughout
+        self._fast_cpu_load = (device == "cpu" and self.tensor_parallel_size == 1
+                               and os.environ.get("ASYNCPPO_VLLM_RELOAD", "fast") != "vllm")
         self.fail_ranks: tuple[int, ...] = ()  # fault injection for tests: these TP ranks refuse the next pushes
         self.tp_transfer = "shm"  # how pushed tensors reach the TP ranks: "shm" file or "rpc" (tp_load.py)
         # tied: the config says so, or the checkpoint has no separate output layer
@@ -321,6 +326,10 @@ class VLLMEngine(RolloutEngine):
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return
+        if self._fast_cpu_load and fast_load(self.llm, given.items()):
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+            return
+        self._fast_cpu_load = False
         # Layers without weights (rotary embeddings) or outside a partial update make vLLM log a
         # "Failed to load weights" line per reload; validated above, so those lines are noise.
         vllm_reload_weights(self.llm, given.items(), quiet_partial=True)

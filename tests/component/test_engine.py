@@ -230,6 +230,7 @@ def test_vllm_partial_update_by_whole_layer_groups(vllm_engine, tiny_model_dir, 
     finally:
         vllm_engine.update_weights([("lm_head.weight", weights["lm_head.weight"])])
     assert [c[0].token_ids.tolist() for c in vllm_engine.generate(prompts, n=1, max_tokens=6, temperature=0.0)] == before
+    assert vllm_engine._fast_cpu_load  # every load above went through rollout/vllm_cpu_reload.py, none fell back
 
 
 def test_decode_drops_special_tokens(engine, tiny_tokenizer):
