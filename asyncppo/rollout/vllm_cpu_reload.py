@@ -66,8 +66,11 @@ class _CpuReload:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
         loaded = self.model.load_weights(iter(named_tensors))
-        params = dict(self.model.named_parameters())
-        touched = {id(params[n]) for n in (loaded or ()) if n in params}
+        if loaded is None:  # a model that does not say what it loaded: rebuild every packed copy
+            touched = {id(layer.weight) for layer in self.linear}
+        else:
+            params = dict(self.model.named_parameters())
+            touched = {id(params[n]) for n in loaded if n in params}
         for layer in self.linear:
             if id(layer.weight) in touched:
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
