@@ -61,6 +61,8 @@ class _CpuReload:
             weight = materialize_meta_tensor(meta)
             weight.zero_()  # overwritten by the first push before use: the packed copy serves until then
             layer.weight = weight
+        # loads copy in place and the rebuild keeps each weight, so the parameters stay these objects from here on
+        self.params = dict(model.named_parameters())
 
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
@@ -69,8 +71,7 @@ class _CpuReload:
         if loaded is None:  # a model that does not say what it loaded: rebuild every packed copy
             touched = {id(layer.weight) for layer in self.linear}
         else:
-            params = dict(self.model.named_parameters())
-            touched = {id(params[n]) for n in loaded if n in params}
+            touched = {id(self.params[n]) for n in loaded if n in self.params}
         for layer in self.linear:
             if id(layer.weight) in touched:
                 dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
