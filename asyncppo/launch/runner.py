@@ -72,12 +72,14 @@ def run(cfg: AsyncPPOConfig) -> int:
     console = RunConsole(plan.output_dir, cfg.trainer.total_steps, cfg.trainer.logger.log_every,
                          progress=cfg.trainer.logger.console)
     started_at = time.time()
+    supervisor = None
     try:
         ray.init(**plan.ray_init)
         _terminate_as_interrupt()  # after ray.init, whose core worker installs a SIGTERM handler that aborts
         check_cluster(cfg, ray.cluster_resources(), alive_node_gpus())
         learner_ref, pending = actors.start()
-        return Supervisor(actors, console, started_at).watch(learner_ref, pending)
+        supervisor = Supervisor(actors, console, started_at)
+        return supervisor.watch(learner_ref, pending)
     except KeyboardInterrupt:
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)
         return 130
@@ -88,3 +90,5 @@ def run(cfg: AsyncPPOConfig) -> int:
     finally:
         actors.stop_all()
         ray.shutdown()
+        if supervisor is not None:
+            supervisor.wait_report()

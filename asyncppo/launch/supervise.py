@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
 from typing import Any, Optional
 
@@ -44,6 +45,7 @@ class Supervisor:
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
         self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
+        self.report: Optional[threading.Thread] = None  # drawn while the actors and Ray shut down (wait_report)
         cl = run.cfg_dict["cluster"]
         self.hangs = None if run.plan.embodied else HangWatch(  # embodied workers answer no ping (yet)
             lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
@@ -160,7 +162,15 @@ class Supervisor:
             ray.wait(pending, num_returns=len(pending), timeout=STOP_GRACE_S)
         self.console.poll()
         print(self.console.summary(time.time() - self.started_at), flush=True)
-        write_run_report(self.run.plan.output_dir)
+        # the report reads only the run directory: it is drawn on a thread while the actors and Ray stop (1-2 s
+        # each on two CPU cores), and the command waits for it (wait_report) before it exits
+        self.report = threading.Thread(target=write_run_report, args=(self.run.plan.output_dir,), name="run-report")
+        self.report.start()
+
+    def wait_report(self) -> None:
+        """Wait for the run report drawn since the learner finished (nothing to wait for after an error)."""
+        if self.report is not None:
+            self.report.join()
 
 
 def write_run_report(output_dir: str) -> None:

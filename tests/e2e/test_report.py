@@ -29,6 +29,9 @@ def real_run(tmp_path_factory) -> str:
         capture_output=True, text=True, timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the launch draws its own report (on a thread while Ray stops) and waits for it before it exits
+    assert f"[asyncppo] run report: {os.path.join(out, 'report.png')}" in proc.stdout, proc.stdout[-2000:]
+    assert os.path.getsize(os.path.join(out, "report.png")) > 10_000
     return out
 
 
