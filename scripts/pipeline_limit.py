@@ -38,6 +38,15 @@ import tempfile
 import time
 
 SIDES = ("engine", "learner")
+# The tree this script lives in, ahead of the installed one: run from a git worktree, every process a measurement
+# starts (each side, a launch and its Ray actors) imports that worktree's asyncppo, not the editable install's.
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def tree_env(env: dict) -> dict:
+    """``env`` with this tree first on ``PYTHONPATH`` (Ray's actors inherit it from the launch)."""
+    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p))
 
 
 def _config(overrides: list[str], steps: int):
@@ -99,7 +108,7 @@ def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str
 
 
 def _pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
-    return dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus)
+    return tree_env(dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus))
 
 
 def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1
