@@ -37,7 +37,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from pipeline_limit import REPO, measure_limit, replay_limit, tree_env  # noqa: E402  (scripts/: each side alone)
+from pipeline_limit import REPO, measure_limit, pinned_env, replay_limit  # noqa: E402  (scripts/: each side alone)
 
 from asyncppo.config.schedules import SCHEDULES as MODES, schedule_overrides  # noqa: E402
 from asyncppo.metrics.rollout import WAIT_KEYS  # noqa: E402
@@ -63,7 +63,7 @@ def run_once(label: str, args, root: str, mode: str = "") -> dict:
         *args.overrides,
         *extra,  # the mode's own overrides, after the shared ones (they win)
     ]
-    env = tree_env(dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=args.rollout_cpus, ASYNCPPO_LEARNER_CPUS=args.learner_cpus))
+    env = pinned_env(args.rollout_cpus, args.learner_cpus)
     print(f"[bench] {label}: {' '.join(cmd[3:])}", flush=True)
     t0, load_before = time.perf_counter(), os.getloadavg()[0]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=REPO)

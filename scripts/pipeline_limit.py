@@ -44,11 +44,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def tree_env(env: dict) -> dict:
-    """``env`` with this tree first on ``PYTHONPATH`` (Ray's actors inherit it from the launch)."""
-    return dict(env, PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH", "")) if p))
-
-
 def _config(overrides: list[str], steps: int):
     from asyncppo.config import load_config
     from asyncppo.data.tiny import resolve_model_path  # heavy: torch, transformers (builds the built-in model)
@@ -107,8 +102,11 @@ def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str
     return out
 
 
-def _pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
-    return tree_env(dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus))
+def pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
+    """The CPUs each side is pinned to (launch/actors.py reads them), and this tree first on ``PYTHONPATH`` (Ray's
+    actors inherit it from a launch)."""
+    path = os.pathsep.join(p for p in (REPO, os.environ.get("PYTHONPATH", "")) if p)
+    return dict(os.environ, ASYNCPPO_ROLLOUT_CPUS=rollout_cpus, ASYNCPPO_LEARNER_CPUS=learner_cpus, PYTHONPATH=path)
 
 
 def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1
@@ -135,7 +133,7 @@ def measure_limit(overrides: list[str], steps: int, rollout_cpus: str, learner_c
     from asyncppo.report.limit import PipelineLimit
 
     os.makedirs(root, exist_ok=True)
-    env = _pinned_env(rollout_cpus, learner_cpus)
+    env = pinned_env(rollout_cpus, learner_cpus)
     work = f"the {steps} batches of {replay}" if replay else " ".join(overrides)
     sides = {}
     for side in SIDES:
@@ -184,7 +182,7 @@ def learner_beside_engine(overrides: list[str], steps: int, rollout_cpus: str, l
     engine_dir = os.path.join(beside, "engine")
     os.makedirs(engine_dir, exist_ok=True)
     shutil.copy(os.path.join(root, "groups.bin"), os.path.join(beside, "groups.bin"))
-    env = _pinned_env(rollout_cpus, learner_cpus)
+    env = pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] learner alone beside a generating engine: {' '.join(overrides)}", flush=True)
     batches = steps * math.ceil((learner_s + BESIDE_SLACK_S) / max(engine_s, 1e-3))
     busy = _side_argv("engine", engine_dir, batches, overrides)
@@ -220,7 +218,7 @@ def engine_beside_learner(run_dir: str, overrides: list[str], rollout_cpus: str,
     learner_dir = os.path.join(beside, "learner")
     os.makedirs(learner_dir, exist_ok=True)
     steps = _run_steps(run_dir)
-    env = _pinned_env(rollout_cpus, learner_cpus)
+    env = pinned_env(rollout_cpus, learner_cpus)
     print(f"[limit] engine alone on the run's own work beside a training learner: {run_dir}", flush=True)
     repeat = math.ceil((engine_s + BESIDE_SLACK_S) / max(learner_s, 1e-3))
     busy = _side_argv("learner", learner_dir, steps, overrides, run_dir, repeat)

