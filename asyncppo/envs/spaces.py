@@ -60,11 +60,23 @@ def _make_kwargs(env_cfg) -> dict:
 
 
 def _check_id(env_id: str) -> None:
+    """``env_id`` names a registered environment. ``"my_pkg.envs:MyEnv-v0"`` (gymnasium's own form, which ``make``
+    and ``make_vec`` read) first imports ``my_pkg.envs``, whose import registers the environment: that is how a
+    user's environment reaches every env worker's process without an install step."""
+    import importlib
+
     import gymnasium  # heavy/optional: gymnasium (embodied runs only)
     from gymnasium import error as gym_error  # heavy/optional: gymnasium
 
+    module, sep, name = env_id.rpartition(":")
+    if sep:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # not found, or its import raised: either way the id cannot be resolved
+            raise EnvError(f"env.id={env_id!r}: the module {module!r} that should register {name!r} could not be "
+                           f"imported ({type(exc).__name__}: {exc})") from None
     try:
-        gymnasium.spec(env_id)
+        gymnasium.spec(name)
     except (gym_error.NameNotFound, gym_error.NamespaceNotFound, gym_error.VersionNotFound,
             gym_error.DeprecatedEnv, gym_error.UnregisteredEnv) as exc:
         raise EnvError(f"env.id={env_id!r}: not a registered gymnasium environment ({exc}). "

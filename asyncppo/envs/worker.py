@@ -80,12 +80,18 @@ class EnvWorker(WorkerSkeleton):
         return True  # loaded between two env steps; the next turn reads control again
 
     def _work(self) -> None:
+        # the phase is what the launcher's control ping reads (launch/hang.py): waiting for a ticket or for weights
+        # is the learner's wait; stepping must move the progress counter, so an env whose step never returns is
+        # found hung after the hang timeout and the worker replaced
         if self._ticket is None and not self._next_ticket():
+            self.phase = "waiting"
             return
         if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours: wait for them
+            self.phase = "waiting"
             needed = self._ticket.min_version
             self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
             return
+        self.phase = "generating"
         self._step()
 
     def _drop_work(self, position) -> None:
@@ -95,10 +101,13 @@ class EnvWorker(WorkerSkeleton):
 
     def _load_weights(self, state) -> None:
         t0 = time.perf_counter()
+        self.phase = "loading"
         version, tensors = self.receiver.receive()
         self.policy.load_state_dict(dict(tensors))
         self.version = version
         self.stats["weight_loads"] += 1
+        self.progress += 1
+        self.phase = "waiting"  # until the next turn says what it does
         self.builder.note_weight_load(time.perf_counter() - t0, time.time() - state.time)
         log.info("env worker %d loaded weights v%d", self.worker_id, version)
 
@@ -128,6 +137,7 @@ class EnvWorker(WorkerSkeleton):
         b.record(actions, logprobs, reward, terminated, truncated, np.asarray(obs), info, self.version,
                  policy_s=t1 - t0, env_s=t2 - t1)
         self.stats["env_steps"] += self.cfg.env.num_envs
+        self.progress += 1
         if b.full:
             self._send(b.finish(self._ticket.index, group_key(self.worker_id, self.incarnation, self._seq)))
             self._seq += 1
@@ -135,9 +145,13 @@ class EnvWorker(WorkerSkeleton):
 
     def _send(self, segment) -> None:
         frame = encode_segment(segment)
-        if not self._send_until_sent(lambda: self.sender.send_encoded(frame, timeout_s=1.0)):
+        phase, self.phase = self.phase, "sending"  # the learner not taking a segment is not this worker's hang
+        sent = self._send_until_sent(lambda: self.sender.send_encoded(frame, timeout_s=1.0))
+        self.phase = phase
+        if not sent:
             return
         self.stats["segments_sent"] += 1
+        self.progress += 1
         self.stats["episodes"] += int(segment.episode_returns.shape[0])
 
 

@@ -47,9 +47,14 @@ class EnvLearnerActor:
     def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
         return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 
+    def health(self) -> dict:
+        return self.service.health()
 
-# Threaded: the launcher hands a restarted learner's endpoints to a worker while its run() steps the env.
-@ray.remote(max_restarts=0, max_concurrency=2)
+
+# Three threads: run() steps the env; beside it the launcher's control ping (heartbeat, launch/hang.py: a stopped
+# process answers nothing, one whose env step never returns answers with a progress counter that stands still) or a
+# restarted learner's endpoints (reconnect).
+@ray.remote(max_restarts=0, max_concurrency=3)
 class EnvRolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, model_path: str = "", incarnation: int = 0):
         # torch and gymnasium are imported in the actor's process only, never in the launcher
@@ -76,3 +81,6 @@ class EnvRolloutActor:
     def reconnect(self, endpoints, position=None) -> None:
         """A restarted learner's addresses (rollout/skeleton.py)."""
         self.worker.request_reconnect(endpoints, position)
+
+    def heartbeat(self) -> dict:
+        return self.worker.heartbeat()

@@ -3,9 +3,11 @@
 A process that died is seen by Ray at once; a process that is stopped (SIGSTOP) or wedged (an engine call that never
 returns) looks alive to Ray forever. So the launcher watches progress itself, from two sides:
 
-* **the worker**: a control ping (``RolloutActor.heartbeat``, a Ray call answered by another thread of the actor)
-  returns the phase the worker's loop is in and a counter of its progress (decode steps, groups sent, weight loads).
-  A stopped process answers nothing; a wedged one answers, but its counter stops while it should be generating.
+* **the worker**: a control ping (``RolloutActor.heartbeat``, or ``EnvRolloutActor.heartbeat`` in an embodied run:
+  a Ray call answered by another thread of the actor) returns the phase the worker's loop is in and a counter of its
+  progress (decode steps or env steps, groups or segments sent, weight loads). A stopped process answers nothing; a
+  wedged one (an engine call, or an environment's ``step``, that never returns) answers, but its counter stops while
+  it should be generating.
 * **the learner**: a worker that did not take a weight push within ``cluster.push_timeout_s`` was retired from the
   weight sync (``WeightFanout.retire_late``); the learner reports it (``LearnerActor.health``), with its recent step
   durations, from which the auto deadlines are computed (config/deadlines.py).
@@ -76,7 +78,8 @@ def hang_verdict(seen: Seen, now: float, hang_s: float, grace_s: float, push_lat
         return f"no answer to a control ping for {silent:.0f}s ({name} {limit:.0f}s)"
     still = now - (seen.moved_at if seen.moved_at is not None else seen.answered_at)
     if seen.phase in BUSY_PHASES and still > hang_s:
-        return f"no decode step or group for {still:.0f}s while {seen.phase} (hang timeout {hang_s:.0f}s)"
+        return f"no progress (decode or env step, group sent) for {still:.0f}s while {seen.phase} (hang timeout " \
+               f"{hang_s:.0f}s)"
     if seen.phase in SLOW_PHASES and still > grace_s:
         return f"still {seen.phase} after {still:.0f}s (grace {grace_s:.0f}s, cluster.timeout_s)"
     return None

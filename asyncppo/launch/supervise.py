@@ -28,7 +28,7 @@ STOP_GRACE_S = 15.0
 
 
 class WorkerFailed(RuntimeError):
-    """A rollout worker died (or hung) and may not be replaced (restarts used up, or an embodied run)."""
+    """A rollout worker died (or hung) and may not be replaced (restarts used up, or replacement switched off)."""
 
 
 def _first_line(exc: BaseException) -> str:
@@ -47,7 +47,7 @@ class Supervisor:
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
         self.report: Optional[threading.Thread] = None  # drawn while the actors and Ray shut down (wait_report)
         cl = run.cfg_dict["cluster"]
-        self.hangs = None if run.plan.embodied else HangWatch(  # embodied workers answer no ping (yet)
+        self.hangs = HangWatch(  # LLM rollout workers and embodied env workers alike answer its pings
             lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
 
     def watch(self, learner_ref: Any, pending: list) -> int:
@@ -56,8 +56,7 @@ class Supervisor:
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
-            if self.hangs is not None:
-                pending = self._replace_hung(pending)
+            pending = self._replace_hung(pending)
             for ref in done:
                 if ref in self.run.worker_refs:
                     replacement = self._worker_ended(ref)
@@ -87,10 +86,9 @@ class Supervisor:
     def _after_learner_restart(self) -> None:
         """The hang watch reads the new learner, and every worker's clock starts again: the restart kept the
         supervisor from pinging them, and their reconnection is a wait on the learner, not a hang."""
-        if self.hangs is not None:
-            self.hangs.learner, self.hangs._health_ref = self.run.learner, None
-            for i in self.run.workers:
-                self.hangs.started(i)
+        self.hangs.learner, self.hangs._health_ref = self.run.learner, None
+        for i in self.run.workers:
+            self.hangs.started(i)
 
     def _worker_ended(self, ref: Any) -> Optional[Any]:
         """A worker's run() ended: normally (the learner told it to stop) -> None; by dying -> the ref of its
@@ -151,8 +149,7 @@ class Supervisor:
         the next incarnation starts there."""
         position = ray.get(self.run.learner.replace_worker.remote(i, self.incarnations[i], hung),
                            timeout=self.run.plan.timeout_s)
-        if self.hangs is not None:
-            self.hangs.started(i)
+        self.hangs.started(i)
         return self.run.start_worker(i, self.incarnations[i], position)
 
     def _finish(self, pending: list) -> None:

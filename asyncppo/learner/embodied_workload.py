@@ -11,8 +11,8 @@ and its metrics:
   segments (raw environment reward), and ``episode/return_recent`` over the last 100 episodes;
 * ``throughput/env_steps_per_s`` (env steps trained per wall second) and ``throughput/rollout_env_steps_per_s``
   (env steps per second of worker time spent stepping and acting);
-* the staleness (``staleness/min|mean|max|token_mean``), busy (``util/*``) and KL / clip (``actor/*``) metrics of
-  LLM runs.
+* the staleness (``staleness/min|mean|max|token_mean``), busy (``util/*``), KL / clip (``actor/*``) and worker
+  replacement (``workers/restarts|hung|tickets_returned|sync_failures``) metrics of LLM runs.
 
 Env workers start at version -1 and act only after loading the learner's first push, so version 0 is the same
 network everywhere. Checkpoints (every ``trainer.save_every`` versions) hold the policy, its optimiser and the
@@ -142,6 +142,8 @@ class EmbodiedWorkload:
             "stream/rejected": sum(self.wiring.receiver.rejected.values()),
             "stream/rejected_content": self.segment_door.num_rejected,
         })
+        # worker replacements (dead or hung env workers), as an LLM run reports them (launch/membership.py)
+        metrics.update(self.wiring.ledger.metrics(self.wiring.fanout))
         for meter in (self.env_rate, self.train_busy, self.rollout_busy):
             meter.reset()
         return metrics

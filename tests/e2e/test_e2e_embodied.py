@@ -1,6 +1,7 @@
 """End to end: `asyncppo launch env=cartpole` through real Ray, ZeroMQ (segment records), admission tickets, gloo
 weight broadcast and gymnasium. The policy must learn by a margin noise cannot fake while every trained env step
-stays within the staleness bound, and the run must leave no process behind."""
+stays within the staleness bound, a run must survive a killed learner, a killed env worker and an environment that
+stops returning, and no run may leave a process behind."""
 
 from __future__ import annotations
 
@@ -92,18 +93,34 @@ def _pids(out: Path, marker: str) -> list[int]:
     return [int(line.split()[0]) for line in _env_actors(out) if marker in line]
 
 
-def test_cartpole_survives_a_killed_learner_and_a_killed_worker(tmp_path):
-    """One launch, two faults: SIGKILL the learner after a checkpoint (the launcher restarts it from there, the env
-    workers stay up and reconnect), then SIGKILL an env worker (it is replaced). The run finishes every step within
-    the staleness bound, and the restarted learner continued the checkpoint's training state."""
-    k, steps, every = 1, 30, 5
-    out = tmp_path / "run"
+# CartPole-v1 whose step can be made to never return (tests/gym_envs.py), named in gymnasium's module:id form
+WEDGE_ENV = "tests.gym_envs:WedgeCartPole-v1"
+
+
+def test_cartpole_survives_a_killed_learner_a_killed_worker_and_a_wedged_environment(tmp_path):
+    """One launch, three faults, one after the other:
+
+    1. SIGKILL the learner after a checkpoint: the launcher restarts it from there, the env workers stay up and
+       reconnect, and the restarted learner continues the checkpoint's training state;
+    2. SIGKILL an env worker: it is replaced;
+    3. once that death is seen, one environment's ``step`` stops returning (a wedged simulator): its worker
+       answers the launcher's pings but makes no progress, is found hung after ``cluster.hang_timeout_s=10``, killed
+       through Ray and replaced; the environment is let go once the hang was reported. ``cluster.push_timeout_s=60``:
+       at its default (the hang timeout) the missed weight push names the same worker at the same moment (it did,
+       first, in a trial run), and this part is about the progress rule.
+
+    The run finishes every step within the staleness bound. (Learning is the run above's, without faults: a
+    CartPole run through three faults learns too, but with a spread a learning margin cannot be set on.)"""
+    k, steps, every, hang_s = 1, 30, 5, 10
+    out, wedge = tmp_path / "run", tmp_path / "WEDGE"
+    err_file = tmp_path / "err.txt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncppo", "launch", "env=cartpole", f"trainer.total_steps={steps}",
-         f"rollout.max_staleness={k}", f"trainer.output_dir={out}", "trainer.logger.wandb=false",
-         "cluster.rollout_workers=2", f"trainer.save_every={every}"],
+        [sys.executable, "-m", "asyncppo", "launch", "env=cartpole", f"env.id={WEDGE_ENV}",
+         f"+env.kwargs.wedge_file={wedge}", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
+         f"trainer.output_dir={out}", "trainer.logger.wandb=false", "cluster.rollout_workers=2",
+         f"trainer.save_every={every}", f"cluster.hang_timeout_s={hang_s}", "cluster.push_timeout_s=60"],
         cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(tmp_path / "out.txt", "w"),
-        stderr=open(tmp_path / "err.txt", "w"), text=True)  # files, not pipes: nothing fills up
+        stderr=open(err_file, "w"), text=True)  # files, not pipes: nothing fills up
     try:
         _wait(proc, out, lambda: len(_records(out)) >= 7)
         (learner,) = _pids(out, "EnvLearnerActor")
@@ -112,12 +129,20 @@ def test_cartpole_survives_a_killed_learner_and_a_killed_worker(tmp_path):
               and _records(out)[-1]["step"] >= 12)
         worker = max(_pids(out, "EnvRolloutActor"))
         os.kill(worker, signal.SIGKILL)
+        _wait(proc, out, lambda: "rollout worker" in err_file.read_text())  # the death was seen: now the wedge
+        wedge.touch()
+        wedged_at, wedged_step = time.time(), _records(out)[-1]["step"]
+        _wait(proc, out, lambda: " hung (" in err_file.read_text())
+        print(f"wedged at step {wedged_step}; reported hung {time.time() - wedged_at:.1f}s after the wedge file "
+              "appeared")
+        for claimed in tmp_path.glob("WEDGE*"):
+            claimed.unlink()  # the wedged process is being killed; its replacement's environments step normally
         proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    stdout, stderr = (tmp_path / "out.txt").read_text(), (tmp_path / "err.txt").read_text()
+    stdout, stderr = (tmp_path / "out.txt").read_text(), err_file.read_text()
     assert proc.returncode == 0, stdout[-3000:] + stderr[-5000:]
     # the kill lands after step 7 or, on a fast box, a few steps later: the restart is from the latest checkpoint
     restarted = re.search(r"learner restarted at step (\d+)", stderr)
@@ -135,6 +160,16 @@ def test_cartpole_survives_a_killed_learner_and_a_killed_worker(tmp_path):
     logs = {p.name: p.read_text() for p in (out / "logs").glob("worker-*.log")}
     assert sum("the learner was restarted; reconnecting" in text for text in logs.values()) == 2
     assert any(re.search(r"env worker \d \(incarnation 1\): pid", text) for text in logs.values())
+    # the wedged environment: its worker answered pings without progress, and was replaced
+    m = re.search(r"rollout worker (\d) hung \(no progress \(decode or env step, group sent\) for (\d+)s while "
+                  r"generating \(hang timeout (\d+)s\)\); killing it and starting a replacement \(restart 2 of at "
+                  r"most 3\)", stderr)
+    assert m, stderr[-3000:]
+    hung, still, timeout = (int(g) for g in m.groups())
+    assert timeout == hang_s and hang_s <= still < hang_s + 30, (still, timeout)
+    incarnations = re.findall(r"env worker \d \(incarnation (\d+)\): pid", logs[f"worker-{hung}.log"])
+    assert incarnations and max(map(int, incarnations)) >= 1, logs[f"worker-{hung}.log"][-2000:]
+    assert records[-1]["workers/hung"] == 1 and records[-1]["workers/restarts"] == 2, records[-1]
     deadline = time.time() + 20
     while _env_actors(out) and time.time() < deadline:
         time.sleep(1)

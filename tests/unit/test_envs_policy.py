@@ -25,6 +25,21 @@ def test_unknown_env_id_is_a_clear_error():
         describe_env(cfg.env)
 
 
+def test_a_module_qualified_env_id_imports_its_module_and_a_missing_module_is_named():
+    """gymnasium's ``module:id`` form: the import registers the environment (tests/gym_envs.py), in the driver's
+    check as in every env worker's ``make_vec``; a module that cannot be imported is named in the error."""
+    cfg = load_config(["env=cartpole", "env.id=tests.gym_envs:WedgeCartPole-v1"])
+    desc = describe_env(cfg.env)
+    assert desc.obs_shape == (4,) and desc.discrete and desc.action_dim == 2
+    cfg = load_config(["env=cartpole", "env.id=no_such_package.envs:Thing-v0"])
+    with pytest.raises(EnvError, match="the module 'no_such_package.envs' that should register 'Thing-v0' could "
+                                       "not be imported"):
+        describe_env(cfg.env)
+    cfg = load_config(["env=cartpole", "env.id=tests.gym_envs:NotRegistered-v0"])  # imported, but no such id
+    with pytest.raises(EnvError, match="not a registered gymnasium environment"):
+        describe_env(cfg.env)
+
+
 def test_launch_refuses_an_unknown_env_before_starting_ray(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "asyncppo", "launch", "env=CartPoel-v1",
                            f"trainer.output_dir={tmp_path}", "trainer.logger.wandb=false"],

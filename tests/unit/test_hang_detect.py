@@ -47,7 +47,7 @@ def test_a_generating_worker_whose_counter_stops_is_hung_after_the_timeout():
                  + [(t, "generating", 5) for t in range(22, 90, 2)])
     assert hang_verdict(seen, 80.0, HANG, GRACE) is None  # 60 s without a step: not yet over
     why = hang_verdict(seen, 81.0, HANG, GRACE)
-    assert why is not None and "no decode step or group for 61s while generating" in why
+    assert why is not None and "no progress (decode or env step, group sent) for 61s while generating" in why
 
 
 def test_a_stopped_worker_answers_nothing_and_is_hung_after_the_timeout():
