@@ -289,7 +289,10 @@ class ClusterConfig:
     # each free ticket to the waiting worker holding fewest (max-min fair, staleness/fairness.py); false: arrival order
     fair_tickets: bool = True
     logprob_tolerance: float = 0.01  # largest behaviour log-prob accepted (float rounding above 0)
-    max_worker_restarts: int = 3  # rollout-worker deaths replaced in one run; one more ends the run with an error
+    max_worker_restarts: int = 3  # rollout-worker deaths (and hangs) replaced within worker_restart_window_s
+    # the window max_worker_restarts counts over: one death more within it ends the run with an error; sporadic
+    # deaths hours apart never add up, a crash loop does within minutes (launch/restart_budget.py). null: the run
+    worker_restart_window_s: Optional[float] = 3600.0
     # a rollout worker with no decode step, no group and no answer to a control ping for this long is hung: killed
     # and replaced like a dead one (launch/hang.py). null: auto, from the learner's measured step time with a floor
     # (config/deadlines.py: max(60 s, 10 x median step seconds), at most timeout_s)

@@ -61,6 +61,7 @@ class LaunchPlan:
     ray_on_loopback: bool  # a local (or loopback) Ray cluster: Ray's own control plane stays on loopback
     replace_dead_workers: bool  # a dead rollout (or env) worker is replaced (cluster.max_worker_restarts > 0)
     max_worker_restarts: int
+    worker_restart_window_s: Optional[float]  # the window max_worker_restarts counts over (None: the whole run)
     timeout_s: float
     model_source: str  # model.path as configured, or the gymnasium env id of an embodied run
     model_path: str = ""  # the learner's model ("" for embodied runs, and before resolve_plan)
@@ -107,7 +108,9 @@ class LaunchPlan:
             f"ray.init: {init}" + ("; Ray's control plane on loopback" if self.ray_on_loopback else ""),
             bundles,
             f"actor environment: {' '.join(f'{k}={v}' for k, v in sorted(env.items()))}",
-            "dead rollout workers: " + (f"replaced, up to {self.max_worker_restarts} restart(s) in the run"
+            "dead rollout workers: " + (f"replaced, up to {self.max_worker_restarts} restart(s) "
+                                        + ("in the run" if self.worker_restart_window_s is None
+                                           else f"within any {self.worker_restart_window_s:g} s")
                                         if self.replace_dead_workers else "end the run"),
             "a dead learner: " + (f"restarted from the latest checkpoint, up to {self.max_learner_restarts} time(s)"
                                   if self.max_learner_restarts else "ends the run (trainer.auto_resume off)"),
@@ -189,7 +192,8 @@ def plan_launch(cfg: AsyncPPOConfig) -> LaunchPlan:
         num_learners=num_learners, num_workers=num_workers, learner_bundle=learner_bundle,
         worker_bundle=worker_bundle, ray_init=init, ray_on_loopback=ray_on_loopback(cfg),
         replace_dead_workers=cl.max_worker_restarts > 0,
-        max_worker_restarts=cl.max_worker_restarts, timeout_s=cl.timeout_s,
+        max_worker_restarts=cl.max_worker_restarts, worker_restart_window_s=cl.worker_restart_window_s,
+        timeout_s=cl.timeout_s,
         model_source=cfg.env.id or cfg.model.path, shared_devices=cl.shared_gpus,
         max_learner_restarts=learner_restarts(cfg),
     )

@@ -2,7 +2,8 @@
 
 The learner finishing ends the run (the summary table and the run report follow). A rollout worker that dies, or
 that hangs (launch/hang.py: no progress and no answer for ``cluster.hang_timeout_s``; killed through Ray first), is
-replaced, up to ``cluster.max_worker_restarts`` times in the run: the learner first takes back its tickets and
+replaced, up to ``cluster.max_worker_restarts`` times within ``cluster.worker_restart_window_s`` (an hour by default;
+launch/restart_budget.py says why a window): the learner first takes back its tickets and
 awaits the replacement in the weight sync (``LearnerWiring.replace_worker``), then a new actor of the next
 incarnation starts in the same placement bundle, resuming the worker's prompt sequence. Any other actor dying, or
 one worker death too many, ends the run with the actor's error (:func:`report_failure` words it).
@@ -21,6 +22,7 @@ import ray
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.learner_restart import LearnerRestarter
 from asyncppo.launch.hang import HangWatch
+from asyncppo.launch.restart_budget import RestartBudget
 from asyncppo.launch.start import RunActors
 
 # Seconds the other actors get to exit on their own once the learner has published stop.
@@ -41,7 +43,8 @@ class Supervisor:
 
     def __init__(self, run: RunActors, console: RunConsole, started_at: float):
         self.run, self.console, self.started_at = run, console, started_at
-        self.restarts = 0
+        # cluster.max_worker_restarts within any cluster.worker_restart_window_s (launch/restart_budget.py)
+        self.budget = RestartBudget(run.plan.max_worker_restarts, run.plan.worker_restart_window_s)
         self.incarnations = {i: 0 for i in range(run.plan.num_workers)}
         self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
@@ -115,19 +118,22 @@ class Supervisor:
         return pending
 
     def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
-        plan, limit = self.run.plan, self.run.plan.max_worker_restarts
+        plan, budget = self.run.plan, self.budget
         what = f"hung ({exc})" if hung else "died"
-        if not plan.replace_dead_workers or self.restarts >= limit:
+        if not plan.replace_dead_workers or not budget.take():
+            window = (f" per cluster.worker_restart_window_s={budget.window_s:g}"
+                      if budget.limit and budget.window_s is not None else "")
             raise WorkerFailed(
                 f"rollout worker {i} {what}"
-                + (f" after {self.restarts} restart(s), the limit (cluster.max_worker_restarts={limit})"
+                + (f" after {budget.recent()} restart(s){budget.span() if budget.limit else ''}, the limit "
+                   f"(cluster.max_worker_restarts={budget.limit}{window})"
                    if plan.replace_dead_workers or hung else "") + ("" if hung else f": an actor failed:\n{exc}")
             ) from None
-        self.restarts += 1
         self.incarnations[i] += 1
         print(f"[asyncppo] rollout worker {i} " + (f"{what}; killing it and starting" if hung else
                                                    f"died ({_first_line(exc)}); starting")
-              + f" a replacement (restart {self.restarts} of at most {limit})", file=sys.stderr, flush=True)
+              + f" a replacement (restart {budget.recent()} of at most {budget.limit}{budget.span()})",
+              file=sys.stderr, flush=True)
         try:
             ray.kill(self.run.workers[i])
         except Exception:

@@ -162,7 +162,7 @@ def test_killed_worker_and_stopped_worker_are_each_replaced_and_the_run_complete
     assert code == 0, stdout[-3000:] + stderr[-5000:]
     assert "rollout worker 1 died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
     m = re.search(r"rollout worker 0 hung \(no answer to a control ping for (\d+)s \(hang timeout (\d+)s\)\); "
-                  r"killing it and starting a replacement \(restart 2 of at most 3\)", stderr)
+                  r"killing it and starting a replacement \(restart 2 of at most 3 within 3600s\)", stderr)
     assert m, stderr[-3000:]
     silent, hang_s = int(m.group(1)), int(m.group(2))
     print(f"declared hung after {silent}s without an answer (hang timeout {hang_s}s); the replacement logged its "

@@ -121,11 +121,11 @@ def test_a_hang_with_no_replacement_left_ends_the_run_naming_the_worker():
     from asyncppo.launch.supervise import Supervisor, WorkerFailed
 
     plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=False, max_worker_restarts=0,
-                           timeout_s=600.0)
+                           worker_restart_window_s=3600.0, timeout_s=600.0)
     run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None)
     supervisor = Supervisor(run, console=None, started_at=0.0)
     with pytest.raises(WorkerFailed) as err:
         supervisor._replace(1, "no answer to a control ping for 61s (hang timeout 60s)", hung=True)
     assert str(err.value) == ("rollout worker 1 hung (no answer to a control ping for 61s (hang timeout 60s)) after "
                               "0 restart(s), the limit (cluster.max_worker_restarts=0)")
-    assert supervisor.restarts == 0 and supervisor.incarnations == {0: 0, 1: 0}
+    assert supervisor.budget.total == 0 and supervisor.incarnations == {0: 0, 1: 0}
