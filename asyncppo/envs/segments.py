@@ -33,7 +33,8 @@ class SegmentBuilder:
         self._timings: dict[str, float] = {}
         self._alloc()
 
-    def _alloc(self) -> None:
+    def _alloc(self, env_errors: float = 0.0) -> None:
+        """Empty arrays for the next segment; ``env_errors``: environment errors not yet reported in a segment."""
         N, T, S = self.N, self.T, self.desc.obs_shape
         self._obs = np.zeros((N, T, *S), np.float32)
         if self.desc.discrete:
@@ -48,12 +49,21 @@ class SegmentBuilder:
         self._final: list[tuple[int, np.ndarray]] = []
         self._episodes: list[tuple[float, int]] = []
         self._timings = {"env_s": 0.0, "policy_s": 0.0, "wait_s": 0.0, "weight_loads": 0.0, "push_s_max": 0.0,
-                         "load_s": 0.0}
+                         "load_s": 0.0, "env_errors": env_errors}
         self.t = 0
 
     def discard(self) -> None:
         """Drop the segment being collected (its ticket belonged to a learner that died); the episodes go on."""
-        self._alloc()
+        self._alloc(self._timings.get("env_errors", 0.0))
+
+    def restart(self, obs: np.ndarray) -> None:
+        """The environment raised and was made again: the segment being collected and the unfinished episodes are
+        dropped (their steps are lost, their returns never reported), and collection starts over from ``obs``, the
+        fresh reset. The error is counted in the next segment's ``env_errors``."""
+        self._alloc(self._timings.get("env_errors", 0.0) + 1.0)
+        self.ep_return[:] = 0.0
+        self.ep_length[:] = 0
+        self.start(obs)
 
     def start(self, obs: np.ndarray) -> None:
         _check_finite("observation", obs, self.desc.env_id, 0, self.worker_id)

@@ -15,6 +15,15 @@ worker, with an env step for a decode step):
 
 An environment that returns a NaN or infinite observation or reward is a bug in the environment, not noise: the
 worker raises :class:`EnvError` naming the env, the index and the step, and the run ends with that message.
+
+An environment whose ``step`` *raises* is treated as a fault of that moment (a simulator that lost a contact
+solve, a remote environment's dropped connection), not of the run: the vector env is closed and made again (one
+sub-env raising leaves the others half-stepped, so none of its state is trusted), the segment being collected is
+discarded with its unfinished episodes (its env steps are lost, no data is), and the same ticket's segment starts
+again from the fresh reset. The first error is told with its message; every one is counted (``env_errors``, the
+learner's ``env/errors``). Only an environment that raises :data:`MAX_ERRORS_IN_ROW` times in a row, with no
+successful step between, is taken for broken: the worker raises :class:`EnvError` with the last error, and the
+launcher's replacement budget decides what follows (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -37,6 +46,9 @@ from asyncppo.stream.segments import encode_segment
 
 log = logging.getLogger("asyncppo.envs")
 
+#: Raises of the environment in a row, each followed by a fresh vector env, before the worker gives up on it.
+MAX_ERRORS_IN_ROW = 3
+
 
 class EnvWorker(WorkerSkeleton):
     role = "env worker"
@@ -47,8 +59,9 @@ class EnvWorker(WorkerSkeleton):
         super().__init__(cfg, worker_id, num_workers, endpoints, incarnation=incarnation)
         self.device = torch.device(device)
         self.version = -1  # no weights yet: the learner pushes version 0 before any ticket can be served
-        self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0}
+        self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0, "env_errors": 0}
         self._ticket = None
+        self._errors_in_row = 0
 
     # ------------------------------------------------------------------------------------------------------------
     def _open_workload(self) -> None:
@@ -57,7 +70,7 @@ class EnvWorker(WorkerSkeleton):
         self.desc = describe_env(e)
         self.env = make_vector_env(e, e.num_envs)
         self._closables.append(self.env)
-        seed = cfg.trainer.seed + 1000 * (self.worker_id + 1)
+        self._seed = seed = cfg.trainer.seed + 1000 * (self.worker_id + 1)
         torch.manual_seed(seed)
         self.policy = ActorCritic(self.desc.policy_spec(cfg)).to(self.device).eval()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -132,7 +145,12 @@ class EnvWorker(WorkerSkeleton):
         actions, logprobs = self.policy.act(x, self.generator)
         env_actions = actions if self.desc.discrete else np.clip(actions, self.desc.action_low, self.desc.action_high)
         t1 = time.perf_counter()
-        obs, reward, terminated, truncated, info = self.env.step(env_actions)
+        try:
+            obs, reward, terminated, truncated, info = self.env.step(env_actions)
+        except Exception as exc:  # noqa: BLE001 - the environment's own failure: recovered (module docstring)
+            self._recover(exc)
+            return
+        self._errors_in_row = 0
         t2 = time.perf_counter()
         b.record(actions, logprobs, reward, terminated, truncated, np.asarray(obs), info, self.version,
                  policy_s=t1 - t0, env_s=t2 - t1)
@@ -142,6 +160,29 @@ class EnvWorker(WorkerSkeleton):
             self._send(b.finish(self._ticket.index, group_key(self.worker_id, self.incarnation, self._seq)))
             self._seq += 1
             self._ticket = None
+
+    def _recover(self, exc: Exception) -> None:
+        """The environment raised in ``step``: a fresh vector env, the segment collected again (module docstring)."""
+        self.stats["env_errors"] += 1
+        self._errors_in_row += 1
+        what = f"{type(exc).__name__}: {exc}"[:300]
+        if self._errors_in_row >= MAX_ERRORS_IN_ROW:
+            raise EnvError(f"env.id={self.cfg.env.id!r} raised {self._errors_in_row} times in a row (worker "
+                           f"{self.worker_id}, a fresh vector env each time); the last: {what}") from exc
+        if self.stats["env_errors"] == 1:  # told once, with the error; counted from then on
+            print(f"[asyncppo] env worker {self.worker_id}: the environment raised in step ({what}); making a fresh "
+                  "vector env and collecting the segment again (counted as env/errors)", flush=True)
+        log.warning("env worker %d: environment error %d: %s", self.worker_id, self.stats["env_errors"], what)
+        try:
+            self.env.close()
+        except Exception:  # a broken env may not close cleanly; its replacement is what matters
+            pass
+        self._closables.remove(self.env)
+        e = self.cfg.env
+        self.env = make_vector_env(e, e.num_envs)
+        self._closables.append(self.env)
+        obs, _ = self.env.reset(seed=self._seed + 7919 * self.stats["env_errors"])  # new episodes, not a replay
+        self.builder.restart(np.asarray(obs))
 
     def _send(self, segment) -> None:
         frame = encode_segment(segment)

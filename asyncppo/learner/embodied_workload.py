@@ -11,6 +11,7 @@ and its metrics:
   segments (raw environment reward), and ``episode/return_recent`` over the last 100 episodes;
 * ``throughput/env_steps_per_s`` (env steps trained per wall second) and ``throughput/rollout_env_steps_per_s``
   (env steps per second of worker time spent stepping and acting);
+* ``env/errors``: raises of the environment's ``step`` the step's segments recovered from (envs/worker.py);
 * the staleness (``staleness/min|mean|max|token_mean``), busy (``util/*``), KL / clip (``actor/*``) and worker
   replacement (``workers/restarts|hung|tickets_returned|sync_failures``) metrics of LLM runs.
 
@@ -136,6 +137,8 @@ class EmbodiedWorkload:
             "time/wait_s": t_work - t_step,
             "sync/push_s": max((s.timings.get("push_s_max", 0.0) for s in segments), default=0.0),
             "rollout/inflight_updates": float(sum(s.timings.get("weight_loads", 0.0) for s in segments)),
+            # the environment raised in step and was made again (envs/worker.py): segments re-collected
+            "env/errors": float(sum(s.timings.get("env_errors", 0.0) for s in segments)),
             "staleness/version_spread_max": buffer_stats.get("version_spread_max", 0),
             "buffer/size": buffer_stats.get("size", 0),
             "buffer/dropped_stale": buffer_stats.get("dropped_stale", 0),

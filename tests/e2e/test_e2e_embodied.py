@@ -93,13 +93,17 @@ def _pids(out: Path, marker: str) -> list[int]:
     return [int(line.split()[0]) for line in _env_actors(out) if marker in line]
 
 
-# CartPole-v1 whose step can be made to never return (tests/gym_envs.py), named in gymnasium's module:id form
-WEDGE_ENV = "tests.gym_envs:WedgeCartPole-v1"
+# CartPole-v1 whose step can be made to raise or to never return (tests/gym_envs.py), named in gymnasium's
+# module:id form
+FAULTY_ENV = "tests.gym_envs:FaultyCartPole-v1"
 
 
-def test_cartpole_survives_a_killed_learner_a_killed_worker_and_a_wedged_environment(tmp_path):
-    """One launch, three faults, one after the other:
+def test_cartpole_survives_a_raising_environment_a_killed_learner_a_killed_worker_and_a_wedged_environment(
+        tmp_path):
+    """One launch, four faults, one after the other:
 
+    0. after step 2, one environment's ``step`` raises: its worker makes a fresh vector env and collects the segment
+       again (no restart), and the learner reports it as ``env/errors``;
     1. SIGKILL the learner after a checkpoint: the launcher restarts it from there, the env workers stay up and
        reconnect, and the restarted learner continues the checkpoint's training state;
     2. SIGKILL an env worker: it is replaced;
@@ -112,16 +116,20 @@ def test_cartpole_survives_a_killed_learner_a_killed_worker_and_a_wedged_environ
     The run finishes every step within the staleness bound. (Learning is the run above's, without faults: a
     CartPole run through three faults learns too, but with a spread a learning margin cannot be set on.)"""
     k, steps, every, hang_s = 1, 30, 5, 10
-    out, wedge = tmp_path / "run", tmp_path / "WEDGE"
+    out, wedge, raising = tmp_path / "run", tmp_path / "WEDGE", tmp_path / "RAISE"
     err_file = tmp_path / "err.txt"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "asyncppo", "launch", "env=cartpole", f"env.id={WEDGE_ENV}",
-         f"+env.kwargs.wedge_file={wedge}", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
+        [sys.executable, "-m", "asyncppo", "launch", "env=cartpole", f"env.id={FAULTY_ENV}",
+         f"+env.kwargs.wedge_file={wedge}", f"+env.kwargs.raise_file={raising}", f"trainer.total_steps={steps}",
+         f"rollout.max_staleness={k}",
          f"trainer.output_dir={out}", "trainer.logger.wandb=false", "cluster.rollout_workers=2",
          f"trainer.save_every={every}", f"cluster.hang_timeout_s={hang_s}", "cluster.push_timeout_s=60"],
         cwd=REPO, env=dict(os.environ, PYTHONUNBUFFERED="1"), stdout=open(tmp_path / "out.txt", "w"),
         stderr=open(err_file, "w"), text=True)  # files, not pipes: nothing fills up
     try:
+        _wait(proc, out, lambda: len(_records(out)) >= 2)
+        raising.touch()
+        _wait(proc, out, lambda: any(r.get("env/errors") for r in _records(out)))  # trained, before the faults below
         _wait(proc, out, lambda: len(_records(out)) >= 7)
         (learner,) = _pids(out, "EnvLearnerActor")
         os.kill(learner, signal.SIGKILL)
@@ -160,6 +168,10 @@ def test_cartpole_survives_a_killed_learner_a_killed_worker_and_a_wedged_environ
     logs = {p.name: p.read_text() for p in (out / "logs").glob("worker-*.log")}
     assert sum("the learner was restarted; reconnecting" in text for text in logs.values()) == 2
     assert any(re.search(r"env worker \d \(incarnation 1\): pid", text) for text in logs.values())
+    # the raising environment: recovered in its worker (no restart; the two below are the kill and the wedge)
+    assert sum(r.get("env/errors", 0) for r in records) == 1
+    told = [line for line in stdout.splitlines() if "the environment raised in step" in line]
+    assert len(told) == 1 and "scripted error (raise_file)" in told[0] and told[0].startswith("[worker-"), told
     # the wedged environment: its worker answered pings without progress, and was replaced
     m = re.search(r"rollout worker (\d) hung \(no progress \(decode or env step, group sent\) for (\d+)s while "
                   r"generating \(hang timeout (\d+)s\)\); killing it and starting a replacement \(restart 2 of at "

@@ -28,7 +28,7 @@ def test_unknown_env_id_is_a_clear_error():
 def test_a_module_qualified_env_id_imports_its_module_and_a_missing_module_is_named():
     """gymnasium's ``module:id`` form: the import registers the environment (tests/gym_envs.py), in the driver's
     check as in every env worker's ``make_vec``; a module that cannot be imported is named in the error."""
-    cfg = load_config(["env=cartpole", "env.id=tests.gym_envs:WedgeCartPole-v1"])
+    cfg = load_config(["env=cartpole", "env.id=tests.gym_envs:FaultyCartPole-v1"])
     desc = describe_env(cfg.env)
     assert desc.obs_shape == (4,) and desc.discrete and desc.action_dim == 2
     cfg = load_config(["env=cartpole", "env.id=no_such_package.envs:Thing-v0"])
