@@ -209,28 +209,41 @@ def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
     _assert_no_leftovers()
 
 
-@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_ctrl_c_stops_everything(tmp_path, signum):
-    """Ctrl-C, and SIGTERM (``kill``, a scheduler's cancel) alike, stop every actor and the local Ray cluster."""
-    out_dir = tmp_path / "run"
+def test_ctrl_c_and_sigterm_stop_everything(tmp_path):
+    """Ctrl-C, and SIGTERM (``kill``, a scheduler's cancel) alike, stop every actor and the local Ray cluster. The
+    two launches run side by side (two local Ray clusters; each is signalled once it has logged two steps): one
+    launch's start-up and shutdown time for both."""
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
-    proc = subprocess.Popen(
-        [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM,
-         "trainer.total_steps=5000", "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        # as from a terminal, whatever started pytest: a background job of a script inherits SIGINT ignored
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    metrics = out_dir / "metrics.jsonl"
+    runs = {}
+    for name, signum in (("ctrl-c", signal.SIGINT), ("sigterm", signal.SIGTERM)):
+        out_dir = tmp_path / name
+        runs[name] = (signum, out_dir / "metrics.jsonl", subprocess.Popen(
+            [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM,
+             "trainer.total_steps=5000", "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
+            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            # as from a terminal, whatever started pytest: a background job of a script inherits SIGINT ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        ))
     deadline = time.time() + 300
-    # two steps logged: mid-training, with the engine generating and a push behind it
-    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
-        time.sleep(1)
-    assert metrics.exists(), "training never started"
-    proc.send_signal(signum)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130, err[-3000:]
-    assert "interrupted" in err
+    waiting = dict(runs)
+    try:
+        # two steps logged: mid-training, with the engine generating and a push behind it
+        while waiting and time.time() < deadline:
+            for name, (signum, metrics, proc) in list(waiting.items()):
+                if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+                    proc.send_signal(signum)
+                    del waiting[name]
+            time.sleep(1)
+        assert not waiting, f"training never started in {sorted(waiting)}"
+        for name, (signum, metrics, proc) in runs.items():
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 130, (name, err[-3000:])
+            assert "interrupted" in err, (name, err[-3000:])
+    finally:
+        for _, _, proc in runs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     _assert_no_leftovers()
 
 
