@@ -20,10 +20,11 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-calculator")
-# Of the task's default 40 steps. Measured four times (2-core box shared with other work): held-out success sampled
-# 0.143 -> 0.433, 0.440, 0.438, 0.440 (+29 to +30 points), greedy 0.75 -> 0.85, tool use 0.32 -> 0.62-0.63; the
-# whole test 410 s, 213 s, 240 s and 198 s at load averages 15-31, 17-21, 18-20 and ~16 (not measured idle).
-STEPS = 20
+# Of the task's default 40 steps. The learning curve of one 20-step run, each checkpoint evaluated as below (vLLM,
+# 400 sampled episodes): held-out success sampled 0.18 (warm start) -> 0.35 / 0.37 / 0.39 / 0.42 / 0.45 / 0.48 after
+# 8 / 10 / 12 / 14 / 16 / 20 steps, tool use 0.32 -> 0.53 at 12. This test at 12 steps: 0.18 -> 0.40 (+0.22), 98 s.
+# (At 20 steps, four earlier runs on transformers: 0.143 -> 0.433-0.440.)
+STEPS = 12
 
 
 def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
@@ -47,7 +48,8 @@ def test_calculator_learns_to_use_its_tool_with_a_held_out_gain(tmp_path):
     before = heldout_success("builtin:tiny-calculator", rows=100, samples=4, engine="vllm")
     after = heldout_success(str(out_dir / "final"), rows=100, samples=4, engine="vllm")
     print(f"held-out success before {before} after {after}")
-    # 400 sampled episodes each: a standard error of ~0.025 per figure; the margin is 6 of them
-    assert after["success_sampled"] - before["success_sampled"] >= 0.15, (before, after)
+    # 400 sampled episodes each: a standard error of 0.019-0.025 per figure, ~0.031 for the difference; the margin
+    # is ~4 of those, and ~0.1 under the gains measured at this length (+0.213, +0.22)
+    assert after["success_sampled"] - before["success_sampled"] >= 0.12, (before, after)
     assert after["tool_use_sampled"] > before["tool_use_sampled"], (before, after)
     assert_no_leftovers(TAG)
