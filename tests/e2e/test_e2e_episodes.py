@@ -27,6 +27,8 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 ASYNCPPO = [sys.executable, "-m", "asyncppo"]
 TAG = new_tag("e2e-episodes")
+GUESS_K, GUESS_STEPS = 1, 8  # the guess game: max_staleness, steps
+SKYRL_STEPS, SKYRL_MAX_TURNS = 4, 3  # the SkyRL rows run
 
 
 def _run(args: list, timeout: int) -> subprocess.CompletedProcess:
@@ -36,25 +38,85 @@ def _run(args: list, timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run([*ASYNCPPO, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_guess_episodes_train_end_to_end_within_the_bound(tmp_path):
-    """The guess game with scripted faults by hidden number (tests/episode_envs.py: FaultyGuessEnv) under
-    ``env.on_error=zero_reward``: an ``init`` that raises drops its group (its ticket is given back); a step that
-    hangs past ``env.step_timeout_s``, a malformed observation and a NaN reward each end their episode with reward
-    0 and the group trains. Every kind is counted, no group is lost, and the run trains every step within the
-    bound. Beside it, SkyRL-format ``data.eval_files`` are evaluated as episodes (:func:`_eval_rows`)."""
+def _start(args: list, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A launch in the background, its output to files (no pipe fills up while the other launch is waited on)."""
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=path, **{TAG_VAR: TAG})
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with open(out, "w") as stdout, open(err, "w") as stderr:  # the child keeps its own copies
+        proc = subprocess.Popen([*ASYNCPPO, *args], cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
+    return proc, out, err
+
+
+@pytest.fixture(scope="module")
+def episode_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
+    """The two launches of this module, side by side (two local Ray clusters; what each checks does not depend on
+    timing: one launch's start-up and shutdown for both, which one after the other took 43 + 33 s on the 2-core
+    box). Each returns its completed process and run directory; the chat model is built once for both. Without
+    skyrl-gym only the guess game runs (its test then skips, saying so)."""
+    import importlib.util
+
     from vllm_required import require_vllm
 
     require_vllm()
     from asyncppo.envs.examples import build_chat_model
 
-    model = build_chat_model(str(tmp_path / "chat-model"))
-    out_dir, k, steps = tmp_path / "run", 1, 8
-    proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
-                 "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
-                 "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
-                 "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
-                 "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
-                 "env.max_concurrency=64"], timeout=900)
+    root = tmp_path_factory.mktemp("episodes")
+    model = build_chat_model(str(root / "chat-model"))
+    runs = [("guess", _guess_args)] + ([("skyrl", _skyrl_args)] if importlib.util.find_spec("skyrl_gym") else [])
+    started = {}
+    for name, args in runs:
+        (root / name).mkdir()
+        started[name] = (_start(args(model, root / name), root / name), root / name / "run")
+    results = {}
+    try:
+        for name, ((proc, out, err), run_dir) in started.items():
+            proc.wait(timeout=900)
+            results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(),
+                                                         err.read_text()), run_dir)
+    finally:
+        for (proc, _, _), _ in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return results
+
+
+def _guess_args(model: str, tmp_path: Path) -> list:
+    k, steps = GUESS_K, GUESS_STEPS
+    return ["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
+            "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
+            "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
+            "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
+            "env.max_concurrency=64"]
+
+
+def _skyrl_args(model: str, tmp_path: Path) -> list:
+    """Four SkyRL-format rows (and a bad one) with distinct ground truths, for RowTruthEnv."""
+    truths = [10, 20, 30, 40]
+    lines = [json.dumps({"prompt": [{"role": "user", "content": f"a question about {t}"}], "env_class": "gsm8k",
+                         "reward_spec": {"method": "rule", "ground_truth": str(t)}, "extra_info": {"i": i}})
+             for i, t in enumerate(truths)]
+    lines.insert(2, json.dumps({"prompt": "a text prompt", "reward_spec": {"ground_truth": "5"}}))  # bad: skipped
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("\n".join(lines) + "\n")
+    return ["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.logger.wandb=false", f"trainer.total_steps={SKYRL_STEPS}", "rollout.max_staleness=1",
+            "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
+            "rollout.response_length=384", f"data.train_files=[{rows}]",
+            "env.text_env=episode_envs.RowTruthEnv", "+env.text_env_config.truth_bonus=1.0",
+            f"env.max_turns={SKYRL_MAX_TURNS}", "env.on_error=drop"]
+
+
+def test_guess_episodes_train_end_to_end_within_the_bound(episode_runs):
+    """The guess game with scripted faults by hidden number (tests/episode_envs.py: FaultyGuessEnv) under
+    ``env.on_error=zero_reward``: an ``init`` that raises drops its group (its ticket is given back); a step that
+    hangs past ``env.step_timeout_s``, a malformed observation and a NaN reward each end their episode with reward
+    0 and the group trains. Every kind is counted, no group is lost, and the run trains every step within the
+    bound. Beside it, SkyRL-format ``data.eval_files`` are evaluated as episodes (:func:`_eval_rows`)."""
+    proc, out_dir = episode_runs["guess"]
+    k, steps = GUESS_K, GUESS_STEPS
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if "reward/mean" in r]
@@ -122,32 +184,14 @@ def _assert_faults_counted_and_no_group_lost(out_dir: Path, train: list, steps: 
     assert summary["samples_trained"] == 8 * 4 * steps
 
 
-def test_skyrl_rows_launch_episodes_of_their_own_rows(tmp_path):
+def test_skyrl_rows_launch_episodes_of_their_own_rows(episode_runs):
     """``data.train_files`` in SkyRL's format (a bad row among them) with skyrl-gym's multi-turn GSM8K environment
     (tests/episode_envs.py: RowTruthEnv adds ``truth_bonus`` x the row's ground truth at the last turn): the worker
     draws the rows, each episode's environment gets its row's messages, extras, ``env.max_turns`` and
     ``env.text_env_config``, and the run trains every step on multi-turn episodes."""
     pytest.importorskip("skyrl_gym")
-    from vllm_required import require_vllm
-
-    require_vllm()
-    from asyncppo.envs.examples import build_chat_model
-
-    model = build_chat_model(str(tmp_path / "chat-model"))
-    truths = [10, 20, 30, 40]
-    lines = [json.dumps({"prompt": [{"role": "user", "content": f"a question about {t}"}], "env_class": "gsm8k",
-                         "reward_spec": {"method": "rule", "ground_truth": str(t)}, "extra_info": {"i": i}})
-             for i, t in enumerate(truths)]
-    lines.insert(2, json.dumps({"prompt": "a text prompt", "reward_spec": {"ground_truth": "5"}}))  # bad: skipped
-    rows = tmp_path / "rows.jsonl"
-    rows.write_text("\n".join(lines) + "\n")
-    out_dir, steps, max_turns = tmp_path / "run", 4, 3
-    proc = _run(["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={out_dir}",
-                 "trainer.logger.wandb=false", f"trainer.total_steps={steps}", "rollout.max_staleness=1",
-                 "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
-                 "rollout.response_length=384", f"data.train_files=[{rows}]",
-                 "env.text_env=episode_envs.RowTruthEnv", "+env.text_env_config.truth_bonus=1.0",
-                 f"env.max_turns={max_turns}", "env.on_error=drop"], timeout=900)
+    proc, out_dir = episode_runs["skyrl"]
+    steps, max_turns = SKYRL_STEPS, SKYRL_MAX_TURNS
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "'bad_rows': 1" in proc.stdout, proc.stdout[-3000:]  # the worker's start line: the bad row was skipped
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -51,6 +51,74 @@ def _launch(tmp_path: Path, *overrides: str, timeout: int = 900,
     return proc, records
 
 
+def _launch_side_by_side(runs: dict[str, tuple[Path, tuple[str, ...]]], timeout: int = 900
+                         ) -> dict[str, tuple[subprocess.CompletedProcess, list[dict], Path]]:
+    """Several independent launches at once (``name -> (directory, overrides)``, each with the vLLM engine), each
+    with its own local Ray cluster; returns what :func:`_launch` returns and the run directory, per name. Output goes to files, not pipes,
+    so that no launch blocks on a full pipe while another is read."""
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
+    started = {}
+    for name, (tmp_path, overrides) in runs.items():
+        out_dir = tmp_path / "run"
+        stdout, stderr = open(tmp_path / "stdout.txt", "w+"), open(tmp_path / "stderr.txt", "w+")
+        args = [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM, *overrides]
+        started[name] = (out_dir, stdout, stderr, subprocess.Popen(args, cwd=REPO, env=env, stdout=stdout,
+                                                                   stderr=stderr, text=True))
+    deadline, results = time.time() + timeout, {}
+    try:
+        for name, (out_dir, stdout, stderr, proc) in started.items():
+            proc.wait(timeout=max(1.0, deadline - time.time()))
+            stdout.seek(0)
+            stderr.seek(0)
+            done = subprocess.CompletedProcess(proc.args, proc.returncode, stdout.read(), stderr.read())
+            metrics = out_dir / "metrics.jsonl"
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+                if metrics.exists() else []
+            results[name] = (done, records, out_dir)
+    finally:
+        for _, stdout, stderr, proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            stdout.close()
+            stderr.close()
+    return results
+
+
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, list[dict], Path]]:
+    """Three independent launches of the tests below, run at once (one launch's start-up and shutdown for the three;
+    what each checks does not depend on timing): the synchronous run with eval files, the JSONL dataset with bad
+    rows and a raising reward function, and the run whose worker dies. One after the other they took 42 + 26 + 23 s
+    on the 2-core box."""
+    from asyncppo.data.tasks import get_task
+
+    dirs = {name: tmp_path_factory.mktemp(name) for name in ("sync", "jsonl", "dead")}
+    rows = get_task("addition", seed=0, num_eval=256).splits().eval
+    heldout = dirs["sync"] / "heldout.jsonl"
+    heldout.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
+    rows = get_task("addition", seed=0).splits().train[:200]
+    lines = [json.dumps({"question": r["prompt"], "answer": f"so the sum is\n#### {r['answer']}"}) for r in rows]
+    lines.insert(3, "{not json")
+    lines.insert(7, json.dumps({"question": 12, "answer": "#### 1"}))
+    lines.insert(9, json.dumps({"question": "9" * 80 + "+1=", "answer": "#### 1"}))
+    data = dirs["jsonl"] / "train.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return _launch_side_by_side({
+        "sync": (dirs["sync"], (f"data.eval_files=[{heldout}]", "trainer.total_steps=6", "trainer.eval_every=3",
+                                "rollout.max_staleness=0")),
+        "jsonl": (dirs["jsonl"], (f"data.train_files=[{data}]", "data.prompt_key=question", "data.answer_key=answer",
+                                  "rollout.prompt_length=16", "rollout.overlong_prompt=skip", "trainer.total_steps=4",
+                                  "rollout.rollout_batch_size=8",
+                                  "rollout.reward_fn=tests.failure_helpers:raise_sometimes_math")),
+        # no replacement configured (tests/e2e/test_e2e_reliability.py covers restarts): the first death ends the
+        # run; 8 prompts x 8 per step, so a few steps finish before the reward function's 300th call kills it
+        "dead": (dirs["dead"], ("rollout.reward_fn=tests.failure_helpers:die_after_some",
+                                "rollout.rollout_batch_size=8", "trainer.total_steps=200",
+                                "cluster.max_worker_restarts=0", "data.num_eval_prompts=16")),
+    })
+
+
 def _train_records(records: list[dict]) -> list[dict]:
     return [r for r in records if "reward/mean" in r]
 
@@ -159,24 +227,11 @@ def test_a_directory_holding_a_run_is_refused_and_left_alone(tmp_path):
     assert not (run_dir / "config.yaml").exists()
 
 
-def test_jsonl_dataset_with_bad_rows_and_a_raising_reward_function_trains(tmp_path):
+def test_jsonl_dataset_with_bad_rows_and_a_raising_reward_function_trains(side_by_side):
     """A real dataset file: unreadable rows and over-long prompts are counted and skipped; a reward function that
     raises on every third call is counted per sample, told to the user once, and never kills the worker; the run
     still trains."""
-    from asyncppo.data.tasks import get_task
-
-    rows = get_task("addition", seed=0).splits().train[:200]
-    lines = [json.dumps({"question": r["prompt"], "answer": f"so the sum is\n#### {r['answer']}"}) for r in rows]
-    lines.insert(3, "{not json")
-    lines.insert(7, json.dumps({"question": 12, "answer": "#### 1"}))
-    lines.insert(9, json.dumps({"question": "9" * 80 + "+1=", "answer": "#### 1"}))
-    data = tmp_path / "train.jsonl"
-    data.write_text("\n".join(lines) + "\n")
-    proc, records = _launch(
-        tmp_path, f"data.train_files=[{data}]", "data.prompt_key=question", "data.answer_key=answer",
-        "rollout.prompt_length=16", "rollout.overlong_prompt=skip", "trainer.total_steps=4",
-        "rollout.rollout_batch_size=8", "rollout.reward_fn=tests.failure_helpers:raise_sometimes_math",
-    )
+    proc, records, _ = side_by_side["jsonl"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)
     assert len(train) == 4
@@ -194,13 +249,8 @@ def test_jsonl_dataset_with_bad_rows_and_a_raising_reward_function_trains(tmp_pa
     _assert_no_leftovers()
 
 
-def test_dead_worker_stops_the_run_with_a_clear_error(tmp_path):
-    # no replacement configured (tests/e2e/test_e2e_reliability.py covers restarts): the first death ends the run
-    # 8 prompts x 8 per step, so a few steps finish before the reward function's 300th call kills the worker
-    proc, records = _launch(tmp_path, "rollout.reward_fn=tests.failure_helpers:die_after_some",
-                            "rollout.rollout_batch_size=8", "trainer.total_steps=200", "cluster.max_worker_restarts=0",
-                            "data.num_eval_prompts=16",
-                            timeout=600)
+def test_dead_worker_stops_the_run_with_a_clear_error(side_by_side):
+    proc, records, _ = side_by_side["dead"]
     assert proc.returncode == 1, proc.stderr[-3000:]
     assert "actor" in proc.stderr.lower() and ("died" in proc.stderr.lower() or "exit" in proc.stderr.lower()), \
         proc.stderr[-3000:]
@@ -247,18 +297,12 @@ def test_ctrl_c_and_sigterm_stop_everything(tmp_path):
     _assert_no_leftovers()
 
 
-def test_synchronous_run_has_zero_lag_and_evaluates_eval_files_on_the_rollout_engines(tmp_path):
+def test_synchronous_run_has_zero_lag_and_evaluates_eval_files_on_the_rollout_engines(side_by_side):
     """k=0: every trained token has lag 0, one version per step, and a clean console. data.eval_files runs on the
     rollout engines at step 0, every eval_every steps and on the final weights. The file holds the built-in task's
     held-out prompts, which the task's probe (the same engines, its own seeds and token budget) also scores at step 0
     and at the end: the two evaluations must agree."""
-    from asyncppo.data.tasks import get_task
-
-    rows = get_task("addition", seed=0, num_eval=256).splits().eval
-    data = tmp_path / "heldout.jsonl"
-    data.write_text("".join(json.dumps({"prompt": r["prompt"], "answer": r["answer"]}) + "\n" for r in rows))
-    proc, records = _launch(tmp_path, f"data.eval_files=[{data}]", "trainer.total_steps=6", "trainer.eval_every=3",
-                            "rollout.max_staleness=0")
+    proc, records, run_dir = side_by_side["sync"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)
     assert len(train) == 6
@@ -272,7 +316,7 @@ def test_synchronous_run_has_zero_lag_and_evaluates_eval_files_on_the_rollout_en
     progress = [line for line in out.splitlines() if line.startswith("step ") and "reward" in line]
     assert [line.split(" |")[0] for line in progress] == [f"step {i}/6" for i in range(1, 7)], out[-3000:]
     assert "run summary" in out and re.search(r"samples trained +\| 6,144\n", out), out[-3000:]  # 6 x 128 x 8
-    logs = tmp_path / "run" / "logs"
+    logs = run_dir / "logs"
     assert (logs / "learner.log").stat().st_size > 0 and (logs / "worker-0.log").stat().st_size > 0
     assert "training started" in (logs / "learner.log").read_text()
     # the rollout actor was created before the learner and built its engine while the learner started
@@ -293,7 +337,7 @@ def test_synchronous_run_has_zero_lag_and_evaluates_eval_files_on_the_rollout_en
             (engine_rec, learner_rec)
     # 1024 sampled answers: the same distribution as the learner's sampled estimate, within noise (3 sigma ~ 0.06)
     assert abs(engine_evals[0]["eval/heldout.jsonl/accuracy_sampled"] - learner[0]["eval/accuracy_sampled"]) < 0.07
-    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["eval_files"]["points"] == [0, 3, 6] and summary["eval_files"]["rejected"] == 0
     assert "heldout.jsonl/accuracy_greedy" in proc.stdout
     _assert_no_leftovers()
