@@ -164,8 +164,35 @@ def test_a_dead_pushers_stage_directory_is_swept_and_a_live_ones_kept(monkeypatc
     assert os.path.basename(os.path.dirname(path)).startswith(f"{STAGE_PREFIX}{os.getpid()}-")
 
 
+@pytest.fixture(scope="module")
+def tp_launch(tmp_path_factory):
+    """`asyncppo launch rollout.tensor_parallel_size=2`, started in the background when first asked for and waited
+    on by :func:`test_launch_runs_a_tp2_rollout_engine_on_cpu`. The engine test below asks for it first, so the
+    launch's start-up (Ray, two TP ranks importing vLLM) overlaps that test's own TP=2 engine: one after the other
+    they took 45 + 51 s on the 2-core box."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    require_vllm()
+    tmp = tmp_path_factory.mktemp("tp-launch")
+    out = tmp / "run"
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    with open(tmp / "stdout.txt", "w") as stdout, open(tmp / "stderr.txt", "w") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}",
+                                 "trainer.logger.wandb=false", "trainer.total_steps=3", "rollout.engine=vllm",
+                                 "rollout.tensor_parallel_size=2", "rollout.rollout_batch_size=16",
+                                 "data.num_eval_prompts=16"],
+                                cwd=Path(__file__).resolve().parents[2], env=env, stdout=stdout, stderr=stderr,
+                                text=True)
+    yield proc, tmp
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.mark.slow  # ~1.5-5 min on 2 busy cores, nearly all of it the TP=2 engine's start
-def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_dir):
+def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tp_launch, tiny_model_dir):
     require_vllm()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -199,23 +226,16 @@ def test_tp2_engine_push_matches_transformers_and_loads_all_or_none(tiny_model_d
 
 
 @pytest.mark.slow  # ~1.5 min on 2 busy cores
-def test_launch_runs_a_tp2_rollout_engine_on_cpu(tmp_path):
+def test_launch_runs_a_tp2_rollout_engine_on_cpu(tp_launch):
     """`asyncppo launch rollout.tensor_parallel_size=2`: the rollout actor's engine runs two TP worker processes,
     receives the learner's pushes and the run finishes its steps."""
-    require_vllm()
     import json
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    out = tmp_path / "run"
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
-    proc = subprocess.run([sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}",
-                           "trainer.logger.wandb=false", "trainer.total_steps=3", "rollout.engine=vllm", "rollout.tensor_parallel_size=2",
-                           "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
-                          cwd=Path(__file__).resolve().parents[2], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, tmp = tp_launch
+    proc.wait(timeout=600)
+    stdout, stderr = (tmp / "stdout.txt").read_text(), (tmp / "stderr.txt").read_text()
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out = tmp / "run"
     summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and summary["version"] == 3
     assert summary["rollout"]["pushes_measured"] >= 1  # a push went through the TP=2 engine (tp_load.py)
