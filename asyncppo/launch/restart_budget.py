@@ -20,7 +20,6 @@ from typing import Callable, Optional
 class RestartBudget:
     def __init__(self, limit: int, window_s: Optional[float], clock: Callable[[], float] = time.monotonic):
         self.limit, self.window_s, self.clock = limit, window_s, clock
-        self.total = 0  # replacements in the whole run
         self._times: collections.deque[float] = collections.deque()  # when each replacement within the window was
 
     def recent(self) -> int:
@@ -36,7 +35,6 @@ class RestartBudget:
         if self.recent() >= self.limit:
             return False
         self._times.append(self.clock())
-        self.total += 1
         return True
 
     def span(self) -> str:

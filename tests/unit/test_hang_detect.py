@@ -128,4 +128,4 @@ def test_a_hang_with_no_replacement_left_ends_the_run_naming_the_worker():
         supervisor._replace(1, "no answer to a control ping for 61s (hang timeout 60s)", hung=True)
     assert str(err.value) == ("rollout worker 1 hung (no answer to a control ping for 61s (hang timeout 60s)) after "
                               "0 restart(s), the limit (cluster.max_worker_restarts=0)")
-    assert supervisor.budget.total == 0 and supervisor.incarnations == {0: 0, 1: 0}
+    assert supervisor.budget.recent() == 0 and supervisor.incarnations == {0: 0, 1: 0}
