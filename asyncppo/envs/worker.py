@@ -68,15 +68,20 @@ class EnvWorker(WorkerSkeleton):
         """The vector env, the policy that acts in it and the segment builder, started from the first reset."""
         cfg, e = self.cfg, self.cfg.env
         self.desc = describe_env(e)
-        self.env = make_vector_env(e, e.num_envs)
-        self._closables.append(self.env)
         self._seed = seed = cfg.trainer.seed + 1000 * (self.worker_id + 1)
         torch.manual_seed(seed)
         self.policy = ActorCritic(self.desc.policy_spec(cfg)).to(self.device).eval()
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
-        obs, _ = self.env.reset(seed=seed)
+        obs = self._new_env(seed)
         self.builder = SegmentBuilder(self.desc, e.num_envs, e.segment_length, self.worker_id)
-        self.builder.start(np.asarray(obs))
+        self.builder.start(obs)
+
+    def _new_env(self, seed: int) -> np.ndarray:
+        """A vector env (closed with the worker), reset with ``seed``; its first observations."""
+        self.env = make_vector_env(self.cfg.env, self.cfg.env.num_envs)
+        self._closables.append(self.env)
+        obs, _ = self.env.reset(seed=seed)
+        return np.asarray(obs)
 
     def _open(self) -> None:
         super()._open()
@@ -178,11 +183,8 @@ class EnvWorker(WorkerSkeleton):
         except Exception:  # a broken env may not close cleanly; its replacement is what matters
             pass
         self._closables.remove(self.env)
-        e = self.cfg.env
-        self.env = make_vector_env(e, e.num_envs)
-        self._closables.append(self.env)
-        obs, _ = self.env.reset(seed=self._seed + 7919 * self.stats["env_errors"])  # new episodes, not a replay
-        self.builder.restart(np.asarray(obs))
+        # new episodes, not a replay of the ones that led here
+        self.builder.restart(self._new_env(self._seed + 7919 * self.stats["env_errors"]))
 
     def _send(self, segment) -> None:
         frame = encode_segment(segment)
