@@ -31,31 +31,26 @@ GUESS_K, GUESS_STEPS = 1, 8  # the guess game: max_staleness, steps
 SKYRL_STEPS, SKYRL_MAX_TURNS = 4, 3  # the SkyRL rows run
 
 
+def _env() -> dict:
+    """The tagged environment of this module's commands, with tests/ on the path of a run's actors too: they import
+    the environments from tests/episode_envs.py."""
+    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
+    return dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=path, **{TAG_VAR: TAG})
+
+
 def _run(args: list, timeout: int) -> subprocess.CompletedProcess:
-    # tests/ on the path of the run's actors too: they import the faulty environment from tests/episode_envs.py
-    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=path, **{TAG_VAR: TAG})
-    return subprocess.run([*ASYNCPPO, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def _start(args: list, tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """A launch in the background, its output to files (no pipe fills up while the other launch is waited on)."""
-    path = os.pathsep.join(p for p in (str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=path, **{TAG_VAR: TAG})
-    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
-    with open(out, "w") as stdout, open(err, "w") as stderr:  # the child keeps its own copies
-        proc = subprocess.Popen([*ASYNCPPO, *args], cwd=REPO, env=env, stdout=stdout, stderr=stderr, text=True)
-    return proc, out, err
+    return subprocess.run([*ASYNCPPO, *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def episode_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The two launches of this module, side by side (two local Ray clusters; what each checks does not depend on
-    timing: one launch's start-up and shutdown for both, which one after the other took 43 + 33 s on the 2-core
-    box). Each returns its completed process and run directory; the chat model is built once for both. Without
-    skyrl-gym only the guess game runs (its test then skips, saying so)."""
+    """The two launches of this module, side by side (test_e2e_launch.py's ``_launch_side_by_side``: two local Ray
+    clusters; what each checks does not depend on timing: one launch's start-up and shutdown for both, which one
+    after the other took 43 + 33 s on the 2-core box). Each returns its completed process and run directory; the
+    chat model is built once for both. Without skyrl-gym only the guess game runs (its test then skips, saying so)."""
     import importlib.util
 
+    from test_e2e_launch import _launch_side_by_side
     from vllm_required import require_vllm
 
     require_vllm()
@@ -64,35 +59,24 @@ def episode_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
     root = tmp_path_factory.mktemp("episodes")
     model = build_chat_model(str(root / "chat-model"))
     runs = [("guess", _guess_args)] + ([("skyrl", _skyrl_args)] if importlib.util.find_spec("skyrl_gym") else [])
-    started = {}
-    for name, args in runs:
-        (root / name).mkdir()
-        started[name] = (_start(args(model, root / name), root / name), root / name / "run")
-    results = {}
-    try:
-        for name, ((proc, out, err), run_dir) in started.items():
-            proc.wait(timeout=900)
-            results[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out.read_text(),
-                                                         err.read_text()), run_dir)
-    finally:
-        for (proc, _, _), _ in started.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    dirs = {name: root / name for name, _ in runs}
+    for d in dirs.values():
+        d.mkdir()
+    done = _launch_side_by_side({name: (dirs[name], args(model, dirs[name])) for name, args in runs}, engine=None,
+                                env=_env())
+    return {name: (proc, run_dir) for name, (proc, _, run_dir) in done.items()}
 
 
-def _guess_args(model: str, tmp_path: Path) -> list:
+def _guess_args(model: str, tmp_path: Path) -> tuple:
     k, steps = GUESS_K, GUESS_STEPS
-    return ["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.logger.wandb=false", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
+    return ("data=guess", f"model.path={model}", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
             "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
             "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
             "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
-            "env.max_concurrency=64"]
+            "env.max_concurrency=64")
 
 
-def _skyrl_args(model: str, tmp_path: Path) -> list:
+def _skyrl_args(model: str, tmp_path: Path) -> tuple:
     """Four SkyRL-format rows (and a bad one) with distinct ground truths, for RowTruthEnv."""
     truths = [10, 20, 30, 40]
     lines = [json.dumps({"prompt": [{"role": "user", "content": f"a question about {t}"}], "env_class": "gsm8k",
@@ -101,12 +85,11 @@ def _skyrl_args(model: str, tmp_path: Path) -> list:
     lines.insert(2, json.dumps({"prompt": "a text prompt", "reward_spec": {"ground_truth": "5"}}))  # bad: skipped
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(lines) + "\n")
-    return ["launch", "data=guess", f"model.path={model}", f"trainer.output_dir={tmp_path / 'run'}",
-            "trainer.logger.wandb=false", f"trainer.total_steps={SKYRL_STEPS}", "rollout.max_staleness=1",
+    return ("data=guess", f"model.path={model}", f"trainer.total_steps={SKYRL_STEPS}", "rollout.max_staleness=1",
             "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
             "rollout.response_length=384", f"data.train_files=[{rows}]",
             "env.text_env=episode_envs.RowTruthEnv", "+env.text_env_config.truth_bonus=1.0",
-            f"env.max_turns={SKYRL_MAX_TURNS}", "env.on_error=drop"]
+            f"env.max_turns={SKYRL_MAX_TURNS}", "env.on_error=drop")
 
 
 def test_guess_episodes_train_end_to_end_within_the_bound(episode_runs):

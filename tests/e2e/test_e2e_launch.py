@@ -51,17 +51,20 @@ def _launch(tmp_path: Path, *overrides: str, timeout: int = 900,
     return proc, records
 
 
-def _launch_side_by_side(runs: dict[str, tuple[Path, tuple[str, ...]]], timeout: int = 900
+def _launch_side_by_side(runs: dict[str, tuple[Path, tuple[str, ...]]], timeout: int = 900,
+                         engine: str | None = VLLM, env: dict | None = None
                          ) -> dict[str, tuple[subprocess.CompletedProcess, list[dict], Path]]:
-    """Several independent launches at once (``name -> (directory, overrides)``, each with the vLLM engine), each
-    with its own local Ray cluster; returns what :func:`_launch` returns and the run directory, per name. Output goes to files, not pipes,
-    so that no launch blocks on a full pipe while another is read."""
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
+    """Several independent launches at once (``name -> (directory, overrides)``; ``engine`` and the run directory
+    ``<directory>/run`` as in :func:`_launch`), each with its own local Ray cluster; returns what :func:`_launch`
+    returns and the run directory, per name. ``env``: the launches' environment (default: this module's, tagged).
+    Output goes to files, not pipes, so that no launch blocks on a full pipe while another is read."""
+    env = env or dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     started = {}
     for name, (tmp_path, overrides) in runs.items():
         out_dir = tmp_path / "run"
         stdout, stderr = open(tmp_path / "stdout.txt", "w+"), open(tmp_path / "stderr.txt", "w+")
-        args = [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM, *overrides]
+        args = [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false",
+                *([engine] if engine else []), *overrides]
         started[name] = (out_dir, stdout, stderr, subprocess.Popen(args, cwd=REPO, env=env, stdout=stdout,
                                                                    stderr=stderr, text=True))
     deadline, results = time.time() + timeout, {}
