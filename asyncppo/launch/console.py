@@ -25,6 +25,7 @@ import sys
 import time
 from typing import IO, Optional
 
+from asyncppo.metrics.eta import StepRate
 from asyncppo.metrics.logger import format_progress
 
 LOG_DIR = "logs"
@@ -95,6 +96,7 @@ class RunConsole:
         self._in_traceback: dict[str, bool] = {}
         self.records: list[dict] = []
         self.echoed = 0
+        self._rate = StepRate()
 
     def poll(self) -> None:
         """Print whatever appeared since the last call (cheap: a few file reads)."""
@@ -107,9 +109,11 @@ class RunConsole:
                 continue
             self.records.append(record)
             step = int(record.get("step", 0))
+            self._rate.add(step, record.get("time/wall_s"))
             last = self.total_steps is not None and step == self.total_steps
             if self.progress and (step % self.log_every == 0 or last):
-                self._write(format_progress(step, self.total_steps, self._clock() - self._t0, record))
+                self._write(format_progress(step, self.total_steps, self._clock() - self._t0, record,
+                                            self._rate.eta_s(self.total_steps)))
         log_dir = os.path.join(self.run_dir, LOG_DIR)
         if os.path.isdir(log_dir):
             for name in sorted(os.listdir(log_dir)):

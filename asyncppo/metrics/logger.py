@@ -14,6 +14,8 @@ import sys
 import time
 from typing import Any, Optional
 
+from asyncppo.metrics.eta import StepRate, format_duration
+
 # What the console line shows, in order, with a short label and a format.
 _CONSOLE_FIELDS = [
     ("reward/mean", "reward", "{:.3f}"),
@@ -45,10 +47,14 @@ _CONSOLE_FIELDS = [
 ]
 
 
-def format_progress(step: int, total_steps: Optional[int], elapsed_s: float, record: dict[str, Any]) -> str:
-    """One console line for one metrics record (the learner's console and the launcher's driver both use it)."""
+def format_progress(step: int, total_steps: Optional[int], elapsed_s: float, record: dict[str, Any],
+                    eta_s: Optional[float] = None) -> str:
+    """One console line for one metrics record (the learner's console and the launcher's driver both use it);
+    ``eta_s``, the time the run's steps have left (:mod:`asyncppo.metrics.eta`), is shown before the last step."""
     total = f"/{total_steps}" if total_steps else ""
     parts = [f"step {step}{total}", f"{elapsed_s:6.0f}s"]
+    if eta_s is not None and total_steps and step < total_steps:
+        parts.append(f"eta {format_duration(eta_s)}")
     for key, label, fmt in _CONSOLE_FIELDS:
         value = record.get(key)
         if isinstance(value, (int, float)):
@@ -96,6 +102,7 @@ class MetricsLogger:
         self._jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a", encoding="utf-8") if jsonl else None
         self._wandb = None
         self._t0 = time.time()
+        self._rate = StepRate()
         if wandb and wandb_mode != "disabled":
             try:
                 import wandb as _wandb  # heavy/optional: wandb, only when a run logs to it
@@ -114,6 +121,7 @@ class MetricsLogger:
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        self._rate.add(step, record.get("time/wall_s"))
         if self._jsonl is not None:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -128,7 +136,8 @@ class MetricsLogger:
             self._stream.flush()
 
     def format_line(self, step: int, record: dict[str, Any]) -> str:
-        return format_progress(step, self.total_steps, time.time() - self._t0, record)
+        return format_progress(step, self.total_steps, time.time() - self._t0, record,
+                               self._rate.eta_s(self.total_steps))
 
     def message(self, text: str) -> None:
         if self.console:
