@@ -300,6 +300,9 @@ class ClusterConfig:
     # deadline of each weight push per worker; a worker that misses it is retired from the weight sync and replaced
     # as hung, while the others are served. null: hang_timeout_s (resolved as above)
     push_timeout_s: Optional[float] = None
+    # on Ctrl-C or SIGTERM (a scheduler's preemption), how long the learner gets to finish its step and write a
+    # checkpoint before everything stops (0: stop at once); keep it under the scheduler's kill grace period
+    stop_grace_s: float = 60.0
     # extra Ray resources every learner / rollout bundle asks for (e.g. {learner_node: 1}): pins roles to nodes
     learner_resources: dict[str, float] = field(default_factory=dict)
     rollout_resources: dict[str, float] = field(default_factory=dict)

@@ -66,6 +66,7 @@ def check_cluster(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.non_negative("cluster.max_tickets_per_worker", k.max_tickets_per_worker)
     c.non_negative("cluster.max_worker_restarts", k.max_worker_restarts)
     c.optional_positive("cluster.worker_restart_window_s", k.worker_restart_window_s, " (the whole run)")
+    c.non_negative("cluster.stop_grace_s", k.stop_grace_s)
     for name in ("hang_timeout_s", "push_timeout_s"):  # null: auto (config/deadlines.py)
         value = getattr(k, name)
         if value is not None and not (0 < value <= k.timeout_s):

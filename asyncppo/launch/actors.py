@@ -94,6 +94,9 @@ class LearnerActor:
     def health(self) -> dict:
         return self.service.health()
 
+    def request_stop(self) -> None:
+        self.service.request_stop()
+
     def note_restart(self, restarts: int, steps_done: int, lost_before: int, incarnations: dict) -> tuple:
         return self.service.note_restart(restarts, steps_done, lost_before, incarnations)
 

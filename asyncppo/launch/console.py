@@ -209,6 +209,8 @@ def summary_table(records: list[dict], summary: dict, wall_s: float, run_dir: st
     rejected_total = sum(v for v in rejected.values() if isinstance(v, (int, float)))
     detail = ", ".join(f"{k} {v}" for k, v in sorted(rejected.items()) if v)
     rows.append(("messages rejected", f"{rejected_total}" + (f" ({detail})" if detail else "")))
+    if summary.get("checkpoint_failures"):
+        rows.append(("checkpoints not written", f"{summary['checkpoint_failures']} (the warnings above say why)"))
     width = max(len(k) for k, _ in rows)
     lines = ["run summary", "-" * (width + 30)]
     lines += [f"{k.ljust(width)} | {v}" for k, v in rows]

@@ -50,6 +50,9 @@ class EnvLearnerActor:
     def health(self) -> dict:
         return self.service.health()
 
+    def request_stop(self) -> None:
+        self.service.request_stop()
+
 
 # Three threads: run() steps the env; beside it the launcher's control ping (heartbeat, launch/hang.py: a stopped
 # process answers nothing, one whose env step never returns answers with a progress counter that stands still) or a

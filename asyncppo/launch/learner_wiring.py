@@ -149,6 +149,10 @@ class LearnerProcess:
     def replace_worker(self, worker_id: int, incarnation: int, hung: bool = False) -> dict:
         return self.wiring.replace_worker(worker_id, incarnation, hung)
 
+    def request_stop(self) -> None:
+        """Ctrl-C or SIGTERM at the launcher: a checkpoint after the step in hand, then the run ends (learner/loop.py)."""
+        self.loop.request_stop()
+
     def health(self) -> dict:
         """What the launcher's hang watch needs from rank 0 (launch/hang.py): the recent step durations (the auto
         deadlines scale with them) and the workers retired for missing a push deadline."""

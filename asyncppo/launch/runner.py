@@ -52,6 +52,20 @@ def _terminate_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, _raise)
 
 
+def _stop_gracefully(supervisor, cfg: AsyncPPOConfig, output_dir: str) -> None:
+    """A run interrupted while training keeps its steps: the learner checkpoints before the actors stop
+    (``cluster.stop_grace_s``; none under ``trainer.save_every=0``), and the console says how to continue."""
+    if supervisor is None or not cfg.trainer.save_every:
+        return
+    try:
+        summary = supervisor.stop_gracefully(cfg.cluster.stop_grace_s)
+    except KeyboardInterrupt:  # a second interrupt between two of its own checks
+        return
+    if summary and summary.get("checkpoint"):
+        print(f"[asyncppo] stopped at step {summary.get('stopped_at')} with checkpoint {summary['checkpoint']}; "
+              f"continue with the same command and trainer.resume_from={output_dir}", file=sys.stderr, flush=True)
+
+
 def run(cfg: AsyncPPOConfig) -> int:
     """Run a training job; returns the process exit code (0 done, 1 an actor failed, 2 refused, 130 interrupted)."""
     try:
@@ -81,6 +95,7 @@ def run(cfg: AsyncPPOConfig) -> int:
         supervisor = Supervisor(actors, console, started_at)
         return supervisor.watch(learner_ref, pending)
     except KeyboardInterrupt:
+        _stop_gracefully(supervisor, cfg, plan.output_dir)
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)
         return 130
     except (LaunchError, UnreachableLearner) as exc:

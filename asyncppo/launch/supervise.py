@@ -49,6 +49,7 @@ class Supervisor:
         self.learner_restarts = LearnerRestarter(run)  # a dead learner comes back (launch/learner_restart.py)
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
         self.report: Optional[threading.Thread] = None  # drawn while the actors and Ray shut down (wait_report)
+        self.learner_ref: Any = None  # rank 0's run() of the learner now running (a restart replaces it)
         cl = run.cfg_dict["cluster"]
         self.hangs = HangWatch(  # LLM rollout workers and embodied env workers alike answer its pings
             lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
@@ -56,6 +57,7 @@ class Supervisor:
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
         learner_refs = [r for r in pending if r not in self.run.worker_refs]
+        self.learner_ref = learner_ref
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=1.0)
             self.console.poll()
@@ -75,6 +77,7 @@ class Supervisor:
                         self.learner_restarts.refuse(exc)
                         raise
                     learner_ref, learner_refs = self.learner_restarts.restart(exc, self.incarnations)
+                    self.learner_ref = learner_ref
                     pending = [r for r in pending if r in self.run.worker_refs] + learner_refs
                     self._after_learner_restart()
                     pending += [self._replace_orphan(i) for i in self.orphans]
@@ -85,6 +88,32 @@ class Supervisor:
                     return 0
                 # A follower learner rank returned: keep waiting for rank 0.
         return 1
+
+    def stop_gracefully(self, grace_s: float) -> Optional[dict]:
+        """Ctrl-C or SIGTERM: ask the learner to finish its step and write a checkpoint (learner/loop.py
+        ``request_stop``), and wait for its run() to return, up to ``grace_s`` (``cluster.stop_grace_s``), printing
+        its progress meanwhile. Another interrupt stops the wait at once. Returns the learner's summary, or None
+        when it did not stop in time (the caller stops every actor either way)."""
+        if self.learner_ref is None or grace_s <= 0:
+            return None
+        deadline = time.time() + grace_s
+        try:
+            print(f"[asyncppo] interrupted: the learner finishes its step and writes a checkpoint, then the run "
+                  f"stops (up to {grace_s:g}s, cluster.stop_grace_s; interrupt again to stop at once)",
+                  file=sys.stderr, flush=True)
+            self.run.learner.request_stop.remote()
+            while time.time() < deadline:
+                done, _ = ray.wait([self.learner_ref], timeout=min(1.0, max(0.01, deadline - time.time())))
+                self.console.poll()
+                if done:
+                    return ray.get(self.learner_ref)
+            print(f"[asyncppo] the learner did not stop within {grace_s:g}s: stopping without its checkpoint",
+                  file=sys.stderr, flush=True)
+        except KeyboardInterrupt:
+            print("[asyncppo] interrupted again: stopping at once", file=sys.stderr, flush=True)
+        except ray.exceptions.RayError as exc:
+            print(f"[asyncppo] the learner failed while stopping: {_first_line(exc)}", file=sys.stderr, flush=True)
+        return None
 
     def _after_learner_restart(self) -> None:
         """The hang watch reads the new learner, and every worker's clock starts again: the restart kept the

@@ -21,6 +21,7 @@ a checkpoint file never executes code when loaded (it holds only tensors, number
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -33,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_model, save_model
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncppo.learner.value_head import shares_actor_body
@@ -55,6 +57,11 @@ ARCH_KEYS = (
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint at a path, or one that does not fit the configured run."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk, a file too large, a path that is not a directory): nothing
+    was published, its unfinished directory is gone, and ``latest`` still names the newest complete checkpoint."""
 
 
 @dataclass(frozen=True)
@@ -154,26 +161,57 @@ def save_checkpoint(
     """
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
-    root, name, tmp = unfinished(output_dir, version)
-    actor_dir = os.path.join(tmp, ACTOR_DIR)
-    actor.save_pretrained(actor_dir)
-    tokenizer.save_pretrained(actor_dir)
-    if sharded is not None:
-        sharded(os.path.join(tmp, SHARDED_DIR))
-    elif critic is not None:
-        save_model(critic, os.path.join(tmp, CRITIC_FILE))
-    _write_state(trainer_state(updater, version, extra, sharded=sharded is not None), os.path.join(tmp, STATE_FILE))
-    meta = {
-        "format": FORMAT,
-        "version": int(version),
-        "has_critic": critic is not None,
-        "critic_kind": critic_kind(critic),
-        "arch": _arch_summary(os.path.join(actor_dir, "config.json")),
-        "saved_at": time.time(),
-    }
-    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump(meta, f, indent=1)
-    return Checkpoint(publish(root, tmp, name, keep), int(version))
+    with writing(output_dir, version) as (root, name, tmp):
+        actor_dir = os.path.join(tmp, ACTOR_DIR)
+        actor.save_pretrained(actor_dir)
+        tokenizer.save_pretrained(actor_dir)
+        if sharded is not None:
+            sharded(os.path.join(tmp, SHARDED_DIR))
+        elif critic is not None:
+            save_model(critic, os.path.join(tmp, CRITIC_FILE))
+        _write_state(trainer_state(updater, version, extra, sharded=sharded is not None),
+                     os.path.join(tmp, STATE_FILE))
+        meta = {
+            "format": FORMAT,
+            "version": int(version),
+            "has_critic": critic is not None,
+            "critic_kind": critic_kind(critic),
+            "arch": _arch_summary(os.path.join(actor_dir, "config.json")),
+            "saved_at": time.time(),
+        }
+        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+            json.dump(meta, f, indent=1)
+        return Checkpoint(publish(root, tmp, name, keep), int(version))
+
+
+@contextlib.contextmanager
+def writing(output_dir: str, version: int):
+    """``with writing(output_dir, version) as (root, name, tmp):`` write the checkpoint's files into ``tmp`` and
+    :func:`publish` it. Any failure on the way becomes a :class:`CheckpointWriteError` naming the checkpoint, the
+    error and the free space there, after the unfinished directory is removed (a full disk gets its space back).
+
+    Why every exception and not only ``OSError``: the writers report the same full disk differently (measured under
+    a file-size limit: ``OSError`` from ``open``, ``SafetensorError`` from safetensors, ``RuntimeError`` from
+    ``torch.save``; ``CheckpointException``, a ``BaseException``, from a sharded save on every rank alike)."""
+    root, name = checkpoints_root(output_dir), f"step_{int(version)}"
+    tmp = os.path.join(root, f".tmp-{name}")
+    try:
+        yield unfinished(output_dir, version)
+    except (Exception, CheckpointException) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(f"checkpoint {name} could not be written to {root}: {type(exc).__name__}: "
+                                   f"{str(exc)[:300]}{_free_space(root)}") from exc
+
+
+def _free_space(path: str) -> str:
+    """`` (12.3 GiB free of 50.0 GiB there)`` for the nearest existing directory of ``path``, or nothing."""
+    while path and not os.path.isdir(path):
+        path = os.path.dirname(path)
+    try:
+        usage = shutil.disk_usage(path or ".")
+    except OSError:
+        return ""
+    return f" ({usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB there)"
 
 
 def unfinished(output_dir: str, version: int) -> tuple[str, str, str]:
@@ -235,6 +273,14 @@ def _read_latest(root: str) -> Optional[str]:
         with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
             return f.read().strip() or None
     except FileNotFoundError:
+        return None
+
+
+def latest_name(output_dir: str) -> Optional[str]:
+    """The newest complete checkpoint's name (``step_300``) of a run directory, or None (none, or unreadable)."""
+    try:
+        return _read_latest(checkpoints_root(output_dir))
+    except OSError:
         return None
 
 

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from asyncppo.learner.checkpoint import (META_FILE, CheckpointError, _complete_steps, _read_latest, checkpoints_root,
-                                         publish, unfinished)
+                                         publish, writing)
 
 POLICY_FILE = "policy.pt"
 KIND = "embodied"
@@ -28,11 +28,11 @@ KIND = "embodied"
 def save_embodied(output_dir: str, version: int, state: dict[str, Any], keep: int = 2) -> str:
     """Write ``state`` (plain tensors, numbers and lists: it is read back with ``weights_only=True``) as the
     checkpoint of ``version``; returns its directory."""
-    root, name, tmp = unfinished(output_dir, version)
-    torch.save(dict(state, version=int(version)), os.path.join(tmp, POLICY_FILE))
-    with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
-        json.dump({"kind": KIND, "version": int(version), "saved_at": time.time()}, f)
-    return publish(root, tmp, name, keep)
+    with writing(output_dir, version) as (root, name, tmp):
+        torch.save(dict(state, version=int(version)), os.path.join(tmp, POLICY_FILE))
+        with open(os.path.join(tmp, META_FILE), "w", encoding="utf-8") as f:
+            json.dump({"kind": KIND, "version": int(version), "saved_at": time.time()}, f)
+        return publish(root, tmp, name, keep)
 
 
 def resolve_embodied(path: str) -> tuple[str, int]:

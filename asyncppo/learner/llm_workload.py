@@ -107,8 +107,16 @@ class LLMWorkload:
                                         al.dynamic_sampling_max_skip or 4 * ro.rollout_batch_size)
 
     def follow(self) -> int:
-        return D.run_follower(self.updater, on_checkpoint=lambda v: C.save_sharded(
-            C.sharded_tmp_dir(self.output_dir, v), self.updater, self.critic))
+        return D.run_follower(self.updater, on_checkpoint=self._save_shards)
+
+    def _save_shards(self, version: int) -> None:
+        """A follower's shards of a sharded checkpoint. torch.distributed.checkpoint raises a write failure on every
+        rank alike; rank 0 reports it and trains on (learner/loop.py ``_checkpoint``), so a follower goes on too."""
+        try:
+            C.save_sharded(C.sharded_tmp_dir(self.output_dir, version), self.updater, self.critic)
+        except C.CheckpointException as exc:
+            log.warning("checkpoint step_%d: this rank's shards were not written (%s); rank 0 reports it", version,
+                        str(exc)[:300])
 
     # --- records in --------------------------------------------------------------------------------------------
     def door(self, current_version):

@@ -24,6 +24,7 @@ import collections
 import json
 import logging
 import os
+import threading
 import time
 from typing import Any, Callable, Optional, Protocol
 
@@ -36,6 +37,10 @@ from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
 
 log = logging.getLogger("asyncppo.learner")
+
+
+class StopRequested(Exception):
+    """Raised out of the wait for a batch when the launcher asked the run to stop (:meth:`LearnerLoop.request_stop`)."""
 
 
 class Wiring(Protocol):
@@ -104,6 +109,9 @@ class LearnerLoop:
         # the steps it lost go into every metrics record
         self.push_first = False
         self.run_metrics: dict = {}
+        self.checkpoint_failures = 0  # checkpoints that could not be written (_checkpoint)
+        # set by the launcher on Ctrl-C or SIGTERM (request_stop): checkpoint after the step in hand, then stop
+        self.stop_requested = threading.Event()
         # recent step durations: the auto push and hang deadlines scale with them (config/deadlines.py)
         self.step_seconds: collections.deque = collections.deque(maxlen=50)
 
@@ -137,14 +145,19 @@ class LearnerLoop:
         self._announce_start(wiring, start)
         for step in range(start + 1, tr.total_steps + 1):
             t_step = time.monotonic()
-            metrics = self._train_step(step, wiring, buffer)
+            try:
+                if self.stop_requested.is_set():
+                    raise StopRequested
+                metrics = self._train_step(step, wiring, buffer)
+            except StopRequested:
+                return self._stop_early(summary, saved_version)
             self.step_seconds.append(time.monotonic() - t_step)
             logger.log(step, metrics)
             if self._engine_eval is not None:
                 self._engine_eval.poll(logger)
             if tr.save_every and step % tr.save_every == 0:
-                work.checkpoint(self.version, logger)
-                saved_version = self.version
+                self._checkpoint()
+                saved_version = self.version  # tried: a failed save is told once, not retried at the end
         return self._finish(wiring, buffer, summary, saved_version)
 
     def _device(self, master_addr, master_port, bind_host) -> torch.device:
@@ -261,6 +274,8 @@ class LearnerLoop:
         deadline = time.monotonic() + timeout_s
         records: list = []
         while len(records) < n:
+            if not records and self.stop_requested.is_set():
+                raise StopRequested  # nothing of the next batch taken yet: stop here (taken records are trained)
             records += self.workload.keep(buffer.take(n - len(records), self.version, timeout_s=1.0))
             if self._feeder is not None and not self._feeder.alive:
                 raise RuntimeError(f"the {self.workload.record_kind} feeder stopped: {self._feeder.error!r}")
@@ -269,6 +284,50 @@ class LearnerLoop:
             if records:
                 deadline = time.monotonic() + timeout_s
         return records
+
+    def request_stop(self) -> None:
+        """Ctrl-C or SIGTERM at the launcher (a scheduler's preemption): finish the step in hand, write a checkpoint
+        and end the run without its final evaluation and model (:meth:`_stop_early`). Called from another thread."""
+        self.stop_requested.set()
+
+    def _stop_early(self, summary: dict, saved_version: int) -> dict:
+        """End a run the launcher asked to stop: a checkpoint of the steps trained since the last one (under
+        ``trainer.save_every > 0``), so that ``trainer.resume_from`` continues with no step lost; ``summary.json``
+        says where it stopped. No final evaluation and no ``final/``: the run is not done."""
+        tr, logger = self.cfg.trainer, self._logger
+        logger.message(f"stop requested at step {self.version}: " + (
+            "writing a checkpoint, then stopping" if tr.save_every and saved_version != self.version
+            else "stopping (nothing to save)" if tr.save_every else "stopping (trainer.save_every=0: no checkpoint)"))
+        if tr.save_every and saved_version != self.version:
+            self._checkpoint()
+        from asyncppo.learner.checkpoint import latest_name  # heavy: torch's checkpointing
+
+        summary.update(stopped_at=self.version, steps=self.version, version=self.version,
+                       checkpoint=latest_name(self.output_dir), checkpoint_failures=self.checkpoint_failures)
+        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=str)
+        logger.message(f"stopped at step {self.version}; latest checkpoint: {summary['checkpoint'] or 'none'}")
+        return summary
+
+    def _checkpoint(self) -> None:
+        """Save a checkpoint. One that cannot be written (a full disk, ...) costs that
+        checkpoint, not the run: the error is told with the newest checkpoint still there and counted
+        (``checkpoint/failures`` in every record after it), and training goes on; the next save tries again. A run
+        that stopped at a full disk would lose every step since its last checkpoint and, restarted, stop again."""
+        from asyncppo.learner.checkpoint import CheckpointWriteError, latest_name  # heavy: torch's checkpointing
+
+        try:
+            self.workload.checkpoint(self.version, self._logger)
+        except CheckpointWriteError as exc:
+            self.checkpoint_failures += 1
+            self.run_metrics["checkpoint/failures"] = self.checkpoint_failures
+            tr = self.cfg.trainer
+            then = (f"training goes on and tries again at step {min(self.version + tr.save_every, tr.total_steps)}"
+                    if self.version < tr.total_steps else "this was the run's last checkpoint")
+            latest = latest_name(self.output_dir)
+            self._logger.message(f"WARNING: {exc}. " + (f"The newest checkpoint is still {latest}" if latest else
+                                                        "There is no checkpoint yet") + f"; {then} "
+                                 f"({self.checkpoint_failures} checkpoint(s) not written in this run)")
 
     @staticmethod
     def _release_dropped(wiring, record) -> None:
@@ -282,14 +341,14 @@ class LearnerLoop:
         tr, work, logger = self.cfg.trainer, self.workload, self._logger
         self._finish_push(wiring)
         if tr.save_every and saved_version != self.version:
-            work.checkpoint(self.version, logger)
+            self._checkpoint()
         work.refresh_weights()
         if self._engine_eval is not None:  # the engines evaluate the final weights pushed by the last step
             self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
             summary.update(self._engine_eval.task_before_after(tr.eval_at_start))
             summary["eval_files"] = self._engine_eval.summary()
         work.save_final(os.path.join(self.output_dir, "final"), self.version)
-        summary.update(steps=tr.total_steps, version=self.version)
+        summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
         with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1, default=str)

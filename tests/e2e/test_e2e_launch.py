@@ -107,11 +107,14 @@ def side_by_side(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
     lines.insert(9, json.dumps({"question": "9" * 80 + "+1=", "answer": "#### 1"}))
     data = dirs["jsonl"] / "train.jsonl"
     data.write_text("\n".join(lines) + "\n")
+    (dirs["jsonl"] / "run").mkdir()
+    (dirs["jsonl"] / "run" / "checkpoints").write_text("a file where the checkpoints go: every save fails")
     return _launch_side_by_side({
         "sync": (dirs["sync"], (f"data.eval_files=[{heldout}]", "trainer.total_steps=6", "trainer.eval_every=3",
                                 "rollout.max_staleness=0")),
         "jsonl": (dirs["jsonl"], (f"data.train_files=[{data}]", "data.prompt_key=question", "data.answer_key=answer",
-                                  "rollout.prompt_length=16", "rollout.overlong_prompt=skip", "trainer.total_steps=4",
+                                  "rollout.prompt_length=16", "rollout.overlong_prompt=skip", "trainer.total_steps=5",
+                                  "trainer.save_every=2",
                                   "rollout.rollout_batch_size=8",
                                   "rollout.reward_fn=tests.failure_helpers:raise_sometimes_math")),
         # no replacement configured (tests/e2e/test_e2e_reliability.py covers restarts): the first death ends the
@@ -230,14 +233,27 @@ def test_a_directory_holding_a_run_is_refused_and_left_alone(tmp_path):
     assert not (run_dir / "config.yaml").exists()
 
 
-def test_jsonl_dataset_with_bad_rows_and_a_raising_reward_function_trains(side_by_side):
+def test_jsonl_dataset_with_bad_rows_a_raising_reward_function_and_unwritable_checkpoints_trains(side_by_side):
     """A real dataset file: unreadable rows and over-long prompts are counted and skipped; a reward function that
-    raises on every third call is counted per sample, told to the user once, and never kills the worker; the run
-    still trains."""
-    proc, records, _ = side_by_side["jsonl"]
+    raises on every third call is counted per sample, told to the user once, and never kills the worker; checkpoints
+    that cannot be written (a file where their directory goes) are told and counted, each save once; the run still
+    trains to its end and writes its final model."""
+    proc, records, run_dir = side_by_side["jsonl"]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     train = _train_records(records)
-    assert len(train) == 4
+    assert len(train) == 5
+    # saves at steps 2 and 4 and the run's end (5): three warnings, each naming its step and the cause
+    warned = [line for line in proc.stdout.splitlines() if "could not be written" in line]
+    assert [line.split("checkpoint ")[1].split(" ")[0] for line in warned] == ["step_2", "step_4", "step_5"], warned
+    assert all(line.startswith("[learner] [asyncppo] WARNING: ") and "FileExistsError" in line
+               and "There is no checkpoint yet" in line for line in warned), warned
+    assert "tries again at step 4" in warned[0] and "this was the run's last checkpoint" in warned[2]
+    assert [r.get("checkpoint/failures", 0) for r in train] == [0, 0, 1, 1, 2]  # a step's save follows its record
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["checkpoint_failures"] == 3 and summary["steps"] == 5
+    assert re.search(r"^checkpoints not written +\| 3 ", proc.stdout, re.M), proc.stdout[-3000:]
+    assert (run_dir / "final" / "config.json").is_file()  # the trained model is still saved
+    assert (run_dir / "checkpoints").read_text().startswith("a file where")  # left as the user had it
     out = proc.stdout + proc.stderr
     assert "'bad_rows': 2" in out and "'skipped_overlong': 1" in out, out[-3000:]
     # math-verify scores the GSM8K-style answers: the warm-started policy gets some of them right
@@ -263,16 +279,20 @@ def test_dead_worker_stops_the_run_with_a_clear_error(side_by_side):
 
 
 def test_ctrl_c_and_sigterm_stop_everything(tmp_path):
-    """Ctrl-C, and SIGTERM (``kill``, a scheduler's cancel) alike, stop every actor and the local Ray cluster. The
-    two launches run side by side (two local Ray clusters; each is signalled once it has logged two steps): one
-    launch's start-up and shutdown time for both."""
+    """Ctrl-C, and SIGTERM (``kill``, a scheduler's cancel or preemption) alike, stop every actor and the local Ray
+    cluster. SIGTERM here gets the default grace: the learner finishes its step and writes a checkpoint of it first,
+    so a resume loses no step; Ctrl-C here has none (``cluster.stop_grace_s=0``): no checkpoint, at once. The two
+    launches run side by side (two local Ray clusters; each is signalled once it has logged two steps): one launch's
+    start-up and shutdown time for both."""
+    from asyncppo.learner.checkpoint import latest_name, resolve_checkpoint
+
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     runs = {}
-    for name, signum in (("ctrl-c", signal.SIGINT), ("sigterm", signal.SIGTERM)):
+    for name, signum, extra in (("ctrl-c", signal.SIGINT, ["cluster.stop_grace_s=0"]), ("sigterm", signal.SIGTERM, [])):
         out_dir = tmp_path / name
         runs[name] = (signum, out_dir / "metrics.jsonl", subprocess.Popen(
             [*ASYNCPPO, "launch", f"trainer.output_dir={out_dir}", "trainer.logger.wandb=false", VLLM,
-             "trainer.total_steps=5000", "rollout.rollout_batch_size=16", "data.num_eval_prompts=16"],
+             "trainer.total_steps=5000", "rollout.rollout_batch_size=16", "data.num_eval_prompts=16", *extra],
             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             # as from a terminal, whatever started pytest: a background job of a script inherits SIGINT ignored
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
@@ -288,10 +308,24 @@ def test_ctrl_c_and_sigterm_stop_everything(tmp_path):
                     del waiting[name]
             time.sleep(1)
         assert not waiting, f"training never started in {sorted(waiting)}"
+        outputs = {}
         for name, (signum, metrics, proc) in runs.items():
-            out, err = proc.communicate(timeout=120)
-            assert proc.returncode == 130, (name, err[-3000:])
-            assert "interrupted" in err, (name, err[-3000:])
+            outputs[name] = proc.communicate(timeout=120)
+            assert proc.returncode == 130, (name, outputs[name][1][-3000:])
+            assert "interrupted" in outputs[name][1], (name, outputs[name][1][-3000:])
+        # SIGTERM: the checkpoint is of the last step the learner logged (save_every is 20; it stopped near 2)
+        out, err = outputs["sigterm"]
+        records = _train_records([json.loads(line) for line in runs["sigterm"][1].read_text().splitlines()])
+        last = records[-1]["step"]
+        assert 2 <= last < 20, last
+        assert f"stopped at step {last} with checkpoint step_{last}; continue with the same command and " \
+               f"trainer.resume_from={tmp_path / 'sigterm'}" in err, err[-3000:]
+        assert resolve_checkpoint(str(tmp_path / "sigterm")).version == last
+        summary = json.loads((tmp_path / "sigterm" / "summary.json").read_text())
+        assert summary["stopped_at"] == last and summary["checkpoint"] == f"step_{last}"
+        assert not (tmp_path / "sigterm" / "final").exists()  # the run is not done: no final model
+        # Ctrl-C without a grace: no checkpoint, no waiting
+        assert "writes a checkpoint" not in outputs["ctrl-c"][1] and latest_name(str(tmp_path / "ctrl-c")) is None
     finally:
         for _, _, proc in runs.values():
             if proc.poll() is None:

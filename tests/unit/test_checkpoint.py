@@ -136,23 +136,19 @@ def test_checkpoint_actor_is_a_plain_hf_model_dir(model_dir, tmp_path):
         model_dir).encode("12+34=")
 
 
-def test_crash_mid_save_keeps_latest_on_the_previous_checkpoint(model_dir, tmp_path, monkeypatch):
+def test_crash_mid_save_keeps_latest_on_the_previous_checkpoint(model_dir, tmp_path):
+    """A learner killed in the middle of a save leaves an unfinished ``.tmp-step_N`` (here: step 2's files as a kill
+    after the critic leaves them, copied from a real save, without its trainer state and meta); nothing names it."""
+    import shutil
+
     cfg = _cfg()
     a, _ = _build(cfg, model_dir, model_dir)
     run = str(tmp_path / "run")
     root = os.path.join(run, "checkpoints")
     _save(run, 1, a, model_dir)
-
-    def crash(state, path):
-        raise OSError("disk full (simulated)")
-
-    with monkeypatch.context() as m:
-        m.setattr(C, "_write_state", crash)
-        with pytest.raises(OSError, match="simulated"):
-            _save(run, 2, a, model_dir)
-    # the actor and critic of step 2 were written before the crash, but nothing names them
-    assert os.path.isfile(os.path.join(root, ".tmp-step_2", "actor", "config.json"))
-    assert os.path.isfile(os.path.join(root, ".tmp-step_2", "critic.safetensors"))
+    scratch = _save(str(tmp_path / "scratch"), 2, a, model_dir).path
+    shutil.copytree(os.path.join(scratch, C.ACTOR_DIR), os.path.join(root, ".tmp-step_2", C.ACTOR_DIR))
+    shutil.copy(os.path.join(scratch, C.CRITIC_FILE), os.path.join(root, ".tmp-step_2", C.CRITIC_FILE))
     assert not os.path.exists(os.path.join(root, "step_2"))
     assert open(os.path.join(root, "latest")).read().strip() == "step_1"
     assert C.resolve_checkpoint(run).version == 1
@@ -160,6 +156,49 @@ def test_crash_mid_save_keeps_latest_on_the_previous_checkpoint(model_dir, tmp_p
     _save(run, 3, a, model_dir)
     assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"]
     assert C.resolve_checkpoint(run).version == 3
+
+
+def test_a_save_that_hits_a_file_size_limit_is_a_clear_error_that_leaves_nothing_behind(model_dir, tmp_path):
+    """A real write failure (the OS refuses a file past ``RLIMIT_FSIZE``, as a full disk refuses one past its
+    space): a :class:`CheckpointWriteError` naming the checkpoint, the error and the free space; the unfinished
+    directory is removed; ``latest`` still names the previous checkpoint; once the limit is lifted the next save
+    is written as usual."""
+    import resource
+    import signal
+
+    cfg = _cfg()
+    a, _ = _build(cfg, model_dir, model_dir)
+    run = str(tmp_path / "run")
+    root = os.path.join(run, "checkpoints")
+    _save(run, 1, a, model_dir)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))  # config.json fits, the weights do not
+        with pytest.raises(C.CheckpointWriteError) as err:
+            _save(run, 2, a, model_dir)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    message = str(err.value)
+    assert message.startswith(f"checkpoint step_2 could not be written to {root}: ")
+    assert "File too large" in message and "GiB free of" in message, message
+    assert sorted(os.listdir(root)) == ["latest", "step_1"]  # no .tmp-step_2 left taking space
+    assert open(os.path.join(root, "latest")).read().strip() == "step_1"
+    assert C.latest_name(run) == "step_1" and C.resolve_checkpoint(run).version == 1
+    _save(run, 3, a, model_dir)
+    assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"] and C.resolve_checkpoint(run).version == 3
+
+
+def test_a_checkpoints_path_that_is_not_a_directory_is_the_same_clear_error(model_dir, tmp_path):
+    cfg = _cfg()
+    a, _ = _build(cfg, model_dir, model_dir)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "checkpoints").write_text("not a directory")
+    with pytest.raises(C.CheckpointWriteError, match=r"checkpoint step_4 could not be written .*FileExistsError"):
+        _save(str(run), 4, a, model_dir)
+    assert C.latest_name(str(run)) is None and (run / "checkpoints").read_text() == "not a directory"
 
 
 def test_keeps_the_newest_checkpoints(model_dir, tmp_path):

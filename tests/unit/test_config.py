@@ -184,6 +184,7 @@ INVALID = [
     (["cluster.train_gpus=-2"], "cluster.train_gpus=-2"),
     (["cluster.train_gpus=3"], "cluster.train_gpus=3"),
     (["cluster.rollout_workers=0"], "cluster.rollout_workers=0"),
+    (["cluster.stop_grace_s=-1"], "cluster.stop_grace_s=-1"),
     (["cluster.control_port=70000"], "cluster.control_port=70000"),
     (["cluster.control_port=5555", "cluster.sync_port=5555"], "cluster.sync_port=5555"),
     (["rollout.reward_fn=not a path"], "rollout.reward_fn='not a path'"),
