@@ -38,6 +38,17 @@ _KNOWN_NOISE = re.compile(
 )
 
 
+def _parse(line: str) -> Optional[dict]:
+    """One metrics record, or None for a blank or unreadable line."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
+
+
 def log_path(run_dir: str, role: str) -> str:
     return os.path.join(run_dir, LOG_DIR, f"{role}.log")
 
@@ -61,9 +72,9 @@ def redirect_output(run_dir: str, role: str) -> str:
 class _Tail:
     """New complete lines of a growing file (a partial last line waits for its newline)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, offset: int = 0):
         self.path = path
-        self._offset = 0
+        self._offset = offset
         self._partial = b""
 
     def lines(self) -> list[str]:
@@ -97,15 +108,28 @@ class RunConsole:
         self.records: list[dict] = []
         self.echoed = 0
         self._rate = StepRate()
+        self._skip_earlier_output()
+
+    def _skip_earlier_output(self) -> None:
+        """A run resumed in its own directory (``trainer.resume_from``) finds the earlier launch's records and logs
+        there: its records still count for the summary table, but neither they nor the old log lines are printed
+        again; the console shows what this launch adds."""
+        for line in self._metrics.lines():
+            record = _parse(line)
+            if record is not None:
+                self.records.append(record)
+                self._rate.add(int(record.get("step", 0)), record.get("time/wall_s"))
+        log_dir = os.path.join(self.run_dir, LOG_DIR)
+        if os.path.isdir(log_dir):
+            for name in sorted(os.listdir(log_dir)):
+                if name.endswith(".log"):
+                    self._logs[name] = _Tail(os.path.join(log_dir, name), os.path.getsize(os.path.join(log_dir, name)))
 
     def poll(self) -> None:
         """Print whatever appeared since the last call (cheap: a few file reads)."""
         for line in self._metrics.lines():
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError:
+            record = _parse(line)
+            if record is None:
                 continue
             self.records.append(record)
             step = int(record.get("step", 0))

@@ -47,14 +47,13 @@ def _records(walls):
 
 def test_learner_and_driver_lines_show_the_same_eta_and_none_on_the_last_step(tmp_path):
     walls = [10.0, 13.0, 16.0, 19.0]  # 3 s a step
-    out = io.StringIO()
-    logger = MetricsLogger(str(tmp_path), total_steps=4, stream=out)
+    out, driver_out = io.StringIO(), io.StringIO()
+    console = RunConsole(str(tmp_path), total_steps=4, stream=driver_out, clock=lambda: 0.0)  # before the run, as
+    logger = MetricsLogger(str(tmp_path), total_steps=4, stream=out)                      # the launcher makes it
     for record in _records(walls):
         logger.log(record["step"], {k: v for k, v in record.items() if k != "step"})
     logger.close()
     learner = out.getvalue().splitlines()
-    driver_out = io.StringIO()
-    console = RunConsole(str(tmp_path), total_steps=4, stream=driver_out, clock=lambda: 0.0)
     console.poll()
     driver = driver_out.getvalue().splitlines()
     assert len(learner) == len(driver) == 4

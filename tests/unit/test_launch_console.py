@@ -139,3 +139,22 @@ def test_redirect_output_captures_python_and_c_level_writes(tmp_path):
     assert proc.stdout == "" and proc.stderr == ""
     text = open(log_path(str(tmp_path), "worker-7"), encoding="utf-8").read()
     assert text.splitlines() == ["python stdout", "python stderr", "fd one", "fd two"]
+
+
+def test_a_run_resumed_in_its_own_directory_prints_only_what_this_launch_adds(tmp_path):
+    """``trainer.resume_from=<run dir>`` with the same output directory: the earlier launch's records count for the
+    summary but are not printed again, nor are its log lines; the new launch's are."""
+    earlier = [{"step": s, "reward/mean": 0.1 * s, "time/wall_s": 2.0 * s} for s in (1, 2, 3)]
+    _append(tmp_path / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in earlier))
+    _append(log_path(str(tmp_path), "learner"), "[asyncppo] training started at step 1\n[asyncppo] stopped at step 3\n")
+    console, out = _console(tmp_path, total_steps=5)
+    console.poll()
+    assert out.getvalue() == "" and [r["step"] for r in console.records] == [1, 2, 3]
+    _append(log_path(str(tmp_path), "learner"), "[asyncppo] training started at step 4 (resumed from x)\n")
+    _append(tmp_path / "metrics.jsonl", json.dumps({"step": 4, "reward/mean": 0.4, "time/wall_s": 1.0}) + "\n")
+    console.poll()
+    lines = out.getvalue().splitlines()
+    assert [line.split(" |")[0] for line in lines] == ["step 4/5", "[learner] [asyncppo] training started at step 4 "
+                                                       "(resumed from x)"]
+    assert [r["step"] for r in console.records] == [1, 2, 3, 4]
+    assert " eta " not in lines[0]  # the resumed learner's clock started again: one point, no rate yet
