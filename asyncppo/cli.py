@@ -18,6 +18,7 @@ from typing import Callable, Optional, Sequence
 
 from asyncppo import __version__
 from asyncppo.config import ConfigError
+from asyncppo.launch.disk_plan import disk_lines
 from asyncppo.launch.plan import format_plan
 from asyncppo.launch.resolve import plan_launch
 from asyncppo.launch.shared_device import SharedSplitError, check_shared_split, resolve_shared_device
@@ -260,7 +261,9 @@ def _cmd_launch(args: argparse.Namespace) -> int:
             memory = check_shared_split(cfg)  # --gpus N: refused here when the learner cannot fit beside the engine
         except SharedSplitError as exc:
             return _fail(f"{exc}\n(see {DOCS})")
-        plan = dataclasses.replace(plan_launch(cfg), memory_lines=tuple(memory))
+        plan = plan_launch(cfg)
+        disk, warning = disk_lines(cfg, plan.output_dir)
+        plan = dataclasses.replace(plan, memory_lines=tuple(memory), disk_lines=tuple(disk), disk_warning=warning)
         lines = format_plan(plan.placement).splitlines() + plan.describe()
         from asyncppo.config import config_to_yaml  # optional: omegaconf
 

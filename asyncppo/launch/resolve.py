@@ -30,6 +30,7 @@ from asyncppo.config.hosts import is_loopback
 from asyncppo.config.devices import engines_on_gpu
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.context_check import check_sequence_fits
+from asyncppo.launch.disk_plan import disk_lines
 from asyncppo.launch.text_env_check import check_text_env_launch
 from asyncppo.launch.shared_device import SharedSplitError, check_shared_split
 from asyncppo.launch.plan import (
@@ -70,6 +71,8 @@ class LaunchPlan:
     max_learner_restarts: int = 0  # learner deaths restarted from the latest checkpoint (0: a death ends the run)
     shared_devices: int = 0  # --gpus N: bundle i holds learner rank i and engine i (launch/shared_device.py)
     memory_lines: tuple[str, ...] = ()  # the shared device's memory split (launch/memory_plan.py)
+    disk_lines: tuple[str, ...] = ()  # the checkpoints' disk against the space free (launch/disk_plan.py)
+    disk_warning: Optional[str] = None  # printed when a run starts: they need more than is free
 
     def bundles(self) -> list[dict[str, float]]:
         """The placement group's bundles: one per role, or one per shared device."""
@@ -124,7 +127,8 @@ class LaunchPlan:
                          "when the run starts")
         if self.resume_note:
             lines.append(self.resume_note)
-        return lines + list(self.memory_lines)
+        return lines + list(self.memory_lines) + list(self.disk_lines) + ([self.disk_warning] if self.disk_warning
+                                                                         else [])
 
 
 def actor_env(cfg: AsyncPPOConfig) -> dict[str, str]:
@@ -215,6 +219,8 @@ def resolve_plan(cfg: AsyncPPOConfig) -> LaunchPlan:
     except SharedSplitError as exc:
         raise LaunchError(str(exc)) from None
     _check_output_dir(cfg, plan.output_dir)
+    disk, warning = disk_lines(cfg, plan.output_dir)
+    plan = dataclasses.replace(plan, disk_lines=tuple(disk), disk_warning=warning)
     if plan.embodied:
         _check_env(cfg)
         return dataclasses.replace(plan, resume_note=_embodied_resume_note(cfg))

@@ -39,6 +39,8 @@ def _open_run_dir(plan: LaunchPlan, cfg: AsyncPPOConfig) -> None:
     print(f"[asyncppo] run directory: {plan.output_dir}", flush=True)
     if plan.resume_note:
         print(f"[asyncppo] {plan.resume_note}", flush=True)
+    if plan.disk_warning:
+        print(f"[asyncppo] {plan.disk_warning}", flush=True)
 
 
 def _terminate_as_interrupt() -> None:

@@ -296,3 +296,24 @@ def test_checkpoint_options_are_validated():
     # several learner ranks checkpoint too (sharded: tests/component/test_checkpoint_sharded.py)
     cfg = load_config(["trainer.save_every=3", "cluster.train_gpus=2", "rollout.rollout_batch_size=8"])
     assert cfg.cluster.train_gpus == 2 and cfg.trainer.save_every == 3
+
+
+def test_the_disk_plan_estimates_a_real_checkpoint_within_a_few_percent(model_dir, tmp_path):
+    """launch/disk_plan.py's size of one checkpoint against the bytes a real save of the same model writes (actor,
+    critic, both optimisers; float32 on CPU): the tokenizer, configs and the trainer state's small parts are the
+    difference."""
+    import json
+
+    from asyncppo.launch.disk_plan import checkpoint_bytes
+    from asyncppo.launch.memory_plan import LearnerLoad, shape_from_config
+
+    cfg = _cfg()
+    a, _ = _build(cfg, model_dir, model_dir)
+    a.step(_batches(0, 1)[0])  # AdamW's moments exist once it has stepped
+    path = _save(str(tmp_path / "run"), 1, a, model_dir).path
+    written = sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+    with open(os.path.join(model_dir, "config.json")) as f:
+        shape = shape_from_config(json.load(f))
+    estimate = checkpoint_bytes(shape, LearnerLoad(dtype_bytes=4, optimizer_bytes_per_param=8, critic=True,
+                                                   reference=False, micro_batch_tokens=1))
+    assert 0.9 < written / estimate < 1.1, (written, estimate)
