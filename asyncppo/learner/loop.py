@@ -24,6 +24,7 @@ import collections
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from typing import Any, Callable, Optional, Protocol
@@ -347,7 +348,7 @@ class LearnerLoop:
             self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
             summary.update(self._engine_eval.task_before_after(tr.eval_at_start))
             summary["eval_files"] = self._engine_eval.summary()
-        work.save_final(os.path.join(self.output_dir, "final"), self.version)
+        self._save_final()
         summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
         with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -358,6 +359,17 @@ class LearnerLoop:
             shown["rollout"] = {k: v for k, v in shown["rollout"].items() if k != "group_lengths"}
         logger.message(f"done: {shown}")
         return summary
+
+    def _save_final(self) -> None:
+        """``final/``, whole or not at all: written into ``.tmp-final`` and renamed, so that a learner killed in the
+        middle of it leaves no ``final/`` that looks complete (the last checkpoint's ``actor/`` holds the same
+        weights when ``trainer.save_every > 0``)."""
+        final, tmp = os.path.join(self.output_dir, "final"), os.path.join(self.output_dir, ".tmp-final")
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.workload.save_final(tmp, self.version)
+        if os.path.exists(final):  # a run resumed in its own directory after an earlier final save
+            shutil.rmtree(final)
+        os.rename(tmp, final)
 
     # ------------------------------------------------------------------------------------------------------------
     def _shutdown(self, wiring: Optional[Wiring]) -> None:

@@ -253,6 +253,7 @@ def test_jsonl_dataset_with_bad_rows_a_raising_reward_function_and_unwritable_ch
     assert summary["checkpoint_failures"] == 3 and summary["steps"] == 5
     assert re.search(r"^checkpoints not written +\| 3 ", proc.stdout, re.M), proc.stdout[-3000:]
     assert (run_dir / "final" / "config.json").is_file()  # the trained model is still saved
+    assert not (run_dir / ".tmp-final").exists()  # final/ is written aside and renamed when whole
     assert (run_dir / "checkpoints").read_text().startswith("a file where")  # left as the user had it
     out = proc.stdout + proc.stderr
     assert "'bad_rows': 2" in out and "'skipped_overlong': 1" in out, out[-3000:]
