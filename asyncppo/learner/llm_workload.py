@@ -52,14 +52,17 @@ class LLMWorkload:
         return self.resume
 
     def start_version(self) -> int:
-        """The checkpoint's version when resuming (refused when nothing is left to train), else 0."""
+        """The checkpoint's version when resuming (refused past ``trainer.total_steps``), else 0. A checkpoint at
+        ``total_steps`` is let through: a learner restarted after it died in the run's final evaluation or save
+        (launch/learner_restart.py) trains no step and finishes the run (push, evaluation, ``final/``); a user's
+        ``trainer.resume_from`` of a finished run is refused before anything starts (launch/resolve.py)."""
         tr = self.cfg.trainer
         if self._resolve() is None:
             return 0
-        if self.resume.version >= tr.total_steps:
+        if self.resume.version > tr.total_steps:
             raise ValueError(
-                f"trainer.resume_from: the checkpoint {self.resume.path!r} is at step {self.resume.version}, but "
-                f"trainer.total_steps={tr.total_steps} (the total, not the steps to add): nothing to train"
+                f"trainer.resume_from: the checkpoint {self.resume.path!r} is at step {self.resume.version}, past "
+                f"trainer.total_steps={tr.total_steps} (the total, not the steps to add)"
             )
         return self.resume.version
 

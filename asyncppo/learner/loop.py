@@ -141,8 +141,9 @@ class LearnerLoop:
         start = saved_version = self.version
         t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
         work.begin(t_train0)
-        logger.message(f"training started at step {start + 1}" + (f" (resumed from {work.resumed_from()})"
-                                                                 if work.resumed_from() else ""))
+        resumed = f" (resumed from {work.resumed_from()})" if work.resumed_from() else ""
+        logger.message(f"training started at step {start + 1}{resumed}" if start < tr.total_steps else
+                       f"no step left to train{resumed}: finishing the run (final evaluation and model)")
         self._announce_start(wiring, start)
         for step in range(start + 1, tr.total_steps + 1):
             t_step = time.monotonic()

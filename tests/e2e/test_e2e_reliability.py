@@ -307,6 +307,40 @@ def test_killed_learner_resumes_exactly(tmp_path):
     run.assert_no_leftovers()
 
 
+def test_a_learner_killed_in_the_final_evaluation_comes_back_to_finish_the_run(tmp_path):
+    """The learner SIGKILLed after its last step and last checkpoint, while the engines evaluate the final weights
+    (1,024 held-out prompts: a few seconds): the launcher restarts it from that checkpoint, it trains no step, pushes
+    the weights, has them evaluated and writes ``final/``; exit 0. (Before, the restarted learner refused a
+    checkpoint at ``total_steps``, "nothing to train", and the run ended with exit 1 and no final model.)"""
+    out = tmp_path / "run"
+    run = _start(out, "cluster.rollout_workers=1", "rollout.rollout_batch_size=2", "trainer.total_steps=3",
+                 "trainer.save_every=3", "data.num_eval_prompts=1024",
+                 "rollout.reward_fn=tests.reliability_helpers:exact")
+    try:
+        deadline = time.time() + 600
+        latest = out / "checkpoints" / "latest"
+        while not (latest.exists() and latest.read_text().strip() == "step_3"):  # written after step 3's record
+            assert run.poll() is None and time.time() < deadline, run.output()[1][-3000:]
+            time.sleep(0.05)
+        (learner,) = _descendant_pids(run.proc.pid, "LearnerActor")
+        os.kill(learner, signal.SIGKILL)  # in the final push or evaluation: its records show step 3 only
+        assert not (out / "final").exists() and not (out / "summary.json").exists()
+    finally:
+        code, stdout, stderr = run.finish(600)
+    assert code == 0, stdout[-3000:] + stderr[-5000:]
+    assert "learner died after step 3" in stderr and "learner restarted at step 3 (0 step(s) since the checkpoint " \
+        "lost" in stderr, stderr[-3000:]
+    assert "no step left to train (resumed from" in stdout, stdout[-3000:]
+    records = _records(out)
+    assert [r["step"] for r in _train_records(records)] == [1, 2, 3]  # no step trained twice
+    final_eval = [r for r in records if r["step"] == 3 and "eval/accuracy_greedy" in r]
+    assert final_eval and final_eval[-1]["eval/version_min"] == 3  # the final weights were evaluated
+    assert (out / "final" / "model.safetensors").is_file()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["eval_after"]["accuracy_greedy"] == final_eval[-1]["eval/accuracy_greedy"]
+    run.assert_no_leftovers()
+
+
 def test_killed_learner_comes_back_by_itself(faulted_run):
     """Fault 1 of the run above, SIGKILL of the learner mid-run with checkpoints on: the launcher restarts it from
     the latest checkpoint, the rollout workers stay up and reconnect, the run finishes all its steps (exit 0), and
