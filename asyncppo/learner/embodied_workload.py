@@ -135,6 +135,7 @@ class EmbodiedWorkload:
             "util/train_busy": self.train_busy.fraction(),
             "time/step_s": time.perf_counter() - t_step,
             "time/wait_s": t_work - t_step,
+            "time/wall_s": time.perf_counter() - self.t_start,  # the progress line's eta, the report's time axis
             "sync/push_s": max((s.timings.get("push_s_max", 0.0) for s in segments), default=0.0),
             "rollout/inflight_updates": float(sum(s.timings.get("weight_loads", 0.0) for s in segments)),
             # the environment raised in step and was made again (envs/worker.py): segments re-collected

@@ -53,8 +53,11 @@ def test_cartpole_learns_through_the_asynchronous_machinery(tmp_path):
     assert train[-1]["env_steps"] == steps * 8 * 32
     for key in ("episode/return_recent", "throughput/env_steps_per_s", "staleness/max", "staleness/token_mean",
                 "util/rollout_busy", "util/train_busy", "actor/approx_kl", "actor/clipfrac", "actor/is_weight_mean",
-                "critic/vf_loss", "policy_version"):
+                "critic/vf_loss", "policy_version", "time/wall_s"):
         assert key in train[-1], key
+    walls = [r["time/wall_s"] for r in train]  # the training clock the progress line's eta reads
+    assert walls == sorted(walls) and walls[0] > 0
+    assert any(line.startswith("step ") and " | eta " in line for line in proc.stdout.splitlines())
     # Every trained env step was chosen by weights at most k versions old; the workers do run ahead.
     assert max(r["staleness/max"] for r in train) <= k
     assert max(r["staleness/max"] for r in train) >= 1
