@@ -15,7 +15,7 @@ import os
 import shutil
 from typing import Callable, Optional
 
-from asyncppo.config.devices import learner_on_gpu
+from asyncppo.config.devices import learner_on_gpu, learner_ranks
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.memory_plan import DTYPE_BYTES, GIB, LearnerLoad, ModelShape, optimizer_bytes
 from asyncppo.launch.shared_device import learner_load, model_shape
@@ -59,11 +59,13 @@ def disk_lines(cfg: AsyncPPOConfig, output_dir: str,
     dtype_bytes = DTYPE_BYTES.get(cfg.model.dtype, 4) if learner_on_gpu(cfg) else 4  # the CPU learner: float32
     load = dataclasses.replace(load, dtype_bytes=dtype_bytes, optimizer_bytes_per_param=optimizer_bytes(dtype_bytes))
     one = checkpoint_bytes(shape, load)
+    if learner_ranks(cfg) > 1:  # the shards hold the actor as well as the gathered HF copy the engines load
+        one += shape.params() * dtype_bytes
     at_once = tr.keep_checkpoints + 1  # the newest is written in full before the oldest is pruned
     need = at_once * one + shape.params() * dtype_bytes  # and final/, the trained model
     have = free(output_dir)
     line = (f"checkpoints: ~{_size(one)} each, up to {at_once} on disk while the newest is written "
-            f"(trainer.keep_checkpoints={tr.keep_checkpoints}), with the final model ~{_size(need)}; "
+            f"(trainer.keep_checkpoints={tr.keep_checkpoints}), ~{_size(need)} in all with the final model; "
             + (f"{_size(have)} free there" if have is not None else "free space unknown"))
     warning = None
     if have is not None and need > have:

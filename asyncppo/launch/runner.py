@@ -54,18 +54,29 @@ def _terminate_as_interrupt() -> None:
         signal.signal(signal.SIGTERM, _raise)
 
 
-def _stop_gracefully(supervisor, cfg: AsyncPPOConfig, output_dir: str) -> None:
+def _stop_gracefully(supervisor, cfg: AsyncPPOConfig, output_dir: str) -> bool:
     """A run interrupted while training keeps its steps: the learner checkpoints before the actors stop
-    (``cluster.stop_grace_s``; none under ``trainer.save_every=0``), and the console says how to continue."""
+    (``cluster.stop_grace_s``; none under ``trainer.save_every=0``), and the console says how to continue.
+    True when the learner had finished the run meanwhile (its last step was trained before the interrupt)."""
     if supervisor is None or not cfg.trainer.save_every:
-        return
+        return False
     try:
         summary = supervisor.stop_gracefully(cfg.cluster.stop_grace_s)
     except KeyboardInterrupt:  # a second interrupt between two of its own checks
-        return
-    if summary and summary.get("checkpoint"):
-        print(f"[asyncppo] stopped at step {summary.get('stopped_at')} with checkpoint {summary['checkpoint']}; "
-              f"continue with the same command and trainer.resume_from={output_dir}", file=sys.stderr, flush=True)
+        return False
+    if summary is None:
+        return False
+    if "stopped_at" not in summary:
+        print("[asyncppo] the run had trained its last step: it finished (final evaluation and model written)",
+              file=sys.stderr, flush=True)
+        return True
+    step, latest = summary["stopped_at"], summary.get("checkpoint")
+    if latest:
+        behind = step - int(latest.rsplit("_", 1)[1]) if latest.rsplit("_", 1)[-1].isdigit() else 0
+        lost = f" (its checkpoint failed: the {behind} step(s) after {latest} will be trained again)" if behind else ""
+        print(f"[asyncppo] stopped at step {step} with checkpoint {latest}{lost}; continue with the same command and "
+              f"trainer.resume_from={output_dir}", file=sys.stderr, flush=True)
+    return False
 
 
 def run(cfg: AsyncPPOConfig) -> int:
@@ -97,9 +108,9 @@ def run(cfg: AsyncPPOConfig) -> int:
         supervisor = Supervisor(actors, console, started_at)
         return supervisor.watch(learner_ref, pending)
     except KeyboardInterrupt:
-        _stop_gracefully(supervisor, cfg, plan.output_dir)
+        finished = _stop_gracefully(supervisor, cfg, plan.output_dir)
         print("[asyncppo] interrupted: stopping every actor", file=sys.stderr, flush=True)
-        return 130
+        return 0 if finished else 130
     except (LaunchError, UnreachableLearner) as exc:
         return _refuse(exc)
     except (WorkerFailed, ray.exceptions.RayError) as exc:

@@ -33,6 +33,15 @@ class WorkerFailed(RuntimeError):
     """A rollout worker died (or hung) and may not be replaced (restarts used up, or replacement switched off)."""
 
 
+def _latest(output_dir: str) -> Optional[str]:
+    """The run's newest complete checkpoint (``checkpoints/latest``, learner/checkpoint.py), read without torch."""
+    try:
+        with open(os.path.join(output_dir, "checkpoints", "latest"), encoding="utf-8") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _first_line(exc: BaseException) -> str:
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
     return lines[0][:200] if lines else type(exc).__name__
@@ -107,8 +116,9 @@ class Supervisor:
                 self.console.poll()
                 if done:
                     return ray.get(self.learner_ref)
-            print(f"[asyncppo] the learner did not stop within {grace_s:g}s: stopping without its checkpoint",
-                  file=sys.stderr, flush=True)
+            print(f"[asyncppo] the learner did not stop within {grace_s:g}s (cluster.stop_grace_s): stopping now; "
+                  f"the latest checkpoint is {_latest(self.run.plan.output_dir) or 'none'}", file=sys.stderr,
+                  flush=True)
         except KeyboardInterrupt:
             print("[asyncppo] interrupted again: stopping at once", file=sys.stderr, flush=True)
         except ray.exceptions.RayError as exc:

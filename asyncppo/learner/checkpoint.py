@@ -60,8 +60,9 @@ class CheckpointError(RuntimeError):
 
 
 class CheckpointWriteError(CheckpointError):
-    """A checkpoint could not be written (a full disk, a file too large, a path that is not a directory): nothing
-    was published, its unfinished directory is gone, and ``latest`` still names the newest complete checkpoint."""
+    """A checkpoint could not be written (a full disk, a file too large, a path that is not a directory): its
+    unfinished directory is gone and ``latest`` still names the newest complete checkpoint (a ``step_N`` renamed
+    just before ``latest`` failed to be written is complete, only not named)."""
 
 
 @dataclass(frozen=True)
@@ -190,17 +191,31 @@ def writing(output_dir: str, version: int):
     :func:`publish` it. Any failure on the way becomes a :class:`CheckpointWriteError` naming the checkpoint, the
     error and the free space there, after the unfinished directory is removed (a full disk gets its space back).
 
-    Why every exception and not only ``OSError``: the writers report the same full disk differently (measured under
-    a file-size limit: ``OSError`` from ``open``, ``SafetensorError`` from safetensors, ``RuntimeError`` from
-    ``torch.save``; ``CheckpointException``, a ``BaseException``, from a sharded save on every rank alike)."""
+    Why these types and not only ``OSError``: the writers report the same full disk differently (measured under a
+    file-size limit: ``OSError`` from ``open``, ``SafetensorError`` from safetensors, ``RuntimeError`` from
+    ``torch.save``; ``CheckpointException``, a ``BaseException``, from a sharded save on every rank alike). Anything
+    else (a ``TypeError`` in our own code, a device out of memory, a broken collective) is not a disk's refusal and
+    is raised as it is, after the unfinished directory is removed."""
     root, name = checkpoints_root(output_dir), f"step_{int(version)}"
     tmp = os.path.join(root, f".tmp-{name}")
     try:
         yield unfinished(output_dir, version)
-    except (Exception, CheckpointException) as exc:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if not _refused_write(exc):
+            raise
         raise CheckpointWriteError(f"checkpoint {name} could not be written to {root}: {type(exc).__name__}: "
                                    f"{str(exc)[:300]}{_free_space(root)}") from exc
+
+
+def _refused_write(exc: BaseException) -> bool:
+    """The storage refused the write (the types :func:`writing` names), not a bug, an out-of-memory or a failed
+    collective, which must not be turned into a warning on every save."""
+    from safetensors import SafetensorError  # light: the writer's own error type
+
+    if isinstance(exc, (torch.OutOfMemoryError, torch.distributed.DistBackendError)):
+        return False
+    return isinstance(exc, (OSError, SafetensorError, RuntimeError, CheckpointException))
 
 
 def _free_space(path: str) -> str:

@@ -118,8 +118,8 @@ class LLMWorkload:
         try:
             C.save_sharded(C.sharded_tmp_dir(self.output_dir, version), self.updater, self.critic)
         except C.CheckpointException as exc:
-            log.warning("checkpoint step_%d: this rank's shards were not written (%s); rank 0 reports it", version,
-                        str(exc)[:300])
+            log.warning("checkpoint step_%d: the sharded save failed on some rank (%s); rank 0 reports it and "
+                        "the run trains on", version, str(exc)[:300])
 
     # --- records in --------------------------------------------------------------------------------------------
     def door(self, current_version):

@@ -24,7 +24,6 @@ import collections
 import json
 import logging
 import os
-import shutil
 import threading
 import time
 from typing import Any, Callable, Optional, Protocol
@@ -33,6 +32,7 @@ import torch
 
 from asyncppo.config.deadlines import push_timeout
 from asyncppo.config.devices import learner_on_gpu
+from asyncppo.learner.final_model import write_whole
 from asyncppo.learner.step_metrics import make_logger
 from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
@@ -111,6 +111,7 @@ class LearnerLoop:
         self.push_first = False
         self.run_metrics: dict = {}
         self.checkpoint_failures = 0  # checkpoints that could not be written (_checkpoint)
+        self.written_version: Optional[int] = None  # the newest version this learner wrote a checkpoint of
         # set by the launcher on Ctrl-C or SIGTERM (request_stop): checkpoint after the step in hand, then stop
         self.stop_requested = threading.Event()
         # recent step durations: the auto push and hang deadlines scale with them (config/deadlines.py)
@@ -139,6 +140,7 @@ class LearnerLoop:
         self._join_workers(wiring)
         buffer = self._open_buffer(wiring)
         start = saved_version = self.version
+        self.written_version = start  # the checkpoint resumed from (nothing to write at version 0)
         t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
         work.begin(t_train0)
         resumed = f" (resumed from {work.resumed_from()})" if work.resumed_from() else ""
@@ -152,7 +154,7 @@ class LearnerLoop:
                     raise StopRequested
                 metrics = self._train_step(step, wiring, buffer)
             except StopRequested:
-                return self._stop_early(summary, saved_version)
+                return self._stop_early(summary)
             self.step_seconds.append(time.monotonic() - t_step)
             logger.log(step, metrics)
             if self._engine_eval is not None:
@@ -292,16 +294,18 @@ class LearnerLoop:
         and end the run without its final evaluation and model (:meth:`_stop_early`). Called from another thread."""
         self.stop_requested.set()
 
-    def _stop_early(self, summary: dict, saved_version: int) -> dict:
-        """End a run the launcher asked to stop: a checkpoint of the steps trained since the last one (under
-        ``trainer.save_every > 0``), so that ``trainer.resume_from`` continues with no step lost; ``summary.json``
-        says where it stopped. No final evaluation and no ``final/``: the run is not done."""
+    def _stop_early(self, summary: dict) -> dict:
+        """End a run the launcher asked to stop: a checkpoint of the steps trained since the last one written
+        (under ``trainer.save_every > 0``; a periodic save that failed is tried again here), so that
+        ``trainer.resume_from`` continues with no step lost; ``summary.json`` says where it stopped and which
+        checkpoint is the latest. No final evaluation and no ``final/``: the run is not done."""
         tr, logger = self.cfg.trainer, self._logger
+        save = bool(tr.save_every) and self.written_version != self.version
         logger.message(f"stop requested at step {self.version}: " + (
-            "writing a checkpoint, then stopping" if tr.save_every and saved_version != self.version
-            else "stopping (nothing to save)" if tr.save_every else "stopping (trainer.save_every=0: no checkpoint)"))
-        if tr.save_every and saved_version != self.version:
-            self._checkpoint()
+            "writing a checkpoint, then stopping" if save else "stopping (its checkpoint is written)"
+            if tr.save_every else "stopping (trainer.save_every=0: no checkpoint)"))
+        if save:
+            self._checkpoint(stopping=True)
         from asyncppo.learner.checkpoint import latest_name  # heavy: torch's checkpointing
 
         summary.update(stopped_at=self.version, steps=self.version, version=self.version,
@@ -311,7 +315,7 @@ class LearnerLoop:
         logger.message(f"stopped at step {self.version}; latest checkpoint: {summary['checkpoint'] or 'none'}")
         return summary
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self, stopping: bool = False) -> None:
         """Save a checkpoint. One that cannot be written (a full disk, ...) costs that
         checkpoint, not the run: the error is told with the newest checkpoint still there and counted
         (``checkpoint/failures`` in every record after it), and training goes on; the next save tries again. A run
@@ -320,11 +324,13 @@ class LearnerLoop:
 
         try:
             self.workload.checkpoint(self.version, self._logger)
+            self.written_version = self.version
         except CheckpointWriteError as exc:
             self.checkpoint_failures += 1
             self.run_metrics["checkpoint/failures"] = self.checkpoint_failures
             tr = self.cfg.trainer
-            then = (f"training goes on and tries again at step {min(self.version + tr.save_every, tr.total_steps)}"
+            then = ("the run stops without it" if stopping else
+                    f"training goes on and tries again at step {min(self.version + tr.save_every, tr.total_steps)}"
                     if self.version < tr.total_steps else "this was the run's last checkpoint")
             latest = latest_name(self.output_dir)
             self._logger.message(f"WARNING: {exc}. " + (f"The newest checkpoint is still {latest}" if latest else
@@ -341,6 +347,7 @@ class LearnerLoop:
     def _finish(self, wiring, buffer, summary: dict, saved_version: int) -> dict:
         """The last checkpoint, evaluations and the final weights; ``summary.json``."""
         tr, work, logger = self.cfg.trainer, self.workload, self._logger
+        wiring.admission_server.stop()  # done by the last step already, but not when none was left to train
         self._finish_push(wiring)
         if tr.save_every and saved_version != self.version:
             self._checkpoint()
@@ -349,7 +356,7 @@ class LearnerLoop:
             self._engine_eval.finish(logger, tr.total_steps, self.cfg.cluster.timeout_s)
             summary.update(self._engine_eval.task_before_after(tr.eval_at_start))
             summary["eval_files"] = self._engine_eval.summary()
-        self._save_final()
+        write_whole(os.path.join(self.output_dir, "final"), lambda path: work.save_final(path, self.version))
         summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
         with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
@@ -360,17 +367,6 @@ class LearnerLoop:
             shown["rollout"] = {k: v for k, v in shown["rollout"].items() if k != "group_lengths"}
         logger.message(f"done: {shown}")
         return summary
-
-    def _save_final(self) -> None:
-        """``final/``, whole or not at all: written into ``.tmp-final`` and renamed, so that a learner killed in the
-        middle of it leaves no ``final/`` that looks complete (the last checkpoint's ``actor/`` holds the same
-        weights when ``trainer.save_every > 0``)."""
-        final, tmp = os.path.join(self.output_dir, "final"), os.path.join(self.output_dir, ".tmp-final")
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.workload.save_final(tmp, self.version)
-        if os.path.exists(final):  # a run resumed in its own directory after an earlier final save
-            shutil.rmtree(final)
-        os.rename(tmp, final)
 
     # ------------------------------------------------------------------------------------------------------------
     def _shutdown(self, wiring: Optional[Wiring]) -> None:

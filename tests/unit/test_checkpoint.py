@@ -317,3 +317,17 @@ def test_the_disk_plan_estimates_a_real_checkpoint_within_a_few_percent(model_di
     estimate = checkpoint_bytes(shape, LearnerLoad(dtype_bytes=4, optimizer_bytes_per_param=8, critic=True,
                                                    reference=False, micro_batch_tokens=1))
     assert 0.9 < written / estimate < 1.1, (written, estimate)
+
+
+def test_a_bug_in_the_write_is_raised_as_it_is_not_turned_into_a_warning(tmp_path):
+    """Only the storage's refusals become :class:`CheckpointWriteError` (which the loop warns about and trains on);
+    a ``TypeError`` of our own making is raised as it is, after the unfinished directory is removed."""
+    run = str(tmp_path / "run")
+    with pytest.raises(TypeError, match="not a storage problem"):
+        with C.writing(run, 5) as (root, name, tmp):
+            assert name == "step_5" and os.path.isdir(tmp)
+            raise TypeError("not a storage problem")
+    assert os.listdir(os.path.join(run, "checkpoints")) == []
+    with pytest.raises(C.CheckpointWriteError, match="step_6 could not be written .*OSError: \\[Errno 28\\]"):
+        with C.writing(run, 6):
+            raise OSError(28, "No space left on device")

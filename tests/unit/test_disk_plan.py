@@ -32,7 +32,8 @@ def test_the_warning_names_what_is_needed_and_what_is_free(tmp_path):
     lines, warning = disk_lines(cfg, str(tmp_path / "run"), free=lambda path: 64 << 30)
     assert warning is None and len(lines) == 1
     assert lines[0].startswith("checkpoints: ~6.1 MiB each, up to 3 on disk while the newest is written "
-                               "(trainer.keep_checkpoints=2), with the final model ~20.2 MiB; 64.0 GiB free there")
+                               "(trainer.keep_checkpoints=2), ~20.2 MiB in all with the final model; 64.0 GiB free "
+                               "there")
     lines, warning = disk_lines(cfg, str(tmp_path / "run"), free=lambda path: 10 << 20)
     assert warning == (f"WARNING: this run's checkpoints need ~20.2 MiB at {tmp_path / 'run'} but 10.0 MiB are "
                        "free: free space, lower trainer.keep_checkpoints, or choose a trainer.output_dir on a larger "
