@@ -274,10 +274,23 @@ def _embodied_resume_note(cfg: AsyncPPOConfig) -> Optional[str]:
         path, version = resolve_embodied(cfg.trainer.resume_from)
     except CheckpointError as exc:
         raise LaunchError(str(exc)) from None
-    if version >= cfg.trainer.total_steps:
-        raise LaunchError(f"trainer.resume_from: the checkpoint {path!r} is at step {version}, but "
-                          f"trainer.total_steps={cfg.trainer.total_steps}: nothing left to train")
-    return f"resuming from {path} (step {version})"
+    return _resume_note(path, version, cfg.trainer.total_steps)
+
+
+def _resume_note(ckpt_path: str, version: int, total_steps: int) -> str:
+    """The line a resume prints; refused when the checkpoint leaves nothing to do. A checkpoint at ``total_steps``
+    of a run that has no ``final/`` (it stopped, or its launch died, in the final evaluation or save) is finished:
+    no step is trained, the weights are evaluated and ``final/`` is written. ``total_steps`` is the total, not the
+    steps to add."""
+    run_dir = os.path.dirname(os.path.dirname(os.path.abspath(ckpt_path)))  # <run>/checkpoints/step_N
+    if version > total_steps or (version == total_steps and os.path.isdir(os.path.join(run_dir, "final"))):
+        raise LaunchError(
+            f"trainer.resume_from: the checkpoint {ckpt_path!r} is at step {version}, but trainer.total_steps="
+            f"{total_steps} is the total number of steps (not the steps to add), so there is nothing left to train")
+    if version == total_steps:
+        return (f"resuming from {ckpt_path} (step {version}): no step left to train, finishing the run (its final "
+                f"evaluation and model)")
+    return f"resuming from {ckpt_path} (step {version})"
 
 
 def _check_data(cfg: AsyncPPOConfig) -> None:
@@ -309,12 +322,7 @@ def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional
         check_compatible(ckpt, model_path, needs_critic=uses_critic(cfg))
     except CheckpointError as exc:
         raise LaunchError(str(exc)) from None
-    if ckpt.version >= cfg.trainer.total_steps:
-        raise LaunchError(
-            f"trainer.resume_from: the checkpoint {ckpt.path!r} is at step {ckpt.version}, but trainer.total_steps="
-            f"{cfg.trainer.total_steps} is the total number of steps, so there is nothing left to train"
-        )
-    note = f"resuming from {ckpt.path} (step {ckpt.version})"
+    note = _resume_note(ckpt.path, ckpt.version, cfg.trainer.total_steps)
     if cfg.model.lora_rank > 0:  # engines keep the base to merge adapters onto; the first push brings the adapter
         return model_path, note
     return ckpt.actor_dir, note
