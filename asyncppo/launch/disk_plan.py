@@ -11,14 +11,13 @@ not a refusal: space can be freed while a run goes, and the estimate is delibera
 from __future__ import annotations
 
 import dataclasses
-import os
-import shutil
 from typing import Callable, Optional
 
 from asyncppo.config.devices import learner_on_gpu, learner_ranks
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.memory_plan import DTYPE_BYTES, GIB, LearnerLoad, ModelShape, optimizer_bytes
 from asyncppo.launch.shared_device import learner_load, model_shape
+from asyncppo.learner.run_files import disk_usage_near
 
 
 def checkpoint_bytes(shape: ModelShape, load: LearnerLoad) -> int:
@@ -37,13 +36,8 @@ def checkpoint_bytes(shape: ModelShape, load: LearnerLoad) -> int:
 
 def free_bytes(path: str) -> Optional[int]:
     """Free bytes on the filesystem that holds ``path`` (its nearest existing directory); None if unreadable."""
-    path = os.path.abspath(path)
-    while not os.path.isdir(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    try:
-        return shutil.disk_usage(path).free
-    except OSError:
-        return None
+    usage = disk_usage_near(path)
+    return usage.free if usage else None
 
 
 def disk_lines(cfg: AsyncPPOConfig, output_dir: str,

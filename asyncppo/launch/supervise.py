@@ -24,6 +24,7 @@ from asyncppo.launch.learner_restart import LearnerRestarter
 from asyncppo.launch.hang import HangWatch
 from asyncppo.launch.restart_budget import RestartBudget
 from asyncppo.launch.start import RunActors
+from asyncppo.learner.run_files import latest_name
 
 # Seconds the other actors get to exit on their own once the learner has published stop.
 STOP_GRACE_S = 15.0
@@ -31,15 +32,6 @@ STOP_GRACE_S = 15.0
 
 class WorkerFailed(RuntimeError):
     """A rollout worker died (or hung) and may not be replaced (restarts used up, or replacement switched off)."""
-
-
-def _latest(output_dir: str) -> Optional[str]:
-    """The run's newest complete checkpoint (``checkpoints/latest``, learner/checkpoint.py), read without torch."""
-    try:
-        with open(os.path.join(output_dir, "checkpoints", "latest"), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -117,7 +109,7 @@ class Supervisor:
                 if done:
                     return ray.get(self.learner_ref)
             print(f"[asyncppo] the learner did not stop within {grace_s:g}s (cluster.stop_grace_s): stopping now; "
-                  f"the latest checkpoint is {_latest(self.run.plan.output_dir) or 'none'}", file=sys.stderr,
+                  f"the latest checkpoint is {latest_name(self.run.plan.output_dir) or 'none'}", file=sys.stderr,
                   flush=True)
         except KeyboardInterrupt:
             print("[asyncppo] interrupted again: stopping at once", file=sys.stderr, flush=True)

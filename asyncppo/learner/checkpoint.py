@@ -37,10 +37,9 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from asyncppo.learner.run_files import CHECKPOINTS_DIR, LATEST_FILE, disk_usage_near, read_latest
 from asyncppo.learner.value_head import shares_actor_body
 
-CHECKPOINTS_DIR = "checkpoints"
-LATEST_FILE = "latest"
 ACTOR_DIR = "actor"
 CRITIC_FILE = "critic.safetensors"
 STATE_FILE = "trainer_state.pt"
@@ -219,14 +218,9 @@ def _refused_write(exc: BaseException) -> bool:
 
 
 def _free_space(path: str) -> str:
-    """`` (12.3 GiB free of 50.0 GiB there)`` for the nearest existing directory of ``path``, or nothing."""
-    while path and not os.path.isdir(path):
-        path = os.path.dirname(path)
-    try:
-        usage = shutil.disk_usage(path or ".")
-    except OSError:
-        return ""
-    return f" ({usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB there)"
+    """`` (12.3 GiB free of 50.0 GiB there)`` for the filesystem that holds ``path``, or nothing."""
+    usage = disk_usage_near(path)
+    return f" ({usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB there)" if usage else ""
 
 
 def unfinished(output_dir: str, version: int) -> tuple[str, str, str]:
@@ -273,7 +267,7 @@ def _complete_steps(root: str) -> list[tuple[int, str]]:
 
 def _prune(root: str, keep: int) -> None:
     """Keep the newest ``keep`` checkpoints (and whatever ``latest`` names); drop leftovers of crashed saves."""
-    latest = _read_latest(root)
+    latest = read_latest(root)
     steps = _complete_steps(root)
     for _, entry in steps[:-keep]:
         if entry != latest:
@@ -281,22 +275,6 @@ def _prune(root: str, keep: int) -> None:
     for entry in os.listdir(root):
         if entry.startswith((".tmp-", ".old-")):
             shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
-
-
-def _read_latest(root: str) -> Optional[str]:
-    try:
-        with open(os.path.join(root, LATEST_FILE), encoding="utf-8") as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
-
-
-def latest_name(output_dir: str) -> Optional[str]:
-    """The newest complete checkpoint's name (``step_300``) of a run directory, or None (none, or unreadable)."""
-    try:
-        return _read_latest(checkpoints_root(output_dir))
-    except OSError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------------- finding
@@ -313,7 +291,7 @@ def resolve_checkpoint(path: str) -> Checkpoint:
     for root in (checkpoints_root(path), path):
         if not os.path.isdir(root):
             continue
-        name = _read_latest(root)
+        name = read_latest(root)
         if name is not None:
             target = os.path.join(root, name)
             if not os.path.isfile(os.path.join(target, META_FILE)):

@@ -18,8 +18,9 @@ from typing import Any
 
 import torch
 
-from asyncppo.learner.checkpoint import (META_FILE, CheckpointError, _complete_steps, _read_latest, checkpoints_root,
-                                         publish, writing)
+from asyncppo.learner.checkpoint import (META_FILE, CheckpointError, _complete_steps, checkpoints_root, publish,
+                                         writing)
+from asyncppo.learner.run_files import read_latest
 
 POLICY_FILE = "policy.pt"
 KIND = "embodied"
@@ -42,7 +43,7 @@ def resolve_embodied(path: str) -> tuple[str, int]:
     if os.path.isfile(os.path.join(path, POLICY_FILE)):
         return path, _version(path)
     for root in (checkpoints_root(path), path):
-        name = _read_latest(root) or next((n for _, n in reversed(_complete_steps(root))), None)
+        name = read_latest(root) or next((n for _, n in reversed(_complete_steps(root))), None)
         if name and os.path.isfile(os.path.join(root, name, POLICY_FILE)):
             return os.path.join(root, name), _version(os.path.join(root, name))
     raise CheckpointError(f"trainer.resume_from={path!r}: no embodied checkpoint found (looked for {POLICY_FILE} "

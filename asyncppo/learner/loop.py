@@ -33,6 +33,7 @@ import torch
 from asyncppo.config.deadlines import push_timeout
 from asyncppo.config.devices import learner_on_gpu
 from asyncppo.learner.final_model import write_whole
+from asyncppo.learner.run_files import latest_name
 from asyncppo.learner.step_metrics import make_logger
 from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
@@ -306,12 +307,9 @@ class LearnerLoop:
             if tr.save_every else "stopping (trainer.save_every=0: no checkpoint)"))
         if save:
             self._checkpoint(stopping=True)
-        from asyncppo.learner.checkpoint import latest_name  # heavy: torch's checkpointing
-
         summary.update(stopped_at=self.version, steps=self.version, version=self.version,
                        checkpoint=latest_name(self.output_dir), checkpoint_failures=self.checkpoint_failures)
-        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1, default=str)
+        self._write_summary(summary)
         logger.message(f"stopped at step {self.version}; latest checkpoint: {summary['checkpoint'] or 'none'}")
         return summary
 
@@ -320,7 +318,7 @@ class LearnerLoop:
         checkpoint, not the run: the error is told with the newest checkpoint still there and counted
         (``checkpoint/failures`` in every record after it), and training goes on; the next save tries again. A run
         that stopped at a full disk would lose every step since its last checkpoint and, restarted, stop again."""
-        from asyncppo.learner.checkpoint import CheckpointWriteError, latest_name  # heavy: torch's checkpointing
+        from asyncppo.learner.checkpoint import CheckpointWriteError  # heavy: torch's checkpointing
 
         try:
             self.workload.checkpoint(self.version, self._logger)
@@ -359,14 +357,17 @@ class LearnerLoop:
         write_whole(os.path.join(self.output_dir, "final"), lambda path: work.save_final(path, self.version))
         summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
-        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
-            json.dump(summary, f, indent=1, default=str)
+        self._write_summary(summary)
         # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
         shown = dict(summary)
         if isinstance(shown.get("rollout"), dict):
             shown["rollout"] = {k: v for k, v in shown["rollout"].items() if k != "group_lengths"}
         logger.message(f"done: {shown}")
         return summary
+
+    def _write_summary(self, summary: dict) -> None:
+        with open(os.path.join(self.output_dir, "summary.json"), "w", encoding="utf-8") as f:
+            json.dump(summary, f, indent=1, default=str)
 
     # ------------------------------------------------------------------------------------------------------------
     def _shutdown(self, wiring: Optional[Wiring]) -> None:

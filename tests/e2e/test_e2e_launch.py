@@ -285,7 +285,8 @@ def test_ctrl_c_and_sigterm_stop_everything(tmp_path):
     so a resume loses no step; Ctrl-C here has none (``cluster.stop_grace_s=0``): no checkpoint, at once. The two
     launches run side by side (two local Ray clusters; each is signalled once it has logged two steps): one launch's
     start-up and shutdown time for both."""
-    from asyncppo.learner.checkpoint import latest_name, resolve_checkpoint
+    from asyncppo.learner.checkpoint import resolve_checkpoint
+    from asyncppo.learner.run_files import latest_name
 
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     runs = {}

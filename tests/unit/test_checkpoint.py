@@ -13,6 +13,7 @@ from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner import checkpoint as C
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.models import load_actor, load_critic, load_reference
+from asyncppo.learner.run_files import latest_name
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.value_head import SharedValueHead
 from asyncppo.staleness import AdmissionController
@@ -185,7 +186,7 @@ def test_a_save_that_hits_a_file_size_limit_is_a_clear_error_that_leaves_nothing
     assert "File too large" in message and "GiB free of" in message, message
     assert sorted(os.listdir(root)) == ["latest", "step_1"]  # no .tmp-step_2 left taking space
     assert open(os.path.join(root, "latest")).read().strip() == "step_1"
-    assert C.latest_name(run) == "step_1" and C.resolve_checkpoint(run).version == 1
+    assert latest_name(run) == "step_1" and C.resolve_checkpoint(run).version == 1
     _save(run, 3, a, model_dir)
     assert sorted(os.listdir(root)) == ["latest", "step_1", "step_3"] and C.resolve_checkpoint(run).version == 3
 
@@ -198,7 +199,7 @@ def test_a_checkpoints_path_that_is_not_a_directory_is_the_same_clear_error(mode
     (run / "checkpoints").write_text("not a directory")
     with pytest.raises(C.CheckpointWriteError, match=r"checkpoint step_4 could not be written .*FileExistsError"):
         _save(str(run), 4, a, model_dir)
-    assert C.latest_name(str(run)) is None and (run / "checkpoints").read_text() == "not a directory"
+    assert latest_name(str(run)) is None and (run / "checkpoints").read_text() == "not a directory"
 
 
 def test_keeps_the_newest_checkpoints(model_dir, tmp_path):
