@@ -20,7 +20,8 @@ answers each at T=1, and greedy), so accuracies are comparable. Trained samples/
 long-generation task (responses ~158 tokens on average, up to 1,026), each for ``--seconds`` of training (default
 480), and scores ``--points`` checkpoints of each with one in-process probe (128 held-out prompts, 4 sampled answers
 each at T=1 and greedy): held-out accuracy against training time, and the time each first reaches the lower of
-the two final accuracies (no reference loop there).
+the two final accuracies (no reference loop there). It keeps ``bench_peer_long.json`` and draws the curves into
+``bench_peer_long.png`` beside it (scripts/plot_peer.py redraws them from a kept JSON).
 
     python scripts/bench_peer.py                  # asyncppo default, then TRL and the reference for as long
     python scripts/bench_peer.py --seconds 120 --skip asyncppo

@@ -40,6 +40,7 @@ from asyncppo.data.warmstart import _left_padded_prompts  # the probe's own left
 from asyncppo.learner.checkpoint import _complete_steps, checkpoints_root
 from curves import compare
 from inproc import GROUP, PROMPTS, load
+from plot_peer import plot
 
 SAVE_EVERY = 4  # asyncppo steps between checkpoints: a point lands at most this many steps past its mark
 
@@ -263,6 +264,11 @@ def main_long(args, build) -> None:
     with open(os.path.join(root, "bench_peer_long.json"), "w") as f:
         json.dump({"start": start, "results": results, "seconds": seconds}, f, indent=1)
     report(results, start)
+    picture = plot({"start": start, "results": results, "seconds": seconds},
+                   os.path.join(root, "bench_peer_long.png"))
+    print(f"(accuracy against time drawn in {os.path.join(root, 'bench_peer_long.png')}"
+          + (f"; at scored points asyncppo >= {picture['at_least']:.1f}x sooner" if "at_least" in picture else "")
+          + ")")
     print(f"(records in {root}; load average at the end {os.getloadavg()[0]:.1f})")
 
 

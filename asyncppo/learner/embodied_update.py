@@ -35,7 +35,7 @@ from asyncppo import algo
 from asyncppo.algo.transitions import transition_gae
 from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.learner.optim_step import clip_and_step
-from asyncppo.learner.schedule import scheduled_adamw
+from asyncppo.learner.schedule import advance, scheduled_adamw
 from asyncppo.stream.segments import EnvSegment
 
 
@@ -145,7 +145,7 @@ class EmbodiedPPO:
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         for s in self.scheds:
-            s.step()
+            advance(s)
         out = {k: v / max(count, 1) for k, v in sums.items()}
         out.update({
             "actor/lr": self.opts[0].param_groups[0]["lr"],

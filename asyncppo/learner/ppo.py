@@ -48,7 +48,7 @@ from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss
 from asyncppo.learner.ppo_targets import (
     correct_rollout, mask_truncated, outcome_token_rewards, proximal_terms, set_advantages,
 )
-from asyncppo.learner.schedule import scheduled_adamw
+from asyncppo.learner.schedule import advance, scheduled_adamw
 from asyncppo.learner.value_head import shares_actor_body
 
 @dataclass
@@ -189,9 +189,9 @@ class PPOUpdate:
                     break
             if stopped:
                 break
-        self.actor_sched.step()
+        advance(self.actor_sched)
         if self.critic_sched is not None:
-            self.critic_sched.step()
+            advance(self.critic_sched)
         metrics.update(means.result())
         metrics["actor/lr"] = self.actor_opt.param_groups[0]["lr"]
         metrics["actor/optimizer_steps"] = optimizer_steps

@@ -6,6 +6,8 @@ many mini-batches it is split into."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -27,3 +29,15 @@ def scheduled_adamw(params, lr: float, trainer, eps: float = 1e-8
     opt = torch.optim.AdamW(params, lr=lr, betas=tuple(trainer.betas), eps=eps, weight_decay=trainer.weight_decay)
     schedule = lr_lambda(trainer.warmup_steps, trainer.total_steps, trainer.lr_schedule)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+
+
+def advance(schedule: torch.optim.lr_scheduler.LRScheduler) -> None:
+    """One schedule step: the version is done, whether or not its optimizer stepped.
+
+    A version whose gradient was zero or not finite skips ``optimizer.step()`` (learner/optim_step.py) and its
+    schedule still moves on, so that the rate keeps following the version count. PyTorch warns when a schedule steps
+    before its optimizer ever did ("... skipping the first value of the learning rate schedule"): a check for calls
+    in the wrong order, a false alarm here, where a run whose first batch all scored the same would print it."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
+        schedule.step()
