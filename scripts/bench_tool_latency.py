@@ -69,17 +69,24 @@ def episode_readout(run_dir: str, train_s: float) -> dict:
             "env_s_per_call": sum(r.get("episodes/env_s_per_step", 0.0) for r in train) / max(len(train), 1)}
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line; its namespace is what ``run_once`` of bench_async_vs_sync.py reads, plus the latencies."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--staleness", type=int, default=4)
+    p.add_argument("--lookahead", type=int, default=1, help="rollout.admission_lookahead of the async-cont-lookahead mode")
+    p.add_argument("--eval-at-start", action="store_true", help="evaluate the starting weights in every launch too")
     p.add_argument("--modes", default="sync,async-cont")
     p.add_argument("--latencies", default="0,50,200", help="tool latencies in milliseconds")
     p.add_argument("--model", default="", help="a chat model directory (default: the local tiny one, built here)")
     p.add_argument("--rollout-cpus", default="1")
     p.add_argument("--learner-cpus", default="0")
     p.add_argument("overrides", nargs="*", help="extra Hydra overrides for every run")
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     root = tempfile.mkdtemp(prefix="asyncppo-latency-")
     model = args.model
     if not model:
@@ -96,7 +103,7 @@ def main() -> None:
             run.overrides = [f"+env.text_env_config.latency_s={ms / 1000}", *args.overrides]
             label = f"{mode}-{ms}ms"
             r = run_once(label, run, root, mode=mode)
-            r.update(episode_readout(os.path.join(root, label), r["train_s"]), mode=mode, ms=ms,
+            r.update(episode_readout(r["run_dir"], r["train_s"]), mode=mode, ms=ms,
                      load_end=os.getloadavg()[0])  # the box is shared: say how loaded it was
             results.append(r)
             print(f"[bench] {label}: {r['samples_per_s']:.1f} samples/s, env wait {r['env_wait']:.2f}", flush=True)

@@ -21,8 +21,9 @@ _DOTTED_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*$")
 def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
     e = cfg.env
     c.choice("env.on_error", e.on_error, ENV_ON_ERROR)
-    for key in ("max_turns", "max_concurrency", "step_timeout_s"):
+    for key in ("max_turns", "step_timeout_s"):
         c.positive(f"env.{key}", getattr(e, key))
+    c.non_negative("env.max_concurrency", e.max_concurrency)  # 0: auto (resolve_env_concurrency)
     c.optional_positive("env.max_tokens_per_turn", e.max_tokens_per_turn)
     if e.text_env is None:
         return
@@ -32,3 +33,22 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
     elif e.id is not None:
         c.error("env.text_env", e.text_env, f"is a text environment; env.id={e.id!r} asks for a gymnasium run: "
                 "set one of them")
+
+
+#: The largest ``env.max_concurrency`` the auto value (0) resolves to: a bound on one worker's threads for
+#: blocking environments, which start only when calls need them (envs/env_runner.py).
+AUTO_ENV_CONCURRENCY_MAX = 256
+
+
+def resolve_env_concurrency(cfg: AsyncPPOConfig) -> None:
+    """``env.max_concurrency=0``: as many environment calls at once as the episodes one worker may hold, the
+    staleness window ``(j + 1) * B`` groups of ``n`` episodes, at most :data:`AUTO_ENV_CONCURRENCY_MAX`.
+
+    Why not a small fixed pool: behind a slow tool most episodes in flight are at their environment (behind 200 ms
+    ~80% of them, docs/benchmarks.md, "Latency hiding"), and a pool of 16 capped such a worker at 16 calls at once,
+    i.e. ~21 episodes a second, far below what its engine decodes. A fast environment never uses more than a few
+    threads, and threads start only when calls need them."""
+    if cfg.env.max_concurrency == 0:
+        r = cfg.rollout
+        episodes = (r.admission_lookahead + 1) * r.rollout_batch_size * r.num_return_sequences_in_group
+        cfg.env.max_concurrency = max(1, min(AUTO_ENV_CONCURRENCY_MAX, episodes))

@@ -60,22 +60,37 @@ def _run(fn: Callable, *args) -> Any:
 
 
 class _DaemonPool:
-    """``max_workers`` daemon threads taking calls from one queue; :meth:`submit` returns a standard Future."""
+    """Up to ``max_workers`` daemon threads taking calls from one queue; :meth:`submit` returns a standard Future.
+
+    Threads start when calls need them (a call submitted while every started thread is busy starts one more, up to
+    ``max_workers``), so a generous bound (``env.max_concurrency``'s auto value is the episodes a worker may hold)
+    costs nothing until the environment is slow enough to use it."""
 
     def __init__(self, max_workers: int, name: str):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._closed = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(max_workers)]
-        for t in self._threads:
-            t.start()
+        self._max, self._name = max_workers, name
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._unfinished = 0  # calls submitted and not yet done (queued or running)
 
     def submit(self, fn: Callable, *args) -> cf.Future:
         if self._closed:
             raise RuntimeError("the environment runner was shut down")
         fut: cf.Future = cf.Future()
+        with self._lock:
+            self._unfinished += 1
+            if self._unfinished > len(self._threads) and len(self._threads) < self._max:
+                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
+                self._threads.append(thread)
+                thread.start()
         self._queue.put((fut, fn, args))
         return fut
+
+    @property
+    def threads(self) -> int:
+        """Threads started so far."""
+        return len(self._threads)
 
     def _work(self) -> None:
         while True:
@@ -83,12 +98,16 @@ class _DaemonPool:
             if item is None:
                 return
             fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                continue
             try:
-                fut.set_result(fn(*args))
-            except BaseException as e:  # handed to the waiter, which counts it
-                fut.set_exception(e)
+                if not fut.set_running_or_notify_cancel():
+                    continue
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:  # handed to the waiter, which counts it
+                    fut.set_exception(e)
+            finally:
+                with self._lock:
+                    self._unfinished -= 1
 
     def shutdown(self) -> None:
         """Cancel queued calls and let idle threads end; a thread inside a call ends when the call returns."""
@@ -100,7 +119,11 @@ class _DaemonPool:
                 break
             if item is not None:
                 item[0].cancel()
-        for _ in self._threads:
+                with self._lock:
+                    self._unfinished -= 1
+        with self._lock:
+            started = len(self._threads)
+        for _ in range(started):
             self._queue.put(None)
 
 

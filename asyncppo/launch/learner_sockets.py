@@ -12,6 +12,7 @@ import secrets
 from asyncppo.data.heldout import has_eval_sets
 from asyncppo.learner.evaluation import EngineEvaluation
 from asyncppo.staleness import AdmissionController, AdmissionServer
+from asyncppo.staleness.fairness import auto_ticket_cap
 from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
 from asyncppo.stream.endpoints import Endpoints, bind_endpoint, connect_endpoint
 from asyncppo.sync.fanout import WeightFanout
@@ -41,10 +42,13 @@ class LearnerSockets:
                                              lookahead=ro.admission_lookahead,  # None: = max_staleness
                                              total_slots=max(cfg.trainer.total_steps, start_version)
                                              * ro.rollout_batch_size)  # nothing past the last step
-        room = max(ro.max_num_seqs // ro.num_return_sequences_in_group, ro.prompts_per_call, 1)  # groups a worker asks
+        lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
+        cap = cl.max_tickets_per_worker or auto_ticket_cap(
+            ro.max_num_seqs, ro.num_return_sequences_in_group, ro.prompts_per_call,
+            window=(lookahead + 1) * ro.rollout_batch_size, episodes=bool(cfg.env.text_env))
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
-            max_tickets_per_peer=cl.max_tickets_per_worker or 2 * room + 2, fair_tickets=cl.fair_tickets,
+            max_tickets_per_peer=cap, fair_tickets=cl.fair_tickets,
             expected_workers=num_workers,
         )
         self.sync_prefix = secrets.token_hex(16)

@@ -68,6 +68,25 @@ def startup_cap(window: int, expected_workers: Optional[int], asked: int, cap: O
     return share if cap is None else min(cap, share)
 
 
+def auto_ticket_cap(max_num_seqs: int, group_size: int, prompts_per_call: int, window: int, episodes: bool) -> int:
+    """``cluster.max_tickets_per_worker=0``: how many tickets one worker connection may hold.
+
+    Single-turn groups hold their engine slots for their whole life, so a worker never needs more groups than its
+    engine has room for: ``room = max_num_seqs // group_size`` (or a batch engine's ``prompts_per_call``), and the
+    cap ``2 * room + 2`` leaves room for the groups that have finished and are on their way to the learner.
+
+    Multi-turn episodes leave the engine at every environment call, and the worker admits by the load its episodes
+    *will* make (``max_num_seqs / share`` episodes, envs/episode_worker.py: ``EngineShare``): behind a 200 ms tool
+    an episode spends ~20% of its life in the engine, so a worker keeps ~5x ``room`` groups in flight to keep its
+    engine full. A cap sized by engine slots stops it there (measured: 18 groups held, the engine half empty while
+    the staleness window had room for 36). So for episodes the cap is the window itself, ``window = (j + 1) * B``;
+    with several workers the max-min rule above still splits it evenly among those that want more."""
+    if episodes:
+        return max(1, window)
+    room = max(max_num_seqs // max(group_size, 1), prompts_per_call, 1)
+    return 2 * room + 2
+
+
 class HoldingClock:
     """Per worker, the seconds it held at least one ticket since it first asked: while a worker holds a ticket its
     engine has a group to generate, so this is its engine's busy time as admission sees it, measured on one clock

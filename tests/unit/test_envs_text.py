@@ -185,7 +185,7 @@ def test_env_options_are_validated_with_the_option_named():
     cfg = load_config([])
     assert cfg.env.on_error == "zero_reward" and cfg.env.text_env is None
     for key, value, words in (("step_timeout_s", 0, "env.step_timeout_s=0: must be > 0"),
-                              ("max_concurrency", 0, "env.max_concurrency=0: must be > 0"),
+                              ("max_concurrency", -1, "env.max_concurrency=-1: must be >= 0"),
                               ("max_turns", -1, "env.max_turns=-1: must be > 0"),
                               ("text_env", "not-a-path", "must be a dotted class path"),
                               ("max_tokens_per_turn", 0, "env.max_tokens_per_turn=0: must be null or > 0"),
@@ -216,3 +216,17 @@ def test_a_call_hung_forever_does_not_keep_the_process_from_exiting():
                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     assert out.returncode == 0 and out.stdout.strip() == "timeout", out.stderr[-2000:]
     assert time.monotonic() - t0 < 30
+
+
+def test_env_concurrency_auto_is_the_episodes_a_worker_may_hold():
+    # (j + 1) x B x n: the staleness window's groups of n episodes
+    cfg = load_config(["data=guess", "rollout.max_staleness=4", "rollout.rollout_batch_size=4",
+                       "rollout.num_return_sequences_in_group=8"])
+    assert cfg.env.max_concurrency == (4 + 1) * 4 * 8
+    cfg = load_config(["data=guess", "rollout.max_staleness=4", "rollout.admission_lookahead=1",
+                       "rollout.rollout_batch_size=4", "rollout.num_return_sequences_in_group=8"])
+    assert cfg.env.max_concurrency == (1 + 1) * 4 * 8
+    cfg = load_config(["data=guess", "rollout.max_staleness=8", "rollout.rollout_batch_size=16",
+                       "rollout.num_return_sequences_in_group=8"])
+    assert cfg.env.max_concurrency == 256  # at most AUTO_ENV_CONCURRENCY_MAX
+    assert load_config(["data=guess", "env.max_concurrency=12"]).env.max_concurrency == 12  # set by hand: kept

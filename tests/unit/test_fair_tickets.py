@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from asyncppo.staleness.fairness import HoldingClock, allocate, next_holder, startup_cap
+from asyncppo.staleness.fairness import HoldingClock, allocate, auto_ticket_cap, next_holder, startup_cap
 
 
 def test_two_workers_by_hand():
@@ -120,3 +120,15 @@ def test_startup_cap_reserves_an_equal_share_until_every_worker_has_asked():
     assert startup_cap(9, 2, asked=1, cap=None) == 5
     assert startup_cap(1, 4, asked=0, cap=None) == 1  # never below one ticket
     assert startup_cap(8, None, asked=0, cap=7) == 7
+
+
+def test_auto_ticket_cap_by_hand():
+    # single-turn: twice the groups the engine has room for, plus two (64 slots / 8 samples = 8 groups -> 18)
+    assert auto_ticket_cap(64, 8, 1, window=36, episodes=False) == 18
+    assert auto_ticket_cap(256, 4, 1, window=36, episodes=False) == 130  # above the window: the window binds
+    assert auto_ticket_cap(8, 16, 4, window=36, episodes=False) == 10  # a batch engine's prompts_per_call
+    # episodes: the staleness window, whatever the engine's slots (a worker behind a slow tool keeps ~1/share x
+    # room groups in flight), still split evenly by the max-min rule when several workers want more
+    assert auto_ticket_cap(64, 8, 1, window=36, episodes=True) == 36
+    assert auto_ticket_cap(64, 8, 1, window=0, episodes=True) == 1
+    assert allocate({"a": 40, "b": 40}, {}, 36, cap=auto_ticket_cap(64, 8, 1, 36, True)) == {"a": 18, "b": 18}
