@@ -75,16 +75,21 @@ class _DaemonPool:
         self._unfinished = 0  # calls submitted and not yet done (queued or running)
 
     def submit(self, fn: Callable, *args) -> cf.Future:
-        if self._closed:
-            raise RuntimeError("the environment runner was shut down")
         fut: cf.Future = cf.Future()
         with self._lock:
-            self._unfinished += 1
-            if self._unfinished > len(self._threads) and len(self._threads) < self._max:
+            if self._closed:
+                raise RuntimeError("the environment runner was shut down")
+            if self._unfinished + 1 > len(self._threads) and len(self._threads) < self._max:
                 thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                self._threads.append(thread)
-                thread.start()
-        self._queue.put((fut, fn, args))
+                try:
+                    thread.start()
+                except RuntimeError:  # the process is out of threads: the started ones take the call in turn
+                    if not self._threads:
+                        raise
+                else:
+                    self._threads.append(thread)
+            self._unfinished += 1
+            self._queue.put((fut, fn, args))
         return fut
 
     @property
@@ -98,20 +103,29 @@ class _DaemonPool:
             if item is None:
                 return
             fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                self._done()
+                continue
             try:
-                if not fut.set_running_or_notify_cancel():
-                    continue
-                try:
-                    fut.set_result(fn(*args))
-                except BaseException as e:  # handed to the waiter, which counts it
-                    fut.set_exception(e)
-            finally:
-                with self._lock:
-                    self._unfinished -= 1
+                result, error = fn(*args), None
+            except BaseException as e:  # handed to the waiter, which counts it
+                result, error = None, e
+            # counted done before the waiter wakes: a caller that submits again at once finds this thread free
+            # instead of starting another
+            self._done()
+            if error is None:
+                fut.set_result(result)
+            else:
+                fut.set_exception(error)
+
+    def _done(self) -> None:
+        with self._lock:
+            self._unfinished -= 1
 
     def shutdown(self) -> None:
         """Cancel queued calls and let idle threads end; a thread inside a call ends when the call returns."""
-        self._closed = True
+        with self._lock:
+            self._closed = True
         while True:
             try:
                 item = self._queue.get_nowait()

@@ -38,6 +38,9 @@ def advance(schedule: torch.optim.lr_scheduler.LRScheduler) -> None:
     schedule still moves on, so that the rate keeps following the version count. PyTorch warns when a schedule steps
     before its optimizer ever did ("... skipping the first value of the learning rate schedule"): a check for calls
     in the wrong order, a false alarm here, where a run whose first batch all scored the same would print it."""
+    if schedule._step_count != 1 or getattr(schedule.optimizer, "_opt_called", False):
+        schedule.step()  # PyTorch checks the order at the first step only; no filter (it would reset the
+        return           # interpreter's warn-once records at every version)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before", category=UserWarning)
         schedule.step()
