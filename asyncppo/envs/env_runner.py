@@ -53,10 +53,30 @@ class EnvOutcome:
     seconds: float = 0.0
 
 
+_THREAD_LOOP = threading.local()
+
+
 def _run(fn: Callable, *args) -> Any:
-    """Call ``fn`` in a pool thread; a coroutine it returns is run to completion on a loop of that thread."""
+    """Call ``fn`` in a pool thread; a coroutine it returns is run to completion on that thread's event loop.
+
+    One loop per pool thread, kept for its life: ``asyncio.run`` built and closed a loop per call, which behind a
+    200 ms tool (~100 calls a second) took ~4% of the worker's interpreter time on the engine's core (py-spy
+    ``--gil``, docs/benchmarks.md)."""
     out = fn(*args)
-    return asyncio.run(out) if inspect.isawaitable(out) else out
+    if not inspect.isawaitable(out):
+        return out
+    runner = getattr(_THREAD_LOOP, "runner", None)
+    if runner is None:
+        runner = _THREAD_LOOP.runner = asyncio.Runner()
+    try:
+        return runner.run(out)
+    finally:  # what the call left running is cancelled, as asyncio.run's close would (none in the usual case)
+        loop = runner.get_loop()
+        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in left:
+            task.cancel()
+        if left:
+            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
 class _DaemonPool:

@@ -45,3 +45,24 @@ def test_the_bound_still_holds():
         took = time.perf_counter() - t0
         assert all(o.fault is None for o in outcomes) and runner._pool.threads == 4
     assert 0.6 <= took < 1.5, took
+
+
+class LeakyGuessEnv(GuessEnv):
+    """A coroutine step that leaves a task of its own running when it returns."""
+
+    leaked: list = []
+
+    async def step(self, action):
+        import asyncio
+
+        self.leaked.append(asyncio.get_running_loop().create_task(asyncio.sleep(60)))
+        return super().step(action)
+
+
+def test_a_coroutine_environment_reuses_its_threads_loop_and_leaves_nothing_running():
+    with EnvRunner(max_concurrency=1, step_timeout_s=30) as runner:
+        for _ in range(3):
+            assert runner.step(LeakyGuessEnv({}, {"target": 6}), "3").fault is None
+    assert len(LeakyGuessEnv.leaked) == 3 and all(t.cancelled() for t in LeakyGuessEnv.leaked)
+    loops = {t.get_loop() for t in LeakyGuessEnv.leaked}
+    assert len(loops) == 1 and not next(iter(loops)).is_closed()  # one pool thread, one loop, kept for its life
