@@ -72,7 +72,7 @@ def _run(fn: Callable, *args) -> Any:
         return runner.run(out)
     finally:  # what the call left running is cancelled, as asyncio.run's close would (none in the usual case)
         loop = runner.get_loop()
-        left = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        left = asyncio.all_tasks(loop)  # the tasks not yet done
         for task in left:
             task.cancel()
         if left:
@@ -153,8 +153,7 @@ class _DaemonPool:
                 break
             if item is not None:
                 item[0].cancel()
-                with self._lock:
-                    self._unfinished -= 1
+                self._done()
         with self._lock:
             started = len(self._threads)
         for _ in range(started):

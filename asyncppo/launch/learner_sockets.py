@@ -42,10 +42,9 @@ class LearnerSockets:
                                              lookahead=ro.admission_lookahead,  # None: = max_staleness
                                              total_slots=max(cfg.trainer.total_steps, start_version)
                                              * ro.rollout_batch_size)  # nothing past the last step
-        lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
         cap = cl.max_tickets_per_worker or auto_ticket_cap(
             ro.max_num_seqs, ro.num_return_sequences_in_group, ro.prompts_per_call,
-            window=(lookahead + 1) * ro.rollout_batch_size, episodes=bool(cfg.env.text_env))
+            window=self.admission.window(), episodes=bool(cfg.env.text_env))
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
             max_tickets_per_peer=cap, fair_tickets=cl.fair_tickets,

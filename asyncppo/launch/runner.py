@@ -24,6 +24,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.addresses import UnreachableLearner
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.resolve import LaunchError, LaunchPlan, check_cluster, resolve_plan
+from asyncppo.learner.run_files import step_of
 
 
 def _refuse(exc: BaseException) -> int:
@@ -72,7 +73,8 @@ def _stop_gracefully(supervisor, cfg: AsyncPPOConfig, output_dir: str) -> bool:
         return True
     step, latest = summary["stopped_at"], summary.get("checkpoint")
     if latest:
-        behind = step - int(latest.rsplit("_", 1)[1]) if latest.rsplit("_", 1)[-1].isdigit() else 0
+        saved = step_of(latest)
+        behind = step - saved if saved is not None else 0
         lost = f" (its checkpoint failed: the {behind} step(s) after {latest} will be trained again)" if behind else ""
         print(f"[asyncppo] stopped at step {step} with checkpoint {latest}{lost}; continue with the same command and "
               f"trainer.resume_from={output_dir}", file=sys.stderr, flush=True)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -37,7 +36,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from asyncppo.learner.run_files import CHECKPOINTS_DIR, LATEST_FILE, disk_usage_near, read_latest
+from asyncppo.learner.run_files import CHECKPOINTS_DIR, LATEST_FILE, disk_usage_near, read_latest, step_of
 from asyncppo.learner.value_head import shares_actor_body
 
 ACTOR_DIR = "actor"
@@ -46,7 +45,6 @@ STATE_FILE = "trainer_state.pt"
 SHARDED_DIR = "sharded"
 META_FILE = "meta.json"
 FORMAT = 1
-_STEP_RE = re.compile(r"^step_(\d+)$")
 # The config.json keys that must agree between a checkpoint's actor and the model a run is configured with.
 ARCH_KEYS = (
     "model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -259,9 +257,9 @@ def _write_latest(root: str, name: str) -> None:
 def _complete_steps(root: str) -> list[tuple[int, str]]:
     out = []
     for entry in os.listdir(root) if os.path.isdir(root) else []:
-        m = _STEP_RE.match(entry)
-        if m and os.path.isfile(os.path.join(root, entry, META_FILE)):
-            out.append((int(m.group(1)), entry))
+        step = step_of(entry)
+        if step is not None and os.path.isfile(os.path.join(root, entry, META_FILE)):
+            out.append((step, entry))
     return sorted(out)
 
 

@@ -8,11 +8,19 @@ launcher's driver and ``--dry-run`` must not load for a file read.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from typing import Optional
 
 CHECKPOINTS_DIR = "checkpoints"
 LATEST_FILE = "latest"
+_STEP_RE = re.compile(r"^step_(\d+)$")
+
+
+def step_of(name: str) -> Optional[int]:
+    """The step of a checkpoint directory's name (``step_300`` -> 300); None for any other name."""
+    m = _STEP_RE.match(name)
+    return int(m.group(1)) if m else None
 
 
 def read_latest(root: str) -> Optional[str]:

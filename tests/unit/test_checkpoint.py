@@ -332,3 +332,11 @@ def test_a_bug_in_the_write_is_raised_as_it_is_not_turned_into_a_warning(tmp_pat
     with pytest.raises(C.CheckpointWriteError, match="step_6 could not be written .*OSError: \\[Errno 28\\]"):
         with C.writing(run, 6):
             raise OSError(28, "No space left on device")
+
+
+def test_step_of_reads_a_checkpoints_step_from_its_name_and_nothing_else():
+    from asyncppo.learner.run_files import step_of
+
+    assert step_of("step_300") == 300 and step_of("step_0") == 0
+    for other in ("latest", ".tmp-step_5", "step_", "step_5a", "step_-1", "final"):
+        assert step_of(other) is None, other
