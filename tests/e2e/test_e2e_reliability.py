@@ -255,7 +255,11 @@ def _descendant_pids(root: int, marker: str) -> list[int]:
 # k=0, one worker, one group at a time in the engine (its batch is always the same n samples), seeded sampling
 EXACT = ("cluster.rollout_workers=1", "rollout.max_staleness=0", "rollout.rollout_batch_size=2",
          "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=4", "rollout.sampling.seed=0",
-         "trainer.save_every=3", "trainer.total_steps=6")
+         "trainer.save_every=3", "trainer.total_steps=6",
+         # no held-out round at version 0: it shares the engine with step 1's groups (rollout/evaluation.py), so
+         # which answers are batched together depends on when the tickets arrive, and CPU kernels are not batch
+         # invariant (a CI run's reference and cut runs parted at step 1 that way); the final round trains nothing
+         "trainer.eval_at_start=false")
 
 
 def _final_weights(run: Path) -> dict:
@@ -296,6 +300,10 @@ def test_killed_learner_resumes_exactly(tmp_path):
     assert [s["step"] for s in res] == [4, 5, 6]
     # the same groups (ids name the worker's draw numbers), tickets and prompts, step by step
     assert [s["groups"] for s in cut[:3]] + [s["groups"] for s in res] == [s["groups"] for s in ref]
+    # the same numbers step by step (which step parted, if any, before the weights say only that something did)
+    losses = lambda d: [(r["step"], r["actor/pg_loss"], r["actor/mismatch_kl"])
+                        for r in _records(d) if "actor/pg_loss" in r]
+    assert losses(cut_dir)[:3] + losses(res_dir) == losses(ref_dir)
     want, got = _final_weights(ref_dir), _final_weights(res_dir)
     assert set(want) == set(got)
     from safetensors.torch import load_file
