@@ -328,8 +328,8 @@ class EnvConfig:
     text_env: Optional[str] = None  # dotted class path of a per-episode text environment, e.g. my_pkg.envs.MyEnv
     text_env_config: dict[str, Any] = field(default_factory=dict)  # the environment's env_config (skyrl-gym's)
     max_turns: int = 4  # model turns per episode at most
-    # environment calls running at once per rollout worker (a thread pool; coroutine environments run on its threads
-    # too); 0: auto, the episodes one worker may hold, (j + 1) * B * n, at most 256 (AUTO_ENV_CONCURRENCY_MAX)
+    # environment calls running at once per rollout worker (plain methods: a thread pool; coroutine methods: one event
+    # loop); 0: auto, the episodes one worker may hold, (j + 1) * B * n, at most 256 (AUTO_ENV_CONCURRENCY_MAX)
     max_concurrency: int = 0
     step_timeout_s: float = 30.0  # deadline of one init/step call; past it the episode is handled per on_error
     on_error: str = "zero_reward"  # drop | zero_reward: what a raising, hung or malformed environment costs

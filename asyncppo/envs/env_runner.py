@@ -1,22 +1,24 @@
-"""Running environment calls off the engine's loop: a bounded pool, a deadline per call, and faults as outcomes.
+"""Running environment calls off the engine's loop: a bounded number at once, a deadline each, faults as outcomes.
 
 Why: an environment call may be slow (a tool, a sandbox, a web request) or broken (it raises, hangs, returns
 garbage). The rollout loop must keep decoding other sequences meanwhile and must never die of one episode. So
-every ``init``/``step``/``close`` runs in a pool of ``env.max_concurrency`` threads (or, for an environment whose
-methods are coroutines, on the caller's asyncio loop under a semaphore of the same size), waits at most
-``env.step_timeout_s``, and comes back as an :class:`EnvOutcome` whatever happened. A fault is counted by kind
-(:data:`FAULT_KINDS`) and handled per ``env.on_error``:
+every ``init``/``step``/``close`` starts with :meth:`EnvRunner.start`, which never blocks and returns a future of
+an :class:`EnvOutcome`: a blocking method runs on a pool of up to ``env.max_concurrency`` daemon threads, a
+coroutine method on the runner's one event loop (at most ``env.max_concurrency`` at once), and either way the
+future is settled by ``env.step_timeout_s`` at the latest, whatever happened (the machinery and why it is shaped so:
+:mod:`asyncppo.envs.call_threads`). A fault is counted by kind (:data:`FAULT_KINDS`) and handled per
+``env.on_error``:
 
 * ``zero_reward``: the episode ends here with reward 0 for the failing turn (its group still trains);
 * ``drop``: the outcome says ``drop``; the caller discards the episode's group and its admission slot is
   regenerated.
 
-A thread whose call passed its deadline cannot be killed (Python has no safe way); it keeps its pool slot until
-the call returns, and :attr:`EnvRunner.stuck` says how many slots are held that way. The pool's threads are daemon
-threads (the standard ``ThreadPoolExecutor`` joins its threads at interpreter exit, so one call hung forever would
-keep the worker process from exiting). Calls queued behind them still
-time out on their own deadline (counted from submission), so a hung environment costs throughput, never a stall
-without a named cause.
+A call that passed its deadline cannot be killed (Python has no safe way to stop a thread; a coroutine is cancelled,
+but one that blocks its loop never sees the cancellation). A blocking call keeps its pool thread until it returns; a
+coroutine that blocks keeps the loop, and the runner moves later calls to a fresh one. :attr:`EnvRunner.stuck` says
+how many calls are still running past their deadline. Calls queued behind them still time out on their own deadline
+(counted from :meth:`~EnvRunner.start`), so a hung environment costs throughput, never a stall without a named
+cause.
 """
 
 from __future__ import annotations
@@ -25,13 +27,13 @@ import asyncio
 import collections
 import concurrent.futures as cf
 import inspect
-import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from asyncppo.config.validate_text_env import ENV_ON_ERROR as ON_ERROR
+from asyncppo.envs.call_threads import DaemonPool, Deadlines, LoopThread
 from asyncppo.envs.text_env import MalformedStep, normalize_init, normalize_step
 
 #: Fault kinds, counted in :attr:`EnvRunner.faults`.
@@ -57,11 +59,9 @@ _THREAD_LOOP = threading.local()
 
 
 def _run(fn: Callable, *args) -> Any:
-    """Call ``fn`` in a pool thread; a coroutine it returns is run to completion on that thread's event loop.
-
-    One loop per pool thread, kept for its life: ``asyncio.run`` built and closed a loop per call, which behind a
-    200 ms tool (~100 calls a second) took ~4% of the worker's interpreter time on the engine's core (py-spy
-    ``--gil``, docs/benchmarks.md)."""
+    """Call ``fn`` in a pool thread; an awaitable it returns (a plain method that hands back a coroutine) is run to
+    completion on that thread's own event loop, kept for the thread's life (a loop per call cost interpreter time
+    on the engine's core: docs/benchmarks.md)."""
     out = fn(*args)
     if not inspect.isawaitable(out):
         return out
@@ -79,85 +79,26 @@ def _run(fn: Callable, *args) -> Any:
             loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
 
 
-class _DaemonPool:
-    """Up to ``max_workers`` daemon threads taking calls from one queue; :meth:`submit` returns a standard Future.
+def _describe(error: BaseException) -> str:
+    """``Type: message``, even for an exception whose ``str`` raises."""
+    try:
+        return f"{type(error).__name__}: {error}"
+    except Exception:
+        return f"{type(error).__name__} (its message could not be read)"
 
-    Threads start when calls need them (a call submitted while every started thread is busy starts one more, up to
-    ``max_workers``), so a generous bound (``env.max_concurrency``'s auto value is the episodes a worker may hold)
-    costs nothing until the environment is slow enough to use it."""
 
-    def __init__(self, max_workers: int, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._closed = False
-        self._max, self._name = max_workers, name
-        self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._unfinished = 0  # calls submitted and not yet done (queued or running)
+@dataclass(eq=False)
+class _Call:
+    """One call in flight: ``outcome`` is what its caller holds; ``inner`` is where it runs (a pool or loop
+    future); whichever of its answer and its deadline comes first claims it."""
 
-    def submit(self, fn: Callable, *args) -> cf.Future:
-        fut: cf.Future = cf.Future()
-        with self._lock:
-            if self._closed:
-                raise RuntimeError("the environment runner was shut down")
-            if self._unfinished + 1 > len(self._threads) and len(self._threads) < self._max:
-                thread = threading.Thread(target=self._work, name=f"{self._name}-{len(self._threads)}", daemon=True)
-                try:
-                    thread.start()
-                except RuntimeError:  # the process is out of threads: the started ones take the call in turn
-                    if not self._threads:
-                        raise
-                else:
-                    self._threads.append(thread)
-            self._unfinished += 1
-            self._queue.put((fut, fn, args))
-        return fut
-
-    @property
-    def threads(self) -> int:
-        """Threads started so far."""
-        return len(self._threads)
-
-    def _work(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fut, fn, args = item
-            if not fut.set_running_or_notify_cancel():
-                self._done()
-                continue
-            try:
-                result, error = fn(*args), None
-            except BaseException as e:  # handed to the waiter, which counts it
-                result, error = None, e
-            # counted done before the waiter wakes: a caller that submits again at once finds this thread free
-            # instead of starting another
-            self._done()
-            if error is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(error)
-
-    def _done(self) -> None:
-        with self._lock:
-            self._unfinished -= 1
-
-    def shutdown(self) -> None:
-        """Cancel queued calls and let idle threads end; a thread inside a call ends when the call returns."""
-        with self._lock:
-            self._closed = True
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if item is not None:
-                item[0].cancel()
-                self._done()
-        with self._lock:
-            started = len(self._threads)
-        for _ in range(started):
-            self._queue.put(None)
+    env: Any
+    what: str
+    t0: float
+    outcome: cf.Future
+    inner: Optional[cf.Future] = None
+    on_loop: bool = False  # a coroutine on the runner's event loop (else a blocking call on the pool)
+    claimed: bool = False
 
 
 class EnvRunner:
@@ -171,115 +112,169 @@ class EnvRunner:
         if on_error not in ON_ERROR:
             raise ValueError(f"env.on_error={on_error!r}: allowed: {', '.join(ON_ERROR)}")
         self.max_concurrency, self.step_timeout_s, self.on_error = max_concurrency, float(step_timeout_s), on_error
-        self._pool = _DaemonPool(max_concurrency, "text-env")
-        self._sem: Optional[asyncio.Semaphore] = None
+        self._pool = DaemonPool(max_concurrency, "text-env")
+        self._deadlines = Deadlines("text-env-deadlines")
+        self._loop: Optional[LoopThread] = None  # started at the first coroutine call
+        self.loops_replaced = 0  # event loops given up because a coroutine blocked one past a deadline
         self._lock = threading.Lock()
+        self._closed = False
         self.faults = collections.Counter({k: 0 for k in FAULT_KINDS})
         self.calls = 0
         self.seconds = 0.0  # summed wall time of calls (env seconds per step = seconds / calls)
         self._stuck: set = set()
+        self._blocked_loops: list[LoopThread] = []
+        self._inflight: set[_Call] = set()  # started and not yet settled
 
     @property
     def stuck(self) -> int:
-        """Pool threads still inside a call that passed its deadline."""
+        """Threads held by calls past their deadline: pool threads still inside such a call, and event loops given
+        up because a coroutine blocked them and still blocked."""
         with self._lock:
             self._stuck = {f for f in self._stuck if not f.done()}
-            return len(self._stuck)
+            self._blocked_loops = [t for t in self._blocked_loops if t.alive()]
+            return len(self._stuck) + len(self._blocked_loops)
+
+    # ------------------------------------------------------------------------------------------- starting
+
+    def start(self, env: Any, what: str, arg: Any = None) -> cf.Future:
+        """Start ``env.<what>(arg)`` (``init`` with the prompt messages, ``step`` with the action text, ``close``
+        with nothing) and return at once a future of its :class:`EnvOutcome`, settled by the deadline at the latest
+        and never with an exception (nor does this method raise: a call that cannot start is a ``raised`` fault).
+        ``close`` on an environment without one is done at once."""
+        call = _Call(env, what, time.monotonic(), cf.Future())
+        fn = getattr(env, what, None)
+        if what == "close" and not callable(fn):
+            call.claimed = True
+            call.outcome.set_result(EnvOutcome(done=True))
+            return call.outcome
+        try:
+            args = () if what == "close" else (list(arg) if what == "init" else arg,)
+            call.on_loop = inspect.iscoroutinefunction(fn)
+            with self._lock:
+                if self._closed:
+                    raise RuntimeError("the environment runner was shut down")
+                self._inflight.add(call)  # settled by its answer, its deadline or shutdown's sweep
+                loop = self._event_loop() if call.on_loop else None
+            # the deadline first: a call that could not get one must not run unbounded
+            self._deadlines.add(call.t0 + self.step_timeout_s, lambda: not call.claimed,
+                                lambda: self._settle(call, lambda: self._timed_out(call)))
+            call.inner = loop.submit(lambda: fn(*args)) if loop is not None else self._pool.submit(_run, fn, *args)
+        except Exception as e:  # shut down, out of threads or descriptors, a bad argument
+            self._settle(call, lambda: self._fault(call, "raised", f"could not start: {_describe(e)}"))
+            return call.outcome
+        call.inner.add_done_callback(lambda inner: self._settle(call, lambda: self._answered(call, inner)))
+        return call.outcome
+
+    def _event_loop(self) -> LoopThread:
+        """The loop for coroutine calls (under ``_lock``); a fresh one when a coroutine has blocked the current one
+        for longer than a deadline (its calls time out on the deadline thread; new calls must not queue behind it)
+        or its thread has died. The old loop is left to run out its calls and stop."""
+        old = self._loop
+        if old is not None and (old.blocked_for() > self.step_timeout_s or not old.alive()):
+            old.stop(drain_s=self.step_timeout_s)
+            self._blocked_loops.append(old)
+            self._loop = None
+            self.loops_replaced += 1
+        if self._loop is None:
+            self._loop = LoopThread(self.max_concurrency, f"text-env-loop-{self.loops_replaced}")
+        return self._loop
 
     # ------------------------------------------------------------------------------------------- blocking
 
     def init(self, env: Any, prompt_messages: list) -> EnvOutcome:
         """``env.init`` off-loop; the outcome's ``observations`` are the starting messages."""
-        return self._finish(env, "init", self._submit(env.init, list(prompt_messages)), time.monotonic())
+        return self.start(env, "init", prompt_messages).result()
 
     def step(self, env: Any, action_text: str) -> EnvOutcome:
         """``env.step`` off-loop, with the deadline."""
-        return self._finish(env, "step", self._submit(env.step, action_text), time.monotonic())
+        return self.start(env, "step", action_text).result()
 
     def close(self, env: Any) -> None:
         """``env.close`` if it has one; a failure is counted, never raised."""
-        if callable(getattr(env, "close", None)):
-            self._finish(env, "close", self._submit(env.close), time.monotonic())
+        self.start(env, "close").result()
 
-    def _submit(self, fn: Callable, *args) -> cf.Future:
-        return self._pool.submit(_run, fn, *args)
+    # ------------------------------------------------------------------------------------------- settling
 
-    def _finish(self, env: Any, what: str, fut: cf.Future, t0: float) -> EnvOutcome:
+    def _settle(self, call: _Call, make: Callable[[], EnvOutcome]) -> None:
+        """The first of a call's answer, its deadline and shutdown's sweep settles it; the others do nothing. The
+        outcome is always set: a failure to make it (an exception whose ``str`` raises, a hostile mapping) is a
+        ``raised`` fault, so no caller ever waits on a call that was claimed and left unset."""
+        with self._lock:
+            if call.claimed:
+                return
+            call.claimed = True
+            self._inflight.discard(call)
         try:
-            value = fut.result(timeout=self.step_timeout_s)
-        except cf.TimeoutError:
-            if not fut.cancel():
-                with self._lock:
-                    self._stuck.add(fut)
-            return self._fault(env, what, "timeout", f"no answer within env.step_timeout_s={self.step_timeout_s}",
-                               t0)
-        except Exception as e:  # the environment's own exception
-            return self._fault(env, what, "raised", f"{type(e).__name__}: {e}", t0)
-        return self._accept(env, what, value, t0)
-
-    # ------------------------------------------------------------------------------------------- asyncio
-
-    async def astep(self, env: Any, action_text: str) -> EnvOutcome:
-        """:meth:`step` for an asyncio caller: a coroutine ``step`` is awaited on this loop (under a semaphore of
-        ``max_concurrency``), a plain one runs in the pool; either way under the deadline."""
-        return await self._acall(env, "step", env.step, action_text)
-
-    async def ainit(self, env: Any, prompt_messages: list) -> EnvOutcome:
-        return await self._acall(env, "init", env.init, list(prompt_messages))
-
-    async def _acall(self, env: Any, what: str, fn: Callable, arg: Any) -> EnvOutcome:
-        t0 = time.monotonic()
-        try:
-            if inspect.iscoroutinefunction(fn):
-                if self._sem is None:
-                    self._sem = asyncio.Semaphore(self.max_concurrency)
-                async with self._sem:
-                    value = await asyncio.wait_for(fn(arg), self.step_timeout_s)
-            else:
-                fut = self._submit(fn, arg)
-                try:
-                    value = await asyncio.wait_for(asyncio.wrap_future(fut), self.step_timeout_s)
-                except asyncio.TimeoutError:
-                    with self._lock:
-                        self._stuck.add(fut)
-                    raise
-        except asyncio.TimeoutError:
-            return self._fault(env, what, "timeout", f"no answer within env.step_timeout_s={self.step_timeout_s}",
-                               t0)
+            outcome = make()
         except Exception as e:
-            return self._fault(env, what, "raised", f"{type(e).__name__}: {e}", t0)
-        return self._accept(env, what, value, t0)
+            outcome = self._fault(call, "raised", f"its outcome could not be read: {_describe(e)}")
+        call.outcome.set_result(outcome)
+        call.env = call.inner = None  # the deadline heap may hold the call a while longer; not the environment
 
-    # ------------------------------------------------------------------------------------------- shared
+    def _answered(self, call: _Call, inner: cf.Future) -> EnvOutcome:
+        if inner.cancelled():
+            return self._fault(call, "raised", "cancelled: the environment runner was shut down")
+        error = inner.exception()
+        if error is not None:  # the environment's own exception
+            return self._fault(call, "raised", _describe(error))
+        return self._accept(call, inner.result())
 
-    def _accept(self, env: Any, what: str, value: Any, t0: float) -> EnvOutcome:
+    def _timed_out(self, call: _Call) -> EnvOutcome:
+        # a queued pool call or a coroutine is cancelled (the coroutine when its loop next runs); a pool thread
+        # inside the call cannot be, and is counted until the call returns
+        if not call.inner.cancel() and not call.on_loop:
+            with self._lock:
+                self._stuck.add(call.inner)
+        return self._fault(call, "timeout", f"no answer within env.step_timeout_s={self.step_timeout_s}")
+
+    def _accept(self, call: _Call, value: Any) -> EnvOutcome:
         try:
-            if what == "init":
+            if call.what == "init":
                 messages, info = normalize_init(value)
-                return self._count(EnvOutcome(messages, 0.0, False, info), t0)
-            if what == "close":
-                return self._count(EnvOutcome(done=True), t0)
+                return self._count(EnvOutcome(messages, 0.0, False, info), call)
+            if call.what == "close":
+                return self._count(EnvOutcome(done=True), call)
             r = normalize_step(value)
         except MalformedStep as e:
-            return self._fault(env, what, e.kind, str(e), t0)
-        return self._count(EnvOutcome(r.observations, r.reward, r.done, r.info), t0)
+            return self._fault(call, e.kind, str(e))
+        return self._count(EnvOutcome(r.observations, r.reward, r.done, r.info), call)
 
-    def _count(self, outcome: EnvOutcome, t0: float) -> EnvOutcome:
-        outcome.seconds = time.monotonic() - t0
+    def _count(self, outcome: EnvOutcome, call: _Call) -> EnvOutcome:
+        outcome.seconds = time.monotonic() - call.t0
         with self._lock:
             self.calls += 1
             self.seconds += outcome.seconds
         return outcome
 
-    def _fault(self, env: Any, what: str, kind: str, detail: str, t0: float) -> EnvOutcome:
+    def _fault(self, call: _Call, kind: str, detail: str) -> EnvOutcome:
         with self._lock:
             self.faults[kind] += 1
-        text = f"{type(env).__name__}.{what}: {detail}"
-        return self._count(EnvOutcome([], 0.0, True, {}, kind, text, self.on_error == "drop"), t0)
+        text = f"{type(call.env).__name__}.{call.what}: {detail}"
+        return self._count(EnvOutcome([], 0.0, True, {}, kind, text, self.on_error == "drop"), call)
 
-    def shutdown(self) -> None:
-        """Stop taking calls; threads stuck in a hung call are left to finish on their own (never joined)."""
+    def shutdown(self, grace_s: float = 2.0) -> None:
+        """Stop taking calls; give those in flight (the ``close`` of every episode a stopping worker abandons, most
+        often) up to ``grace_s`` to answer, then settle what is left as ``raised`` ("shut down") and stop. Threads
+        stuck in a hung call are left to finish on their own (never joined)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._inflight:
+                    break
+            time.sleep(0.01)
+        with self._lock:
+            left = list(self._inflight)
+            loop, self._loop = self._loop, None
+        for call in left:
+            self._settle(call, lambda call=call: self._fault(call, "raised", "the environment runner was shut down"))
         self._pool.shutdown()
+        if loop is not None:  # free now: it ends at once, cancelling what the calls left running
+            loop.stop(wait_s=1.0)
+        self._deadlines.close()
 
     def __enter__(self) -> "EnvRunner":
         return self

@@ -65,10 +65,13 @@ class CountingRunner(EnvRunner):
         super().__init__(*args, **kwargs)
         self.tools = ToolCallCounter()
 
-    def step(self, env, action_text: str):
-        if "<tool_call>" in action_text:
-            self.tools.add(parse_tool_calls(action_text, tool_names(env) or None))
-        return super().step(env, action_text)
+    def start(self, env, what: str, arg=None):
+        if what == "step" and isinstance(arg, str) and "<tool_call>" in arg:
+            try:
+                self.tools.add(parse_tool_calls(arg, tool_names(env) or None))
+            except Exception:  # an environment's odd ``tools``: the count is a metric, the call goes on
+                log.debug("tool-call count skipped for %s", type(env).__name__, exc_info=True)
+        return super().start(env, what, arg)
 
 
 #: Time integrals the meter keeps (episode-seconds at each stage over ``spread_s`` wall seconds).

@@ -4,11 +4,12 @@ Why a wrapper and not a new engine: the engine only ever sees single-turn reques
 token ids + behaviour log-probs + per-token versions out), so vLLM and the transformers backend run episodes
 alike and none of their weight-update machinery changes. An episode moves through
 
-    init (environment thread) -> generate (engine) -> step (environment thread) -> generate -> ... -> done
+    init (environment) -> generate (engine) -> step (environment) -> generate -> ... -> done
 
-A sequence whose turn ended *leaves the engine* while its environment works: the call runs in a thread of
-:class:`asyncppo.envs.env_runner.EnvRunner` (bounded by ``env.max_concurrency``, a deadline of
-``env.step_timeout_s``), so other groups' sequences fill its slots. The next turn re-enters the engine as a new
+A sequence whose turn ended *leaves the engine* while its environment works: the call runs on
+:class:`asyncppo.envs.env_runner.EnvRunner`'s threads (bounded by ``env.max_concurrency``, a deadline of
+``env.step_timeout_s``; a coroutine environment on one event loop), and its outcome comes back through a queue that
+:meth:`EpisodeEngine.step` reads, so other groups' sequences fill its slots and nothing waits on a thread of its own. The next turn re-enters the engine as a new
 request whose prompt is the *whole prefix as token ids*: prompt + the model's ids as sampled + the environment's
 ids as rendered by :func:`asyncppo.envs.chat.turn_ids` (appended, never re-tokenized). With vLLM's prefix caching
 (``enable_prefix_caching``) the prefix's keys/values are reused where the cache still holds them; a request is
@@ -28,7 +29,6 @@ two); an environment token takes the version of the model token before it (the c
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import queue
 import time
 from dataclasses import dataclass, field
@@ -118,8 +118,6 @@ class EpisodeEngine:
         self._at_env = 0  # episodes whose environment is working
         self.env_wait_s = 0.0  # seconds step() waited with the engine empty and episodes at their environments
         self._results: queue.SimpleQueue = queue.SimpleQueue()
-        # the threads that wait on environment calls (each bounded by the runner's own pool and deadline)
-        self._waiters = cf.ThreadPoolExecutor(max(1, runner.max_concurrency), thread_name_prefix="episode-env")
 
     idle_wait_s = 0.05  # how long step() waits for an environment when the engine has nothing to decode
 
@@ -189,20 +187,19 @@ class EpisodeEngine:
         for eps in self._groups.values():
             for ep in eps:
                 if ep.ended is None:
-                    self._waiters.submit(self.runner.close, ep.env)
+                    self.runner.start(ep.env, "close")
         keys = sorted(self._groups)
         self._groups.clear()
         self._requests.clear()
         return keys
 
     def close(self) -> None:
-        self._waiters.shutdown(wait=False, cancel_futures=True)
+        """Nothing of its own to stop: the environment calls run on the runner, which its owner shuts down."""
 
     # ------------------------------------------------------------------------------------------------ transitions
     def _to_env(self, ep: _Episode, what: str, arg: Any) -> None:
         self._at_env += 1
-        call = self.runner.init if what == "init" else self.runner.step
-        fut = self._waiters.submit(call, ep.env, arg)
+        fut = self.runner.start(ep.env, what, arg)  # settled by its deadline at the latest, on the runner's threads
         fut.add_done_callback(lambda f, ep=ep, what=what: self._results.put((ep, what, f)))
 
     def _take_env_results(self, wait_s: float) -> None:
@@ -287,7 +284,7 @@ class EpisodeEngine:
         self.counters["episodes"] += 1
         if why in ("truncated", "max_turns"):
             self.counters[why] += 1
-        self._waiters.submit(self.runner.close, ep.env)
+        self.runner.start(ep.env, "close")
 
     def _drop_group(self, key: str, why: str, detail: str) -> None:
         """End every episode of the group now (their environments close; a turn still in the engine runs out and

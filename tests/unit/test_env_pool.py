@@ -59,10 +59,128 @@ class LeakyGuessEnv(GuessEnv):
         return super().step(action)
 
 
-def test_a_coroutine_environment_reuses_its_threads_loop_and_leaves_nothing_running():
+def test_coroutine_calls_run_on_one_loop_and_what_they_leave_running_ends_with_the_runner():
     with EnvRunner(max_concurrency=1, step_timeout_s=30) as runner:
         for _ in range(3):
             assert runner.step(LeakyGuessEnv({}, {"target": 6}), "3").fault is None
+        loops = {t.get_loop() for t in LeakyGuessEnv.leaked}
+        assert len(loops) == 1 and not next(iter(loops)).is_closed()  # one loop for every call, kept running
+        assert runner._pool.threads == 0
     assert len(LeakyGuessEnv.leaked) == 3 and all(t.cancelled() for t in LeakyGuessEnv.leaked)
-    loops = {t.get_loop() for t in LeakyGuessEnv.leaked}
-    assert len(loops) == 1 and not next(iter(loops)).is_closed()  # one pool thread, one loop, kept for its life
+    assert next(iter(loops)).is_closed()
+
+
+class AwaitingGuessEnv(GuessEnv):
+    """A coroutine step that awaits ``latency_s`` (a remote tool), recording the thread it ran on."""
+
+    threads: set = set()
+
+    async def step(self, action):
+        import asyncio
+        import threading
+
+        self.threads.add(threading.get_ident())
+        await asyncio.sleep(self.env_config.get("latency_s", 0.0))
+        return super().step(action)
+
+
+def test_coroutine_calls_share_one_loop_side_by_side_and_start_no_pool_thread():
+    """100 calls of 0.3 s each, all at once: one event loop thread runs them together (~0.3 s, not 100 x 0.3 s) and
+    no pool thread or waiter starts; the bound of 50 makes two rounds."""
+    import threading
+
+    AwaitingGuessEnv.threads.clear()
+    before = threading.active_count()
+    with EnvRunner(max_concurrency=50, step_timeout_s=30) as runner:
+        t0 = time.perf_counter()
+        futures = [runner.start(AwaitingGuessEnv({"latency_s": 0.3}, {"target": 5}), "step", "5") for _ in range(100)]
+        during = threading.active_count()
+        outcomes = [f.result(timeout=30) for f in futures]
+        took = time.perf_counter() - t0
+        assert all(o.fault is None and o.reward == 1.0 for o in outcomes)
+        assert 0.6 <= took < 2.0, took  # two rounds of 50
+        assert len(AwaitingGuessEnv.threads) == 1 and runner._pool.threads == 0
+        assert during - before <= 2  # the loop's thread and the deadline thread, not a thread a call
+
+
+class BlockingCoroutineEnv(GuessEnv):
+    """A broken coroutine environment: its step blocks the loop (``time.sleep`` where it should await)."""
+
+    async def step(self, action):
+        time.sleep(float(self.env_config["block_s"]))
+        return super().step(action)
+
+
+def test_a_coroutine_that_blocks_its_loop_times_out_and_later_calls_get_a_fresh_loop():
+    """The deadline thread still fires while the loop is blocked: the blocking call and one queued behind it come
+    back as timeouts on time, and a call started once the loop has been blocked past a deadline runs on a new
+    loop; the blocked loop counts as stuck until its call returns, then ends."""
+    with EnvRunner(max_concurrency=8, step_timeout_s=0.4) as runner:
+        t0 = time.monotonic()
+        blocking = runner.start(BlockingCoroutineEnv({"block_s": 2.0}, {"target": 5}), "step", "5")
+        time.sleep(0.1)
+        behind = runner.start(AwaitingGuessEnv({}, {"target": 5}), "step", "5")  # queued on the blocked loop
+        assert blocking.result(timeout=5).fault == "timeout" and behind.result(timeout=5).fault == "timeout"
+        assert time.monotonic() - t0 < 1.2
+        time.sleep(0.3)  # the loop now blocked for longer than a deadline
+        fresh = runner.start(AwaitingGuessEnv({}, {"target": 5}), "step", "5").result(timeout=5)
+        assert fresh.fault is None and fresh.reward == 1.0 and time.monotonic() - t0 < 1.9
+        assert runner.loops_replaced == 1 and runner.stuck == 1
+        deadline = time.monotonic() + 10
+        while runner.stuck and time.monotonic() < deadline:  # the blocking call returns at ~2 s; its loop ends
+            time.sleep(0.05)
+        assert runner.stuck == 0
+        assert dict(runner.faults)["timeout"] == 2 and runner.calls == 3
+
+
+def test_calls_that_answer_early_cost_the_deadline_thread_no_wake():
+    """The deadline thread sleeps until the front of its queue is due and drops answered calls when it gets there:
+    200 quick calls with a 60 s deadline wake it once or twice (the first call's arrival), not 200 times; a call
+    that hangs is still timed out on time after them."""
+    with EnvRunner(max_concurrency=4, step_timeout_s=60) as runner:
+        for _ in range(200):
+            assert runner.step(GuessEnv({}, {"target": 6}), "3").fault is None
+        assert runner._deadlines.wakes <= 3, runner._deadlines.wakes
+    with EnvRunner(max_concurrency=4, step_timeout_s=1.0) as runner:
+        for _ in range(50):
+            assert runner.step(GuessEnv({}, {"target": 6}), "3").fault is None
+        t0 = time.monotonic()
+        hung = runner.step(SleepyGuessEnv({"latency_s": 5.0}, {"target": 5}), "1")
+        assert hung.fault == "timeout" and 0.9 <= time.monotonic() - t0 < 2.5
+        assert runner.calls == 51
+
+
+class RaisingUnreadably(Exception):
+    def __str__(self):
+        raise ValueError("no message for you")
+
+
+class BadGuessEnv(GuessEnv):
+    def step(self, action):
+        raise RaisingUnreadably()
+
+    async def close(self):
+        import asyncio
+
+        await asyncio.sleep(0.2)
+        BadGuessEnv.closed += 1
+
+    closed = 0
+
+
+def test_an_exception_without_a_message_is_still_a_fault_and_closes_finish_at_shutdown():
+    """An exception whose ``str`` raises comes back as a ``raised`` fault (before, a claimed call could be left
+    unset and its episode wait forever); the coroutine ``close`` of 5 episodes started just before shutdown runs to
+    its end inside shutdown's grace; a call that hangs past the grace is settled by shutdown, not left waiting."""
+    runner = EnvRunner(max_concurrency=8, step_timeout_s=30)
+    out = runner.start(BadGuessEnv({}, {"target": 5}), "step", "1").result(timeout=5)
+    assert out.fault == "raised" and "RaisingUnreadably" in out.detail
+    closes = [runner.start(BadGuessEnv({}, {"target": 5}), "close") for _ in range(5)]
+    hung = runner.start(SleepyGuessEnv({"latency_s": 3.0}, {"target": 5}), "step", "1")
+    t0 = time.monotonic()
+    runner.shutdown(grace_s=0.8)
+    assert time.monotonic() - t0 < 2.5
+    assert BadGuessEnv.closed == 5 and all(f.result(timeout=0).fault is None for f in closes)
+    assert hung.result(timeout=0).fault == "raised" and "shut down" in hung.result().detail
+    late = runner.start(GuessEnv({}, {"target": 6}), "step", "3").result(timeout=0)  # after shutdown: a fault
+    assert late.fault == "raised" and "shut down" in late.detail

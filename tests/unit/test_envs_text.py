@@ -167,16 +167,17 @@ def test_runner_bounds_concurrency_and_awaits_coroutine_environments():
             await asyncio.sleep(0.05 if action_text == "fast" else 5.0)
             return [{"role": "tool", "content": action_text}], 1.0, False, {}
 
-    async def main(runner):
-        plain = await asyncio.gather(*(runner.astep(Slow(), "x") for _ in range(6)))
-        awaited = await asyncio.gather(runner.astep(Awaiting(), "fast"), runner.astep(Awaiting(), "slow"))
-        return plain, awaited
-
     with EnvRunner(max_concurrency=2, step_timeout_s=1.0) as runner:
-        plain, (fast, slow) = asyncio.run(main(runner))
+        plain = [f.result(timeout=30) for f in [runner.start(Slow(), "step", "x") for _ in range(6)]]
+        fast, slow = (f.result(timeout=30) for f in [runner.start(Awaiting(), "step", w) for w in ("fast", "slow")])
         assert all(o.fault is None for o in plain) and peak[0] == 2
         assert fast.observations == [{"role": "tool", "content": "fast"}] and slow.fault == "timeout"
         assert runner.step(Awaiting(), "fast").reward == 1.0  # a coroutine step from the blocking path too
+
+        async def awaited():  # an asyncio caller awaits the same futures
+            return await asyncio.wait_for(asyncio.wrap_future(runner.start(Awaiting(), "step", "fast")), 30)
+
+        assert asyncio.run(awaited()).observations == [{"role": "tool", "content": "fast"}]
 
 
 def test_env_options_are_validated_with_the_option_named():
