@@ -9,11 +9,12 @@ alike and none of their weight-update machinery changes. An episode moves throug
 A sequence whose turn ended *leaves the engine* while its environment works: the call runs on
 :class:`asyncppo.envs.env_runner.EnvRunner`'s threads (bounded by ``env.max_concurrency``, a deadline of
 ``env.step_timeout_s``; a coroutine environment on one event loop), and its outcome comes back through a queue that
-:meth:`EpisodeEngine.step` reads, so other groups' sequences fill its slots and nothing waits on a thread of its own. The next turn re-enters the engine as a new
-request whose prompt is the *whole prefix as token ids*: prompt + the model's ids as sampled + the environment's
-ids as rendered by :func:`asyncppo.envs.chat.turn_ids` (appended, never re-tokenized). With vLLM's prefix caching
-(``enable_prefix_caching``) the prefix's keys/values are reused where the cache still holds them; a request is
-salted with the weight version, so a prefix cached under older weights is recomputed, never reused.
+:meth:`EpisodeEngine.step` reads, so other groups' sequences fill its slots and nothing waits on a thread of its
+own. The next turn re-enters the engine as a new request whose prompt is the *whole prefix as token ids*: prompt +
+the model's ids as sampled + the environment's ids as rendered by :func:`asyncppo.envs.chat.turn_ids` (appended,
+never re-tokenized). With vLLM's prefix caching (``enable_prefix_caching``) the prefix's keys/values are reused
+where the cache still holds them; a request is salted with the weight version, so a prefix cached under older
+weights is recomputed, never reused.
 
 A group of ``n`` episodes is ``n`` requests of ``n=1`` (each episode has its own environment and its own turn
 boundaries) and goes out once all ``n`` ended, as one :class:`EpisodeGroup` whose completions carry ``env_runs``

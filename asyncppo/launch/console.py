@@ -248,13 +248,27 @@ def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[s
     On long-tailed groups a group keeps its ticket until its last sample ends, so the admission window runs the
     engines part-empty (docs/staleness.md, "Choosing j"); if the learner also waited, the engines were the slower
     side and more of the window would have sped the run up. Thresholds: engines below 0.85 full outside the run's
-    drain, more than a tenth of their stepping time as free slots without a ticket, learner busy below 0.85."""
+    drain, more than a tenth of their stepping time as free slots without a ticket, learner busy below 0.85.
+
+    In a multi-turn run whose episodes spent more of the steady steps at their environment than in the engines, the
+    tickets are held by episodes waiting on a tool, not by stragglers, and the hint names the window instead."""
     occupancy, unfilled = rollout.get("occupancy_steady"), rollout.get("unfilled_ticket_s")
     stepping, busy = rollout.get("engine_step_s"), _mean([r.get("util/train_busy") for r in train])
     if not all(isinstance(x, (int, float)) for x in (occupancy, unfilled, stepping, busy)) or stepping <= 0:
         return None
     if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
         return None
+    at_env = _mean([r.get("episodes/at_env_mean") for r in train[len(train) // 4:]])
+    in_engine = _mean([r.get("episodes/in_engine_mean") for r in train[len(train) // 4:]])
+    if at_env is not None and in_engine is not None and at_env > in_engine:
+        # multi-turn: the window is full of episodes waiting on their environment, not of stragglers; the advisor
+        # does not model environment time, so point at the knob itself
+        return (f"hint: the engines ran {occupancy:.2f} full for want of tickets while the learner waited "
+                f"{1 - busy:.0%} of its time, with ~{at_env:.0f} episodes at their environment against "
+                f"~{in_engine:.0f} in the engines: the staleness window ((j + 1) x B groups) must hold the episodes "
+                "waiting on their tools as well as those decoding, so a wider rollout.max_staleness (the lookahead "
+                "follows it unless set) keeps the engines fuller, at the cost of more lag (docs/environments.md, "
+                "\"Behind a slow tool: the window\")")
     return (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
             f"while the learner waited {1 - busy:.0%} of its time: `asyncppo advise {run_dir} --gpus N --lookahead "
             "1,2,3,4 --staleness K,...` predicts what a wider rollout.admission_lookahead (and the max_staleness "
