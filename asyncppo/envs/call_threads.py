@@ -24,6 +24,7 @@ import concurrent.futures as cf
 import heapq
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -130,7 +131,11 @@ class LoopThread:
         self._sem: asyncio.Semaphore | None = None  # made on the loop's thread, at its first call
         self._beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except Exception:  # out of threads: the loop's descriptors are not left open
+            self.loop.close()
+            raise
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -204,7 +209,10 @@ class Deadlines:
         self.wakes = 0  # times the thread woke from a wait (a deadline, or a new front of the queue)
 
     def add(self, when: float, pending: Callable[[], bool], fire: Callable[[], None]) -> None:
-        """``fire()`` at ``when`` (``time.monotonic()`` seconds) if ``pending()`` still holds then."""
+        """``fire()`` at ``when`` (``time.monotonic()`` seconds) if ``pending()`` still holds then; never for an
+        infinite ``when`` (``env.step_timeout_s=inf``: no deadline, and nothing kept for one)."""
+        if not math.isfinite(when):
+            return
         with self._cond:
             if self._closed:
                 return

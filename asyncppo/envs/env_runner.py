@@ -142,11 +142,12 @@ class EnvRunner:
         and never with an exception (nor does this method raise: a call that cannot start is a ``raised`` fault).
         ``close`` on an environment without one is done at once."""
         call = _Call(env, what, time.monotonic(), cf.Future())
+        out = call.outcome  # the call lets go of it once settled (the deadline queue may hold the call a while)
         fn = getattr(env, what, None)
         if what == "close" and not callable(fn):
             call.claimed = True
-            call.outcome.set_result(EnvOutcome(done=True))
-            return call.outcome
+            out.set_result(EnvOutcome(done=True))
+            return out
         try:
             args = () if what == "close" else (list(arg) if what == "init" else arg,)
             call.on_loop = inspect.iscoroutinefunction(fn)
@@ -158,12 +159,15 @@ class EnvRunner:
             # the deadline first: a call that could not get one must not run unbounded
             self._deadlines.add(call.t0 + self.step_timeout_s, lambda: not call.claimed,
                                 lambda: self._settle(call, lambda: self._timed_out(call)))
-            call.inner = loop.submit(lambda: fn(*args)) if loop is not None else self._pool.submit(_run, fn, *args)
+            inner = loop.submit(lambda: fn(*args)) if loop is not None else self._pool.submit(_run, fn, *args)
         except Exception as e:  # shut down, out of threads or descriptors, a bad argument
             self._settle(call, lambda: self._fault(call, "raised", f"could not start: {_describe(e)}"))
-            return call.outcome
-        call.inner.add_done_callback(lambda inner: self._settle(call, lambda: self._answered(call, inner)))
-        return call.outcome
+            return out
+        call.inner = inner
+        inner.add_done_callback(lambda f: self._settle(call, lambda: self._answered(call, f)))
+        if call.claimed:  # its deadline (or shutdown) came before it was submitted: it is abandoned as a timed-out one
+            self._abandon(call, inner)
+        return out
 
     def _event_loop(self) -> LoopThread:
         """The loop for coroutine calls (under ``_lock``); a fresh one when a coroutine has blocked the current one
@@ -208,8 +212,10 @@ class EnvRunner:
             outcome = make()
         except Exception as e:
             outcome = self._fault(call, "raised", f"its outcome could not be read: {_describe(e)}")
-        call.outcome.set_result(outcome)
-        call.env = call.inner = None  # the deadline heap may hold the call a while longer; not the environment
+        out = call.outcome
+        # the deadline queue may hold the call until its deadline: not the environment, its answer or the outcome
+        call.env = call.inner = call.outcome = None
+        out.set_result(outcome)
 
     def _answered(self, call: _Call, inner: cf.Future) -> EnvOutcome:
         if inner.cancelled():
@@ -220,12 +226,16 @@ class EnvRunner:
         return self._accept(call, inner.result())
 
     def _timed_out(self, call: _Call) -> EnvOutcome:
-        # a queued pool call or a coroutine is cancelled (the coroutine when its loop next runs); a pool thread
-        # inside the call cannot be, and is counted until the call returns
-        if not call.inner.cancel() and not call.on_loop:
-            with self._lock:
-                self._stuck.add(call.inner)
+        if call.inner is not None:  # else not submitted yet: start() abandons it once it is
+            self._abandon(call, call.inner)
         return self._fault(call, "timeout", f"no answer within env.step_timeout_s={self.step_timeout_s}")
+
+    def _abandon(self, call: _Call, inner: cf.Future) -> None:
+        """A queued pool call or a coroutine is cancelled (the coroutine when its loop next runs); a pool thread
+        inside the call cannot be, and is counted in :attr:`stuck` until the call returns."""
+        if not inner.cancel() and not call.on_loop:
+            with self._lock:
+                self._stuck.add(inner)
 
     def _accept(self, call: _Call, value: Any) -> EnvOutcome:
         try:

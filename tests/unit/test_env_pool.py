@@ -184,3 +184,39 @@ def test_an_exception_without_a_message_is_still_a_fault_and_closes_finish_at_sh
     assert hung.result(timeout=0).fault == "raised" and "shut down" in hung.result().detail
     late = runner.start(GuessEnv({}, {"target": 6}), "step", "3").result(timeout=0)  # after shutdown: a fault
     assert late.fault == "raised" and "shut down" in late.detail
+
+
+def test_a_deadline_that_fires_before_the_call_is_submitted_is_still_a_timeout():
+    """A loaded box can delay the pool's submit past a tiny deadline: the outcome is a ``timeout`` (not a garbled
+    ``raised``), the call submitted after it is abandoned (cancelled while queued, or counted stuck while it runs),
+    and nothing raises."""
+    ran = []
+
+    class Recording(SleepyGuessEnv):
+        def step(self, action):
+            ran.append(action)
+            return super().step(action)
+
+    with EnvRunner(max_concurrency=2, step_timeout_s=0.05) as runner:
+        submit = runner._pool.submit
+
+        def slow_submit(*args):
+            time.sleep(0.15)
+            return submit(*args)
+
+        runner._pool.submit = slow_submit
+        out = runner.start(Recording({"latency_s": 0.5}, {"target": 5}), "step", "1").result(timeout=5)
+        assert out.fault == "timeout" and "step_timeout_s" in out.detail
+        time.sleep(0.05)
+        assert runner.stuck == (1 if ran else 0)  # inside the call past its deadline, or never started
+        deadline = time.monotonic() + 5
+        while runner.stuck and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert runner.stuck == 0 and dict(runner.faults)["timeout"] == 1 and runner.calls == 1
+
+
+def test_no_deadline_keeps_nothing_queued_for_one():
+    with EnvRunner(max_concurrency=2, step_timeout_s=float("inf")) as runner:
+        for _ in range(20):
+            assert runner.step(GuessEnv({}, {"target": 6}), "3").fault is None
+        assert runner._deadlines._heap == [] and runner._deadlines._thread is None
