@@ -55,28 +55,11 @@ class EnvOutcome:
     seconds: float = 0.0
 
 
-_THREAD_LOOP = threading.local()
-
-
 def _run(fn: Callable, *args) -> Any:
-    """Call ``fn`` in a pool thread; an awaitable it returns (a plain method that hands back a coroutine) is run to
-    completion on that thread's own event loop, kept for the thread's life (a loop per call cost interpreter time
-    on the engine's core: docs/benchmarks.md)."""
+    """Call ``fn`` in a pool thread. A coroutine *function* runs on the runner's event loop instead; what is left here
+    is the rare plain method that hands back a coroutine, run to completion on a loop of its own."""
     out = fn(*args)
-    if not inspect.isawaitable(out):
-        return out
-    runner = getattr(_THREAD_LOOP, "runner", None)
-    if runner is None:
-        runner = _THREAD_LOOP.runner = asyncio.Runner()
-    try:
-        return runner.run(out)
-    finally:  # what the call left running is cancelled, as asyncio.run's close would (none in the usual case)
-        loop = runner.get_loop()
-        left = asyncio.all_tasks(loop)  # the tasks not yet done
-        for task in left:
-            task.cancel()
-        if left:
-            loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    return asyncio.run(out) if inspect.isawaitable(out) else out
 
 
 def _describe(error: BaseException) -> str:
@@ -270,12 +253,8 @@ class EnvRunner:
             if self._closed:
                 return
             self._closed = True
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                if not self._inflight:
-                    break
-            time.sleep(0.01)
+            pending = [call.outcome for call in self._inflight]  # an unsettled call still holds its outcome
+        cf.wait(pending, timeout=grace_s)
         with self._lock:
             left = list(self._inflight)
             loop, self._loop = self._loop, None

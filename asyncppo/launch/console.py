@@ -258,8 +258,9 @@ def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[s
         return None
     if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
         return None
-    at_env = _mean([r.get("episodes/at_env_mean") for r in train[len(train) // 4:]])
-    in_engine = _mean([r.get("episodes/in_engine_mean") for r in train[len(train) // 4:]])
+    steady = train[len(train) // 4:]
+    at_env = _mean([r.get("episodes/at_env_mean") for r in steady])
+    in_engine = _mean([r.get("episodes/in_engine_mean") for r in steady])
     if at_env is not None and in_engine is not None and at_env > in_engine:
         # multi-turn: the window is full of episodes waiting on their environment, not of stragglers; the advisor
         # does not model environment time, so point at the knob itself
