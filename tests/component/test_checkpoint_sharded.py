@@ -9,13 +9,13 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from asyncppo.learner import checkpoint as C
 from asyncppo.learner import distributed as D
 from asyncppo.learner import sharding as S
 from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.models import load_actor, load_critic, load_reference
+from spawn_ranks import spawn_ranks
 
 from test_checkpoint import _cfg as _stateful_cfg
 from test_learner import _groups
@@ -112,7 +112,7 @@ def model_dir(tmp_path_factory):
 def test_two_rank_checkpoint_round_trip_is_bit_exact(model_dir, tmp_path):
     run_dir, out = str(tmp_path / "run"), str(tmp_path / "out")
     os.makedirs(out)
-    mp.spawn(_worker, args=(_free_port(), model_dir, run_dir, out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, lambda: (_free_port(), model_dir, run_dir, out), WORLD)
     r0 = torch.load(os.path.join(out, "rank0.pt"), weights_only=False)
     ckpt = C.resolve_checkpoint(run_dir)
     assert ckpt.version == 2 and ckpt.has_critic

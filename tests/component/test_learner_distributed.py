@@ -12,7 +12,6 @@ import re
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 from asyncppo.config.schema import AsyncPPOConfig
@@ -25,6 +24,7 @@ from asyncppo.learner.models import load_actor, load_critic, load_reference
 from asyncppo.config.checks import uses_critic, uses_reference
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.stream.records import Sample, TrajectoryGroup
+from spawn_ranks import spawn_ranks
 
 WORLD = 2
 # Each rank gets one whole group of every 2-group mini-batch and runs 2 micro-batches of 1 sample on it.
@@ -204,7 +204,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ranks(model_dir, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("ranks"))
-    mp.spawn(_worker, args=(_free_port(), model_dir, out), nprocs=WORLD, join=True)
+    spawn_ranks(_worker, lambda: (_free_port(), model_dir, out), WORLD)
     return [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
 
 

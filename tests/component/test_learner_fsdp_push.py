@@ -15,7 +15,6 @@ import types
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from asyncppo.data.tiny import build_tiny_model
 from asyncppo.learner import distributed as D
@@ -26,6 +25,7 @@ from asyncppo.sync.engine_load import layer_group
 from asyncppo.sync.fanout import WeightFanout, member_prefix
 from asyncppo.sync.group_stream import GroupStream, GroupStreamAborted
 from asyncppo.sync.layout import TensorMeta, plan_buckets
+from spawn_ranks import spawn_ranks
 
 PREFIX = "fsdp-push"
 CPU = torch.device("cpu")
@@ -126,7 +126,7 @@ def run(tmp_path_factory):
     model_dir = build_tiny_model(str(tmp_path_factory.mktemp("tiny")), hidden=64, layers=3, heads=1,
                                  intermediate=160, seed=11)
     out = str(tmp_path_factory.mktemp("out"))
-    mp.spawn(_proc, args=(find_free_port(), find_free_port(), model_dir, out), nprocs=3, join=True)
+    spawn_ranks(_proc, lambda: (find_free_port(), find_free_port(), model_dir, out), 3)
     ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(2)]
     received = torch.load(os.path.join(out, "receiver.pt"), weights_only=False)
     return model_dir, ranks, received
