@@ -150,6 +150,12 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
                         "rollout.admission_lookahead, if it set one)")
     p.add_argument("--batch", type=int, default=None, metavar="B", help="prompts per step (default: the run's)")
     p.add_argument("--steps", type=int, default=40, help="simulated learner steps per configuration")
+    p.add_argument("--env-s", type=float, default=None, metavar="S",
+                   help="seconds per environment call of a multi-turn run (default: the run's own, measured): "
+                        "what a slower or faster tool would do")
+    p.add_argument("--turns", type=float, default=None, metavar="T",
+                   help="model turns per episode (default: the run's own; above 1 the samples are multi-turn "
+                        "episodes)")
     p.add_argument("--out", metavar="PNG", default=None, help="plot path (default: RUN_DIR/advise_<N>gpus.png)")
     p.set_defaults(func=_cmd_advise)
 
@@ -182,6 +188,10 @@ def _cmd_advise(args: argparse.Namespace) -> int:
             rates, switch_s = workload(args.workload), SWITCH_S.get(args.workload, 0.0)
         else:
             rates = measure(args.run)
+        if args.env_s is not None or args.turns is not None:
+            rates = dataclasses.replace(rates, env_s=rates.env_s if args.env_s is None else args.env_s,
+                                        turns=rates.turns if args.turns is None else args.turns)
+            rates.setup()  # refuses a negative or non-finite time, or turns below 1, by name
         rows = sweep(rates, args.gpus, nodes=args.nodes, tp=args.tp, ks=ks, steps=args.steps,
                      warmup=max(2, args.steps // 4), switch_s=switch_s, batch_groups=args.batch,
                      lookaheads=lookaheads)

@@ -103,7 +103,10 @@ class EnvRunner:
         self._closed = False
         self.faults = collections.Counter({k: 0 for k in FAULT_KINDS})
         self.calls = 0
-        self.seconds = 0.0  # summed wall time of calls (env seconds per step = seconds / calls)
+        self.seconds = 0.0  # summed wall time of calls
+        # the same for step calls alone (the metric episodes/env_s_per_step: a tool's latency, not init's or close's)
+        self.step_calls = 0
+        self.step_seconds = 0.0
         self._stuck: set = set()
         self._blocked_loops: list[LoopThread] = []
         self._inflight: set[_Call] = set()  # started and not yet settled
@@ -237,6 +240,9 @@ class EnvRunner:
         with self._lock:
             self.calls += 1
             self.seconds += outcome.seconds
+            if call.what == "step":
+                self.step_calls += 1
+                self.step_seconds += outcome.seconds
         return outcome
 
     def _fault(self, call: _Call, kind: str, detail: str) -> EnvOutcome:

@@ -6,6 +6,7 @@ gives in one place, and so that rates and workloads can be built without the loo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -54,6 +55,17 @@ class Setup:
     switch_s: float = 0.0
     admission_unit: str = "group"  # group | slot, as rollout.admission_unit (config/choices.py: admission_room)
     lookahead: Optional[int] = None  # j = rollout.admission_lookahead (None: k, ticket order without deferral)
+    # multi-turn episodes (env.text_env): model turns per episode (a mean: each episode draws the integer below or
+    # above it), seconds of the environment call after every model turn, and the share of a sample's response
+    # tokens the engine decodes (the environment wrote the rest); turns = 1 and env_s = 0: single-turn samples
+    turns: float = 1.0
+    env_s: float = 0.0
+    model_frac: float = 1.0
+
+    @property
+    def episodes(self) -> bool:
+        """Samples that leave the engine for an environment call (the episode worker's admission rule applies)."""
+        return self.turns > 1.0 or self.env_s > 0.0
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.train_ranks < 1 or self.batch_groups < 1 or self.group_size < 1:
@@ -72,6 +84,9 @@ class Setup:
             raise ValueError(f"lookahead must be >= sync_every - 1 = {self.sync_every - 1} (as "
                              "rollout.admission_lookahead requires: the engines would never get the weights a "
                              "ticket needs, and the pipeline would stall)")
+        if not (1.0 <= self.turns < math.inf and 0.0 <= self.env_s < math.inf and 0.0 < self.model_frac <= 1.0):
+            raise ValueError(f"need turns >= 1, env_s >= 0 and 0 < model_frac <= 1: turns={self.turns}, "
+                             f"env_s={self.env_s}, model_frac={self.model_frac}")
         if self.admission_unit not in ADMISSION_UNITS:
             raise ValueError(f"admission_unit must be one of {ADMISSION_UNITS}, got {self.admission_unit!r}")
 
@@ -79,7 +94,7 @@ class Setup:
 @dataclass
 class Result:
     samples_per_s: float
-    tokens_per_s: float
+    tokens_per_s: float  # decoded tokens (an episode's environment tokens are not decoded)
     step_s: float  # mean learner step period in the measured window
     rollout_busy: float  # engine time spent decoding / (engines * wall)
     train_busy: float  # learner time spent training / wall

@@ -13,6 +13,11 @@ What is read, from the run's own metrics (first ``skip`` steps dropped: engine w
 * **weight load**: the median of ``sync/push_s`` (announcement seen -> weights loaded in the engine).
 * **lengths**: ``summary.json``'s sampled groups (``rollout.group_lengths``) when present, else a lognormal with the
   run's mean and p99 response length, capped at ``rollout.response_length``.
+* **episodes** (multi-turn runs, which log ``episodes/turns_mean``): the mean model turns per episode, the mean
+  seconds per environment call (``episodes/env_s_per_step``) and the share of response tokens the model decoded
+  (``1 - episodes/env_token_frac``). Units: ``response_length/mean`` counts the model's tokens (the loss mask),
+  which is what the engine decodes; the sampled group lengths and ``response_length/p99`` count the environment's
+  tokens too, which the learner trains on, so the learner's fit is per response token including them.
 """
 
 from __future__ import annotations
@@ -44,13 +49,16 @@ class Rates:
     prompt_tokens: int = 0  # only the per-KV-token term reads it (0 for runs: CPU engines are fitted without it)
     admission_unit: str = "group"  # rollout.admission_unit of the run (runs before the option admitted per group)
     lookahead: Optional[int] = None  # rollout.admission_lookahead of the run (None: k)
+    turns: float = 1.0  # multi-turn episodes: model turns per episode (mean)
+    env_s: float = 0.0  # seconds per environment call
+    model_frac: float = 1.0  # share of response tokens the model decoded
 
     def setup(self, **overrides) -> Setup:
         """The run's own configuration as a simulator setup, with ``overrides`` (engines=, max_staleness=, ...)."""
         base = Setup(engines=self.engines, train_ranks=self.train_ranks, batch_groups=self.batch_groups,
                      group_size=self.group_size, max_staleness=self.max_staleness, sync_every=self.sync_every,
                      load_s=self.load_s, prompt_tokens=self.prompt_tokens, admission_unit=self.admission_unit,
-                     lookahead=self.lookahead)
+                     lookahead=self.lookahead, turns=self.turns, env_s=self.env_s, model_frac=self.model_frac)
         return replace(base, **overrides)
 
     def with_response_length(self, cap: int) -> "Rates":
@@ -95,6 +103,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     engines = gpus if gpus > 0 else int(run.cfg("cluster.rollout_workers", 1))
     ranks = max(1, int(run.cfg("cluster.train_gpus", 0) or 0))
     resp_len = int(run.cfg("rollout.response_length", 16))
+    turns, env_s, model_frac = _episodes(recs, notes)
 
     running, step_s, steps = [], [], []  # per record: sequences per decode step, seconds per step, decode steps
     for r in recs:
@@ -108,7 +117,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
             continue
         running.append(run_mean)
         step_s.append(dss)
-        steps.append(tokens / run_mean)  # every running sequence gains a token per step
+        steps.append(tokens / run_mean)  # every running sequence decodes a token per step
     if not running:
         raise ValueError(f"{run_dir}: no generation timing logged (rollout/decode_step_s or rollout/occupancy)")
     base, per_seq = _fit_line(running, step_s, steps, "decode step time vs running sequences", notes)
@@ -116,7 +125,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     tokens_l, work = [], []
     for r in recs:
         if all(isinstance(r.get(k), (int, float)) for k in ("time/step_s", "time/wait_s", "response_length/mean")):
-            tokens_l.append(float(r["response_length/mean"]) * B * n)
+            tokens_l.append(float(r["response_length/mean"]) / model_frac * B * n)  # with the environment's
             work.append(float(r["time/step_s"]) - float(r["time/wait_s"]))
     if not tokens_l:
         raise ValueError(f"{run_dir}: no learner timing logged (time/step_s, time/wait_s)")
@@ -132,7 +141,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     else:
         _, means = run.get("response_length/mean", recs)
         _, p99s = run.get("response_length/p99", recs)
-        mean = ro.get("response_length_mean") or (statistics.fmean(means) if means else resp_len / 2)
+        mean = ro.get("response_length_mean") or (statistics.fmean(means) / model_frac if means else resp_len / 2)
         p99 = ro.get("response_length_p99") or (statistics.median(p99s) if p99s else resp_len)
         lengths = LogNormalLengths(float(mean), max(float(p99), float(mean) * 1.01), resp_len, within_group=0.5)
         notes.append("no sampled group lengths in summary.json: lognormal lengths from the mean and p99")
@@ -146,8 +155,26 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
-        lookahead=_lookahead(run),
+        lookahead=_lookahead(run), turns=turns, env_s=env_s, model_frac=model_frac,
     )
+
+
+def _episodes(recs: list[dict], notes: list[str]) -> tuple[float, float, float]:
+    """(turns per episode, seconds per environment call, decoded share of response tokens) of a multi-turn run;
+    (1, 0, 1) for a single-turn one (no ``episodes/turns_mean`` logged)."""
+    eps = [r for r in recs if isinstance(r.get("episodes/turns_mean"), (int, float))]
+    if not eps:
+        return 1.0, 0.0, 1.0
+    turns = max(1.0, statistics.fmean(float(r["episodes/turns_mean"]) for r in eps))
+    per_call = [float(r["episodes/env_s_per_step"]) for r in eps
+                if isinstance(r.get("episodes/env_s_per_step"), (int, float))]
+    env_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
+    env_frac = [float(r["episodes/env_token_frac"]) for r in eps
+                if isinstance(r.get("episodes/env_token_frac"), (int, float))]
+    model_frac = min(1.0, max(0.05, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0
+    notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms per environment call, "
+                 f"{model_frac:.0%} of response tokens decoded (the rest written by the environment)")
+    return turns, env_s, model_frac
 
 
 def _lookahead(run: Run) -> Optional[int]:

@@ -24,6 +24,13 @@ sequences finishing, so a run of thousands of learner steps on hundreds of engin
   its sequences, as ``inflight_update=keep``) and then labels new tokens with the new version.
 * **colocated** (``colocated=True``, needs ``k = 0``): the same GPUs generate and train, as a synchronous trainer
   on one pool does; ``switch_s`` is added per step for swapping the two roles in and out of memory.
+* **episodes** (``turns > 1`` or ``env_s > 0``: multi-turn agents, ``env.text_env``): a sample is ``turns`` model
+  turns (its decoded tokens, ``model_frac`` of its length, split evenly among them); after each turn it leaves the
+  engine, freeing its slot, for an environment call of ``env_s`` seconds, then queues for a slot again; the call
+  after its last turn ends it. The engine admits by the episode worker's expected load
+  (:func:`~asyncppo.staleness.episode_load.engine_load`: episodes in flight times their share of time in the
+  engine, kept by the same :class:`~asyncppo.staleness.episode_load.EngineShare` on simulated time), so a slow
+  tool lets it hold more episodes than slots while the staleness window allows.
 
 Within an engine the number of running sequences is constant between events, so progress is integrated exactly
 (the per-KV term makes step time grow linearly with progress: a quadratic, solved in closed form). Tokens are
@@ -45,6 +52,7 @@ from typing import Optional
 from asyncppo.config.choices import admission_room
 from asyncppo.report.pipeline import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.staleness.controller import AdmissionController
+from asyncppo.staleness.episode_load import EngineShare, engine_load
 from asyncppo.staleness.order import next_batch
 
 __all__ = ["EngineSpeed", "Result", "Setup", "Simulator", "TrainSpeed", "simulate"]
@@ -52,7 +60,7 @@ __all__ = ["EngineSpeed", "Result", "Setup", "Simulator", "TrainSpeed", "simulat
 
 class _Engine:
     __slots__ = ("idx", "t", "p", "n", "kv0", "heap", "paused_until", "version", "busy", "steps", "run_steps",
-                 "pending", "marks", "epoch", "queue")
+                 "pending", "marks", "epoch", "queue", "at_env", "share")
 
     def __init__(self, idx: int):
         self.idx = idx
@@ -67,7 +75,11 @@ class _Engine:
         self.pending: deque = deque()  # granted tickets not yet admitted
         self.marks: list[tuple[float, int]] = [(0.0, 0)]  # (progress, version from then on)
         self.epoch = 0
-        self.queue: deque = deque()  # (ticket, length) of admitted samples waiting for a slot (admission per slot)
+        # (ticket, length, segments left, context) of samples waiting for a slot: admitted per slot, or an
+        # episode back from its environment; length is the sample's response tokens, context its tokens so far
+        self.queue: deque = deque()
+        self.at_env = 0  # episodes at their environment call (hold no slot)
+        self.share = EngineShare()  # the episode worker's share of in-flight time in the engine, on simulated time
 
 
 @dataclass
@@ -76,8 +88,8 @@ class _RunState:
 
     engines: list
     tickets: AdmissionController
-    seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, admit progress, length)
-    groups: dict = field(default_factory=dict)  # ticket -> {left, tokens, vmin, tv}
+    seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, start progress, length, segments, context)
+    groups: dict = field(default_factory=dict)  # ticket -> {left, tokens (trained), dec (decoded), vmin, tv}
     delivered: dict = field(default_factory=dict)
     learner_busy_until: Optional[float] = None
     step_ends: list = field(default_factory=lambda: [0.0])
@@ -168,6 +180,8 @@ class Simulator:
                 self._on_trained(now)
             elif ev[0] == "loaded":
                 self._on_loaded(ev, now)
+            elif ev[0] == "env":
+                self._on_env(ev, now)
         if r.version < self.s.steps:
             raise RuntimeError(f"the simulated pipeline stalled at version {r.version} (no event left): {self.s}")
         return self._result(r.engines, r.snap, r.step_ends, r.train_time, r.lags, r.token_lags)
@@ -185,25 +199,40 @@ class Simulator:
         added = False
         while e.pending and self._room(e) and e.pending[0].min_version <= e.version:
             ticket = e.pending.popleft().index
-            r.groups[ticket] = {"left": n, "tokens": 0, "vmin": e.version, "tv": 0.0}
-            e.queue.extend((ticket, L) for L in self.lengths.sample_group(self.rng, n))
+            r.groups[ticket] = {"left": n, "tokens": 0, "dec": 0, "vmin": e.version, "tv": 0.0}
+            e.queue.extend((ticket, L, self._segments(L), 0) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
+        e.share.add(e.n + len(e.queue), e.at_env, now)
         if added:
             self._schedule(e)
 
+    def _segments(self, length: int) -> tuple:
+        """The decoded tokens of a sample of ``length`` response tokens, one entry per model turn."""
+        s = self.s
+        if s.turns == 1.0 and s.model_frac == 1.0:
+            return (length,)
+        decoded = max(1, round(length * s.model_frac))
+        whole = int(s.turns)
+        turns = min(decoded, whole + (s.turns > whole and self.rng.random() < s.turns - whole))
+        base, extra = divmod(decoded, turns)
+        return tuple(base + (i < extra) for i in range(turns))
+
     def _room(self, e: _Engine) -> int:
-        """Groups engine ``e`` may admit now: its free slots, less the samples already queued for one."""
-        return admission_room(self.gen.max_num_seqs - e.n - len(e.queue), self.s.group_size, self.s.admission_unit)
+        """Groups engine ``e`` may admit now: its free slots, less the samples already queued for one; with episodes
+        the free slots are those the episodes in flight leave on average (the episode worker's rule)."""
+        in_engine = e.n + len(e.queue)
+        load = engine_load(in_engine, in_engine + e.at_env, e.share.share) if self.s.episodes else in_engine
+        return admission_room(self.gen.max_num_seqs - load, self.s.group_size, self.s.admission_unit)
 
     def _start_queued(self, e: _Engine) -> bool:
         """Start queued samples while the engine has a free slot (at its current progress); True if any started."""
         r, started = self.r, False
         while e.queue and e.n < self.gen.max_num_seqs:
-            ticket, L = e.queue.popleft()
+            ticket, L, segs, ctx = e.queue.popleft()
             r.seq_ids += 1
-            r.seqs[r.seq_ids] = (ticket, e.p, L)
-            heapq.heappush(e.heap, (e.p + L, r.seq_ids))
-            e.kv0 += self.s.prompt_tokens - e.p
+            r.seqs[r.seq_ids] = (ticket, e.p, L, segs, ctx)
+            heapq.heappush(e.heap, (e.p + segs[0], r.seq_ids))
+            e.kv0 += self.s.prompt_tokens + ctx - e.p
             e.n += 1
             started = True
         return started
@@ -229,7 +258,7 @@ class Simulator:
         tokens = sum(rec["tokens"] for rec in recs)
         for rec in recs:
             r.lags.extend([r.version - rec["vmin"]] * n)
-            r.token_lags.append((r.version * rec["tokens"] - rec["tv"], rec["tokens"]))
+            r.token_lags.append((r.version * rec["dec"] - rec["tv"], rec["dec"]))
         dur = self.train.step_s(tokens, s.train_ranks) + (s.switch_s if s.colocated else 0.0)
         r.train_time.append(dur)
         r.learner_busy_until = now + dur
@@ -250,18 +279,43 @@ class Simulator:
             e.p = ev[3]
         while e.heap and e.heap[0][0] <= e.p + 1e-9:
             _, sid = heapq.heappop(e.heap)
-            ticket, p0, L = r.seqs.pop(sid)
+            ticket, p0, L, segs, ctx = r.seqs.pop(sid)
             e.n -= 1
-            e.kv0 -= s.prompt_tokens - p0
+            e.kv0 -= s.prompt_tokens + ctx - p0
             g = r.groups[ticket]
-            g["left"] -= 1
-            g["tokens"] += L
-            g["tv"] += L * self._mean_version(e, p0, p0 + L)
-            if g["left"] == 0:
-                r.delivered[ticket] = r.groups.pop(ticket)
+            g["dec"] += segs[0]
+            g["tv"] += segs[0] * self._mean_version(e, p0, p0 + segs[0])
+            if s.episodes:  # to the environment (its slot is free now); back in env_s, or ended by the last call
+                e.at_env += 1
+                heapq.heappush(self.events, (now + s.env_s, 3, self._seq(),
+                                             ("env", e.idx, ticket, L, segs[1:], ctx + segs[0])))
+            else:
+                self._sample_done(ticket, L)
         if e.n == 0:
             e.kv0 = 0.0  # no drift of floating-point sums across idle periods
         self._start_queued(e)
+        self._admit(e, now)
+        self._schedule(e)
+        self._try_train(now)
+
+    def _sample_done(self, ticket: int, length: int) -> None:
+        g = self.r.groups[ticket]
+        g["left"] -= 1
+        g["tokens"] += length
+        if g["left"] == 0:
+            self.r.delivered[ticket] = self.r.groups.pop(ticket)
+
+    def _on_env(self, ev: tuple, now: float) -> None:
+        """An episode's environment call answered: its next turn queues for a slot, or the episode has ended."""
+        _, idx, ticket, length, segs, ctx = ev
+        e = self.r.engines[idx]
+        self._advance(e, now)  # integrate progress at the old count before the count changes
+        e.at_env -= 1
+        if segs:
+            e.queue.append((ticket, length, segs, ctx))
+            self._start_queued(e)
+        else:
+            self._sample_done(ticket, length)
         self._admit(e, now)
         self._schedule(e)
         self._try_train(now)

@@ -166,8 +166,13 @@ class RolloutWorker(WorkerSkeleton):
         return {}
 
     def _occupied(self) -> int:
-        """Sequences holding an engine slot: what admission room and occupancy count."""
+        """Sequences holding an engine slot: what admission room counts."""
         return self.engine.num_unfinished_seqs()
+
+    def _decoding(self) -> int:
+        """Sequences in the engine now: what occupancy and the engine's unfilled time count (the episode worker
+        admits by an expected load instead, which is not what a decode step runs)."""
+        return self._occupied()
 
     def _announce(self, num_prompts: int) -> None:
         ro = self.cfg.rollout
@@ -283,7 +288,7 @@ class RolloutWorker(WorkerSkeleton):
 
     def _step(self) -> None:
         ro = self.cfg.rollout
-        running = min(self._occupied(), ro.max_num_seqs)
+        running = min(self._decoding(), ro.max_num_seqs)
         t0 = time.perf_counter()
         finished = self.engine.step()
         step_s = time.perf_counter() - t0

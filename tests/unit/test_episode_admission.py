@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from asyncppo.envs.episode_worker import EngineShare, engine_load
+from asyncppo.staleness.episode_load import EngineShare, engine_load
 from asyncppo.metrics.rollout import episode_metrics
 from asyncppo.stream.records import Sample, TrajectoryGroup
 

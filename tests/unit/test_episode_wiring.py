@@ -4,6 +4,8 @@ runner (envs/examples.py, metrics/rollout.py, envs/episode_worker.py)."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from asyncppo.envs.episode_worker import CountingRunner, tool_names
@@ -73,6 +75,33 @@ def test_counting_runner_counts_tool_calls_and_errors():
         runner.step(env, "no call at all")
         assert runner.tools.counts == {"calls": 1, "unknown": 1, "malformed": 1}
         assert runner.calls == 3
+
+
+class _SlowStepEnv:
+    """A tool that takes 50 ms to answer a step; its init and close are instant."""
+
+    def init(self, messages):
+        return messages, {}
+
+    def step(self, action_text):
+        time.sleep(0.05)
+        return [], 0.0, False, {}
+
+    def close(self):
+        pass
+
+
+def test_runner_times_step_calls_apart_from_init_and_close():
+    """episodes/env_s_per_step is a tool's latency: 2 steps of 50 ms among 4 calls read 50 ms, not 25 ms."""
+    env = _SlowStepEnv()
+    with CountingRunner(max_concurrency=2, step_timeout_s=5.0) as runner:
+        runner.init(env, [{"role": "user", "content": "hi"}])
+        runner.step(env, "a")
+        runner.step(env, "b")
+        runner.close(env)
+        assert runner.calls == 4 and runner.step_calls == 2
+        assert 0.05 <= runner.step_seconds / runner.step_calls < 0.2
+        assert runner.seconds < runner.step_seconds + 0.05  # init and close took ~0
 
 
 def test_launch_refuses_a_tokenizer_without_chat_template_and_a_class_that_does_not_import(tmp_path):

@@ -1,0 +1,111 @@
+"""The advisor's model of multi-turn episodes (report/simulator.py, report/rates.py): samples leave the engine for
+an environment call after every model turn, and the engine admits by the episode worker's expected load. Cases
+solved by hand, the window law behind a slow tool, and the rates read back from a run directory."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from asyncppo.report.lengths import FixedLengths
+from asyncppo.report.rates import measure
+from asyncppo.report.simulator import EngineSpeed, Setup, TrainSpeed, simulate
+
+
+def test_one_episode_by_hand():
+    """k = 0, one episode of 4 tokens in 2 turns, 1 s per decode step, 10 s per environment call, 1 s of training:
+    turn (2 s) + call (10 s) + turn (2 s) + the call that ends it (10 s) + training (1 s) = 25 s a step; the engine
+    decodes 4 s of them with 1 of its 4 slots."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=1, group_size=1, max_staleness=0, steps=6,
+                       warmup_steps=1, turns=2, env_s=10.0), EngineSpeed(1.0, 0.0, 0.0, 4), TrainSpeed(1.0, 0.0),
+                 FixedLengths(4))
+    assert r.step_s == pytest.approx(25.0, rel=1e-9)
+    assert r.rollout_busy == pytest.approx(4 / 25, rel=1e-9)
+    assert r.occupancy == pytest.approx(0.25)
+
+
+def test_environment_tokens_are_trained_but_not_decoded():
+    """10 response tokens of which the environment wrote 6 (model_frac 0.4): the engine decodes 4, 2 a turn, at
+    0.5 s a step (2 x 1 s), the two calls take 2 s, and the learner trains all 10 tokens at 0.1 s each (1 s):
+    5 s a step, 4 decoded tokens in it."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=1, group_size=1, max_staleness=0, steps=6,
+                       warmup_steps=1, turns=2, env_s=1.0, model_frac=0.4), EngineSpeed(0.5, 0.0, 0.0, 4),
+                 TrainSpeed(0.0, 0.1), FixedLengths(10))
+    assert r.step_s == pytest.approx(5.0, rel=1e-9)
+    assert r.tokens_per_s == pytest.approx(4 / 5, rel=1e-9)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 7])
+def test_behind_a_slow_tool_the_window_sets_the_rate(k):
+    """Decoding and training nearly free, 2 turns of 1 s calls: an episode lives 2 s, and the window holds
+    (k + 1) x B groups of n, so (k + 1) x 4 episodes every 2 s, whatever the engine's 4 slots: at k = 7 it holds 32
+    episodes (the expected load, in flight x share of time in the engine, is what admission counts)."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=2, group_size=2, max_staleness=k, steps=60,
+                       warmup_steps=20, turns=2, env_s=1.0), EngineSpeed(0.001, 0.0, 0.0, 4), TrainSpeed(1e-6, 0.0),
+                 FixedLengths(2))
+    assert r.samples_per_s == pytest.approx(2 * (k + 1), rel=0.01)
+    assert r.lag_max == k
+
+
+def test_the_slots_bind_when_episodes_decode_as_long_as_they_wait():
+    """1 s per decode step and 1 s per call, 1 token a turn, 4 slots, a wide window (k = 8: 36 episodes). The engine
+    cannot step more than 4 turns a second, i.e. 2 episodes of 2 turns: the ceiling. Counting only the episodes in
+    the engine would let 4 fly, each living 4 s: 1 a second. The worker's rule (in flight x share of time in the
+    engine, admission per slot) lets about 2 x 4 fly and lands between the two."""
+    r = simulate(Setup(engines=1, train_ranks=1, batch_groups=2, group_size=2, max_staleness=8, steps=80,
+                       warmup_steps=30, turns=2, env_s=1.0, admission_unit="slot"), EngineSpeed(1.0, 0.0, 0.0, 4),
+                 TrainSpeed(1e-6, 0.0), FixedLengths(2))
+    assert 1.3 < r.samples_per_s <= 2.0 + 1e-9
+    assert r.occupancy == pytest.approx(r.samples_per_s / 2.0, rel=1e-6)  # 2 turns an episode, 4 slots a step
+
+
+def test_single_turn_setups_are_unchanged_by_the_episode_fields():
+    """turns = 1, env_s = 0 and model_frac = 1 are the single-turn pipeline: the same result to the last bit."""
+    common = dict(engines=1, train_ranks=1, batch_groups=4, group_size=4, max_staleness=2, steps=30, warmup_steps=5)
+    gen, train, lengths = EngineSpeed(0.05, 0.01, 0.0, 8), TrainSpeed(0.3, 0.001), FixedLengths(12)
+    a = simulate(Setup(**common), gen, train, lengths)
+    b = simulate(Setup(**common, turns=1.0, env_s=0.0, model_frac=1.0), gen, train, lengths)
+    assert a == b
+
+
+@pytest.mark.parametrize("bad", [dict(turns=0.5), dict(env_s=-1.0), dict(env_s=float("inf")),
+                                 dict(turns=float("nan")), dict(model_frac=0.0), dict(model_frac=1.5)])
+def test_bad_episode_fields_are_refused(bad):
+    with pytest.raises(ValueError, match="turns"):
+        Setup(engines=1, train_ranks=1, batch_groups=1, group_size=1, max_staleness=0, **bad)
+
+
+def _run_dir(tmp_path, records: list[dict]) -> str:
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (d / "config.yaml").write_text("rollout:\n  max_num_seqs: 64\n  rollout_batch_size: 4\n"
+                                   "  num_return_sequences_in_group: 4\n  max_staleness: 8\n  response_length: 64\n"
+                                   "cluster:\n  rollout_workers: 1\n")
+    return os.fspath(d)
+
+
+def test_rates_read_the_episodes_of_a_multi_turn_run(tmp_path):
+    """Turns, seconds per call and the decoded share come from the run's episode metrics. response_length/mean
+    counts the model's tokens (20 a sample, 0.75 of the response): the learner is fitted per response token with
+    the environment's, 0.4 s of work for 16 x 20 / 0.75 tokens."""
+    recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
+             "time/step_s": 0.5, "time/wait_s": 0.1, "episodes/turns_mean": 3.0 + (s % 2) * 0.5,
+             "episodes/env_s_per_step": 0.2, "episodes/env_token_frac": 0.25} for s in range(1, 11)]
+    rates = measure(_run_dir(tmp_path, recs), skip=2)
+    assert rates.turns == pytest.approx(3.25) and rates.env_s == pytest.approx(0.2)
+    assert rates.model_frac == pytest.approx(0.75)
+    assert rates.gen.per_seq_s == pytest.approx(0.03 / 24)  # one occupancy: charged per sequence
+    assert rates.train.per_token_s == pytest.approx(0.4 / (16 * 20 / 0.75))
+    setup = rates.setup(max_staleness=16)
+    assert setup.episodes and (setup.turns, setup.env_s, setup.model_frac) == (3.25, 0.2, 0.75)
+    assert any("multi-turn" in note for note in rates.notes)
+
+
+def test_rates_of_a_single_turn_run_have_no_episodes(tmp_path):
+    recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
+             "time/step_s": 0.5, "time/wait_s": 0.1} for s in range(1, 11)]
+    rates = measure(_run_dir(tmp_path, recs), skip=2)
+    assert (rates.turns, rates.env_s, rates.model_frac) == (1.0, 0.0, 1.0) and not rates.setup().episodes
