@@ -118,6 +118,7 @@ class EpisodeEngine:
         self._requests: dict[str, _Episode] = {}  # engine request key -> episode generating
         self._at_env = 0  # episodes whose environment is working
         self.env_wait_s = 0.0  # seconds step() waited with the engine empty and episodes at their environments
+        self.last_stepped = 0  # sequences in the wrapped engine at the last step (0: the step only waited)
         self._results: queue.SimpleQueue = queue.SimpleQueue()
 
     idle_wait_s = 0.05  # how long step() waits for an environment when the engine has nothing to decode
@@ -152,7 +153,8 @@ class EpisodeEngine:
         self._take_env_results(self.idle_wait_s if idle else 0.0)
         if idle:
             self.env_wait_s += time.perf_counter() - t0
-        finished = self.engine.step() if self.engine.num_unfinished_seqs() else []
+        self.last_stepped = self.engine.num_unfinished_seqs()  # what this step runs (the worker's meter reads it)
+        finished = self.engine.step() if self.last_stepped else []
         foreign = []
         for done in finished:
             if done.key not in self._requests:

@@ -169,10 +169,12 @@ class RolloutWorker(WorkerSkeleton):
         """Sequences holding an engine slot: what admission room counts."""
         return self.engine.num_unfinished_seqs()
 
-    def _decoding(self) -> int:
-        """Sequences in the engine now: what occupancy and the engine's unfilled time count (the episode worker
-        admits by an expected load instead, which is not what a decode step runs)."""
-        return self._occupied()
+    def _stepped(self, before: int) -> int:
+        """Sequences the engine step just taken ran: what occupancy, the decode-step curve and the engine's unfilled
+        time count. Here those in the engine before the step; the episode worker asks its episode engine, whose
+        step first takes back the episodes their environments answered (and which admits by an expected load,
+        not by what a step runs)."""
+        return before
 
     def _announce(self, num_prompts: int) -> None:
         ro = self.cfg.rollout
@@ -288,14 +290,16 @@ class RolloutWorker(WorkerSkeleton):
 
     def _step(self) -> None:
         ro = self.cfg.rollout
-        running = min(self._decoding(), ro.max_num_seqs)
+        before = self._occupied()
         t0 = time.perf_counter()
         finished = self.engine.step()
         step_s = time.perf_counter() - t0
+        running = min(self._stepped(before), ro.max_num_seqs)
         self.meter.busy_s += step_s
-        self.meter.steps += 1
-        self.meter.running_sum += running
-        if running < ro.max_num_seqs and ro.generation == "continuous":  # a batch engine is never refilled
+        if running:  # an episode engine that only waited for its environments took no step
+            self.meter.steps += 1
+            self.meter.running_sum += running
+        if 0 < running < ro.max_num_seqs and ro.generation == "continuous":  # a batch engine is never refilled
             self.meter.unfilled_s[self._waits_for()] += step_s * (ro.max_num_seqs - running) / ro.max_num_seqs
         self.progress += 1
         if not self.engine.num_unfinished_seqs() and self._draining:

@@ -147,18 +147,24 @@ def _check_sequence(tok, env, c):
 def _three_turn_group(engine, tok, model):
     prompt = _prompt_ids(tok)
     envs = [ScriptedEnv(), ScriptedEnv()]
+    stepped = []
     with EnvRunner(max_concurrency=4, step_timeout_s=30) as runner:
         eps = _episodes(engine, tok, runner)
         eps.add_group("g0", prompt, SamplingSpec(n=2, max_tokens=200, temperature=1.0, seed=3), envs)
-        [group] = _run(eps, 1)
+        [group] = _run(eps, 1, on_step=lambda: stepped.append(eps.last_stepped))
         eps.close()
     assert group.key == "g0" and not group.dropped and len(group.completions) == 2
+    model_tokens = 0
     for env, c in zip(envs, group.completions):
         mask = _check_sequence(tok, env, c)
+        model_tokens += int(mask.sum())
         lp = _forward_logprobs(model, prompt, [int(t) for t in c.token_ids])
         np.testing.assert_allclose(c.logprobs[mask], lp[mask], atol=TOL, rtol=0)
         assert c.reward == 6.0 and c.ended == "done"
     assert eps.counters["turns"] == 6 and eps.counters["truncated"] == 0
+    # the worker's meter counts the sequences each step ran (the turns that re-entered it included): every model
+    # token came from one engine step of its sequence, so the counts add up to the model's tokens
+    assert sum(stepped) == model_tokens, (sum(stepped), model_tokens)
     return prompt, group
 
 
