@@ -159,8 +159,8 @@ class EpisodeRolloutWorker(RolloutWorker):
         the engine, whichever is larger."""
         return engine_load(self.engine.num_running_seqs(), self.engine.num_unfinished_seqs(), self.engine_share.share)
 
-    def _stepped(self, before: int) -> int:
-        return self.engine.last_stepped
+    def _stepped(self, before: int) -> tuple[int, float]:
+        return self.engine.last_stepped, self.engine.last_wait_s
 
     def _work(self) -> None:
         at_env, running = self.engine.num_at_env(), self.engine.num_running_seqs()

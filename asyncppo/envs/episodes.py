@@ -119,6 +119,7 @@ class EpisodeEngine:
         self._at_env = 0  # episodes whose environment is working
         self.env_wait_s = 0.0  # seconds step() waited with the engine empty and episodes at their environments
         self.last_stepped = 0  # sequences in the wrapped engine at the last step (0: the step only waited)
+        self.last_wait_s = 0.0  # seconds the last step waited for an environment with the engine empty
         self._results: queue.SimpleQueue = queue.SimpleQueue()
 
     idle_wait_s = 0.05  # how long step() waits for an environment when the engine has nothing to decode
@@ -151,8 +152,8 @@ class EpisodeEngine:
         idle = not self.engine.num_unfinished_seqs() and self._at_env
         t0 = time.perf_counter()
         self._take_env_results(self.idle_wait_s if idle else 0.0)
-        if idle:
-            self.env_wait_s += time.perf_counter() - t0
+        self.last_wait_s = time.perf_counter() - t0 if idle else 0.0
+        self.env_wait_s += self.last_wait_s
         self.last_stepped = self.engine.num_unfinished_seqs()  # what this step runs (the worker's meter reads it)
         finished = self.engine.step() if self.last_stepped else []
         foreign = []

@@ -262,13 +262,14 @@ def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[s
     at_env = _mean([r.get("episodes/at_env_mean") for r in steady])
     in_engine = _mean([r.get("episodes/in_engine_mean") for r in steady])
     if at_env is not None and in_engine is not None and at_env > in_engine:
-        # multi-turn: the window is full of episodes waiting on their environment, not of stragglers; the advisor
-        # does not model environment time, so point at the knob itself
+        # multi-turn: the window is full of episodes waiting on their environment, not of stragglers: the knob is
+        # the window itself, and the advisor (which models the tool's time) predicts what widening it buys
         return (f"hint: the engines ran {occupancy:.2f} full for want of tickets while the learner waited "
                 f"{1 - busy:.0%} of its time, with ~{at_env:.0f} episodes at their environment against "
                 f"~{in_engine:.0f} in the engines: the staleness window ((j + 1) x B groups) must hold the episodes "
                 "waiting on their tools as well as those decoding, so a wider rollout.max_staleness (the lookahead "
-                "follows it unless set) keeps the engines fuller, at the cost of more lag (docs/environments.md, "
+                "follows it unless set) keeps the engines fuller, at the cost of more lag; `asyncppo advise "
+                f"{run_dir} --gpus N --staleness K,...` predicts what each would buy (docs/environments.md, "
                 "\"Behind a slow tool: the window\")")
     return (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
             f"while the learner waited {1 - busy:.0%} of its time: `asyncppo advise {run_dir} --gpus N --lookahead "

@@ -125,7 +125,9 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     tokens_l, work = [], []
     for r in recs:
         if all(isinstance(r.get(k), (int, float)) for k in ("time/step_s", "time/wait_s", "response_length/mean")):
-            tokens_l.append(float(r["response_length/mean"]) / model_frac * B * n)  # with the environment's
+            decoded = model_frac if not isinstance(r.get("episodes/env_token_frac"), (int, float)) \
+                else max(0.01, 1.0 - float(r["episodes/env_token_frac"]))
+            tokens_l.append(float(r["response_length/mean"]) / decoded * B * n)  # with the environment's
             work.append(float(r["time/step_s"]) - float(r["time/wait_s"]))
     if not tokens_l:
         raise ValueError(f"{run_dir}: no learner timing logged (time/step_s, time/wait_s)")
@@ -166,12 +168,13 @@ def _episodes(recs: list[dict], notes: list[str]) -> tuple[float, float, float]:
     if not eps:
         return 1.0, 0.0, 1.0
     turns = max(1.0, statistics.fmean(float(r["episodes/turns_mean"]) for r in eps))
+    # a step whose groups brought no new call logs 0 (the worker's counters are deltas since its last group)
     per_call = [float(r["episodes/env_s_per_step"]) for r in eps
-                if isinstance(r.get("episodes/env_s_per_step"), (int, float))]
+                if isinstance(r.get("episodes/env_s_per_step"), (int, float)) and r["episodes/env_s_per_step"] > 0]
     env_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
     env_frac = [float(r["episodes/env_token_frac"]) for r in eps
                 if isinstance(r.get("episodes/env_token_frac"), (int, float))]
-    model_frac = min(1.0, max(0.05, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0
+    model_frac = min(1.0, max(0.01, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0
     notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms per environment call, "
                  f"{model_frac:.0%} of response tokens decoded (the rest written by the environment)")
     return turns, env_s, model_frac

@@ -75,8 +75,9 @@ class _Engine:
         self.pending: deque = deque()  # granted tickets not yet admitted
         self.marks: list[tuple[float, int]] = [(0.0, 0)]  # (progress, version from then on)
         self.epoch = 0
-        # (ticket, length, segments left, context) of samples waiting for a slot: admitted per slot, or an
-        # episode back from its environment; length is the sample's response tokens, context its tokens so far
+        # (ticket, length, segments left, environment tokens a turn, context) of samples waiting for a slot:
+        # admitted per slot, or an episode back from its environment; length is the sample's response tokens,
+        # context its response tokens so far (the environment's included)
         self.queue: deque = deque()
         self.at_env = 0  # episodes at their environment call (hold no slot)
         self.share = EngineShare()  # the episode worker's share of in-flight time in the engine, on simulated time
@@ -88,7 +89,7 @@ class _RunState:
 
     engines: list
     tickets: AdmissionController
-    seqs: dict = field(default_factory=dict)  # seq id -> (group ticket, start progress, length, segments, context)
+    seqs: dict = field(default_factory=dict)  # seq id -> (ticket, start progress, length, segments, env a turn, context)
     groups: dict = field(default_factory=dict)  # ticket -> {left, tokens (trained), dec (decoded), vmin, tv}
     delivered: dict = field(default_factory=dict)
     learner_busy_until: Optional[float] = None
@@ -166,7 +167,8 @@ class Simulator:
 
     # -- the run --------------------------------------------------------------------------------------------
     def run(self) -> Result:
-        """Replay events (sequence finished, step trained, weights loaded) in time order until the last step."""
+        """Replay events (sequence finished, step trained, weights loaded, environment answered) in time order until
+        the last step."""
         self.events: list = []
         self._counter = 0
         tickets = AdmissionController(self.s.batch_groups, self.s.max_staleness, lookahead=self.s.lookahead)
@@ -190,6 +192,7 @@ class Simulator:
         """Request tickets in order while the engine has room, then admit every group whose version it satisfies."""
         r, n = self.r, self.s.group_size
         self._advance(e, now)
+        e.share.add(e.n + len(e.queue), e.at_env, now)  # as the worker: the counts so far, then the room
         room = self._room(e)
         while len(e.pending) < room:  # request tickets, in order, while the window has them
             granted = r.tickets.try_acquire()
@@ -200,37 +203,41 @@ class Simulator:
         while e.pending and self._room(e) and e.pending[0].min_version <= e.version:
             ticket = e.pending.popleft().index
             r.groups[ticket] = {"left": n, "tokens": 0, "dec": 0, "vmin": e.version, "tv": 0.0}
-            e.queue.extend((ticket, L, self._segments(L), 0) for L in self.lengths.sample_group(self.rng, n))
+            e.queue.extend((ticket, L, *self._segments(L), 0.0) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
         e.share.add(e.n + len(e.queue), e.at_env, now)
         if added:
             self._schedule(e)
 
-    def _segments(self, length: int) -> tuple:
-        """The decoded tokens of a sample of ``length`` response tokens, one entry per model turn."""
+    def _segments(self, length: int) -> tuple[tuple, float]:
+        """The decoded tokens of a sample of ``length`` response tokens, one entry per model turn, and the tokens
+        the environment adds to its context per turn (the rest of its length)."""
         s = self.s
         if s.turns == 1.0 and s.model_frac == 1.0:
-            return (length,)
-        decoded = max(1, round(length * s.model_frac))
+            return (length,), 0.0
+        decoded = max(1, round(length * s.model_frac))  # a turn decodes at least its stop token
         whole = int(s.turns)
         turns = min(decoded, whole + (s.turns > whole and self.rng.random() < s.turns - whole))
         base, extra = divmod(decoded, turns)
-        return tuple(base + (i < extra) for i in range(turns))
+        return tuple(base + (i < extra) for i in range(turns)), max(0, length - decoded) / turns
+
+    def _load(self, e: _Engine) -> int:
+        """What admission counts as engine ``e``'s load: the samples in it or queued for it; with episodes the load
+        the episodes in flight make on average (the episode worker's rule)."""
+        in_engine = e.n + len(e.queue)
+        return engine_load(in_engine, in_engine + e.at_env, e.share.share) if self.s.episodes else in_engine
 
     def _room(self, e: _Engine) -> int:
-        """Groups engine ``e`` may admit now: its free slots, less the samples already queued for one; with episodes
-        the free slots are those the episodes in flight leave on average (the episode worker's rule)."""
-        in_engine = e.n + len(e.queue)
-        load = engine_load(in_engine, in_engine + e.at_env, e.share.share) if self.s.episodes else in_engine
-        return admission_room(self.gen.max_num_seqs - load, self.s.group_size, self.s.admission_unit)
+        """Groups engine ``e`` may admit now."""
+        return admission_room(self.gen.max_num_seqs - self._load(e), self.s.group_size, self.s.admission_unit)
 
     def _start_queued(self, e: _Engine) -> bool:
         """Start queued samples while the engine has a free slot (at its current progress); True if any started."""
         r, started = self.r, False
         while e.queue and e.n < self.gen.max_num_seqs:
-            ticket, L, segs, ctx = e.queue.popleft()
+            ticket, L, segs, env_turn, ctx = e.queue.popleft()
             r.seq_ids += 1
-            r.seqs[r.seq_ids] = (ticket, e.p, L, segs, ctx)
+            r.seqs[r.seq_ids] = (ticket, e.p, L, segs, env_turn, ctx)
             heapq.heappush(e.heap, (e.p + segs[0], r.seq_ids))
             e.kv0 += self.s.prompt_tokens + ctx - e.p
             e.n += 1
@@ -239,7 +246,7 @@ class Simulator:
 
     def _admit_all(self, now: float) -> None:
         # engines with the most room ask first, as idle workers' requests reach the controller first
-        for e in sorted(self.r.engines, key=lambda x: x.n):
+        for e in sorted(self.r.engines, key=lambda x: self._load(x) if self.s.episodes else x.n):
             self._admit(e, now)
 
     def _try_train(self, now: float) -> None:
@@ -265,7 +272,8 @@ class Simulator:
         heapq.heappush(self.events, (now + dur, 1, self._seq(), ("trained", tokens)))
 
     def _on_finish(self, ev: tuple, now: float) -> None:
-        """Sequences of one engine reached their length: free their slots, deliver completed groups, refill."""
+        """Sequences of one engine reached their length (or ended a turn): free their slots, deliver completed
+        groups (or send the episodes to their environment), refill."""
         s, r = self.s, self.r
         e = r.engines[ev[1]]
         if ev[2] != e.epoch:
@@ -279,7 +287,7 @@ class Simulator:
             e.p = ev[3]
         while e.heap and e.heap[0][0] <= e.p + 1e-9:
             _, sid = heapq.heappop(e.heap)
-            ticket, p0, L, segs, ctx = r.seqs.pop(sid)
+            ticket, p0, L, segs, env_turn, ctx = r.seqs.pop(sid)
             e.n -= 1
             e.kv0 -= s.prompt_tokens + ctx - p0
             g = r.groups[ticket]
@@ -288,7 +296,7 @@ class Simulator:
             if s.episodes:  # to the environment (its slot is free now); back in env_s, or ended by the last call
                 e.at_env += 1
                 heapq.heappush(self.events, (now + s.env_s, 3, self._seq(),
-                                             ("env", e.idx, ticket, L, segs[1:], ctx + segs[0])))
+                                             ("env", e.idx, ticket, L, segs[1:], env_turn, ctx + segs[0] + env_turn)))
             else:
                 self._sample_done(ticket, L)
         if e.n == 0:
@@ -307,12 +315,12 @@ class Simulator:
 
     def _on_env(self, ev: tuple, now: float) -> None:
         """An episode's environment call answered: its next turn queues for a slot, or the episode has ended."""
-        _, idx, ticket, length, segs, ctx = ev
+        _, idx, ticket, length, segs, env_turn, ctx = ev
         e = self.r.engines[idx]
         self._advance(e, now)  # integrate progress at the old count before the count changes
         e.at_env -= 1
         if segs:
-            e.queue.append((ticket, length, segs, ctx))
+            e.queue.append((ticket, length, segs, env_turn, ctx))
             self._start_queued(e)
         else:
             self._sample_done(ticket, length)

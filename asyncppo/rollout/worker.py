@@ -169,12 +169,13 @@ class RolloutWorker(WorkerSkeleton):
         """Sequences holding an engine slot: what admission room counts."""
         return self.engine.num_unfinished_seqs()
 
-    def _stepped(self, before: int) -> int:
-        """Sequences the engine step just taken ran: what occupancy, the decode-step curve and the engine's unfilled
-        time count. Here those in the engine before the step; the episode worker asks its episode engine, whose
-        step first takes back the episodes their environments answered (and which admits by an expected load,
-        not by what a step runs)."""
-        return before
+    def _stepped(self, before: int) -> tuple[int, float]:
+        """(sequences the engine step just taken ran, seconds of it spent waiting rather than stepping): what
+        occupancy, the decode-step curve and the engine's unfilled time count. Here those in the engine before the
+        step, and no wait; the episode worker asks its episode engine, whose step first takes back (or waits for)
+        the episodes their environments answered, and which admits by an expected load, not by what a step
+        runs."""
+        return before, 0.0
 
     def _announce(self, num_prompts: int) -> None:
         ro = self.cfg.rollout
@@ -294,13 +295,15 @@ class RolloutWorker(WorkerSkeleton):
         t0 = time.perf_counter()
         finished = self.engine.step()
         step_s = time.perf_counter() - t0
-        running = min(self._stepped(before), ro.max_num_seqs)
+        running, waited_s = self._stepped(before)
+        running = min(running, ro.max_num_seqs)
         self.meter.busy_s += step_s
         if running:  # an episode engine that only waited for its environments took no step
             self.meter.steps += 1
             self.meter.running_sum += running
         if 0 < running < ro.max_num_seqs and ro.generation == "continuous":  # a batch engine is never refilled
-            self.meter.unfilled_s[self._waits_for()] += step_s * (ro.max_num_seqs - running) / ro.max_num_seqs
+            self.meter.unfilled_s[self._waits_for()] += ((step_s - waited_s) * (ro.max_num_seqs - running)
+                                                         / ro.max_num_seqs)
         self.progress += 1
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now

@@ -127,7 +127,8 @@ def test_summary_points_to_the_advisor_only_when_engines_lacked_tickets_while_th
 
 def test_a_multi_turn_run_whose_window_holds_episodes_at_their_tools_is_told_to_widen_it():
     """The same starved engines, but the steady steps' episodes were mostly at their environment: the hint names the
-    window (rollout.max_staleness) and the episode counts, not the advisor (which does not model tool time)."""
+    window (rollout.max_staleness) and the episode counts, and the advisor with the widths to try (it models the
+    tool's time), not the lookahead that long tails need."""
     starved = {"rollout": {"occupancy": 0.70, "occupancy_steady": 0.71, "unfilled_ticket_s": 2.5,
                            "engine_step_s": 6.7}}
     # the first quarter (a warm-up with few episodes at the tool) is left out of the means
@@ -137,10 +138,12 @@ def test_a_multi_turn_run_whose_window_holds_episodes_at_their_tools_is_told_to_
     hint = summary_table(records, starved, 60.0, run_dir="/runs/b").splitlines()[-1]
     assert hint.startswith("hint: the engines ran 0.71 full for want of tickets while the learner waited 24%")
     assert "~175 episodes at their environment against ~30 in the engines" in hint
-    assert "rollout.max_staleness" in hint and "asyncppo advise" not in hint
+    assert "rollout.max_staleness" in hint and "asyncppo advise /runs/b --gpus N --staleness K" in hint
+    assert "--lookahead" not in hint
     # episodes mostly in the engines: the tickets are held by decoding, so the advisor's hint as for one turn
     decoding = [{**r, "episodes/at_env_mean": 5.0, "episodes/in_engine_mean": 50.0} for r in records]
-    assert "asyncppo advise /runs/b" in summary_table(decoding, starved, 60.0, run_dir="/runs/b").splitlines()[-1]
+    assert "asyncppo advise /runs/b --gpus N --lookahead" in summary_table(decoding, starved, 60.0,
+                                                                          run_dir="/runs/b").splitlines()[-1]
 
 
 def test_redirect_output_captures_python_and_c_level_writes(tmp_path):
