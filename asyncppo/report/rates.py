@@ -13,9 +13,10 @@ What is read, from the run's own metrics (first ``skip`` steps dropped: engine w
 * **weight load**: the median of ``sync/push_s`` (announcement seen -> weights loaded in the engine).
 * **lengths**: ``summary.json``'s sampled groups (``rollout.group_lengths``) when present, else a lognormal with the
   run's mean and p99 response length, capped at ``rollout.response_length``.
-* **episodes** (multi-turn runs, which log ``episodes/turns_mean``): the mean model turns per episode, the mean
-  seconds per environment call (``episodes/env_s_per_step``) and the share of response tokens the model decoded
-  (``1 - episodes/env_token_frac``). Units: ``response_length/mean`` counts the model's tokens (the loss mask),
+* **episodes** (multi-turn runs, which log ``episodes/turns_mean``): the mean model turns per episode, the seconds
+  an episode spends out of the engine per turn (from ``episodes/at_env_mean`` by Little's law, which counts the
+  answer's wait to re-enter the engine; else the calls' own ``episodes/env_s_per_step``) and the share of response
+  tokens the model decoded (``1 - episodes/env_token_frac``). Units: ``response_length/mean`` counts the model's tokens (the loss mask),
   which is what the engine decodes; the sampled group lengths and ``response_length/p99`` count the environment's
   tokens too, which the learner trains on, so the learner's fit is per response token including them.
 """
@@ -103,7 +104,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     engines = gpus if gpus > 0 else int(run.cfg("cluster.rollout_workers", 1))
     ranks = max(1, int(run.cfg("cluster.train_gpus", 0) or 0))
     resp_len = int(run.cfg("rollout.response_length", 16))
-    turns, env_s, model_frac = _episodes(recs, notes)
+    turns, env_s, model_frac = _episodes(recs, B * n, notes)
 
     running, step_s, steps = [], [], []  # per record: sequences per decode step, seconds per step, decode steps
     for r in recs:
@@ -161,9 +162,15 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     )
 
 
-def _episodes(recs: list[dict], notes: list[str]) -> tuple[float, float, float]:
-    """(turns per episode, seconds per environment call, decoded share of response tokens) of a multi-turn run;
-    (1, 0, 1) for a single-turn one (no ``episodes/turns_mean`` logged)."""
+def _episodes(recs: list[dict], samples_per_step: int, notes: list[str]) -> tuple[float, float, float]:
+    """(turns per episode, seconds out of the engine per turn, decoded share of response tokens) of a multi-turn
+    run; (1, 0, 1) for a single-turn one (no ``episodes/turns_mean`` logged).
+
+    The seconds out of the engine are what the model needs, and more than the environment call itself: an answer
+    waits for the worker's next turn of its loop to re-enter the engine (~20 ms a turn on the 2-core box). Where
+    the run logged where its episodes were (``episodes/at_env_mean``), they follow from Little's law: episodes at
+    their environment over the turns a second that reach it (samples a second x turns); else the calls' own
+    time (``episodes/env_s_per_step``)."""
     eps = [r for r in recs if isinstance(r.get("episodes/turns_mean"), (int, float))]
     if not eps:
         return 1.0, 0.0, 1.0
@@ -171,11 +178,20 @@ def _episodes(recs: list[dict], notes: list[str]) -> tuple[float, float, float]:
     # a step whose groups brought no new call logs 0 (the worker's counters are deltas since its last group)
     per_call = [float(r["episodes/env_s_per_step"]) for r in eps
                 if isinstance(r.get("episodes/env_s_per_step"), (int, float)) and r["episodes/env_s_per_step"] > 0]
-    env_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
+    call_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
+    spread = [r for r in eps if isinstance(r.get("episodes/at_env_mean"), (int, float))
+              and isinstance(r.get("time/step_s"), (int, float)) and r["time/step_s"] > 0]
+    wall = sum(float(r["time/step_s"]) for r in spread)
+    env_s, how = call_s, "per environment call"
+    if spread and wall > 0:
+        at_env = sum(float(r["episodes/at_env_mean"]) * float(r["time/step_s"]) for r in spread) / wall
+        out_s = at_env / (samples_per_step * len(spread) / wall * turns)
+        if out_s > call_s:
+            env_s, how = out_s, f"out of the engine per turn ({call_s * 1e3:.0f} ms per call, the rest the pick-up)"
     env_frac = [float(r["episodes/env_token_frac"]) for r in eps
                 if isinstance(r.get("episodes/env_token_frac"), (int, float))]
     model_frac = min(1.0, max(0.01, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0
-    notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms per environment call, "
+    notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms {how}, "
                  f"{model_frac:.0%} of response tokens decoded (the rest written by the environment)")
     return turns, env_s, model_frac
 

@@ -122,6 +122,17 @@ def test_rates_read_the_episodes_of_a_multi_turn_run(tmp_path):
     assert any("multi-turn" in note for note in rates.notes)
 
 
+def test_rates_take_the_time_out_of_the_engine_by_littles_law(tmp_path):
+    """16 samples a 0.5 s step (32 a second) of 3 turns: 96 turns a second reach the environment; 24 episodes there
+    on average means 0.25 s out of the engine per turn, more than the 0.2 s call: the answer's pick-up counts."""
+    recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
+             "time/step_s": 0.5, "time/wait_s": 0.1, "episodes/turns_mean": 3.0, "episodes/env_s_per_step": 0.2,
+             "episodes/env_token_frac": 0.25, "episodes/at_env_mean": 24.0} for s in range(1, 11)]
+    rates = measure(_run_dir(tmp_path, recs), skip=2)
+    assert rates.env_s == pytest.approx(0.25)
+    assert any("out of the engine per turn (200 ms per call" in note for note in rates.notes)
+
+
 def test_rates_of_a_single_turn_run_have_no_episodes(tmp_path):
     recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
              "time/step_s": 0.5, "time/wait_s": 0.1} for s in range(1, 11)]
