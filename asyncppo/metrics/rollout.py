@@ -106,6 +106,7 @@ class EngineTotals:
         self.running_sum = 0.0
         self._before_last = (0.0, 0.0)  # (steps, running_sum) before the last add(): occupancy_steady
         self.busy_s = 0.0  # inside the engines' step calls
+        self.gap_s = 0.0  # the workers' loops between two steps of an engine holding sequences
         self.inflight_updates = 0
         self.waits = dict.fromkeys(WAIT_KEYS, 0.0)
         self.push_s: list[float] = []
@@ -134,6 +135,8 @@ class EngineTotals:
             self._keep_group(g.sample_lengths())
         busy = sum(g.timings.get("engine_busy_s", 0.0) for g in groups)
         self.busy_s += busy
+        gap = sum(g.timings.get("engine_gap_s", 0.0) for g in groups)
+        self.gap_s += gap
         waits = {key: sum(g.timings.get(key, 0.0) for g in groups) for key in WAIT_KEYS}
         for key, seconds in waits.items():
             self.waits[key] += seconds
@@ -143,6 +146,9 @@ class EngineTotals:
             # engine seconds per decode step and sequences per step: the advisor's generation-speed curve
             "rollout/decode_step_s": busy / steps if steps else 0.0,
             "rollout/running_mean": running / steps if steps else 0.0,
+            # the worker's own seconds between two decode steps (admission, groups sent, control): the advisor adds
+            # them to each step, since the engine does not step meanwhile
+            "rollout/step_gap_s": gap / steps if steps else 0.0,
             "rollout/inflight_updates": float(inflight),
             **{f"rollout/{key}": seconds for key, seconds in waits.items()},  # WAIT_KEYS
             "sync/push_s": max(pushes, default=0.0),
@@ -171,6 +177,7 @@ class EngineTotals:
             # every decoding sequence makes one token a step: tokens a second while stepping, the figure to set
             # beside the engine alone's (scripts/pipeline_limit.py: gen_tokens / step_s)
             "engine_step_s": self.busy_s,
+            "engine_gap_s": self.gap_s,
             "running_mean": self.running_sum / self.steps if self.steps else 0.0,
             "decode_tokens_per_s": self.running_sum / self.busy_s if self.busy_s else 0.0,
             "inflight_updates": self.inflight_updates,

@@ -61,14 +61,19 @@ class EngineMeter:
     # a running engine's free slots, as engine seconds: each continuous step adds its time x the share of
     # max_num_seqs left free, by the same causes (an engine 3/4 full for 2 s counts 0.5 s)
     unfilled_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
+    # the worker's own time between two decode steps while its engine held sequences (admission, groups scored,
+    # built and sent, control messages; weight loads and waits left out): what the engine loses to the loop, which
+    # the advisor adds to its decode-step time
+    gap_s: float = 0.0
 
     def take(self) -> dict[str, float]:
-        out = {"engine_busy_s": self.busy_s, "decode_steps": float(self.steps),
+        out = {"engine_busy_s": self.busy_s, "engine_gap_s": self.gap_s, "decode_steps": float(self.steps),
                "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
                "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
                "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()},
                **{f"unfilled_{why}_s": sec for why, sec in self.unfilled_s.items()}}
-        self.busy_s, self.steps, self.running_sum, self.inflight_updates, self.push_s = 0.0, 0, 0, 0, []
+        self.busy_s, self.gap_s, self.steps, self.running_sum, self.inflight_updates = 0.0, 0.0, 0, 0, 0
+        self.push_s = []
         self.idle_s, self.unfilled_s = dict.fromkeys(self.idle_s, 0.0), dict.fromkeys(self.unfilled_s, 0.0)
         return out
 
@@ -88,6 +93,7 @@ class RolloutWorker(WorkerSkeleton):
         self.meter = EngineMeter()
         self._in_flight: dict[str, InFlight] = {}
         self._draining = False  # weights are waiting for the sequences in flight to finish
+        self._step_ended: float | None = None  # when the last decode step ended, while the engine held sequences
         self._announce_seen: dict[int, float] = {}  # weights_version -> when we first saw it announced
         self.evaluator = None  # an EvalRunner when the run has held-out sets (rollout/evaluation.py)
         self._loads_before = 0  # weight loads before the current learner's first push (a restarted learner)
@@ -220,6 +226,7 @@ class RolloutWorker(WorkerSkeleton):
             return
         t0 = time.perf_counter()
         self.phase = "loading"
+        self._step_ended = None  # the load is the advisor's load_s, not the loop's gap
         # Layer group by layer group: memory stays bounded by a bucket, and tied fp32 embeddings are handled.
         # (adapters never touch the embeddings, so a LoRA push needs no tied-embedding alias: model_config None)
         version = receive_into_engine(self.receiver, self.merger or self.model_engine, flush_bytes=ro.weight_bucket_mb << 20,
@@ -293,6 +300,8 @@ class RolloutWorker(WorkerSkeleton):
         ro = self.cfg.rollout
         before = self._occupied()
         t0 = time.perf_counter()
+        if self._step_ended is not None:
+            self.meter.gap_s += t0 - self._step_ended
         finished = self.engine.step()
         step_s = time.perf_counter() - t0
         running, waited_s = self._stepped(before)
@@ -305,6 +314,8 @@ class RolloutWorker(WorkerSkeleton):
             self.meter.unfilled_s[self._waits_for()] += ((step_s - waited_s) * (ro.max_num_seqs - running)
                                                          / ro.max_num_seqs)
         self.progress += 1
+        # the next step's gap is counted from here only if the engine still holds sequences (an empty one waits)
+        self._step_ended = t0 + step_s if self.engine.num_unfinished_seqs() else None
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now
         for done in finished:

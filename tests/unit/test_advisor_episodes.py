@@ -138,3 +138,13 @@ def test_rates_of_a_single_turn_run_have_no_episodes(tmp_path):
              "time/step_s": 0.5, "time/wait_s": 0.1} for s in range(1, 11)]
     rates = measure(_run_dir(tmp_path, recs), skip=2)
     assert (rates.turns, rates.env_s, rates.model_frac) == (1.0, 0.0, 1.0) and not rates.setup().episodes
+
+
+def test_rates_charge_the_workers_time_between_steps_to_every_step(tmp_path):
+    """0.03 s a step at one occupancy (charged per sequence) and 2 ms of the worker's loop between two steps: the
+    engine makes a step every 32 ms, so the model's step is 2 ms fixed plus 30 ms for the 24 sequences."""
+    recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
+             "rollout/step_gap_s": 0.002, "time/step_s": 0.5, "time/wait_s": 0.1} for s in range(1, 11)]
+    rates = measure(_run_dir(tmp_path, recs), skip=2)
+    assert rates.gen.base_s == pytest.approx(0.002) and rates.gen.per_seq_s == pytest.approx(0.03 / 24)
+    assert any("between decode steps: 2.00 ms" in note for note in rates.notes)

@@ -17,11 +17,12 @@ def _group(lengths: list[int], **timings: float) -> TrajectoryGroup:
 def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     totals = EngineTotals(max_num_seqs=4)
     a = _group([3, 5], decode_steps=10.0, running_seq_sum=30.0, engine_busy_s=0.5, idle_ticket_s=1.25,
-               idle_weights_s=0.0, unfilled_ticket_s=0.125, unfilled_weights_s=0.0625)
+               idle_weights_s=0.0, unfilled_ticket_s=0.125, unfilled_weights_s=0.0625, engine_gap_s=0.0625)
     b = _group([7], decode_steps=6.0, running_seq_sum=18.0, engine_busy_s=0.3, idle_ticket_s=0.0,
-               idle_weights_s=0.5, inflight_updates=1.0, push_count=1.0, push_s_max=0.04)
+               idle_weights_s=0.5, inflight_updates=1.0, push_count=1.0, push_s_max=0.04, engine_gap_s=0.0625)
     step = totals.add([a, b])
     assert step["rollout/occupancy"] == 48 / (16 * 4)
+    assert step["rollout/step_gap_s"] == 0.125 / 16  # the worker's seconds between two steps, per step
     assert step["rollout/decode_step_s"] == 0.8 / 16 and step["rollout/running_mean"] == 3.0
     assert step["rollout/idle_ticket_s"] == 1.25 and step["rollout/idle_weights_s"] == 0.5
     assert step["rollout/unfilled_ticket_s"] == 0.125 and step["rollout/unfilled_weights_s"] == 0.0625
@@ -43,4 +44,5 @@ def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     assert one_step.summary()["occupancy_steady"] is None  # nothing before the last step
     # 64 sequence-steps (one token each) in 0.5 + 0.3 + 0.2 engine seconds, 20 steps
     assert summary["engine_step_s"] == 1.0 and summary["running_mean"] == 3.2
+    assert summary["engine_gap_s"] == 0.125  # the groups without the key count none
     assert summary["decode_tokens_per_s"] == 64.0
