@@ -162,6 +162,9 @@ class EpisodeRolloutWorker(RolloutWorker):
     def _stepped(self, before: int) -> tuple[int, float]:
         return self.engine.last_stepped, self.engine.last_wait_s
 
+    def _holds_sequences(self) -> bool:
+        return self.engine.num_running_seqs() > 0
+
     def _work(self) -> None:
         at_env, running = self.engine.num_at_env(), self.engine.num_running_seqs()
         self.engine_share.add(running, at_env)

@@ -103,10 +103,12 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     B = int(run.cfg("rollout.rollout_batch_size", 16))
     n = int(run.cfg("rollout.num_return_sequences_in_group", 8))
     gpus = int(run.cfg("cluster.rollout_gpus", 0) or 0)
-    engines = gpus if gpus > 0 else int(run.cfg("cluster.rollout_workers", 1))
+    per_engine = max(1, int(run.cfg("rollout.tensor_parallel_size", 1) or 1)) * \
+        max(1, int(run.cfg("rollout.pipeline_parallel_size", 1) or 1))
+    engines = max(1, gpus // per_engine) if gpus > 0 else int(run.cfg("cluster.rollout_workers", 1))
     ranks = max(1, int(run.cfg("cluster.train_gpus", 0) or 0))
     resp_len = int(run.cfg("rollout.response_length", 16))
-    turns, env_s, model_frac = _episodes(recs, B * n, notes)
+    turns, env_s, model_frac = _episodes(recs, B * n, engines, notes)
 
     running, step_s, steps = [], [], []  # per record: sequences per decode step, seconds per step, decode steps
     gaps: list[tuple[float, float]] = []  # (the worker's seconds between two steps, decode steps) per record
@@ -173,15 +175,17 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     )
 
 
-def _episodes(recs: list[dict], samples_per_step: int, notes: list[str]) -> tuple[float, float, float]:
+def _episodes(recs: list[dict], samples_per_step: int, workers: int, notes: list[str]
+              ) -> tuple[float, float, float]:
     """(turns per episode, seconds out of the engine per turn, decoded share of response tokens) of a multi-turn
     run; (1, 0, 1) for a single-turn one (no ``episodes/turns_mean`` logged).
 
     The seconds out of the engine are what the model needs, and more than the environment call itself: an answer
     waits for the worker's next turn of its loop to re-enter the engine (~20 ms a turn on the 2-core box). Where
-    the run logged where its episodes were (``episodes/at_env_mean``), they follow from Little's law: episodes at
-    their environment over the turns a second that reach it (samples a second x turns); else the calls' own
-    time (``episodes/env_s_per_step``)."""
+    the run logged where its episodes were (``episodes/at_env_mean``, a mean per worker), they follow from
+    Little's law: the workers' episodes at their environment over the turns a second that reach it (samples a
+    second x turns); else the calls' own time (``episodes/env_s_per_step``). The environment's ``init`` is spread
+    over the turns (the model has no separate term for it)."""
     eps = [r for r in recs if isinstance(r.get("episodes/turns_mean"), (int, float))]
     if not eps:
         return 1.0, 0.0, 1.0
@@ -196,9 +200,10 @@ def _episodes(recs: list[dict], samples_per_step: int, notes: list[str]) -> tupl
     env_s, how = call_s, "per environment call"
     if spread and wall > 0:
         at_env = sum(float(r["episodes/at_env_mean"]) * float(r["time/step_s"]) for r in spread) / wall
-        out_s = at_env / (samples_per_step * len(spread) / wall * turns)
+        out_s = at_env * max(1, workers) / (samples_per_step * len(spread) / wall * turns)
         if out_s > call_s:
-            env_s, how = out_s, f"out of the engine per turn ({call_s * 1e3:.0f} ms per call, the rest the pick-up)"
+            env_s, how = out_s, (f"out of the engine per turn ({call_s * 1e3:.0f} ms per call, the rest waiting to "
+                                 "re-enter the engine, and init)")
     env_frac = [float(r["episodes/env_token_frac"]) for r in eps
                 if isinstance(r.get("episodes/env_token_frac"), (int, float))]
     model_frac = min(1.0, max(0.01, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0

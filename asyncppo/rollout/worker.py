@@ -175,6 +175,11 @@ class RolloutWorker(WorkerSkeleton):
         """Sequences holding an engine slot: what admission room counts."""
         return self.engine.num_unfinished_seqs()
 
+    def _holds_sequences(self) -> bool:
+        """Whether the engine has sequences to decode (the episode worker's episodes at their environment have
+        none): the worker's time until its next step is then loop work, counted in ``rollout/step_gap_s``."""
+        return self.engine.num_unfinished_seqs() > 0
+
     def _stepped(self, before: int) -> tuple[int, float]:
         """(sequences the engine step just taken ran, seconds of it spent waiting rather than stepping): what
         occupancy, the decode-step curve and the engine's unfilled time count. Here those in the engine before the
@@ -201,6 +206,7 @@ class RolloutWorker(WorkerSkeleton):
         self.engine.abort_all()
         self._in_flight.clear()
         self._draining = False
+        self._step_ended = None
         self._announce_seen.clear()
         self.position = position
         self._prompts = resume_draws(self._dataset.iterate(seed=self.cfg.data.seed + self.worker_id,
@@ -245,6 +251,7 @@ class RolloutWorker(WorkerSkeleton):
             del self._announce_seen[v]
         self.version = version
         self._draining = False
+        self._step_ended = time.perf_counter() if self._holds_sequences() else None
         self.stats["weight_loads"] += 1
         self.progress += 1
         self.phase = "waiting"  # until the next turn says what it does
@@ -300,8 +307,7 @@ class RolloutWorker(WorkerSkeleton):
         ro = self.cfg.rollout
         before = self._occupied()
         t0 = time.perf_counter()
-        if self._step_ended is not None:
-            self.meter.gap_s += t0 - self._step_ended
+        gap_s = 0.0 if self._step_ended is None else t0 - self._step_ended
         finished = self.engine.step()
         step_s = time.perf_counter() - t0
         running, waited_s = self._stepped(before)
@@ -310,12 +316,13 @@ class RolloutWorker(WorkerSkeleton):
         if running:  # an episode engine that only waited for its environments took no step
             self.meter.steps += 1
             self.meter.running_sum += running
+            self.meter.gap_s += gap_s
         if 0 < running < ro.max_num_seqs and ro.generation == "continuous":  # a batch engine is never refilled
             self.meter.unfilled_s[self._waits_for()] += ((step_s - waited_s) * (ro.max_num_seqs - running)
                                                          / ro.max_num_seqs)
         self.progress += 1
         # the next step's gap is counted from here only if the engine still holds sequences (an empty one waits)
-        self._step_ended = t0 + step_s if self.engine.num_unfinished_seqs() else None
+        self._step_ended = t0 + step_s if self._holds_sequences() else None
         if not self.engine.num_unfinished_seqs() and self._draining:
             self._update_weights()  # drained: the announced weights can load now
         for done in finished:

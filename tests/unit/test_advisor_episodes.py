@@ -94,13 +94,13 @@ def test_bad_episode_fields_are_refused(bad):
         Setup(engines=1, train_ranks=1, batch_groups=1, group_size=1, max_staleness=0, **bad)
 
 
-def _run_dir(tmp_path, records: list[dict]) -> str:
+def _run_dir(tmp_path, records: list[dict], workers: int = 1) -> str:
     d = tmp_path / "run"
     d.mkdir()
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     (d / "config.yaml").write_text("rollout:\n  max_num_seqs: 64\n  rollout_batch_size: 4\n"
                                    "  num_return_sequences_in_group: 4\n  max_staleness: 8\n  response_length: 64\n"
-                                   "cluster:\n  rollout_workers: 1\n")
+                                   f"cluster:\n  rollout_workers: {workers}\n")
     return os.fspath(d)
 
 
@@ -131,6 +131,16 @@ def test_rates_take_the_time_out_of_the_engine_by_littles_law(tmp_path):
     rates = measure(_run_dir(tmp_path, recs), skip=2)
     assert rates.env_s == pytest.approx(0.25)
     assert any("out of the engine per turn (200 ms per call" in note for note in rates.notes)
+
+
+def test_littles_law_counts_every_workers_episodes(tmp_path):
+    """The same run on two workers: at_env_mean is a mean per worker (12 each), the samples a second are the
+    cluster's, so the time out of the engine per turn is still 0.25 s."""
+    recs = [{"step": s, "response_length/mean": 20.0, "rollout/running_mean": 24.0, "rollout/decode_step_s": 0.03,
+             "time/step_s": 0.5, "time/wait_s": 0.1, "episodes/turns_mean": 3.0, "episodes/env_s_per_step": 0.2,
+             "episodes/env_token_frac": 0.25, "episodes/at_env_mean": 12.0} for s in range(1, 11)]
+    rates = measure(_run_dir(tmp_path, recs, workers=2), skip=2)
+    assert rates.engines == 2 and rates.env_s == pytest.approx(0.25)
 
 
 def test_rates_of_a_single_turn_run_have_no_episodes(tmp_path):
