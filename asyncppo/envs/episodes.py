@@ -168,9 +168,12 @@ class EpisodeEngine:
 
     def num_unfinished_seqs(self) -> int:
         """Episodes started and not ended (in the engine or waiting for their environment), plus the sequences of
-        groups added to the wrapped engine directly."""
+        groups added to the wrapped engine directly, plus the turns of ended episodes still in the engine (a
+        dropped group's: they must be stepped out, or they would hold their slots while the worker, seeing nothing
+        to step, never steps again)."""
         foreign = max(0, self.engine.num_unfinished_seqs() - len(self._requests))
-        return foreign + sum(ep.ended is None for eps in self._groups.values() for ep in eps)
+        orphans = sum(ep.ended is not None for ep in self._requests.values())
+        return foreign + orphans + sum(ep.ended is None for eps in self._groups.values() for ep in eps)
 
     def num_running_seqs(self) -> int:
         """Sequences in the engine (what fills its slots; an episode at its environment holds none)."""

@@ -273,10 +273,13 @@ class RolloutWorker(WorkerSkeleton):
         want = room - len(self._pending) - self.admission.open_requests
         if want > 0:
             self.admission.request(want)
-        # Never wait while the engine has work, or while a ticket in hand can start now (after a weight load the
-        # held tickets are admissible: waiting for more grants first cost every step of k = 0 the whole 50 ms);
-        # an idle engine with nothing to start waits a little for its tickets.
-        if self.engine.num_unfinished_seqs() or (self._pending and self._pending[0].min_version <= self.version):
+        # Never wait while the engine has work, or (continuous) while a ticket in hand can start now: after a weight
+        # load the held tickets are admissible, and waiting for more grants first cost every step of k = 0 the
+        # whole 50 ms. An idle engine with nothing to start waits a little for its tickets (a batch engine also
+        # waits here for the rest of its batch, below).
+        startable = (ro.generation == "continuous" and room > 0 and bool(self._pending)
+                     and self._pending[0].min_version <= self.version)
+        if self.engine.num_unfinished_seqs() or startable:
             self._pending.extend(self.admission.poll_granted(0.0))
         else:
             t0, waits_for = time.perf_counter(), self._waits_for()

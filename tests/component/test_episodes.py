@@ -290,6 +290,33 @@ class RaisingEnv(ScriptedEnv):
         raise RuntimeError("tool crashed")
 
 
+def test_a_dropped_groups_turn_in_the_engine_is_stepped_out(chat_model, engine):
+    """A group dropped while a turn of it is still decoding (a fault of its sibling's environment): the turn stays
+    counted as unfinished, so a worker keeps stepping until it runs out of the engine and frees its slot (an episode
+    engine that reported 0 while holding it was never stepped again, and the slot stayed taken); the group comes
+    back dropped."""
+    _, tok, _ = chat_model
+    with EnvRunner(max_concurrency=4, step_timeout_s=30) as runner:
+        eps = _episodes(engine, tok, runner, turn_max=24)
+        eps.add_group("g", _prompt_ids(tok), SamplingSpec(n=2, max_tokens=200, temperature=1.0, seed=5),
+                      [ScriptedEnv(), ScriptedEnv()])
+        t0 = time.monotonic()
+        while not eps.engine.num_unfinished_seqs():  # the episodes' init, then their first turns enter the engine
+            assert time.monotonic() - t0 < 30
+            eps.step()
+        eps._drop_group("g", "raised", "a sibling's tool crashed")
+        orphans = eps.engine.num_unfinished_seqs()
+        assert orphans > 0 and eps.num_unfinished_seqs() == orphans
+        got = []
+        while eps.num_unfinished_seqs():
+            assert time.monotonic() - t0 < 60
+            got += eps.step()
+        assert eps.engine.num_unfinished_seqs() == 0  # stepped out: the slots are free
+        got += eps.step()
+        eps.close()
+    assert [g.key for g in got] == ["g"] and got[0].dropped and "crashed" in got[0].detail
+
+
 @pytest.fixture(scope="module")
 def hf_engine(chat_model):
     from asyncppo.rollout.engines import make_engine
