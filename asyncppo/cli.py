@@ -151,8 +151,9 @@ def _add_advise(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=None, metavar="B", help="prompts per step (default: the run's)")
     p.add_argument("--steps", type=int, default=40, help="simulated learner steps per configuration")
     p.add_argument("--env-s", type=float, default=None, metavar="S",
-                   help="seconds per environment call of a multi-turn run (default: the run's own, measured): "
-                        "what a slower or faster tool would do")
+                   help="seconds a multi-turn episode spends out of the engine per turn: the environment call plus "
+                        "the wait to re-enter (default: the run's own, measured; ~20 ms above the call on a 2-core "
+                        "box): what a slower or faster tool would do")
     p.add_argument("--turns", type=float, default=None, metavar="T",
                    help="model turns per episode (default: the run's own; above 1 the samples are multi-turn "
                         "episodes)")

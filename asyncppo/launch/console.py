@@ -251,27 +251,41 @@ def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[s
     drain, more than a tenth of their stepping time as free slots without a ticket, learner busy below 0.85.
 
     In a multi-turn run whose episodes spent more of the steady steps at their environment than in the engines, the
-    tickets are held by episodes waiting on a tool, not by stragglers, and the hint names the window instead."""
-    occupancy, unfilled = rollout.get("occupancy_steady"), rollout.get("unfilled_ticket_s")
-    stepping, busy = rollout.get("engine_step_s"), _mean([r.get("util/train_busy") for r in train])
-    if not all(isinstance(x, (int, float)) for x in (occupancy, unfilled, stepping, busy)) or stepping <= 0:
-        return None
-    if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
-        return None
+    tickets are held by episodes waiting on a tool, not by stragglers: see :func:`window_hint`."""
+    busy = _mean([r.get("util/train_busy") for r in train])
     steady = train[len(train) // 4:]
     at_env = _mean([r.get("episodes/at_env_mean") for r in steady])
     in_engine = _mean([r.get("episodes/in_engine_mean") for r in steady])
     if at_env is not None and in_engine is not None and at_env > in_engine:
-        # multi-turn: the window is full of episodes waiting on their environment, not of stragglers: the knob is
-        # the window itself, and the advisor (which models the tool's time) predicts what widening it buys
-        return (f"hint: the engines ran {occupancy:.2f} full for want of tickets while the learner waited "
-                f"{1 - busy:.0%} of its time, with ~{at_env:.0f} episodes at their environment against "
-                f"~{in_engine:.0f} in the engines: the staleness window ((j + 1) x B groups) must hold the episodes "
-                "waiting on their tools as well as those decoding, so a wider rollout.max_staleness (the lookahead "
-                "follows it unless set) keeps the engines fuller, at the cost of more lag; `asyncppo advise "
-                f"{run_dir} --gpus N --staleness K,...` predicts what each would buy (docs/environments.md, "
-                "\"Behind a slow tool: the window\")")
+        return window_hint(steady, busy, at_env, in_engine, run_dir)
+    occupancy, unfilled = rollout.get("occupancy_steady"), rollout.get("unfilled_ticket_s")
+    stepping = rollout.get("engine_step_s")
+    if not all(isinstance(x, (int, float)) for x in (occupancy, unfilled, stepping, busy)) or stepping <= 0:
+        return None
+    if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
+        return None
     return (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
             f"while the learner waited {1 - busy:.0%} of its time: `asyncppo advise {run_dir} --gpus N --lookahead "
             "1,2,3,4 --staleness K,...` predicts what a wider rollout.admission_lookahead (and the max_staleness "
             "its stragglers need) would buy (docs/advisor.md)")
+
+
+def window_hint(steady: list[dict], busy: Optional[float], at_env: float, in_engine: float,
+                run_dir: str) -> Optional[str]:
+    """The hint for a multi-turn run whose engines sat empty with every episode at its environment (the window,
+    ``(j + 1) x B`` groups, held too few episodes to cover the tool's time) while the learner waited: a tenth of
+    the steady steps' time or more, learner busy below 0.85. Not the engines' occupancy: a sequence leaves the
+    engine at every turn, so a window wide enough to keep the engines busy still reads ~0.8 full behind a 200 ms
+    tool (docs/benchmarks.md, "Behind a slow tool: multi-turn episodes"), while a too narrow one leaves them empty
+    14-19% of the time."""
+    wall = sum(r["time/step_s"] for r in steady if isinstance(r.get("time/step_s"), (int, float)))
+    empty = sum(r["episodes/env_wait_s"] for r in steady if isinstance(r.get("episodes/env_wait_s"), (int, float)))
+    if busy is None or wall <= 0 or empty < 0.1 * wall or busy >= 0.85:
+        return None
+    return (f"hint: the engines sat empty {empty / wall:.0%} of the time with every episode at its environment "
+            f"while the learner waited {1 - busy:.0%} of its time (~{at_env:.0f} episodes at their environment "
+            f"against ~{in_engine:.0f} in the engines): the staleness window ((j + 1) x B groups) must hold the "
+            "episodes waiting on their tools as well as those decoding, so a wider rollout.max_staleness (the "
+            "lookahead follows it unless set) keeps the engines fuller, at the cost of more lag; `asyncppo advise "
+            f"{run_dir} --gpus N --staleness K,...` predicts what each would buy (docs/environments.md, "
+            "\"Behind a slow tool: the window\")")

@@ -211,7 +211,8 @@ class Simulator:
 
     def _segments(self, length: int) -> tuple[tuple, float]:
         """The decoded tokens of a sample of ``length`` response tokens, one entry per model turn, and the tokens
-        the environment adds to its context per turn (the rest of its length)."""
+        the environment adds to its context after each turn but the last (the rest of its length: the answer that
+        ends an episode adds none)."""
         s = self.s
         if s.turns == 1.0 and s.model_frac == 1.0:
             return (length,), 0.0
@@ -219,7 +220,7 @@ class Simulator:
         whole = int(s.turns)
         turns = min(decoded, whole + (s.turns > whole and self.rng.random() < s.turns - whole))
         base, extra = divmod(decoded, turns)
-        return tuple(base + (i < extra) for i in range(turns)), max(0, length - decoded) / turns
+        return tuple(base + (i < extra) for i in range(turns)), max(0, length - decoded) / max(1, turns - 1)
 
     def _load(self, e: _Engine) -> int:
         """What admission counts as engine ``e``'s load: the samples in it or queued for it; with episodes the load

@@ -126,20 +126,26 @@ def test_summary_points_to_the_advisor_only_when_engines_lacked_tickets_while_th
 
 
 def test_a_multi_turn_run_whose_window_holds_episodes_at_their_tools_is_told_to_widen_it():
-    """The same starved engines, but the steady steps' episodes were mostly at their environment: the hint names the
-    window (rollout.max_staleness) and the episode counts, and the advisor with the widths to try (it models the
-    tool's time), not the lookahead that long tails need."""
+    """Episodes mostly at their environment: the hint is about the window, and it is given when the engines sat
+    empty with every episode at its tool for a tenth of the time or more (17% here: 0.034 s of each 0.2 s step)
+    while the learner waited; it names rollout.max_staleness, the episode counts and the advisor with the widths to
+    try. The engines' occupancy does not decide it (a wide enough window still reads ~0.8 full behind a tool)."""
     starved = {"rollout": {"occupancy": 0.70, "occupancy_steady": 0.71, "unfilled_ticket_s": 2.5,
                            "engine_step_s": 6.7}}
     # the first quarter (a warm-up with few episodes at the tool) is left out of the means
-    records = [{"step": s, "reward/mean": 0.1, "util/train_busy": 0.76,
+    records = [{"step": s, "reward/mean": 0.1, "util/train_busy": 0.76, "time/step_s": 0.2,
+                "episodes/env_wait_s": 0.0 if s <= 2 else 0.034,
                 "episodes/at_env_mean": 10.0 if s <= 2 else 175.4,
                 "episodes/in_engine_mean": 40.0 if s <= 2 else 29.6} for s in range(1, 9)]
     hint = summary_table(records, starved, 60.0, run_dir="/runs/b").splitlines()[-1]
-    assert hint.startswith("hint: the engines ran 0.71 full for want of tickets while the learner waited 24%")
+    assert hint.startswith("hint: the engines sat empty 17% of the time with every episode at its environment "
+                           "while the learner waited 24%"), hint
     assert "~175 episodes at their environment against ~30 in the engines" in hint
     assert "rollout.max_staleness" in hint and "asyncppo advise /runs/b --gpus N --staleness K" in hint
     assert "--lookahead" not in hint
+    # a window wide enough: the engines ~0.7 full (a turn leaves them at every call) but empty only 5% of the time
+    wide = [{**r, "episodes/env_wait_s": 0.01} for r in records]
+    assert "hint:" not in summary_table(wide, starved, 60.0, run_dir="/runs/b")
     # episodes mostly in the engines: the tickets are held by decoding, so the advisor's hint as for one turn
     decoding = [{**r, "episodes/at_env_mean": 5.0, "episodes/in_engine_mean": 50.0} for r in records]
     assert "asyncppo advise /runs/b --gpus N --lookahead" in summary_table(decoding, starved, 60.0,
