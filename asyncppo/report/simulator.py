@@ -192,7 +192,8 @@ class Simulator:
         """Request tickets in order while the engine has room, then admit every group whose version it satisfies."""
         r, n = self.r, self.s.group_size
         self._advance(e, now)
-        e.share.add(e.n + len(e.queue), e.at_env, now)  # as the worker: the counts so far, then the room
+        if self.s.episodes:  # as the worker: the counts so far, then the room (single-turn room never reads it)
+            e.share.add(e.n + len(e.queue), e.at_env, now)
         room = self._room(e)
         while len(e.pending) < room:  # request tickets, in order, while the window has them
             granted = r.tickets.try_acquire()
@@ -205,7 +206,8 @@ class Simulator:
             r.groups[ticket] = {"left": n, "tokens": 0, "dec": 0, "vmin": e.version, "tv": 0.0}
             e.queue.extend((ticket, L, *self._segments(L), 0.0) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
-        e.share.add(e.n + len(e.queue), e.at_env, now)
+        if self.s.episodes:
+            e.share.add(e.n + len(e.queue), e.at_env, now)
         if added:
             self._schedule(e)
 
