@@ -22,6 +22,9 @@ _CONSOLE_FIELDS = [
     ("staleness/mean", "lag", "{:.2f}"),
     ("staleness/max", "lagmax", "{:.0f}"),
     ("staleness/token_mean", "toklag", "{:.2f}"),
+    # how far the engine's sampling policy is from the one the update is taken around (lag and engine/trainer
+    # numerics); with one update per batch under the decoupled correction approx_kl and clip are 0 by construction
+    ("actor/mismatch_kl", "offkl", "{:.4f}"),
     ("actor/approx_kl", "kl", "{:.4f}"),
     ("actor/clipfrac", "clip", "{:.3f}"),
     ("actor/entropy", "ent", "{:.3f}"),

@@ -17,7 +17,7 @@ from asyncppo.report.runs import Run, load_run
 
 PAGE_DPI = 80  # report.png; each panel's PNG is cut out of it
 
-_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1))]
+_STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1, 1, 1)), (0, (1, 3)), (0, (8, 2))]
 _SMOOTH_OVER = 25  # more points than this: draw a moving average over the faint raw curve
 
 
@@ -109,10 +109,12 @@ PANELS: list[tuple[str, str, str, Callable]] = [
     ("utilisation", "Busy fractions and engine occupancy", "learner step", _metrics_panel(
         [("util/rollout_busy", "rollout busy"), ("util/train_busy", "train busy"),
          ("rollout/occupancy", "engine occupancy")], "fraction")),
+    # three KLs: of the update (approx KL; 0 with one update per batch), of the samples' lag (behaviour -> proximal,
+    # what the PPO ratio corrects) and to the reference (the KL loss, when on)
     ("policy", "KL, clip fractions and entropy", "learner step", _metrics_panel(
-        [("actor/approx_kl", "approx KL"), ("actor/clipfrac", "clip frac"), ("actor/clipfrac_low", "clip low"),
-         ("actor/clipfrac_high", "clip high")], "KL / fraction", twin=[("actor/entropy", "entropy")],
-        twin_label="entropy")),
+        [("actor/approx_kl", "approx KL"), ("actor/mismatch_kl", "off-policy KL"), ("actor/kl_loss", "KL to ref"),
+         ("actor/clipfrac", "clip frac"), ("actor/clipfrac_low", "clip low"), ("actor/clipfrac_high", "clip high")],
+        "KL / fraction", twin=[("actor/entropy", "entropy")], twin_label="entropy")),
     ("lengths", "Response length and waste", "learner step", _metrics_panel(
         [("response_length/mean", "length mean"), ("response_length/p99", "length p99")], "tokens",
         twin=[("waste/tokens_frac", "waste")], twin_label="waste (dropped tokens / generated)")),

@@ -29,12 +29,15 @@ def test_progress_lines_follow_metrics_and_match_the_learner_format(tmp_path):
     console, out = _console(tmp_path, total_steps=3)
     console.poll()
     assert out.getvalue() == ""  # nothing written yet: no file is fine
-    record = {"reward/mean": 0.25, "staleness/mean": 1.0, "staleness/max": 1}
+    record = {"reward/mean": 0.25, "staleness/mean": 1.0, "staleness/max": 1, "staleness/token_mean": 0.5,
+              "actor/mismatch_kl": 0.0123, "actor/approx_kl": 0.0}
     _append(tmp_path / "metrics.jsonl", json.dumps({"step": 1, **record}) + "\n" + '{"step": 2, "rew')
     console.poll()
     lines = out.getvalue().splitlines()
     assert len(lines) == 1  # the second record is incomplete: it waits for its newline
     assert lines[0].startswith("step 1/3 |") and "reward 0.250" in lines[0] and "lagmax 1" in lines[0]
+    # the off-policy KL stands with the lag it comes from, before the update's own KL
+    assert " | toklag 0.50 | offkl 0.0123 | kl 0.0000" in lines[0]
     # the learner's own console line for the same record is the same apart from the elapsed time
     learner_line = MetricsLogger(str(tmp_path / "x"), jsonl=False, total_steps=3).format_line(1, {"step": 1, **record})
     assert lines[0].split(" | ")[2:] == learner_line.split(" | ")[2:]
