@@ -28,7 +28,7 @@ def make_group(rng: np.random.Generator, turns: bool) -> TrajectoryGroup:
             lps[300:350] = 0.0
             extra = dict(env_runs=np.array([[100, 40], [300, 50]]), turn_rewards=np.array([0.0, 0.5, 1.0]))
         samples.append(Sample(rng.integers(0, 1000, 512).astype(np.int32), lps, 1.5, "stop", 3, 3, **extra))
-    return TrajectoryGroup("w-0", 0, rng.integers(0, 1000, 128).astype(np.int32), samples)
+    return TrajectoryGroup("0-0", 0, rng.integers(0, 1000, 128).astype(np.int32), samples)
 
 
 def main(number: int = 5000) -> None:

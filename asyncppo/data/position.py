@@ -16,21 +16,9 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
+from asyncppo.stream.group_ids import group_key, parse_key  # noqa: F401  (re-exported: the workers use them)
+
 _MAX_DONE = 100_000  # a draw that is never trained (a dropped group) would pin `next`: past this, skip the gap
-
-
-def group_key(worker_id: int, incarnation: int, seq: int) -> str:
-    """The group id of draw ``seq`` by worker ``worker_id`` in its ``incarnation``-th process (0: the first)."""
-    return f"{worker_id}-{seq}" if incarnation == 0 else f"{worker_id}.{incarnation}-{seq}"
-
-
-def parse_key(group_id: str) -> Optional[tuple[int, int]]:
-    """``(worker_id, seq)`` of a group id made by :func:`group_key`, None for any other string."""
-    head, sep, tail = str(group_id).rpartition("-")
-    worker = head.split(".", 1)[0]
-    if not sep or not worker.isdigit() or not tail.isdigit():
-        return None
-    return int(worker), int(tail)
 
 
 class DataPosition:

@@ -37,7 +37,8 @@ from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
 from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
 from asyncppo.rollout.engine import SamplingSpec
-from asyncppo.rollout.worker import EngineMeter, RolloutWorker
+from asyncppo.rollout.meter import EngineMeter
+from asyncppo.rollout.worker import RolloutWorker
 from asyncppo.staleness.episode_load import EngineShare, engine_load
 
 log = logging.getLogger("asyncppo.rollout")

@@ -27,9 +27,17 @@ class EngineEvaluation:
         self.address = self.receiver.address
         self.logged: dict[int, dict] = {}
 
-    def poll(self, logger, timeout_s: float = 0.0) -> None:
-        """Log every point that is complete now."""
+    def poll(self, logger, timeout_s: float = 0.0, version: Optional[int] = None) -> None:
+        """Log every point that is complete now. ``version``: the learner's; a report of a point or weights past
+        it, or of a point already logged, cannot be a worker's and is refused (counted with the receiver's
+        refusals): unchecked, a peer's report of point 2**40 opened a round that was never closed, and one of a
+        logged point logged it again."""
         for report in self.receiver.poll(timeout_s):
+            if report.point in self.logged or (version is not None and max(report.point, report.version_max) > version):
+                self.receiver.rejected += 1
+                self.receiver.last_error = (f"report of point {report.point} (weights {report.version_max}) from "
+                                            f"worker {report.worker_id}: logged already or past version {version}")
+                continue
             done = self.aggregator.add(report)
             if done is not None:
                 self._log(logger, *done)
@@ -43,7 +51,7 @@ class EngineEvaluation:
         open from what arrived. Returns the final point's metrics."""
         deadline = time.monotonic() + timeout_s
         while final_point not in self.logged and time.monotonic() < deadline:
-            self.poll(logger, timeout_s=min(1.0, max(0.0, deadline - time.monotonic())))
+            self.poll(logger, timeout_s=min(1.0, max(0.0, deadline - time.monotonic())), version=final_point)
         for point in self.aggregator.pending():
             metrics = self.aggregator.finish(point)
             log.warning("evaluation point %d: only %d of %d worker(s) reported before the deadline", point,

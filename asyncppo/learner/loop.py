@@ -159,7 +159,7 @@ class LearnerLoop:
             self.step_seconds.append(time.monotonic() - t_step)
             logger.log(step, metrics)
             if self._engine_eval is not None:
-                self._engine_eval.poll(logger)
+                self._engine_eval.poll(logger, version=self.version)
             if tr.save_every and step % tr.save_every == 0:
                 self._checkpoint()
                 saved_version = self.version  # tried: a failed save is told once, not retried at the end

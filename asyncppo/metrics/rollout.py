@@ -90,7 +90,7 @@ def episode_metrics(groups: list) -> dict[str, float]:
     }
 
 
-#: The engine's waits, as the worker's timings name them (rollout/worker.py, EngineMeter): seconds an empty engine
+#: The engine's waits, as the worker's timings name them (rollout/meter.py, EngineMeter): seconds an empty engine
 #: waited ("idle") and a running engine's free slots in engine seconds ("unfilled", step time x free share of
 #: max_num_seqs), each by what was missing: a ticket, or the weights a held ticket needs. Reported with the groups
 #: sent after them.

@@ -29,7 +29,7 @@ from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
-from asyncppo.rollout.worker import EngineMeter
+from asyncppo.rollout.meter import EngineMeter
 from asyncppo.staleness.controller import Ticket
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
 
 from asyncppo.config.choices import admission_room
 from asyncppo.config.schema import AsyncPPOConfig
@@ -37,45 +36,15 @@ from asyncppo.rollout.engine import SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.evaluation import build_eval_runner
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
+from asyncppo.rollout.meter import EngineMeter
 from asyncppo.rollout.skeleton import WorkerSkeleton
+from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.stream.evals import EvalSender
 from asyncppo.sync.adapter import AdapterMerger
 from asyncppo.sync.engine_load import receive_into_engine
 
 log = logging.getLogger("asyncppo.rollout")
-
-
-@dataclass
-class EngineMeter:
-    """What the engine did since the last group was sent; handed to the learner in that group's timings."""
-
-    busy_s: float = 0.0  # time inside engine.step()
-    steps: int = 0
-    running_sum: int = 0  # sequences decoding, summed over steps (occupancy = running_sum / steps / max_num_seqs)
-    inflight_updates: int = 0  # weight loads that happened with sequences in flight
-    push_s: list[float] = field(default_factory=list)  # announcement seen -> weights loaded, per load
-    # seconds the engine sat empty, by what it waited for: "ticket" (admission's window full: the learner is
-    # behind) or "weights" (a held ticket needs a push not yet loaded); RolloutWorker._waits_for names it
-    idle_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
-    # a running engine's free slots, as engine seconds: each continuous step adds its time x the share of
-    # max_num_seqs left free, by the same causes (an engine 3/4 full for 2 s counts 0.5 s)
-    unfilled_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
-    # the worker's own time between two decode steps while its engine held sequences (admission, groups scored,
-    # built and sent, control messages; weight loads and waits left out): what the engine loses to the loop, which
-    # the advisor adds to its decode-step time
-    gap_s: float = 0.0
-
-    def take(self) -> dict[str, float]:
-        out = {"engine_busy_s": self.busy_s, "engine_gap_s": self.gap_s, "decode_steps": float(self.steps),
-               "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
-               "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
-               "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()},
-               **{f"unfilled_{why}_s": sec for why, sec in self.unfilled_s.items()}}
-        self.busy_s, self.gap_s, self.steps, self.running_sum, self.inflight_updates = 0.0, 0.0, 0, 0, 0
-        self.push_s = []
-        self.idle_s, self.unfilled_s = dict.fromkeys(self.idle_s, 0.0), dict.fromkeys(self.unfilled_s, 0.0)
-        return out
 
 
 class RolloutWorker(WorkerSkeleton):
@@ -277,8 +246,7 @@ class RolloutWorker(WorkerSkeleton):
         # load the held tickets are admissible, and waiting for more grants first cost every step of k = 0 the
         # whole 50 ms. An idle engine with nothing to start waits a little for its tickets (a batch engine also
         # waits here for the rest of its batch, below).
-        startable = (ro.generation == "continuous" and room > 0 and bool(self._pending)
-                     and self._pending[0].min_version <= self.version)
+        startable = ro.generation == "continuous" and room > 0 and self._has_startable()
         if self.engine.num_unfinished_seqs() or startable:
             self._pending.extend(self.admission.poll_granted(0.0))
         else:
@@ -292,9 +260,13 @@ class RolloutWorker(WorkerSkeleton):
                     break
                 self._pending.extend(more)
         for _ in range(room):
-            if not self._pending or self._pending[0].min_version > self.version:
-                break  # tickets come in order: a newer one cannot be served before this one
-            self._add_group(self._pending.popleft())
+            ticket = take_startable(self._pending, self.version)  # lowest index first (staleness/order.py)
+            if ticket is None:
+                break
+            self._add_group(ticket)
+
+    def _has_startable(self) -> bool:
+        return any(t.min_version <= self.version for t in self._pending)
 
     def _add_group(self, ticket) -> None:
         # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a
@@ -371,7 +343,7 @@ class RolloutWorker(WorkerSkeleton):
         (the seconds are counted by what was waited for: ``rollout/idle_weights_s``, ``rollout/idle_ticket_s``)."""
         t0, waits_for = time.perf_counter(), self._waits_for()
         if waits_for == "weights":
-            needed = self._pending[0].min_version
+            needed = min(t.min_version for t in self._pending)
             self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 1.0) \
                 or self._state
             self._count_idle(waits_for, t0)
@@ -385,7 +357,7 @@ class RolloutWorker(WorkerSkeleton):
     def _waits_for(self) -> str:
         """What an empty engine, or a running one's free slots, wait for: the weights the next ticket needs, or a
         ticket (the admission window is full, or the run's last slot is granted)."""
-        return "weights" if self._pending and self._pending[0].min_version > self.version else "ticket"
+        return "weights" if self._pending and not self._has_startable() else "ticket"
 
     def _count_idle(self, waits_for: str, since: float) -> None:
         self.meter.idle_s[waits_for] += time.perf_counter() - since

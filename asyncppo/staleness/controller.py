@@ -15,11 +15,14 @@ the controller counts *live* tickets ``L = granted - released`` rather than raw 
 
 * a ticket is granted only while ``L < (k + v + 1) * B`` (identical to the rule above when nothing was
   released, since then ``L`` equals the next fresh index);
-* a new grant occupies slot ``p = L`` and gets ``min_version = max(0, p // B - k, i // B - k)`` for index ``i``
-  (both terms equal ``i // B - k`` when nothing was released). A released index is handed out again first
-  (indices stay unique among live tickets, so a trace stays readable), and its min_version is recomputed from
-  the slot it now occupies: re-granting a dropped ticket with its old, low min_version would only produce
-  another group that is dropped again.
+* a fresh grant occupies slot ``p = L`` and gets ``min_version = max(0, p // B - k, i // B - k)`` for index
+  ``i`` (both terms equal ``i // B - k`` when nothing was released). A released index is handed out again first
+  (indices stay unique among live tickets, so a trace stays readable), and its min_version is recomputed from the
+  batch it will now be trained in: the learner trains the ``B`` lowest outstanding tickets at each version, so
+  behind ``a`` lower outstanding tickets that is batch ``v + a // B`` and ``min_version = max(0, v + a // B -
+  k)``. Re-granting a dropped ticket with its old, low min_version would only produce another group that is
+  dropped again; taking it from the slot count instead would ask for weights of the version being trained, which
+  with pushes every ``s >= 2`` versions the engines may never get before that batch (it waited for itself).
 
 Invariant (checked by the tests): at every moment the number of live tickets is ``<= (k + v + 1) * B``, every
 grant's ``min_version >= v - k`` for the learner version ``v`` at grant time (because ``L >= v*B``: all consumed
@@ -153,14 +156,28 @@ class AdmissionController:
             live = self._live
             if live >= self.capacity():
                 return None
-            index = heapq.heappop(self._free) if self._free else self._take_fresh()
+            if self._free:
+                index = heapq.heappop(self._free)
+                nominal = self._regrant_nominal(index)
+            else:
+                index = self._take_fresh()
+                # slot rule, and never older than the index's own rule (attainable: index < (j + v + 1) * B)
+                nominal = max(live // self.B, index // self.B) - self.j
             self._outstanding.add(index)
             self._live += 1
             self.granted += 1
-            # slot rule, and never older than the index's own rule (attainable: index < (j + v + 1) * B)
-            nominal = max(live // self.B, index // self.B) - self.j
             self._deadline[index] = nominal + self.k  # unclamped: with j = k exactly the slot's version
             return Ticket(index=index, min_version=max(0, nominal))
+
+    def _regrant_nominal(self, index: int) -> int:
+        """The unclamped min_version of a released ``index`` granted again (under the lock): that of the batch it
+        will be trained in. The learner trains the ``B`` lowest outstanding tickets at each version, so behind
+        ``a`` outstanding lower tickets it is in batch ``v + a // B``; it needs weights ``j`` versions before that,
+        which ``j >= sync_every - 1`` makes pushed by then. (The slot rule of fresh grants would put a low index
+        ``j`` batches ahead of where it is trained: at a version the learner had not pushed, the batch needing it
+        waited for weights that only that batch's own update would bring.)"""
+        ahead = sum(1 for other in self._outstanding if other < index)
+        return self._v + ahead // self.B - self.j
 
     def _take_fresh(self) -> int:
         i = self._next_index

@@ -38,3 +38,19 @@ def next_batch(order: TicketOrder, arrived, n: int, version: int) -> tuple[list[
         return None
     lowest = set(want)
     return pool, sum(1 for t in pool if t not in lowest)
+
+
+def take_startable(pending, version: int):
+    """Remove and return the ticket a worker holding weights ``version`` starts next from ``pending`` (a deque of
+    granted tickets), or None when none is startable: the lowest index whose ``min_version`` those weights satisfy,
+    since the learner trains the lowest outstanding tickets first. Not simply the oldest grant: a released ticket
+    granted again (its group was dropped or skipped) has a lower index and may need older weights than tickets
+    granted before it, and waiting behind those for weights not pushed yet would hold up the very batch that needs
+    it (with pushes every second version, for good)."""
+    best = None
+    for t in pending:
+        if t.min_version <= version and (best is None or t.index < best.index):
+            best = t
+    if best is not None:
+        pending.remove(best)
+    return best

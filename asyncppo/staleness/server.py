@@ -160,20 +160,27 @@ class AdmissionServer:
             except WireError as e:
                 self._reject(e)
                 continue
-            if kind == "acquire":
-                self._park(identity, f["worker_id"], f["req"], f["count"])
-            elif kind == "cancel":
-                self._pending = collections.deque(
-                    p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
-                )
-            else:  # release of a grant the client did not want any more: only its holder may
-                with self._lock:
-                    g = self._grants.get(f["index"])
-                    if g is None or g.identity != identity:
-                        self._count("not_holder", f"release of ticket {f['index']} by {identity!r}")
-                        continue
-                    self._forget_locked(f["index"])
-                self.controller.release(f["index"])
+            try:
+                self._dispatch(identity, kind, f)
+            except Exception as e:  # a request that passed its checks and still broke its handler: refused and
+                log.exception("admission request %s from %r failed", kind, identity)  # counted; the server lives on
+                self._reject(WireError("malformed", f"{kind}: {type(e).__name__}: {e}"))
+
+    def _dispatch(self, identity: bytes, kind: str, f: dict) -> None:
+        if kind == "acquire":
+            self._park(identity, f["worker_id"], f["req"], f["count"])
+        elif kind == "cancel":
+            self._pending = collections.deque(
+                p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
+            )
+        else:  # release of a grant the client did not want any more: only its holder may
+            with self._lock:
+                g = self._grants.get(f["index"])
+                if g is None or g.identity != identity:
+                    self._count("not_holder", f"release of ticket {f['index']} by {identity!r}")
+                    return
+                self._forget_locked(f["index"])
+            self.controller.release(f["index"])
 
     def _park(self, identity: bytes, worker: int, first: int, count: int) -> None:
         """Park requests ``first .. first + count - 1`` of one connection, as far as ``max_pending`` and the

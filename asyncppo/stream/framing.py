@@ -52,10 +52,19 @@ def pack(obj: Any) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def unpack(data: Any, what: str = "message") -> Any:
-    """The object in msgpack ``data``; WireError("malformed") naming the msgpack error when it is not valid."""
+#: A frame's msgpack header describes its array regions and a few scalars (ids, an answer string, a few dozen
+#: timings): far below these. Without them a header was bounded only by the frame limit (256 MiB), and a peer's
+#: header of nested empty arrays, one byte each, unpacked to ~70x its size before any field was checked.
+MAX_HEADER_BYTES = 1 << 20
+MAX_HEADER_ITEMS = 4096  # entries of any one array or map in a header
+
+
+def unpack(data: Any, what: str = "message", max_items: int | None = None) -> Any:
+    """The object in msgpack ``data``; WireError("malformed") naming the msgpack error when it is not valid.
+    ``max_items``: refuse any array or map with more entries."""
+    limits = {} if max_items is None else {"max_array_len": max_items, "max_map_len": max_items}
     try:
-        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True)
+        return msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True, **limits)
     except Exception as e:  # msgpack raises several types (ExtraData, FormatError, ValueError, ...)
         raise WireError("malformed", f"{what} is not valid msgpack ({type(e).__name__})") from e
 
@@ -98,17 +107,27 @@ def read_header(mv: memoryview, magic: bytes, max_bytes: int | None, what: str =
     end = PREFIX.size + hlen
     if end > size:
         raise WireError("malformed", f"header length {hlen} runs past the end of a {size}-byte message")
-    return unpack(mv[PREFIX.size : end], what), end + pad(end)
+    if hlen > MAX_HEADER_BYTES:
+        raise WireError("oversized", f"{what} of {hlen} bytes > limit {MAX_HEADER_BYTES}")
+    return unpack(mv[PREFIX.size : end], what, MAX_HEADER_ITEMS), end + pad(end)
+
+
+#: Every int field of a small message lies within +-2**53: indices, versions and counts never come near it, and a
+#: peer's 2**64 - 1 would overflow where the value is used or sent back (a reply echoing it could not be encoded).
+MAX_FIELD_INT = 1 << 53
 
 
 def check_fields(obj: Mapping, spec: Mapping[str, type], what: str) -> None:
-    """Every field of ``spec`` present with exactly its type (bool is not int), and no other field."""
+    """Every field of ``spec`` present with exactly its type (bool is not int), ints within ``MAX_FIELD_INT``, and
+    no other field."""
     for key, typ in spec.items():
         if key not in obj:
             raise WireError("schema", f"{what}: missing field {key!r}")
         val = obj[key]
         if type(val) is not typ:
             raise WireError("schema", f"{what}: field {key!r} must be {typ.__name__}, got {type(val).__name__}")
+        if typ is int and not -MAX_FIELD_INT <= val <= MAX_FIELD_INT:
+            raise WireError("schema", f"{what}: field {key!r} = {val} is outside +-2**53")
     if len(obj) != len(spec):
         extra = sorted(str(k) for k in obj if k not in spec)
         raise WireError("schema", f"{what}: unexpected fields {extra}")

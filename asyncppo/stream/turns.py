@@ -128,16 +128,19 @@ def check_turns(turns: TurnColumns, lengths: Sequence[int]) -> Optional[str]:
         owner = _owners(turns)
         T = np.asarray(lengths, dtype=np.int64)[owner]
         start, length = runs[:, 0], runs[:, 1]
-        end = start + length
+        # end = start + length can wrap around in int64 (a hostile (2**63 - L, L) looked in range and then sized
+        # arrays by L): compare the length with the room left instead, and use end only once that holds
+        past = length > T - start
+        end = np.where(past, T, start + length)
         same = owner[1:] == owner[:-1]
         for bad, what in ((start < 1, "starts at token {s}: the first response token must be a model token"),
                           (length < 1, "has length {l} < 1"),
-                          (end > T, "ends at {e} past the response of {T} tokens"),
+                          (past, "ends at {e} past the response of {T} tokens"),
                           (np.concatenate(([False], same & (start[1:] <= end[:-1]))),
                            "at {s} overlaps or touches the previous one (a model token must separate segments)")):
             if bad.any():
                 i = int(np.argmax(bad))
-                detail = what.format(s=int(start[i]), l=int(length[i]), e=int(end[i]), T=int(T[i]))
+                detail = what.format(s=int(start[i]), l=int(length[i]), e=int(start[i]) + int(length[i]), T=int(T[i]))
                 return f"samples[{int(owner[i])}] environment segment {i - ro[int(owner[i])]} {detail}"
     want = model_turn_counts(turns, lengths)
     got = np.asarray(turns.reward_counts(), dtype=np.int64)

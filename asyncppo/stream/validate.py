@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Optional, Protocol
 
 import numpy as np
 
+from asyncppo.stream.group_ids import parse_key
 from asyncppo.stream.records import TrajectoryGroup
 from asyncppo.stream.segments import EnvSegment
 from asyncppo.stream.turns import turn_content_problem
@@ -49,6 +50,7 @@ CONTENT_REASONS = (
     "ticket",  # ticket not outstanding, already delivered (duplicate) or never granted
     "worker",  # ticket granted to another worker, or worker_id out of range
     "duplicate",  # group_id seen before
+    "group_id",  # a group id not of the form "<worker>[.<incarnation>]-<draw>" naming the sender's own worker_id
     "turns",  # multi-turn episode: bad environment segments, env log-prob != 0, turn rewards != reward
     "error",  # a check itself failed unexpectedly (a bug, logged with its traceback): refused all the same
 )
@@ -137,6 +139,11 @@ def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version
         problem = turn_content_problem(group.as_columns(), structure_checked=group.columns is not None)
         if problem is not None:
             raise ContentError(*problem)
+    # last, so a group with other faults is refused for those (stream/group_ids.py says why ids have a form)
+    owner = parse_key(group.group_id)
+    if owner is None or owner[0] != group.worker_id:
+        raise ContentError("group_id", f"group id {str(group.group_id)[:40]!r} is not '<worker>[.<incarnation>]-"
+                                       f"<draw>' of worker {group.worker_id}")
 
 
 class Door:

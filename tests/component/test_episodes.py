@@ -150,10 +150,10 @@ def _three_turn_group(engine, tok, model):
     stepped = []
     with EnvRunner(max_concurrency=4, step_timeout_s=30) as runner:
         eps = _episodes(engine, tok, runner)
-        eps.add_group("g0", prompt, SamplingSpec(n=2, max_tokens=200, temperature=1.0, seed=3), envs)
+        eps.add_group("0-0", prompt, SamplingSpec(n=2, max_tokens=200, temperature=1.0, seed=3), envs)
         [group] = _run(eps, 1, on_step=lambda: stepped.append(eps.last_stepped))
         eps.close()
-    assert group.key == "g0" and not group.dropped and len(group.completions) == 2
+    assert group.key == "0-0" and not group.dropped and len(group.completions) == 2
     model_tokens = 0
     for env, c in zip(envs, group.completions):
         mask = _check_sequence(tok, env, c)
@@ -173,7 +173,7 @@ def _record_through_door(engine, tok, prompt, group, learner_version: int):
     from types import SimpleNamespace
 
     from asyncppo.envs.episode_groups import EpisodeGroupBuilder
-    from asyncppo.rollout.worker import EngineMeter
+    from asyncppo.rollout.meter import EngineMeter
     from asyncppo.stream.validate import ContentLimits, GroupValidator
     from asyncppo.stream.wire import decode_group, encode_group
 
@@ -236,7 +236,7 @@ def test_weight_update_between_turns(chat_model, engine):
     try:
         with EnvRunner(max_concurrency=2, step_timeout_s=30) as runner:
             eps = _episodes(engine, tok, runner)
-            eps.add_group("g1", prompt, SamplingSpec(n=1, max_tokens=200, temperature=1.0, seed=11), [env])
+            eps.add_group("0-1", prompt, SamplingSpec(n=1, max_tokens=200, temperature=1.0, seed=11), [env])
             [group] = _run(eps, 1, on_step=update_while_env_waits)
             eps.close()
         c = group.completions[0]

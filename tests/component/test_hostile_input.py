@@ -204,7 +204,7 @@ def test_a_thousand_malformed_messages_do_not_reach_a_batch_and_every_valid_grou
                 # and its holder's worker id is indistinguishable from that worker (docs/security.md; CURVE closes it)
                 def fresh(prompt_len=None, ticket=-1, worker=0, **over):
                     k = len(sent) * 1000 + counts["wire"] + counts["content"]
-                    return encode_group(make_group(f"evil-{k}", worker, ticket, t.min_version, rng, prompt_len,
+                    return encode_group(make_group(f"{worker}-{10**6 + k}", worker, ticket, t.min_version, rng, prompt_len,
                                                    **over))
 
                 # --- a burst before the valid group: all must be refused (and counted) before it is sent
@@ -233,7 +233,9 @@ def test_a_thousand_malformed_messages_do_not_reach_a_batch_and_every_valid_grou
                 wait_for(lambda: validator.accepted >= len(sent), "the valid group to be accepted")
                 before = refused()
                 evil_tx.send_encoded(frame)  # exact replay
-                evil_tx.send_encoded(_with_header(frame, group_id=f"Z-{j}"))  # same ticket, new id (same length)
+                # same ticket, a new id of worker 0 (its draw zero-padded by 8 digits: the header grows by 8 bytes and the
+                # array regions stay 8-aligned)
+                evil_tx.send_encoded(_with_header(frame, group_id="0-" + str(j).zfill(len(str(j)) + 8)))
                 expected_content["duplicate"] = expected_content.get("duplicate", 0) + 1
                 expected_content["ticket"] = expected_content.get("ticket", 0) + 1
                 counts["content"] += 2

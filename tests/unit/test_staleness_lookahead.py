@@ -4,7 +4,7 @@ deferral worked through, and out-of-order consumption as a property over random 
 The property simulation drives the real :class:`AdmissionController` and ticket-ordered :class:`StalenessBuffer`
 single-threaded on a tick clock (no sockets): ``W`` workers each hold an engine with weights of version ``w_i``
 that loads an announced push after a random delay of its own; each worker keeps up to ``slots`` groups in flight,
-starts a granted group once ``w_i >= min_version``, generates one token per tick with a heavy-tailed length and
+starts a granted group once ``w_i >= min_version`` (lowest index first, as the rollout worker does), generates one token per tick with a heavy-tailed length and
 stamps every token with ``w_i`` at that tick (``keep`` updates); the learner takes ``B`` groups whenever it is free,
 trains for a random number of ticks, bumps the version and announces it. Asserted: every trained token's lag is
 ``<= k`` and every group is trained by its deadline; nothing is dropped; every granted ticket is trained once (after
@@ -14,12 +14,14 @@ is lower than with ``j = k`` on the same seeds, and groups are actually trained 
 
 from __future__ import annotations
 
+import collections
 import random
 
 import numpy as np
 import pytest
 
 from asyncppo.staleness import AdmissionController, StalenessBuffer, Ticket
+from asyncppo.staleness.order import take_startable
 from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
 
 
@@ -28,6 +30,25 @@ def _group(ticket: int, versions: list[int]) -> TrajectoryGroup:
     sample = Sample(np.zeros(len(v), np.int32), np.zeros(len(v), np.float32), 0.0, "length", int(v.min()),
                     int(v.max()), version_spans=spans_from_token_versions(v))
     return TrajectoryGroup(f"g{ticket}", 0, np.zeros(2, np.int32), [sample], ticket=ticket)
+
+
+def worker_tick(w: dict, tick: int, ctrl, buf, rng, slots: int, deadlines: dict | None = None) -> None:
+    """One tick of a simulated worker ``w`` (``version``, ``loads``, ``pending`` deque, ``flights``): take the loads
+    due, ask for tickets while it has room, start what its weights allow as the rollout worker does
+    (:func:`take_startable`), stamp one token of every group in flight with its weights, send the finished ones."""
+    w["version"] = max([w["version"], *(u for at, u in w["loads"] if at <= tick)])
+    while len(w["flights"]) + len(w["pending"]) < slots and (t := ctrl.try_acquire()) is not None:
+        if deadlines is not None:
+            deadlines[t.index] = ctrl.deadline_of(t.index)
+        w["pending"].append(t)
+    while (t := take_startable(w["pending"], w["version"])) is not None:
+        # heavy tail: most groups short, a few many learner steps long
+        w["flights"].append((t.index, max(2, min(120, int(rng.lognormvariate(2.0, 1.0)))), []))
+    for f in list(w["flights"]):
+        f[2].append(w["version"])
+        if len(f[2]) == f[1]:
+            w["flights"].remove(f)
+            assert buf.put(_group(f[0], f[2]), timeout_s=0)
 
 
 def _pair(B: int, k: int, j: int | None, total_slots: int | None = None):
@@ -123,7 +144,7 @@ def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int, ca
     rng = random.Random(seed)
     ctrl, buf = _pair(B, k, j, steps * B if capped else None)
     slots = (k + 1) * B // workers + 2  # engines can hold the whole window: the learner is the slower side
-    ws = [{"version": 0, "loads": [], "pending": [], "flights": []} for _ in range(workers)]
+    ws = [{"version": 0, "loads": [], "pending": collections.deque(), "flights": []} for _ in range(workers)]
     deadlines: dict[int, int] = {}
     v, busy, tick, waited = 0, 0, 0, 0
     trained, lags, token_lags = [], [], []
@@ -151,18 +172,7 @@ def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, steps: int, ca
             else:
                 waited += 1
         for w in ws:
-            w["version"] = max([w["version"], *(u for at, u in w["loads"] if at <= tick)])
-            while len(w["flights"]) + len(w["pending"]) < slots and (t := ctrl.try_acquire()) is not None:
-                deadlines[t.index] = ctrl.deadline_of(t.index)
-                w["pending"].append(t)
-            while w["pending"] and w["pending"][0].min_version <= w["version"]:
-                t = w["pending"].pop(0)  # heavy tail: most groups short, a few many learner steps long
-                w["flights"].append((t.index, max(2, min(120, int(rng.lognormvariate(2.0, 1.0)))), []))
-            for f in list(w["flights"]):
-                f[2].append(w["version"])
-                if len(f[2]) == f[1]:
-                    w["flights"].remove(f)
-                    assert buf.put(_group(f[0], f[2]), timeout_s=0)
+            worker_tick(w, tick, ctrl, buf, rng, slots, deadlines)
     return {"trained": trained, "lags": lags, "token_lags": token_lags, "stats": buf.stats(), "waited": waited,
             "granted": ctrl.stats()["granted"], "left": ctrl.stats()["in_flight"]}
 

@@ -39,7 +39,7 @@ def single(T=4, version=5) -> Sample:
     return Sample(np.arange(1, T + 1, dtype=np.int32), -np.ones(T, np.float32), 0.0, "length", version, version)
 
 
-def group(samples, gid="w-0") -> TrajectoryGroup:
+def group(samples, gid="0-0") -> TrajectoryGroup:
     return TrajectoryGroup(gid, 0, np.array([1, 2, 3], np.int32), samples, ticket=-1, timings={"gen_s": 0.1})
 
 

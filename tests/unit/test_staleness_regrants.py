@@ -1,0 +1,107 @@
+"""A released ticket granted again (its group was dropped as stale, skipped by dynamic sampling, refused at the door,
+or lost with a dead worker) must not stall the run: it joins the batch it will be trained in, and the worker starts
+it ahead of tickets granted before it that need newer weights.
+
+Found by review: with pushes every ``s >= 2`` versions, a skip at a version that was not pushed re-granted the
+ticket with the min_version of the window's newest slot (the version being trained); the engines never held those
+weights before that very batch, and the learner waited until its timeout. The simulation is the one of
+tests/unit/test_staleness_lookahead.py (real controller, ticket-ordered buffer, the worker's own
+:func:`take_startable`, tick clock, no sockets) with pushes every ``s`` versions and groups skipped at random as
+``learner/dynamic_sampling.py`` skips them (released on take; the learner takes more until ``B`` are kept).
+"""
+
+from __future__ import annotations
+
+import collections
+import random
+
+import pytest
+
+from asyncppo.staleness import AdmissionController, StalenessBuffer, Ticket
+from asyncppo.staleness.order import take_startable
+from tests.unit.test_staleness_lookahead import worker_tick
+
+
+def test_a_skipped_ticket_is_granted_for_its_own_batch_and_started_first():
+    """B = 2, k = j = 1, pushes every 2 versions: at version 1 (not pushed, the engines hold version 0) ticket 2's
+    group is skipped; granted again it needs weights 0 (it is trained at version 1), and the worker, holding tickets
+    4 and 5 that need version 1, starts it."""
+    ctrl = AdmissionController(2, 1)
+    assert [t.index for t in [ctrl.try_acquire() for _ in range(4)]] == [0, 1, 2, 3]
+    ctrl.consumed(0), ctrl.consumed(1)
+    ctrl.set_version(1)
+    pending = collections.deque([ctrl.try_acquire(), ctrl.try_acquire()])
+    assert list(pending) == [Ticket(4, 1), Ticket(5, 1)]
+    assert ctrl.release(2)  # skipped at version 1
+    pending.append(ctrl.try_acquire())
+    assert pending[-1] == Ticket(2, 0) and ctrl.deadline_of(2) == 1
+    assert take_startable(pending, 0) == Ticket(2, 0)
+    assert take_startable(pending, 0) is None and list(pending) == [Ticket(4, 1), Ticket(5, 1)]
+    assert take_startable(pending, 1) == Ticket(4, 1)
+
+
+def test_take_startable_takes_the_lowest_index_the_weights_allow():
+    pending = collections.deque([Ticket(9, 3), Ticket(7, 2), Ticket(8, 1), Ticket(6, 4)])
+    assert take_startable(pending, 2) == Ticket(7, 2)
+    assert take_startable(pending, 2) == Ticket(8, 1)
+    assert take_startable(pending, 2) is None and len(pending) == 2
+
+
+def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip: float, steps: int = 30) -> dict:
+    rng = random.Random(seed)
+    ctrl = AdmissionController(B, k, lookahead=j)
+    skipped: set[int] = set()
+    budget = [0]  # skips left at this version (dynamic sampling gives up after a few rounds)
+
+    def on_take(g):
+        if budget[0] > 0 and rng.random() < p_skip:
+            budget[0] -= 1
+            skipped.add(id(g))
+            ctrl.release(g.ticket)
+        else:
+            ctrl.consumed(g.ticket)
+
+    buf = StalenessBuffer(k, capacity_groups=(k + 2) * B + 64, order=ctrl, on_take=on_take,
+                          on_drop=lambda g: ctrl.release(g.ticket))
+    slots = (k + 1) * B // workers + 2
+    ws = [{"version": 0, "loads": [], "pending": collections.deque(), "flights": []} for _ in range(workers)]
+    v, busy, tick, kept, lags, trained = 0, 0, 0, [], [], 0
+    budget[0] = 2 * B
+    while v < steps:
+        tick += 1
+        assert tick < 100_000, f"seed {seed}: stuck at version {v}, waiting for tickets {buf.missing(B)}; {ctrl.stats()} {buf.stats()} kept {len(kept)}"
+        if busy:
+            busy -= 1
+            if not busy:
+                v += 1
+                ctrl.set_version(v)
+                budget[0] = 2 * B
+                if v % s == 0:  # rollout.sync_every: only these versions reach the engines
+                    for w in ws:
+                        w["loads"].append((tick + rng.choice([0, 1, 2, 3, 8]), v))
+        else:
+            got = buf.take(B - len(kept), v, timeout_s=0)
+            kept += [g for g in got if id(g) not in skipped]
+            skipped.clear()  # ids of freed objects are reused
+            if len(kept) == B:
+                lags += [v - g.version_min for g in kept]
+                trained += B
+                kept, busy = [], rng.randint(3, 10)
+        for w in ws:
+            worker_tick(w, tick, ctrl, buf, rng, slots)
+    return {"lags": lags, "trained": trained, "stats": buf.stats()}
+
+
+SHAPES = [(4, 2, 1), (3, 4, 2), (2, 3, 3), (4, 1, 1)]  # (k, B, workers)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"k{s[0]}-B{s[1]}-w{s[2]}" for s in SHAPES])
+def test_skips_and_pushes_every_few_versions_never_stall_drop_or_train_past_the_bound(shape):
+    k, B, workers = shape
+    for s in range(1, k + 2):  # every sync_every the bound allows: k >= s - 1
+        for j in range(s - 1, k + 1):  # and every lookahead it allows: j >= s - 1
+            for seed in range(8):
+                out = _simulate(seed, k=k, j=j, B=B, workers=workers, s=s, p_skip=0.3)
+                assert out["trained"] == 30 * B
+                assert max(out["lags"]) <= k, (s, j, seed)
+                assert out["stats"]["dropped_stale"] == 0, (s, j, seed)
