@@ -218,7 +218,7 @@ class LearnerLoop:
         records = self._take(buffer, n)
         t_work = time.perf_counter()
         metrics, batch = work.update(records, self.version)
-        metrics.update(lag_stats(self.version, [r.version_min for r in records]))
+        metrics.update(lag_stats(self.version, [m for r in records for m in r.sample_version_mins()]))  # per sample
         metrics.update(token_lag_stats(self.version, records) if batch is None  # per-token lag from the batch
                        else batch_token_lag_stats(self.version, batch.token_versions, batch.response_mask))
         self.version += 1

@@ -141,8 +141,9 @@ class StalenessBuffer:
     def take(self, n_groups: int, learner_version: int, timeout_s: Optional[float] = None) -> list[TrajectoryGroup]:
         """Hand out the next ``n_groups`` groups whose lag at ``learner_version`` is ``<= k`` (the oldest arrivals,
         or in ordered mode exactly the ``n_groups`` lowest outstanding tickets), dropping every stale one met on
-        the way. Waits for the whole batch; on timeout (or close) returns ``[]`` and keeps what
-        is buffered, so a caller can retry without losing anything."""
+        the way. Waits for the whole batch; on timeout (or close, or once it dropped a stale group, whose ticket must
+        be released before anything waits on it) returns ``[]`` and keeps what is buffered, so a caller can retry
+        without losing anything."""
         if n_groups < 1 or n_groups > self.capacity:
             raise ValueError(f"n_groups must be in [1, capacity={self.capacity}], got {n_groups}")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -158,7 +159,9 @@ class StalenessBuffer:
                     self._cv.notify_all()
                     break
                 left = None if deadline is None else deadline - time.monotonic()
-                if self._closed or (left is not None and left <= 0):
+                if self._closed or (left is not None and left <= 0) or dropped:
+                    # dropped: return now so their tickets are released (below, outside the lock) and granted
+                    # again; waiting on would wait for a dropped ticket still outstanding until the timeout
                     break
                 # ordered mode also waits on grants (other threads): re-check now and then, not only on put
                 self._cv.wait(left if self.order is None else min(left if left is not None else 0.05, 0.05))

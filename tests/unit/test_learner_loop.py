@@ -15,6 +15,9 @@ class _Record:
     def token_lag_sum(self, learner_version):
         return learner_version - self.version_min, 1
 
+    def sample_version_mins(self):
+        return [self.version_min]
+
 
 class _Buffer:
     def __init__(self, deliver=True):

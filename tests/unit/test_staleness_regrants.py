@@ -105,3 +105,25 @@ def test_skips_and_pushes_every_few_versions_never_stall_drop_or_train_past_the_
                 assert out["trained"] == 30 * B
                 assert max(out["lags"]) <= k, (s, j, seed)
                 assert out["stats"]["dropped_stale"] == 0, (s, j, seed)
+
+
+def test_a_dropped_stale_ticket_is_released_at_once_not_after_the_take_timeout():
+    """A stale group that is the lowest outstanding ticket: ``take`` returns at once so its release (run outside the
+    buffer's lock) can hand the ticket out again; it used to wait the whole timeout for that very ticket."""
+    import time
+
+    import numpy as np
+
+    from asyncppo.stream.records import Sample, TrajectoryGroup
+
+    ctrl = AdmissionController(1, 1)
+    buf = StalenessBuffer(1, 64, order=ctrl, on_take=lambda g: ctrl.consumed(g.ticket),
+                          on_drop=lambda g: ctrl.release(g.ticket))
+    assert [ctrl.try_acquire().index, ctrl.try_acquire().index] == [0, 1]
+    ctrl.set_version(2)
+    sample = Sample(np.zeros(3, np.int32), np.zeros(3, np.float32), 0.0, "length", 0, 0)
+    assert buf.put(TrajectoryGroup("0-0", 0, np.zeros(2, np.int32), [sample], ticket=0))  # lag 2 > k = 1
+    t0 = time.monotonic()
+    assert buf.take(1, 2, timeout_s=5.0) == []
+    assert time.monotonic() - t0 < 1.0 and not ctrl.is_outstanding(0) and buf.stats()["dropped_stale"] == 1
+    assert ctrl.try_acquire() == Ticket(0, 1)  # granted again, for the batch it is now trained in
