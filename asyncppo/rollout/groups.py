@@ -21,6 +21,11 @@ from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_ve
 
 log = logging.getLogger("asyncppo.rollout")
 
+#: The reference answer travels with a group for the record only (the reward was computed here; the learner never
+#: reads it), so a long one (a code task's tests) is cut: whole, it could pass the wire's header limit
+#: (stream/framing.py MAX_HEADER_BYTES), and the learner would refuse the group unread and wait for its ticket.
+ANSWER_CHARS = 4096
+
 
 @dataclass
 class InFlight:
@@ -108,6 +113,6 @@ class GroupBuilder:
             samples=samples,
             prompt_index=int(flight.row.index),
             ticket=int(flight.ticket.index),
-            answer=str(flight.row.answer),
+            answer=str(flight.row.answer)[:ANSWER_CHARS],
             timings=timings,
         )

@@ -240,6 +240,11 @@ class RolloutWorker(WorkerSkeleton):
         else:
             room = admission_room(ro.max_num_seqs - self._occupied(), n, ro.admission_unit)
         want = room - len(self._pending) - self.admission.open_requests
+        if self._pending and not self.admission.open_requests and not self._has_startable():
+            # held tickets that wait for a push fill the room, yet a ticket released meanwhile (a skipped or dropped
+            # group) is granted again for the batch being trained and needs weights we hold: keep one request open
+            # so it can reach us (with every engine's room held this way it reached nobody: a deadlock)
+            want = max(want, 1)
         if want > 0:
             self.admission.request(want)
         # Never wait while the engine has work, or (continuous) while a ticket in hand can start now: after a weight

@@ -19,8 +19,8 @@ the controller counts *live* tickets ``L = granted - released`` rather than raw 
   ``i`` (both terms equal ``i // B - k`` when nothing was released). A released index is handed out again first
   (indices stay unique among live tickets, so a trace stays readable), and its min_version is recomputed from the
   batch it will now be trained in: the learner trains the ``B`` lowest outstanding tickets at each version, so
-  behind ``a`` lower outstanding tickets that is batch ``v + a // B`` and ``min_version = max(0, v + a // B -
-  k)``. Re-granting a dropped ticket with its old, low min_version would only produce another group that is
+  behind ``a`` lower outstanding tickets and the ``c`` groups of batch ``v`` already trained that is batch
+  ``v + (c + a) // B`` and ``min_version = max(0, v + (c + a) // B - k)``. Re-granting a dropped ticket with its old, low min_version would only produce another group that is
   dropped again; taking it from the slot count instead would ask for weights of the version being trained, which
   with pushes every ``s >= 2`` versions the engines may never get before that batch (it waited for itself).
 
@@ -172,12 +172,16 @@ class AdmissionController:
     def _regrant_nominal(self, index: int) -> int:
         """The unclamped min_version of a released ``index`` granted again (under the lock): that of the batch it
         will be trained in. The learner trains the ``B`` lowest outstanding tickets at each version, so behind
-        ``a`` outstanding lower tickets it is in batch ``v + a // B``; it needs weights ``j`` versions before that,
+        ``a`` outstanding lower tickets and the ``c`` groups of batch ``v`` already trained it is in batch
+        ``v + (c + a) // B``; it needs weights ``j`` versions before that,
         which ``j >= sync_every - 1`` makes pushed by then. (The slot rule of fresh grants would put a low index
         ``j`` batches ahead of where it is trained: at a version the learner had not pushed, the batch needing it
         waited for weights that only that batch's own update would bring.)"""
         ahead = sum(1 for other in self._outstanding if other < index)
-        return self._v + ahead // self.B - self.j
+        # batch v's groups already trained (a dynamic-sampling batch is taken in parts; and between the learner's
+        # step and its set_version, the whole batch) come before it too
+        done = max(0, self.consumed_count - (self._v - self.start_version) * self.B)
+        return self._v + (done + ahead) // self.B - self.j
 
     def _take_fresh(self) -> int:
         i = self._next_index

@@ -82,8 +82,11 @@ def as_view(buf: Any) -> memoryview:
 
 def header_parts(magic: bytes, header: Any) -> list[bytes]:
     """The start of a frame: prefix, msgpack ``header`` and the zero pad after it. Raises what :func:`pack`
-    raises when the header holds a value msgpack cannot represent."""
+    raises when the header holds a value msgpack cannot represent, and ValueError when it is longer than a
+    receiver reads (``MAX_HEADER_BYTES``)."""
     hdr = pack(header)
+    if len(hdr) > MAX_HEADER_BYTES:  # the receiver would refuse it unread: say so at the sender
+        raise ValueError(f"a frame header of {len(hdr)} bytes > the limit {MAX_HEADER_BYTES}")
     return [PREFIX.pack(magic, len(hdr)), hdr, ZEROS[: pad(PREFIX.size + len(hdr))]]
 
 

@@ -71,6 +71,30 @@ def test_a_header_of_nested_empty_arrays_is_refused_before_it_is_unpacked():
     assert e.value.reason == "malformed"
 
 
+def test_a_long_reference_answer_is_cut_so_its_group_is_never_refused_unread():
+    from types import SimpleNamespace
+
+    from asyncppo.rollout.engine import Completion, FinishedGroup
+    from asyncppo.rollout.groups import ANSWER_CHARS, GroupBuilder, InFlight
+    from asyncppo.rollout.meter import EngineMeter
+
+    from asyncppo.data.chat_tokenizer import build_chat_tokenizer
+
+    done = FinishedGroup("0-0", [Completion(token_ids=np.array([4, 5]), logprobs=np.array([-0.5, -0.1]),
+                                            finish_reason="stop")])
+    row = SimpleNamespace(prompt_ids=[1, 2], answer="tests " * 400_000, index=0)  # 2.4 MB of unit tests
+    flight = InFlight(row=row, ticket=SimpleNamespace(index=0), admitted_at=time.time(), version=0)
+    stats = {"reward_failures": 0, "gen_tokens": 0, "samples": 0}
+    decoder = SimpleNamespace(decode=build_chat_tokenizer().decode)  # what the builder reads of an engine
+    group = GroupBuilder(decoder, lambda text, answer: 1.0, 0, stats).build(done, flight, EngineMeter())
+    assert len(group.answer) == ANSWER_CHARS
+    assert decode_group(encode_group(group)).answer == group.answer  # within the header limit
+    group.answer = row.answer  # whole, the sender refuses it itself rather than the learner unread
+    with pytest.raises(WireError) as e:
+        encode_group(group)
+    assert e.value.reason == "schema" and "header" in str(e.value)
+
+
 def test_an_int_field_past_2_53_is_refused():
     spec = {"acquire": {"worker_id": int, "req": int, "count": int}}
     ok = msgpack.packb({"schema": MESSAGE_SCHEMA, "kind": "acquire", "worker_id": 0, "req": 1 << 53, "count": 1})
@@ -96,6 +120,17 @@ def test_the_admission_server_survives_a_request_number_no_reply_could_carry():
         while not server.rejected.get("schema") and time.monotonic() < deadline:
             time.sleep(0.01)
         assert server.rejected["schema"] == 1 and ctrl.stats()["live"] == 0  # refused, nothing granted
+        # a request that passes its checks and still breaks its handler (a bug): refused and counted, the thread
+        # lives on (before, one raise ended the server thread and no ticket was ever granted again)
+        park, calls = server._park, []
+        server._park = lambda *a: calls.append(a) or (_ for _ in ()).throw(RuntimeError("a handler bug"))
+        evil.send(msgpack.packb({"schema": MESSAGE_SCHEMA, "kind": "acquire", "worker_id": 0, "req": 7,
+                                 "count": 1}))
+        deadline = time.monotonic() + 5
+        while not server.rejected.get("malformed") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls and server.rejected["malformed"] == 1
+        server._park = park
         ticket = honest.acquire(timeout_s=5)
         assert ticket is not None and ticket.index == 0  # the server thread lives on
     finally:

@@ -47,7 +47,8 @@ def test_take_startable_takes_the_lowest_index_the_weights_allow():
     assert take_startable(pending, 2) is None and len(pending) == 2
 
 
-def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip: float, steps: int = 30) -> dict:
+def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip: float, steps: int = 30,
+              slots: int | None = None) -> dict:
     rng = random.Random(seed)
     ctrl = AdmissionController(B, k, lookahead=j)
     skipped: set[int] = set()
@@ -63,7 +64,7 @@ def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip
 
     buf = StalenessBuffer(k, capacity_groups=(k + 2) * B + 64, order=ctrl, on_take=on_take,
                           on_drop=lambda g: ctrl.release(g.ticket))
-    slots = (k + 1) * B // workers + 2
+    slots = (k + 1) * B // workers + 2 if slots is None else slots  # default: engines hold the whole window
     ws = [{"version": 0, "loads": [], "pending": collections.deque(), "flights": []} for _ in range(workers)]
     v, busy, tick, kept, lags, trained = 0, 0, 0, [], [], 0
     budget[0] = 2 * B
@@ -100,11 +101,14 @@ def test_skips_and_pushes_every_few_versions_never_stall_drop_or_train_past_the_
     k, B, workers = shape
     for s in range(1, k + 2):  # every sync_every the bound allows: k >= s - 1
         for j in range(s - 1, k + 1):  # and every lookahead it allows: j >= s - 1
-            for seed in range(8):
-                out = _simulate(seed, k=k, j=j, B=B, workers=workers, s=s, p_skip=0.3)
-                assert out["trained"] == 30 * B
-                assert max(out["lags"]) <= k, (s, j, seed)
-                assert out["stats"]["dropped_stale"] == 0, (s, j, seed)
+            # engines that hold the whole window, and engines whose room is a group or two (their held tickets
+            # then fill it while they wait for a push: a released ticket must still reach one of them)
+            for slots, seeds in ((None, range(8)), (1, range(4)), (2, range(4))):
+                for seed in seeds:
+                    out = _simulate(seed, k=k, j=j, B=B, workers=workers, s=s, p_skip=0.3, slots=slots)
+                    assert out["trained"] == 30 * B
+                    assert max(out["lags"]) <= k, (s, j, slots, seed)
+                    assert out["stats"]["dropped_stale"] == 0, (s, j, slots, seed)
 
 
 def test_a_dropped_stale_ticket_is_released_at_once_not_after_the_take_timeout():
@@ -127,3 +131,20 @@ def test_a_dropped_stale_ticket_is_released_at_once_not_after_the_take_timeout()
     assert buf.take(1, 2, timeout_s=5.0) == []
     assert time.monotonic() - t0 < 1.0 and not ctrl.is_outstanding(0) and buf.stats()["dropped_stale"] == 1
     assert ctrl.try_acquire() == Ticket(0, 1)  # granted again, for the batch it is now trained in
+
+
+def test_a_regrant_counts_the_groups_of_the_current_batch_already_trained():
+    """B = 4, k = j = 1 at version 1: batch 1 kept tickets 4, 5 and 6 and skipped 7 (granted again for batch 1);
+    then ticket 10's group is refused and 10 granted again. Ahead of it are 7, 8 and 9 and the three trained groups
+    of batch 1, so it is trained in batch 2 and needs weights 1 (counting only the outstanding ones put it in
+    batch 1: min_version 0, deadline 1, and the guard would drop its group trained at version 2)."""
+    c = AdmissionController(4, 1)
+    assert [c.try_acquire().index for _ in range(8)] == list(range(8))
+    for i in range(4):
+        c.consumed(i)
+    c.set_version(1)
+    assert [t.index for t in [c.try_acquire() for _ in range(4)]] == [8, 9, 10, 11]
+    for i in (4, 5, 6):
+        c.consumed(i)
+    assert c.release(7) and c.try_acquire() == Ticket(7, 0)  # the rest of batch 1
+    assert c.release(10) and c.try_acquire() == Ticket(10, 1) and c.deadline_of(10) == 2
