@@ -41,6 +41,7 @@ from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
 from asyncppo.rollout.skeleton import WorkerSkeleton
+from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
 from asyncppo.stream.segments import encode_segment
 
@@ -104,7 +105,18 @@ class EnvWorker(WorkerSkeleton):
         if self._ticket is None and not self._next_ticket():
             self.phase = "waiting"
             return
-        if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours: wait for them
+        if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours
+            # a ticket granted again (a segment refused or dropped) is for the batch being trained and may wait
+            # behind ours: start it first; and while every ticket held waits for a push keep one request open, so
+            # that such a ticket can reach us (staleness/order.py, docs/staleness.md)
+            self._pending.extend(self.admission.poll_granted(0.0))
+            ready = take_startable(self._pending, self.version)
+            if ready is not None:  # nothing was collected under the ticket in hand yet: swap them
+                self._pending.appendleft(self._ticket)
+                self._ticket = ready
+                return
+            if not self.admission.open_requests and not self.admission.stopped:
+                self.admission.request(1)
             self.phase = "waiting"
             needed = self._ticket.min_version
             self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
