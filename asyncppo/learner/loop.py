@@ -281,13 +281,14 @@ class LearnerLoop:
         while len(records) < n:
             if not records and self.stop_requested.is_set():
                 raise StopRequested  # nothing of the next batch taken yet: stop here (taken records are trained)
-            records += self.workload.keep(buffer.take(n - len(records), self.version, timeout_s=1.0))
+            got = self.workload.keep(buffer.take(n - len(records), self.version, timeout_s=1.0))
+            records += got
             if self._feeder is not None and not self._feeder.alive:
                 raise RuntimeError(f"the {self.workload.record_kind} feeder stopped: {self._feeder.error!r}")
             if time.monotonic() > deadline:
                 raise self.workload.late_error(buffer, n, len(records), self.version)
-            if records:
-                deadline = time.monotonic() + timeout_s
+            if got:  # progress: the deadline counts from the last record in (it was pushed on at every pass once
+                deadline = time.monotonic() + timeout_s  # a batch was partly in, so a stalled one waited forever)
         return records
 
     def request_stop(self) -> None:

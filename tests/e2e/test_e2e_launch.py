@@ -200,6 +200,24 @@ def test_long_tailed_task_learns_with_continuous_generation_and_inflight_updates
     _assert_no_leftovers()
 
 
+def test_skipped_groups_with_pushes_every_second_step_never_stall_the_run(tmp_path):
+    """Dynamic sampling releases the ticket of every all-equal group, and the released ticket is granted again for
+    the batch being trained. With pushes every second step that batch (at an odd version) used to need weights
+    never pushed before it: the same launch on the code before the fix stopped after step 1 and waited until it
+    was killed (docs/staleness.md). ``cluster.timeout_s`` is short so that a stall fails the test fast."""
+    steps = 30
+    proc, records = _launch(tmp_path, f"trainer.total_steps={steps}", "algorithm.dynamic_sampling=true",
+                            "rollout.sync_every=2", "rollout.max_staleness=1", "rollout.rollout_batch_size=16",
+                            "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.timeout_s=90",
+                            engine=None, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    train = _train_records(records)
+    assert len(train) == steps
+    assert train[-1]["batch/skipped_groups_total"] > 0  # tickets were released and granted again
+    assert max(r["staleness/max"] for r in train) <= 1
+    _assert_no_leftovers()
+
+
 def test_too_many_gpus_fails_fast_and_clear(tmp_path):
     proc, _ = _launch(tmp_path, "--rollout-gpus", "4", "--train-gpus", "4", timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]

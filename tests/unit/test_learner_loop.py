@@ -116,6 +116,37 @@ def test_no_records_within_the_timeout_raises_the_workloads_error():
         loop._take(_Buffer(deliver=False), 2)
 
 
+def test_a_batch_stalled_partly_in_still_raises_at_the_timeout():
+    """One record of two arrives, then nothing: the deadline counts from that record, not from every pass (it was
+    pushed on at every pass once the batch was partly in, and a stalled batch waited forever)."""
+    import threading
+    import time
+
+    class _OnceBuffer(_Buffer):
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def take(self, n, version, timeout_s):
+            self.calls += 1
+            time.sleep(0.01)
+            return [_Record(version)] if self.calls == 1 else []
+
+    loop, wiring = _loop(_Workload(), timeout_s=0.3)
+    raised = []
+
+    def take():
+        try:
+            loop._take(_OnceBuffer(), 2)
+        except TimeoutError as e:
+            raised.append(e)
+
+    th = threading.Thread(target=take, daemon=True)
+    th.start()
+    th.join(5.0)
+    assert not th.is_alive() and raised and "late at version 0" in str(raised[0])
+
+
 class _SlowFanout:
     """Pushes that the engines take ``durations[i]`` learner steps to load (0: done before the next step)."""
 
