@@ -107,7 +107,7 @@ class EnvWorker(WorkerSkeleton):
             return
         if self._ticket.min_version > self.version:  # the ticket needs newer weights than ours
             # a ticket granted again (a segment refused or dropped) is for the batch being trained and may wait
-            # behind ours: start it first; and while every ticket held waits for a push keep one request open, so
+            # behind ours: start it first; and while every ticket held waits for a push keep a request open, so
             # that such a ticket can reach us (staleness/order.py, docs/staleness.md)
             self._pending.extend(self.admission.poll_granted(0.0))
             ready = take_startable(self._pending, self.version)
@@ -119,7 +119,7 @@ class EnvWorker(WorkerSkeleton):
                 self.admission.request(1)
             self.phase = "waiting"
             needed = self._ticket.min_version
-            self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 1.0) or self._state
+            self._state = self.control.wait_for(lambda s: s.stop or s.weights_version >= needed, 0.1) or self._state
             return
         self.phase = "generating"
         self._step()

@@ -281,14 +281,14 @@ class LearnerLoop:
         while len(records) < n:
             if not records and self.stop_requested.is_set():
                 raise StopRequested  # nothing of the next batch taken yet: stop here (taken records are trained)
-            got = self.workload.keep(buffer.take(n - len(records), self.version, timeout_s=1.0))
-            records += got
+            taken = buffer.take(n - len(records), self.version, timeout_s=1.0)
+            records += self.workload.keep(taken)
             if self._feeder is not None and not self._feeder.alive:
                 raise RuntimeError(f"the {self.workload.record_kind} feeder stopped: {self._feeder.error!r}")
             if time.monotonic() > deadline:
                 raise self.workload.late_error(buffer, n, len(records), self.version)
-            if got:  # progress: the deadline counts from the last record in (it was pushed on at every pass once
-                deadline = time.monotonic() + timeout_s  # a batch was partly in, so a stalled one waited forever)
+            if taken:  # progress, skipped groups included: the deadline counts from the last group taken (it was
+                deadline = time.monotonic() + timeout_s  # pushed on at every pass once a batch was partly in)
         return records
 
     def request_stop(self) -> None:

@@ -242,8 +242,10 @@ class RolloutWorker(WorkerSkeleton):
         want = room - len(self._pending) - self.admission.open_requests
         if self._pending and not self.admission.open_requests and not self._has_startable():
             # held tickets that wait for a push fill the room, yet a ticket released meanwhile (a skipped or dropped
-            # group) is granted again for the batch being trained and needs weights we hold: keep one request open
-            # so it can reach us (with every engine's room held this way it reached nobody: a deadlock)
+            # group) is granted again for the batch being trained and needs weights we hold: keep a request open
+            # so it can reach us (with every engine's room held this way it reached nobody: a deadlock). Granted a
+            # fresh ticket instead, which waits too, we ask again: a worker waiting for a push may hold more than
+            # its room, up to cluster.max_tickets_per_worker and the window (fair tickets split them)
             want = max(want, 1)
         if want > 0:
             self.admission.request(want)
@@ -349,7 +351,8 @@ class RolloutWorker(WorkerSkeleton):
         t0, waits_for = time.perf_counter(), self._waits_for()
         if waits_for == "weights":
             needed = min(t.min_version for t in self._pending)
-            self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 1.0) \
+            # briefly: a ticket granted again meanwhile (startable now) is read by the next turn's admission
+            self._state = self.control.wait_for(lambda st: st.stop or st.weights_version >= needed, 0.1) \
                 or self._state
             self._count_idle(waits_for, t0)
         elif self.admission.stopped:  # the run is ending: only a stop, or final weights to evaluate, can come

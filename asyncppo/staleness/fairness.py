@@ -71,9 +71,10 @@ def startup_cap(window: int, expected_workers: Optional[int], asked: int, cap: O
 def auto_ticket_cap(max_num_seqs: int, group_size: int, prompts_per_call: int, window: int, episodes: bool) -> int:
     """``cluster.max_tickets_per_worker=0``: how many tickets one worker connection may hold.
 
-    Single-turn groups hold their engine slots for their whole life, so a worker never needs more groups than its
+    Single-turn groups hold their engine slots for their whole life, so a worker rarely needs more groups than its
     engine has room for: ``room = max_num_seqs // group_size`` (or a batch engine's ``prompts_per_call``), and the
-    cap ``2 * room + 2`` leaves room for the groups that have finished and are on their way to the learner.
+    cap ``2 * room + 2`` leaves room for the groups that have finished and are on their way to the learner, and
+    for the tickets a worker asks for beyond its room while all it holds wait for a push (rollout/worker.py).
 
     Multi-turn episodes leave the engine at every environment call, and the worker admits by the load its episodes
     *will* make (``max_num_seqs / share`` episodes, envs/episode_worker.py: ``EngineShare``): behind a 200 ms tool

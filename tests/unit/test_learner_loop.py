@@ -147,6 +147,27 @@ def test_a_batch_stalled_partly_in_still_raises_at_the_timeout():
     assert not th.is_alive() and raised and "late at version 0" in str(raised[0])
 
 
+def test_skipped_groups_arriving_count_as_progress():
+    """Dynamic sampling skips 20 groups in a row, one every 20 ms, for 0.4 s against a 0.15 s timeout: groups do
+    arrive, so the learner waits on (only a stream that brings nothing is late)."""
+    import time
+
+    class _Skipping(_Workload):
+        kept_after = 20
+
+        def keep(self, records):
+            self.kept_after -= len(records)
+            return records if self.kept_after < 0 else []
+
+    class _Trickle(_Buffer):
+        def take(self, n, version, timeout_s):
+            time.sleep(0.02)
+            return [_Record(version)]
+
+    loop, wiring = _loop(_Skipping(), timeout_s=0.15)
+    assert len(loop._take(_Trickle(), 2)) == 2
+
+
 class _SlowFanout:
     """Pushes that the engines take ``durations[i]`` learner steps to load (0: done before the next step)."""
 
