@@ -115,7 +115,9 @@ class EnvWorker(WorkerSkeleton):
                 self._pending.appendleft(self._ticket)
                 self._ticket = ready
                 return
-            if not self.admission.open_requests and not self.admission.stopped:
+            announced = max(self.version, self._state.weights_version if self._state is not None else -1)
+            waits_for_a_push = not any(t.min_version <= announced for t in (self._ticket, *self._pending))
+            if waits_for_a_push and not self.admission.open_requests and not self.admission.stopped:
                 self.admission.request(1)
             self.phase = "waiting"
             needed = self._ticket.min_version

@@ -240,12 +240,13 @@ class RolloutWorker(WorkerSkeleton):
         else:
             room = admission_room(ro.max_num_seqs - self._occupied(), n, ro.admission_unit)
         want = room - len(self._pending) - self.admission.open_requests
-        if self._pending and not self.admission.open_requests and not self._has_startable():
-            # held tickets that wait for a push fill the room, yet a ticket released meanwhile (a skipped or dropped
-            # group) is granted again for the batch being trained and needs weights we hold: keep a request open
-            # so it can reach us (with every engine's room held this way it reached nobody: a deadlock). Granted a
-            # fresh ticket instead, which waits too, we ask again: a worker waiting for a push may hold more than
-            # its room, up to cluster.max_tickets_per_worker and the window (fair tickets split them)
+        if self._pending and not self.admission.open_requests and self._waits_for_a_push():
+            # held tickets that wait for a push not announced yet fill the room (one announced loads in a moment),
+            # yet a ticket released meanwhile (a skipped or dropped group) is granted again for the batch being
+            # trained and needs weights we hold: keep a request open so it can reach us (with every engine's room
+            # held this way it reached nobody: a deadlock). Granted a fresh ticket instead, which waits too, we ask
+            # again: a worker waiting for a push may hold more than its room, up to cluster.max_tickets_per_worker
+            # and the window (fair tickets split them)
             want = max(want, 1)
         if want > 0:
             self.admission.request(want)
@@ -274,6 +275,12 @@ class RolloutWorker(WorkerSkeleton):
 
     def _has_startable(self) -> bool:
         return any(t.min_version <= self.version for t in self._pending)
+
+    def _waits_for_a_push(self) -> bool:
+        """Every held ticket needs weights newer than the learner has announced (not merely not loaded yet): with
+        pushes every ``s >= 2`` versions that can last a whole learner step."""
+        announced = max(self.version, self._state.weights_version if self._state is not None else -1)
+        return not any(t.min_version <= announced for t in self._pending)
 
     def _add_group(self, ticket) -> None:
         # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a

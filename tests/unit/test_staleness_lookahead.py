@@ -34,15 +34,17 @@ def _group(ticket: int, versions: list[int]) -> TrajectoryGroup:
 
 def worker_tick(w: dict, tick: int, ctrl, buf, rng, slots: int, deadlines: dict | None = None) -> None:
     """One tick of a simulated worker ``w`` (``version``, ``loads``, ``pending`` deque, ``flights``): take the loads
-    due, ask for tickets while it has room (one more while all it holds wait for a push), start what its weights
+    due, ask for tickets while it has room (one more while all it holds wait for a push not announced yet), start what its weights
     allow as the rollout worker does
     (:func:`take_startable`), stamp one token of every group in flight with its weights, send the finished ones."""
     w["version"] = max([w["version"], *(u for at, u in w["loads"] if at <= tick)])
     grants = []
     while len(w["flights"]) + len(w["pending"]) + len(grants) < slots and (t := ctrl.try_acquire()) is not None:
         grants.append(t)
-    # while every held ticket waits for a push, one request stays open beyond the room (rollout/worker.py _admit)
-    if not grants and w["pending"] and not any(t.min_version <= w["version"] for t in w["pending"]):
+    # while every held ticket waits for a push not announced yet, one request stays open beyond the room
+    # (rollout/worker.py _admit); a push is announced when it is made, and loaded after the worker's delay
+    announced = max([w["version"], *(u for _, u in w["loads"])])
+    if not grants and w["pending"] and not any(t.min_version <= announced for t in w["pending"]):
         grants += [t] if (t := ctrl.try_acquire()) is not None else []
     for t in grants:
         if deadlines is not None:
