@@ -16,7 +16,7 @@ import threading
 from collections.abc import Iterable, Iterator
 from typing import Any, Optional
 
-from asyncppo.stream.group_ids import group_key, parse_key  # noqa: F401  (re-exported: the workers use them)
+from asyncppo.stream.group_ids import parse_key
 
 _MAX_DONE = 100_000  # a draw that is never trained (a dropped group) would pin `next`: past this, skip the gap
 

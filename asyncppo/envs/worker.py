@@ -36,13 +36,13 @@ import numpy as np
 import torch
 
 from asyncppo.config.schema import AsyncPPOConfig
-from asyncppo.data.position import group_key
 from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
+from asyncppo.stream.group_ids import group_key
 from asyncppo.stream.segments import encode_segment
 
 log = logging.getLogger("asyncppo.envs")
@@ -115,9 +115,8 @@ class EnvWorker(WorkerSkeleton):
                 self._pending.appendleft(self._ticket)
                 self._ticket = ready
                 return
-            announced = max(self.version, self._state.weights_version if self._state is not None else -1)
-            waits_for_a_push = not any(t.min_version <= announced for t in (self._ticket, *self._pending))
-            if waits_for_a_push and not self.admission.open_requests and not self.admission.stopped:
+            if (self._waits_for_a_push((self._ticket, *self._pending)) and not self.admission.open_requests
+                    and not self.admission.stopped):
                 self.admission.request(1)
             self.phase = "waiting"
             needed = self._ticket.min_version

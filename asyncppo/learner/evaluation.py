@@ -33,7 +33,8 @@ class EngineEvaluation:
         refusals): unchecked, a peer's report of point 2**40 opened a round that was never closed, and one of a
         logged point logged it again."""
         for report in self.receiver.poll(timeout_s):
-            if report.point in self.logged or (version is not None and max(report.point, report.version_max) > version):
+            past = version is not None and max(report.point, report.version_max) > version
+            if report.point in self.logged or past:
                 self.receiver.rejected += 1
                 self.receiver.last_error = (f"report of point {report.point} (weights {report.version_max}) from "
                                             f"worker {report.worker_id}: logged already or past version {version}")

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from asyncppo.data.datasets import build_prompt_dataset
-from asyncppo.data.position import group_key, resume_draws
+from asyncppo.data.position import resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine

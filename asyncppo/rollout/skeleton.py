@@ -224,6 +224,13 @@ class WorkerSkeleton:
             )
         return self._state
 
+    def _waits_for_a_push(self, tickets) -> bool:
+        """Every ticket of ``tickets`` needs weights newer than the learner has announced (not merely not loaded
+        yet): with pushes every ``s >= 2`` versions that can last a whole learner step, and a ticket released
+        meanwhile must still reach a worker, so the workers then keep a request open beyond their room."""
+        announced = max(self.version, self._state.weights_version if self._state is not None else -1)
+        return not any(t.min_version <= announced for t in tickets)
+
     def _send_until_sent(self, send_once) -> bool:
         """Retry ``send_once()`` (one bounded attempt) until the learner takes it; False when a stop came first."""
         while not send_once():

@@ -30,7 +30,7 @@ import time
 from asyncppo.config.choices import admission_room
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.data.datasets import build_prompt_dataset
-from asyncppo.data.position import group_key, resume_draws
+from asyncppo.data.position import resume_draws
 from asyncppo.data.rewards import resolve_reward_fn
 from asyncppo.rollout.engine import SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
@@ -40,6 +40,7 @@ from asyncppo.rollout.meter import EngineMeter
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
+from asyncppo.stream.group_ids import group_key
 from asyncppo.stream.evals import EvalSender
 from asyncppo.sync.adapter import AdapterMerger
 from asyncppo.sync.engine_load import receive_into_engine
@@ -240,7 +241,7 @@ class RolloutWorker(WorkerSkeleton):
         else:
             room = admission_room(ro.max_num_seqs - self._occupied(), n, ro.admission_unit)
         want = room - len(self._pending) - self.admission.open_requests
-        if self._pending and not self.admission.open_requests and self._waits_for_a_push():
+        if self._pending and not self.admission.open_requests and self._waits_for_a_push(self._pending):
             # held tickets that wait for a push not announced yet fill the room (one announced loads in a moment),
             # yet a ticket released meanwhile (a skipped or dropped group) is granted again for the batch being
             # trained and needs weights we hold: keep a request open so it can reach us (with every engine's room
@@ -275,12 +276,6 @@ class RolloutWorker(WorkerSkeleton):
 
     def _has_startable(self) -> bool:
         return any(t.min_version <= self.version for t in self._pending)
-
-    def _waits_for_a_push(self) -> bool:
-        """Every held ticket needs weights newer than the learner has announced (not merely not loaded yet): with
-        pushes every ``s >= 2`` versions that can last a whole learner step."""
-        announced = max(self.version, self._state.weights_version if self._state is not None else -1)
-        return not any(t.min_version <= announced for t in self._pending)
 
     def _add_group(self, ticket) -> None:
         # seq: the draw number in this worker's prompt sequence; it names the group and seeds its sampling, so a

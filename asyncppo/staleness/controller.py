@@ -20,9 +20,10 @@ the controller counts *live* tickets ``L = granted - released`` rather than raw 
   (indices stay unique among live tickets, so a trace stays readable), and its min_version is recomputed from the
   batch it will now be trained in: the learner trains the ``B`` lowest outstanding tickets at each version, so
   behind ``a`` lower outstanding tickets and the ``c`` groups of batch ``v`` already trained that is batch
-  ``v + (c + a) // B`` and ``min_version = max(0, v + (c + a) // B - k)``. Re-granting a dropped ticket with its old, low min_version would only produce another group that is
-  dropped again; taking it from the slot count instead would ask for weights of the version being trained, which
-  with pushes every ``s >= 2`` versions the engines may never get before that batch (it waited for itself).
+  ``v + (c + a) // B`` and ``min_version = max(0, v + (c + a) // B - k)``. Re-granting a dropped ticket with its
+  old, low min_version would only produce another group that is dropped again; taking it from the slot count
+  instead would ask for weights of the version being trained, which with pushes every ``s >= 2`` versions the
+  engines may never get before that batch (it waited for itself).
 
 Invariant (checked by the tests): at every moment the number of live tickets is ``<= (k + v + 1) * B``, every
 grant's ``min_version >= v - k`` for the learner version ``v`` at grant time (because ``L >= v*B``: all consumed
@@ -173,10 +174,10 @@ class AdmissionController:
         """The unclamped min_version of a released ``index`` granted again (under the lock): that of the batch it
         will be trained in. The learner trains the ``B`` lowest outstanding tickets at each version, so behind
         ``a`` outstanding lower tickets and the ``c`` groups of batch ``v`` already trained it is in batch
-        ``v + (c + a) // B``; it needs weights ``j`` versions before that,
-        which ``j >= sync_every - 1`` makes pushed by then. (The slot rule of fresh grants would put a low index
-        ``j`` batches ahead of where it is trained: at a version the learner had not pushed, the batch needing it
-        waited for weights that only that batch's own update would bring.)"""
+        ``v + (c + a) // B``; it needs weights ``j`` versions before that, which ``j >= sync_every - 1`` makes
+        pushed by then. (The slot rule of fresh grants would put a low index ``j`` batches ahead of where it is
+        trained: at a version the learner had not pushed, the batch needing it waited for weights that only that
+        batch's own update would bring.)"""
         ahead = sum(1 for other in self._outstanding if other < index)
         # batch v's groups already trained (a dynamic-sampling batch is taken in parts; and between the learner's
         # step and its set_version, the whole batch) come before it too

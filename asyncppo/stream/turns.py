@@ -140,7 +140,8 @@ def check_turns(turns: TurnColumns, lengths: Sequence[int]) -> Optional[str]:
                            "at {s} overlaps or touches the previous one (a model token must separate segments)")):
             if bad.any():
                 i = int(np.argmax(bad))
-                detail = what.format(s=int(start[i]), l=int(length[i]), e=int(start[i]) + int(length[i]), T=int(T[i]))
+                s, length_i = int(start[i]), int(length[i])
+                detail = what.format(s=s, l=length_i, e=s + length_i, T=int(T[i]))
                 return f"samples[{int(owner[i])}] environment segment {i - ro[int(owner[i])]} {detail}"
     want = model_turn_counts(turns, lengths)
     got = np.asarray(turns.reward_counts(), dtype=np.int64)

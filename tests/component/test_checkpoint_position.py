@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from asyncppo.data.position import DataPosition, group_key, parse_key, resume_draws
+from asyncppo.data.position import DataPosition, resume_draws
+from asyncppo.stream.group_ids import group_key, parse_key
 from asyncppo.staleness import AdmissionClient, AdmissionController, AdmissionServer
 
 
