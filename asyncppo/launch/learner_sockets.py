@@ -11,6 +11,7 @@ import secrets
 
 from asyncppo.data.heldout import has_eval_sets
 from asyncppo.learner.evaluation import EngineEvaluation
+from asyncppo.rollout.evaluation import eval_points
 from asyncppo.staleness import AdmissionController, AdmissionServer
 from asyncppo.staleness.fairness import auto_ticket_cap
 from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
@@ -54,7 +55,9 @@ class LearnerSockets:
         closables += [self.receiver, self.control, self.admission_server]
         self.engine_eval = None  # held-out evaluation on the rollout engines (learner/evaluation.py)
         if has_eval_sets(cfg):
-            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), num_workers, curve=curve)
+            tr = cfg.trainer  # the learner takes reports of the points the workers evaluate, and no others
+            self.engine_eval = EngineEvaluation(bind_endpoint(host, 0), num_workers, curve=curve,
+                                                points=eval_points(tr.eval_every, tr.total_steps, tr.eval_at_start))
             closables.append(self.engine_eval)
         self.sync_port = cl.sync_port or find_free_port(host)
         # one two-rank weight-sync group per worker, so a dead worker breaks nobody (sync/fanout.py)

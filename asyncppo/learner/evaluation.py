@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional
+from typing import Iterable, Optional
 
 from asyncppo.stream.evals import EvalAggregator, EvalReceiver
 
@@ -21,23 +21,30 @@ TASK_SCORES = ("accuracy_sampled", "accuracy_greedy")  # the probe's numbers in 
 
 
 class EngineEvaluation:
-    def __init__(self, bind_address: str, num_workers: int, curve=None):
+    """``points``: the run's evaluation schedule (the workers' ``eval_points``, handed in by the launcher, which
+    knows both sides); a report of any other point is refused. None takes any point up to the learner's version."""
+
+    def __init__(self, bind_address: str, num_workers: int, curve=None, points: Optional[Iterable[int]] = None):
         self.receiver = EvalReceiver(bind_address, num_workers, curve=curve)
         self.aggregator = EvalAggregator(num_workers)
         self.address = self.receiver.address
+        self.points = None if points is None else frozenset(points)
         self.logged: dict[int, dict] = {}
 
     def poll(self, logger, timeout_s: float = 0.0, version: Optional[int] = None) -> None:
         """Log every point that is complete now. ``version``: the learner's; a report of a point or weights past
-        it, or of a point already logged, cannot be a worker's and is refused (counted with the receiver's
-        refusals): unchecked, a peer's report of point 2**40 opened a round that was never closed, and one of a
-        logged point logged it again."""
+        it, of a point already logged, or of a point not in the schedule cannot be a worker's and is refused
+        (counted with the receiver's refusals): unchecked, a peer's report of point 2**40 opened a round that was
+        never closed, one of a logged point logged it again, and one of point 7 with ``eval_every=100`` was logged
+        (with several workers, its round stayed open until the run ended)."""
         for report in self.receiver.poll(timeout_s):
             past = version is not None and max(report.point, report.version_max) > version
-            if report.point in self.logged or past:
+            unscheduled = self.points is not None and report.point not in self.points
+            if report.point in self.logged or past or unscheduled:
                 self.receiver.rejected += 1
                 self.receiver.last_error = (f"report of point {report.point} (weights {report.version_max}) from "
-                                            f"worker {report.worker_id}: logged already or past version {version}")
+                                            f"worker {report.worker_id}: logged already, past version {version} "
+                                            f"or not an evaluation point")
                 continue
             done = self.aggregator.add(report)
             if done is not None:

@@ -1,7 +1,14 @@
 """A rollout worker's handle on the admission server (:mod:`asyncppo.staleness.server`): ``acquire`` blocks for one
 ticket, ``request`` / ``poll_granted`` keep several in flight without blocking. Replies are range-checked here too:
-nothing the server sends is trusted. A grant that arrives after its request was given up is sent back at once, so
-no ticket leaks.
+nothing the server sends is trusted: a bad one is counted and skipped, and the replies behind it are still read. A
+grant that arrives after its request was given up is sent back at once, so no ticket leaks.
+
+A reply over MAXMSGSIZE makes libzmq drop the connection for good (a protocol error, never reconnected), and every
+later request went to nobody. The socket is owned by a :class:`~asyncppo.stream.redial.Redialer`, which re-creates it
+(same address and keys, counted in ``reconnects``); the requests still unanswered are then asked again on the new
+connection, since the server answers the old one's into the void (it releases what it cannot deliver). A grant lost
+with the broken frame, or held from the old connection, stays with the old connection on the server: it can no
+longer be released from here (the server takes releases only from the holder), only delivered as a group.
 """
 
 from __future__ import annotations
@@ -17,12 +24,13 @@ from asyncppo.staleness.controller import Ticket
 from asyncppo.staleness.tickets import MAX_REPLY_INT, MAXMSGSIZE, REPLY_SPEC
 from asyncppo.stream.errors import REASONS, WireError
 from asyncppo.stream.framing import decode_message, encode_message
+from asyncppo.stream.redial import Redialer, RedialingClient
 from asyncppo.stream.security import CurveKeys, apply_client
 
 log = logging.getLogger(__name__)
 
 
-class AdmissionClient:
+class AdmissionClient(RedialingClient):
     """A worker's handle on the admission server. Not thread-safe: one per worker thread/process."""
 
     _ids = itertools.count()
@@ -30,13 +38,20 @@ class AdmissionClient:
     def __init__(self, address: str, worker_id: int, context: Optional[zmq.Context] = None,
                  curve: Optional[CurveKeys] = None):
         self.worker_id = int(worker_id)
-        self._sock = (context if context is not None else zmq.Context.instance()).socket(zmq.DEALER)
-        self._sock.setsockopt(zmq.LINGER, 200)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
-        apply_client(self._sock, curve)
-        self._sock.connect(address)
+        ctx = context if context is not None else zmq.Context.instance()
+
+        def make() -> zmq.Socket:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 200)
+            sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+            apply_client(sock, curve)
+            return sock
+
         self._req = 0
         self._open: set[int] = set()  # requests sent with request() and not yet answered
+        self._waiting: Optional[int] = None  # the request a blocking acquire() waits for
+        self._redial = Redialer(make, address, f"admission client of worker {self.worker_id}",
+                                on_redial=self._ask_again)
         self.stopped = False
         self.rejected: dict[str, int] = {r: 0 for r in REASONS}
         self._early: list[Ticket] = []  # grants for request() that a blocking acquire() read first
@@ -52,12 +67,19 @@ class AdmissionClient:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         if not self._send_within(encode_message("acquire", worker_id=self.worker_id, req=req, count=1), deadline):
             return None
+        self._waiting = req  # asked again if the connection is re-created while we wait
+        try:
+            return self._await_grant(req, deadline)
+        finally:
+            self._waiting = None
+
+    def _await_grant(self, req: int, deadline: Optional[float]) -> Optional[Ticket]:
         while True:
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
                 return None
-            if not self._sock.poll(min(left_ms, 1000)):
+            if not self._redial.poll(min(left_ms, 1000)):
                 continue
             reply = self._recv_reply()
             if reply is None:
@@ -84,8 +106,21 @@ class AdmissionClient:
             return
         first = self._req + 1
         self._req += count
-        self._open.update(range(first, first + count))
         self._send_within(encode_message("acquire", worker_id=self.worker_id, req=first, count=count), None)
+        self._open.update(range(first, first + count))  # after the send: a redial during it asks only the older
+
+    def _ask_again(self) -> None:
+        """The socket was re-created: ask again, on the new connection, for every request still unanswered (the
+        server answers the old connection's into the void and releases them). A grant that arrives twice for one
+        request is given back like any grant nobody waits for."""
+        reqs = sorted(self._open | ({self._waiting} if self._waiting is not None else set()))
+        for first, count in _runs(reqs):
+            try:  # the new socket queues until it connects (never blocks: we are inside a wait)
+                self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=first, count=count),
+                                zmq.NOBLOCK)
+            except zmq.Again:
+                log.warning("admission client of worker %d: could not ask again for requests %d..%d",
+                            self.worker_id, first, first + count - 1)
 
     @property
     def open_requests(self) -> int:
@@ -97,7 +132,7 @@ class AdmissionClient:
         has arrived. Sets :attr:`stopped` when the server says stop (open requests are then void)."""
         out, self._early = self._early, []
         if not out and self._open and timeout_s > 0:
-            self._sock.poll(int(timeout_s * 1000))
+            self._redial.poll(int(timeout_s * 1000))
         while True:
             reply = self._recv_reply()
             if reply is None:
@@ -118,20 +153,24 @@ class AdmissionClient:
         self._give_back(ticket.index)
 
     def _recv_reply(self):
-        try:
-            payload = self._sock.recv(zmq.NOBLOCK)
-        except zmq.Again:
-            return None
-        try:
-            kind, f = decode_message(payload, REPLY_SPEC, max_bytes=MAXMSGSIZE)
-            if not 0 < f["req"] <= self._req or (kind == "ticket" and not (
-                    0 <= f["index"] < MAX_REPLY_INT and 0 <= f["min_version"] < MAX_REPLY_INT)):
-                raise WireError("schema", f"{kind} reply out of range: {f} (requests sent: {self._req})")
+        """The next valid reply queued, or None when none is. A bad one is counted and skipped: returning None for
+        it, as before, made close() stop there, so a grant queued behind it was never given back."""
+        while True:
+            try:
+                payload = self._sock.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            try:
+                kind, f = decode_message(payload, REPLY_SPEC, max_bytes=MAXMSGSIZE)
+                if not 0 < f["req"] <= self._req or (kind == "ticket" and not (
+                        0 <= f["index"] < MAX_REPLY_INT and 0 <= f["min_version"] < MAX_REPLY_INT)):
+                    raise WireError("schema", f"{kind} reply out of range: {f} (requests sent: {self._req})")
+            except WireError as e:
+                self.rejected[e.reason] += 1
+                log.warning("rejected admission reply: %s", e)
+                continue
+            self._redial.healthy()
             return kind, f
-        except WireError as e:
-            self.rejected[e.reason] += 1
-            log.warning("rejected admission reply: %s", e)
-            return None
 
     def _give_back(self, index: int) -> None:
         self._send_nowait(encode_message("release", worker_id=self.worker_id, index=index))
@@ -142,7 +181,9 @@ class AdmissionClient:
         as long as it takes). A DEALER with no connected peer (the server not up, or our CURVE handshake refused)
         cannot send, and a refused handshake drops the peer at any moment, so a socket polled writable may have
         none by the time it sends: a blocking send after the poll hung a refused client for good (seen in the
-        auth test). So every try is non-blocking, and the waits between tries are polls bounded by the deadline."""
+        auth test). So every try is non-blocking, and the waits between tries are polls bounded by the deadline.
+        A connection libzmq gave up is re-created first, so the message goes to the server, not into the void."""
+        self._redial.check()
         while True:
             try:
                 self._sock.send(msg, zmq.NOBLOCK)
@@ -152,7 +193,7 @@ class AdmissionClient:
             wait_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if wait_ms <= 0:
                 return False
-            self._sock.poll(min(wait_ms, 1000), zmq.POLLOUT)
+            self._redial.poll(min(wait_ms, 1000), zmq.POLLOUT)
 
     def _send_nowait(self, msg: bytes) -> bool:
         """Cancels and releases never block: with no connected server (gone, or our handshake refused) there is
@@ -160,7 +201,8 @@ class AdmissionClient:
         return self._send_within(msg, deadline=time.monotonic())  # one try, no wait
 
     def close(self) -> None:
-        """Return any grant that arrived after its request was abandoned, then close."""
+        """Return every grant queued (past any bad reply among them) and any that arrived after its request was
+        abandoned, then close."""
         if self._sock.closed:
             return
         for req in sorted(self._open):
@@ -175,4 +217,15 @@ class AdmissionClient:
                 break
             if reply[0] == "ticket":
                 self._give_back(reply[1]["index"])
-        self._sock.close()
+        self._redial.close()
+
+
+def _runs(reqs: list[int]) -> list[tuple[int, int]]:
+    """Sorted request numbers as ``(first, count)`` runs of consecutive ones: one ``acquire`` message each."""
+    out: list[tuple[int, int]] = []
+    for r in reqs:
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((r, 1))
+    return out

@@ -12,7 +12,9 @@ Why these socket types
 Limits and trust. Every socket has a size limit: the trajectory receiver counts a frame over
 ``max_message_bytes`` as ``oversized`` (and ZMQ_MAXMSGSIZE, a memory guard above it, disconnects a peer whose frame
 is grossly larger before it is read in full); the sender refuses to send a frame the receiver would refuse, with
-the reason, instead of reporting it sent. Control messages are range-checked, not only type-checked (a
+the reason, instead of reporting it sent. A worker's control subscriber whose connection libzmq gives up (a frame
+over its limit: a protocol error, never reconnected by libzmq) re-creates its socket (:mod:`asyncppo.stream.redial`)
+and counts it in ``reconnects``. Control messages are range-checked, not only type-checked (a
 ``weights_version`` that can never arrive would make a worker wait forever). Rejections are counted per reason and
 logged at debug level; the learner logs one summary line per interval
 (:class:`asyncppo.stream.validate.RejectionSummary`). With ``curve`` keys (:mod:`asyncppo.stream.security`) the
@@ -39,6 +41,7 @@ from asyncppo.stream.endpoints import bind_socket
 from asyncppo.stream.errors import REASONS, WireError
 from asyncppo.stream.framing import decode_message, encode_message
 from asyncppo.stream.records import TrajectoryGroup
+from asyncppo.stream.redial import Redialer, RedialingClient
 from asyncppo.stream.security import CurveKeys, ServerSecurity, apply_client
 from asyncppo.stream.wire import decode_group, encode_group
 
@@ -285,20 +288,31 @@ class ControlPublisher:
                 self._security.release()
 
 
-class ControlSubscriber:
-    """Worker side of the control channel (SUB, connects). Only the newest state matters."""
+class ControlSubscriber(RedialingClient):
+    """Worker side of the control channel (SUB, connects). Only the newest state matters.
+
+    A frame over SMALL_MAXMSGSIZE makes libzmq drop the connection for good (a protocol error, never reconnected):
+    one such frame left a worker reading its old state for the rest of the run. The socket is therefore owned by a
+    :class:`~asyncppo.stream.redial.Redialer`, which re-creates it (same address and keys) and counts it in
+    ``reconnects``; the publisher's next repeat brings the state back."""
 
     def __init__(self, address: str, context: Optional[zmq.Context] = None, curve: Optional[CurveKeys] = None):
-        self._sock = _ctx(context).socket(zmq.SUB)
-        self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, SMALL_MAXMSGSIZE)
-        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
-        apply_client(self._sock, curve)
-        self._sock.connect(address)
+        ctx = _ctx(context)
+
+        def make() -> zmq.Socket:
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, SMALL_MAXMSGSIZE)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            apply_client(sock, curve)
+            return sock
+
+        self._redial = Redialer(make, address, "control subscriber")
         self._state: Optional[ControlState] = None
         self.rejected: dict[str, int] = {r: 0 for r in REASONS}
 
     def _drain(self) -> bool:
+        self._redial.check()
         got = False
         while True:
             try:
@@ -318,6 +332,7 @@ class ControlSubscriber:
                 log.debug("rejected control message: %s", e)
                 continue
             self._state = ControlState(**f)
+            self._redial.healthy()
             got = True
 
     def latest(self, timeout_ms: int = 0) -> Optional[ControlState]:
@@ -328,7 +343,7 @@ class ControlSubscriber:
             deadline = time.monotonic() + timeout_ms / 1000
             while self._state is None:
                 left = int((deadline - time.monotonic()) * 1000)
-                if left <= 0 or not self._sock.poll(left):
+                if left <= 0 or not self._redial.poll(left):
                     break
                 self._drain()
         return self._state
@@ -341,7 +356,7 @@ class ControlSubscriber:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return False
-            self._sock.poll(int(min(remaining, 0.2) * 1000))
+            self._redial.poll(int(min(remaining, 0.2) * 1000))
         return True
 
     def wait_for(
@@ -357,8 +372,7 @@ class ControlSubscriber:
             left = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left <= 0:
                 return None
-            self._sock.poll(min(left, 1000))
+            self._redial.poll(min(left, 1000))
 
     def close(self) -> None:
-        if not self._sock.closed:
-            self._sock.close()
+        self._redial.close()
