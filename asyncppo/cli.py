@@ -17,6 +17,7 @@ import warnings
 from typing import Callable, Optional, Sequence
 
 from asyncppo import __version__
+from asyncppo.bench import command as bench_command
 from asyncppo.config import ConfigError
 from asyncppo.launch.disk_plan import disk_lines
 from asyncppo.launch.plan import format_plan
@@ -214,7 +215,7 @@ def _cmd_advise(args: argparse.Namespace) -> int:
 # name -> adds the subcommand's parser (which sets func=handler(args) -> exit code)
 SUBCOMMANDS: dict[str, Callable[[argparse._SubParsersAction], None]] = {
     "launch": _add_launch, "report": _add_report, "advise": _add_advise, "convert": _add_convert,
-    "selftest": selftest_command.add_parser,
+    "selftest": selftest_command.add_parser, "bench": bench_command.add_parser,
 }
 
 

@@ -5,8 +5,8 @@ run's rates predicted at other staleness settings (what a launch at that setting
 
     .venv/bin/python scripts/advisor_own_rates.py RUN_DIR [RUN_DIR ...] [--at 12,3 --at 8,2] [--seeds 3]
 
-A run directory is a launch's ``trainer.output_dir`` or a bench directory holding one (``results.json`` beside it:
-``scripts/bench_async_vs_sync.py``). The model is a steady state (no last slot), so the measured occupancy set
+A run directory is a launch's ``trainer.output_dir`` or a directory holding several (a benchmark's seed directory:
+``bench-results/async-vs-sync/work-*/seed-S/``). The model is a steady state (no last slot), so the measured occupancy set
 beside it is ``summary.json``'s ``rollout.occupancy_steady``; the whole run's figure is printed too. Results:
 docs/benchmarks.md, "The lookahead in the advisor".
 """

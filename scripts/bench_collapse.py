@@ -7,7 +7,7 @@ configuration next to the variants in ``VARIANTS`` and prints held-out accuracy 
 that explain it (approx_kl, clip fraction, entropy, grad norm, explained variance, advantage scale, optimizer steps).
 
 Each variant is asyncppo's own update (:class:`PPOUpdate`, the composed config with the variant's overrides, the
-learner's actor/critic loaders) fed synchronously by an in-process sampler (scripts/inproc.py): what
+learner's actor/critic loaders) fed synchronously by an in-process sampler (asyncppo/bench/inproc.py): what
 ``asyncppo launch rollout.max_staleness=0`` trains on, without Ray and the vLLM engine, so that several hundred
 steps of several variants fit on a loaded 2-core machine. Variants run as parallel processes (``--parallel``):
 learning, not speed, is compared, and the result does not depend on timing.
@@ -66,7 +66,7 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
     from asyncppo.learner.value_head import build_critic
     from asyncppo.config.checks import uses_critic, uses_reference
     from asyncppo.learner.ppo import PPOUpdate
-    from inproc import evaluate, load, sampled_batch
+    from asyncppo.bench.inproc import evaluate, load, sampled_batch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -118,7 +118,10 @@ def _mean(vals):
 
 
 def main() -> None:
-    from inproc import run_variants, variant_parser
+    import sys
+    import tempfile
+
+    from asyncppo.bench.inproc import run_variants, variant_parser
 
     p = variant_parser(__doc__, steps=300, eval_every=50, variants="default,collapse,early-stop", parallel=3)
     p.add_argument("--window", type=int, default=50, help="learner steps per row of the statistics table")
@@ -126,7 +129,9 @@ def main() -> None:
     if args.one:
         return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
                        args.overrides)
-    names, root = run_variants(__file__, args, VARIANTS, "bench_collapse_")
+    names, root = [n for n in args.variants.split(",") if n], args.keep or tempfile.mkdtemp(prefix="bench_collapse_")
+    run_variants([sys.executable, __file__], names, VARIANTS, root, steps=args.steps, eval_every=args.eval_every,
+                 parallel=args.parallel, overrides=args.overrides)
     report(names, root, args.window)
 
 

@@ -6,7 +6,7 @@ Each configuration runs in its own process (the wait policy is read when torch l
     python scripts/bench_update_threads.py                      # threads 1 and 2 x default / PASSIVE, idle
     python scripts/bench_update_threads.py --busy               # the same next to a spinning process
 
-Batches are sampled from the built-in model itself (scripts/inproc.py); 5 timed updates after one warm-up.
+Batches are sampled from the built-in model itself (asyncppo/bench/inproc.py); 5 timed updates after one warm-up.
 Results and their use: docs/benchmarks.md, "The embedded default against the 5-minute target".
 """
 
@@ -26,7 +26,7 @@ def one(threads: int, overrides: list[str]) -> None:
 
     torch.set_num_threads(threads)
     sys.path.insert(0, HERE)
-    from inproc import load, sampled_batch
+    from asyncppo.bench.inproc import load, sampled_batch
 
     from asyncppo.config import load_config
     from asyncppo.data.tasks import get_task

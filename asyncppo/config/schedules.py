@@ -1,7 +1,7 @@
 """Named generation schedules: the overrides that turn one task's config into synchronous PPO, whole-batch
 asynchronous PPO or continuous asynchronous PPO, for runs that compare them on the same task, model and seed.
 
-Why in the package: the async-against-sync benchmark (scripts/bench_async_vs_sync.py) and the self-test's
+Why in the package: the async-against-sync benchmark (asyncppo/bench/async_sync.py) and the self-test's
 ``data=long`` rung must mean the same thing by "sync"; one table keeps them from drifting apart.
 
 ``{k}`` is ``rollout.max_staleness`` and ``{j}`` the admission lookahead; ``rollout.admission_lookahead=null`` resets a

@@ -236,8 +236,8 @@ class TrainerConfig:
     # round at point 0 holds the engines at version 0 while the learner waits for its first push (docs/benchmarks.md)
     eval_at_start: bool = True
     # also append every trained group (its trajectories, as the stream carries them) to trained_groups.bin beside
-    # trained_groups.jsonl: the run's own batches, replayable through the learner alone (scripts/pipeline_limit.py
-    # --replay). Disk: ~8-11 bytes per generated token (~7 MB for 60 steps of data=long)
+    # trained_groups.jsonl: the run's own batches, replayable through the learner alone (python -m
+    # asyncppo.bench.limit --replay). Disk: ~8-11 bytes per generated token (~7 MB for 60 steps of data=long)
     save_trained_groups: bool = False
     # learner steps between checkpoints (and one at the end); 0: none, only final/ (weights). 20: a dead learner loses
     # at most 19 steps, for ~0.05 s per checkpoint of the built-in model (docs/reliability.md measures it)

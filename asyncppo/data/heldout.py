@@ -12,7 +12,7 @@ answers per row at the rollout temperature plus one greedy answer, at most the t
 and "correct" means the answer ends (eos within that budget) and equals the reference exactly
 (:func:`is_exact_answer`), whatever ``rollout.reward_fn`` says; the sampled answers are seeded from
 ``trainer.seed`` and the same at every point, so two points differ by the weights, not by the draw. Eval files are
-scored with the run's reward function (their "accuracy" is the mean reward). ``scripts/inproc.py`` still calls
+scored with the run's reward function (their "accuracy" is the mean reward). ``asyncppo/bench/inproc.py`` still calls
 :meth:`HeldOutProbe.evaluate` on an in-process model, with the same definition.
 """
 

@@ -5,7 +5,7 @@ installed, so that the whole path (worker, engine, learner, metrics) can be exer
 :class:`GuessEnv` is the ``data=guess`` game: the environment holds a hidden digit and answers each guess with
 ``higher`` or ``lower``; solving it within the turn limit earns a reward that is larger for fewer turns.
 :class:`ToolLatencyGuessEnv` is the same game behind a slow tool: its ``step`` awaits ``latency_s`` before it
-answers, which is what the latency-hiding benchmark (scripts/bench_tool_latency.py) varies.
+answers, which is what the latency-hiding benchmark (``asyncppo bench tool-latency``) varies.
 
 :func:`build_chat_model` writes a randomly initialised tiny Qwen2 over the local chat tokenizer
 (:func:`asyncppo.envs.chat.build_chat_tokenizer`, which carries a Qwen-style chat template) so that such a run

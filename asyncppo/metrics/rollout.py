@@ -175,7 +175,7 @@ class EngineTotals:
             "occupancy_steady": (self._before_last[1] / (self._before_last[0] * self.max_num_seqs)
                                  if self._before_last[0] else None),
             # every decoding sequence makes one token a step: tokens a second while stepping, the figure to set
-            # beside the engine alone's (scripts/pipeline_limit.py: gen_tokens / step_s)
+            # beside the engine alone's (asyncppo/bench/limit.py: gen_tokens / step_s)
             "engine_step_s": self.busy_s,
             "engine_gap_s": self.gap_s,
             "running_mean": self.running_sum / self.steps if self.steps else 0.0,

@@ -8,7 +8,7 @@ training them with nothing to wait for. So ``limit = max(engine alone, learner a
 Why not the "ideal overlap" of a synchronous run's own breakdown (its training time): that number keeps whatever
 the synchronous run did badly (an engine running far below its slots, a learner sharing its process with
 sockets), and a pipeline can beat it without being any good. The limit is measured on each side alone
-(rollout/engine_alone.py, learner/learner_alone.py; scripts/pipeline_limit.py runs both).
+(rollout/engine_alone.py, learner/learner_alone.py; asyncppo/bench/limit.py runs both).
 """
 
 from __future__ import annotations

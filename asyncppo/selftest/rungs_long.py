@@ -4,7 +4,7 @@ long-tailed) under ``--gpus 1``, synchronous PPO against the task's own preset, 
 Why on one shared device: most GPU machines a user tries first have one GPU, and the long tail is where waiting
 for a batch's longest answer costs synchronous PPO most (on one H100: 63.5 s against 22.4 s of learner time, 2.84x;
 docs/benchmarks.md). The two launches differ only in how generation is scheduled, as in
-``scripts/bench_async_vs_sync.py``: ``sync`` is ``max_staleness=0`` with whole-batch generation, ``async`` the
+``asyncppo bench async-vs-sync`` (asyncppo/bench/async_sync.py): ``sync`` is ``max_staleness=0`` with whole-batch generation, ``async`` the
 preset (continuous generation with in-flight weight updates within its ``max_staleness``).
 Learner time is the sum of the learner's steps (``time/step_s``): what a run pays per trained sample once started.
 """

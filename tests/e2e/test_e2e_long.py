@@ -71,7 +71,7 @@ def test_long_generation_run_stays_within_the_bound(tmp_path):
             assert r["actor/grad_norm"] == 0.0 and r["actor/skipped_step_frac"] == 1.0, r
         elif r["actor/grad_norm"] > 0:
             assert r["actor/skipped_step_frac"] == 0.0, r
-    batches = trained_batches(str(out))  # what a replay through the learner alone trains (pipeline_limit.py)
+    batches = trained_batches(str(out))  # what a replay through the learner alone trains (asyncppo/bench/limit.py)
     assert [len(b) for b in batches] == [16] * steps
     for r, groups in zip(train, batches):
         samples = [s for g in groups for s in g.samples]

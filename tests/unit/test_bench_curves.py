@@ -1,17 +1,12 @@
-"""scripts/curves.py: the time a contender of scripts/bench_peer.py first reaches an accuracy, by hand."""
+"""asyncppo/bench/curves.py: the time a contender of the peer benchmark first reaches an accuracy, by hand."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "curves.py")
-_spec = importlib.util.spec_from_file_location("bench_curves", _PATH)
-curves = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(curves)
+from asyncppo.bench import curves
 
 
 def test_time_to_reach_interpolates_linearly_between_the_points_around_the_crossing():
@@ -54,3 +49,48 @@ def test_compare_says_when_the_ratio_is_undefined_or_unbounded():
                           threshold=0.25)["speedup"] is None
     with pytest.raises(ValueError, match="non-empty curves"):
         curves.compare({"a": [(0.0, 0.1)], "b": []}, "a", "b")
+
+
+def test_the_start_is_left_out_of_the_conservative_reach():
+    curve = [(0.0, 0.5), (100.0, 0.4), (200.0, 0.6)]
+    assert curves.first_scored(curve, 0.45) == 200.0
+    assert curves.first_scored(curve, 0.7) is None
+
+
+def test_last_below_is_the_point_before_the_first_crossing_or_the_last_point():
+    curve = [(0.0, 0.1), (100.0, 0.2), (200.0, 0.15), (300.0, 0.3)]
+    assert curves.last_below(curve, 0.18) == 0.0  # crossed at the first scored point: the start is the last below
+    assert curves.last_below(curve, 0.25) == 200.0
+    assert curves.last_below(curve, 0.9) == 300.0  # never reached: its last point, the budget
+
+
+def test_reach_ratio_counts_a_slower_side_that_never_reaches_as_a_lower_bound():
+    fast = [(0.0, 0.1), (100.0, 0.2), (200.0, 0.3)]
+    slow = [(0.0, 0.1), (150.0, 0.12), (300.0, 0.18), (600.0, 0.25)]
+    # 0.15: fast's first scored point at or above is 100 s; slow's last point below is 150 s (0.12), it crosses
+    # between 150 and 300 s (interpolated: 150 + 0.03 / 0.06 x 150 = 225 s); fast interpolated at 50 s
+    r = curves.reach_ratio({"a": fast, "b": slow}, "a", "b", 0.15)
+    assert r["conservative"] == pytest.approx(1.5) and r["interpolated"] == pytest.approx(4.5) and r["slow_reached"]
+    # 0.28: slow never gets there, so its budget (600 s) stands in: >= 3x at fast's 200 s, and flagged
+    r = curves.reach_ratio({"a": fast, "b": slow}, "a", "b", 0.28)
+    assert r["conservative"] == pytest.approx(3.0) and not r["slow_reached"]
+    # fast never reaches it: 0, a miss whatever slow did; the start already there: undefined
+    assert curves.reach_ratio({"a": fast, "b": slow}, "a", "b", 0.5)["conservative"] == 0.0
+    assert curves.reach_ratio({"a": fast, "b": slow}, "a", "b", 0.05)["conservative"] is None
+
+
+def test_peer_figures_of_the_diarys_seed_0_run():
+    """The 600 s, seed 0 run of the diary: 'at least 4.2x sooner' to TRL's final (636 / 152), which issue 48 reads
+    conservatively as 3.3x (TRL's last point below 0.145 is 502 s); start + 0.05 and + 0.10 at the conservative
+    bound: TRL never reaches either (its last point, 636 s) against asyncppo's 152 s and 302 s."""
+    pt = lambda t, s: {"train_s": t, "sampled": s, "greedy": 0.0}  # noqa: E731
+    doc = {"start": {"sampled": 0.125, "greedy": 0.0}, "results": [
+        {"name": "asyncppo", "points": [pt(152, .215), pt(302, .287), pt(452, .271), pt(604, .279)]},
+        {"name": "trl", "points": [pt(205, .123), pt(367, .141), pt(502, .143), pt(636, .145)]}]}
+    f = curves.peer_figures(doc)
+    assert f["speedup to lower final, at scored points"] == pytest.approx(636 / 152)
+    assert f["speedup to lower final, conservative"] == pytest.approx(502 / 152)
+    assert f["conservative speedup start+0.05"] == pytest.approx(636 / 152)
+    assert f["conservative speedup start+0.10"] == pytest.approx(636 / 302)
+    assert f["conservative speedup, worst threshold"] == pytest.approx(636 / 302)
+    assert (f["start sampled"], f["final sampled trl"]) == (0.125, 0.145)

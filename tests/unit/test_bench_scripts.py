@@ -1,38 +1,50 @@
-"""The benchmark scripts that launch through ``run_once`` of scripts/bench_async_vs_sync.py give it every option
-it reads. scripts/bench_tool_latency.py once crashed at its first launch (``args.lookahead`` missing) after
-``run_once`` learned the admission lookahead: read from ``run_once``'s own source, so a new option there fails
-here, not in a user's hour-long benchmark."""
+"""Every registered benchmark's options are the ones its runner reads, and the launch benchmarks hand ``run_once``
+every field it reads. The tool-latency benchmark once crashed at its first launch (``args.lookahead`` missing)
+after ``run_once`` learned the admission lookahead: the options are read here from the runners' own source, so a
+new option there (or a typo in the registry) fails in this test, not in a user's hour-long benchmark."""
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
+import importlib.util
 import inspect
-import os
 import re
-import sys
 
 import pytest
 
-_SCRIPTS = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from asyncppo.bench.launches import Launch, run_once
+from asyncppo.bench.registry import BENCHMARKS
 
 
-@pytest.fixture(scope="module")
-def scripts():
-    sys.path.insert(0, _SCRIPTS)
-    try:
-        yield importlib.import_module("bench_async_vs_sync"), importlib.import_module("bench_tool_latency")
-    finally:
-        while _SCRIPTS in sys.path:  # the scripts put their own folder there too
-            sys.path.remove(_SCRIPTS)
+def _source(module: str) -> str:
+    """A runner module's text, read without importing it (runners import torch, vLLM, TRL)."""
+    with open(importlib.util.find_spec(module).origin, encoding="utf-8") as f:
+        return f.read()
 
 
-def test_bench_tool_latency_gives_run_once_every_option_it_reads(scripts):
-    bench, latency = scripts
-    source = inspect.getsource(bench.run_once)
-    read = set(re.findall(r"\bargs\.([a-z_]+)", source))
-    assert {"staleness", "lookahead", "eval_at_start", "steps"} <= read  # the pattern sees what it should
-    args = latency.parser().parse_args([])
-    args.preset = []  # set per launch by the script's main
-    missing = sorted(name for name in read if not hasattr(args, name))
-    assert not missing, f"bench_tool_latency.py lacks {missing} that run_once reads"
-    assert (args.lookahead, args.eval_at_start) == (1, False)
+def _read_options(module: str) -> set[str]:
+    """``opts["KEY"]`` anywhere in the module, and ``args.KEY`` where it wraps the options in a namespace."""
+    text = _source(module)
+    keys = set(re.findall(r'opts\["([a-z_]+)"\]', text))
+    if "SimpleNamespace(**opts" in text:
+        keys |= set(re.findall(r"\bargs\.([a-z_]+)", text)) - {"seed"}
+    return keys
+
+
+@pytest.mark.parametrize("bench", BENCHMARKS, ids=lambda b: b.name)
+def test_a_benchmark_defines_every_option_its_runner_reads_and_nothing_else(bench):
+    module = bench.runner.split(":")[0]
+    read = _read_options(module)
+    assert read, f"{module}: no options read (the pattern sees nothing)"
+    missing = sorted(read - set(bench.options))
+    unused = sorted(set(bench.options) - read)
+    assert not missing, f"{bench.name}: {module} reads {missing}, which the registry does not define"
+    assert not unused, f"{bench.name}: options {unused} are never read by {module}"
+
+
+def test_run_once_reads_only_fields_a_launch_has():
+    read = set(re.findall(r"\blaunch\.([a-z_]+)", inspect.getsource(run_once)))
+    assert {"staleness", "lookahead", "eval_at_start", "steps", "replay"} <= read  # the pattern sees what it should
+    missing = sorted(read - {f.name for f in dataclasses.fields(Launch)})
+    assert not missing, f"run_once reads {missing}, which Launch lacks"
+    assert (Launch(steps=1, staleness=1).lookahead, Launch(steps=1, staleness=1).eval_at_start) == (1, False)

@@ -1,27 +1,18 @@
-"""scripts/plot_peer.py: the accuracy-against-time picture of scripts/bench_peer.py --task long, by hand."""
+"""asyncppo/bench/plot_peer.py: the accuracy-against-time picture of the peer benchmark on data=long, by hand."""
 
 from __future__ import annotations
-
-import importlib.util
-import os
-import sys
 
 import pytest
 from PIL import Image
 
-_SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "..", "scripts")
+from asyncppo.bench import curves
 
 
 @pytest.fixture(scope="module")
 def plot_peer():
-    sys.path.insert(0, _SCRIPTS)  # plot_peer imports its neighbour curves.py as the scripts do
-    try:
-        spec = importlib.util.spec_from_file_location("plot_peer", os.path.join(_SCRIPTS, "plot_peer.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(_SCRIPTS)
+    from asyncppo.bench import plot_peer
+
+    return plot_peer
 
 
 def _doc(with_trl: bool = True) -> dict:
@@ -46,14 +37,8 @@ def test_markers_are_where_each_curve_first_reaches_the_lower_final(plot_peer, t
         assert image.size == (1000, 420)
 
 
-def test_the_start_is_left_out_of_the_conservative_reach(plot_peer):
-    curve = [(0.0, 0.5), (100.0, 0.4), (200.0, 0.6)]
-    assert plot_peer.first_scored(curve, 0.45) == 200.0
-    assert plot_peer.first_scored(curve, 0.7) is None
-
-
 def test_one_contender_alone_is_drawn_without_markers(plot_peer, tmp_path):
     out = tmp_path / "alone.png"
     assert plot_peer.plot(_doc(with_trl=False), str(out)) == {}
     assert out.stat().st_size > 0
-    assert plot_peer.curves_of(_doc(with_trl=False))["asyncppo"] == [(0.0, 0.2), (100.0, 0.5), (200.0, 0.6)]
+    assert curves.curves_of(_doc(with_trl=False))["asyncppo"] == [(0.0, 0.2), (100.0, 0.5), (200.0, 0.6)]

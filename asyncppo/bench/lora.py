@@ -1,21 +1,19 @@
-#!/usr/bin/env python
-"""LoRA against full fine-tuning on the built-in addition task, at equal steps, held-out accuracy side by side.
+"""``asyncppo bench lora``: LoRA against full fine-tuning on the built-in addition task, at equal steps, held-out
+accuracy side by side.
 
 Each variant is the built-in recipe (configs/data/addition.yaml: 128 prompts x 8 samples, 4 mini-batches, the critic
 as a value head on the policy, lr annealed to 0) with its own overrides, trained synchronously in process:
 asyncppo's own models and update (learner/build.py, so the LoRA actor, its reference and optimiser are the ones a
-launch builds) fed by the in-process sampler of scripts/inproc.py, i.e. what ``rollout.max_staleness=0`` trains on,
-without Ray and the engines. Learning, not speed, is compared, so variants run as parallel processes. Also printed:
-the trainable parameters, the actor's optimiser state and the bytes one weight push sends.
-
-    python scripts/bench_lora.py --steps 160
-    python scripts/bench_lora.py --variants full,lora-2e-3 --steps 40 --eval-every 20
+launch builds) fed by the in-process sampler of inproc.py, i.e. what ``rollout.max_staleness=0`` trains on, without
+Ray and the engines. Learning, not speed, is compared, so variants run as parallel processes. Also kept: the
+trainable parameters, the actor's optimiser state and the bytes one weight push sends, the costs LoRA is chosen for.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 
 LORA = ["model.lora_rank=8", "model.lora_alpha=16"]
 VARIANTS = {
@@ -35,15 +33,16 @@ def _sizes(actor, updater, pushed: dict) -> dict:
 
 
 def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[str]) -> None:
+    """Train one variant in this process, writing its evaluations and rewards to ``out_path`` (JSON lines)."""
     import torch
 
+    from asyncppo.bench.inproc import evaluate, load, sampled_batch
     from asyncppo.config import load_config
     from asyncppo.data.tasks import get_task
     from asyncppo.data.tiny import resolve_model_path
     from asyncppo.learner.build import build_models
     from asyncppo.learner.lora import adapter_tensors, is_lora
     from asyncppo.learner.models import full_state_dict
-    from inproc import evaluate, load, sampled_batch
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -71,33 +70,48 @@ def run_one(name: str, steps: int, eval_every: int, out_path: str, extra: list[s
             f.flush()
 
 
-def report(names: list[str], root: str) -> None:
-    print(f"\n{'variant':<11} {'lr':>7} {'trainable':>10} {'opt bytes':>10} {'push bytes':>10}   held-out "
-          "sampled (T=1, 256 x 4) / greedy: start -> end (gain)")
+def read_variant(path: str) -> dict:
+    """A variant's record: its evaluations over steps, its sizes and rate."""
+    with open(path, encoding="utf-8") as f:
+        recs = [json.loads(line) for line in f]
+    info = next((r for r in recs if "sizes" in r), {"sizes": {}, "lr": None})
+    return {"evals": [r for r in recs if "eval" in r], **info}
+
+
+def run(opts: dict, seed: int, work: str) -> dict:
+    from asyncppo.bench.inproc import run_variants
+
+    names = list(opts["variants"])
+    run_variants([sys.executable, "-m", "asyncppo.bench.lora"], names, VARIANTS, work, steps=opts["steps"],
+                 eval_every=opts["eval_every"], parallel=opts["parallel"],
+                 overrides=[*opts["overrides"], f"trainer.seed={seed}"])
+    figures, units, detail = {}, {}, {}
     for name in names:
-        path = os.path.join(root, f"{name}.jsonl")
+        path = os.path.join(work, f"{name}.jsonl")
         if not os.path.exists(path):
-            print(f"{name:<11} (no record)")
             continue
-        recs = [json.loads(line) for line in open(path)]
-        ev = [r for r in recs if "eval" in r]
-        info = next((r for r in recs if "sizes" in r), {"sizes": {}, "lr": float("nan")})
-        s, a, b = info["sizes"], ev[0]["eval"], ev[-1]["eval"]
-        print(f"{name:<11} {info['lr']:>7.0e} {s.get('trainable', 0):>10} {s.get('optimizer_bytes', 0):>10} "
-              f"{s.get('push_bytes', 0):>10}   {a['sampled']:.3f} / {a['greedy']:.3f} -> "
-              f"{b['sampled']:.3f} / {b['greedy']:.3f} at step {ev[-1]['step']} "
-              f"({b['sampled'] - a['sampled']:+.3f} / {b['greedy'] - a['greedy']:+.3f})")
+        rec = detail[name] = read_variant(path)
+        start, end = rec["evals"][0]["eval"], rec["evals"][-1]["eval"]
+        for metric in ("sampled", "greedy"):
+            figures[f"held-out {metric} {name}"], units[f"held-out {metric} {name}"] = end[metric], "accuracy"
+        print(f"[lora] {name}: {start['sampled']:.3f} / {start['greedy']:.3f} -> {end['sampled']:.3f} / "
+              f"{end['greedy']:.3f} at step {rec['evals'][-1]['step']}", flush=True)
+    full = detail.get("full")
+    for name in names:
+        if name != "full" and full and name in detail:
+            for metric in ("sampled", "greedy"):
+                key = f"{metric} {name} - full"
+                figures[key] = figures[f"held-out {metric} {name}"] - figures[f"held-out {metric} full"]
+                units[key] = "accuracy"
+    return {"figures": figures, "units": units, "detail": detail}
 
 
 def main() -> None:
-    from inproc import run_variants, variant_parser
+    """``--one NAME``: train one variant (how :func:`run_variants` starts each, as its own process)."""
+    from asyncppo.bench.inproc import variant_parser
 
     args = variant_parser(__doc__, steps=160, eval_every=40, variants="full,lora-2e-3", parallel=2).parse_args()
-    if args.one:
-        return run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"),
-                       args.overrides)
-    names, root = run_variants(__file__, args, VARIANTS, "bench_lora_")
-    report(names, root)
+    run_one(args.one, args.steps, args.eval_every, os.path.join(args.keep, f"{args.one}.jsonl"), args.overrides)
 
 
 if __name__ == "__main__":

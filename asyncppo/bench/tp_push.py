@@ -1,7 +1,7 @@
-"""Time a weight push into a vLLM CPU engine with tensor parallelism 1 and 2 (docs/benchmarks.md).
+"""``asyncppo bench tp-push``: a weight push into a vLLM CPU engine with tensor parallelism 1 and 2.
 
 For each TP it starts one engine over a ~55 MB fp32 Qwen2 (hidden 512, 4 layers, head_dim 64) and loads the
-model's full state dict ``--reps`` times, median wall time per push, three ways:
+model's full state dict ``reps`` times, median wall time per push, three ways:
 
 * ``inproc``  (TP=1 only): ``VLLMEngine.update_weights``, tensors handed over in-process (the production TP=1 path);
 * ``shm``     (TP=2): ``VLLMEngine.update_weights`` -> rollout/tp_load.py: each call's tensors written once as a
@@ -10,25 +10,18 @@ model's full state dict ``--reps`` times, median wall time per push, three ways:
 * ``path``    (TP=2): the state dict written to /dev/shm, then vLLM's own ``reload_weights(weights_path=...)`` on
   every rank: the floor for a file, with no checks and no all-or-none step.
 
-Each runs with one call per push (``--flush-mb`` 0) and with layer-group calls of ``--flush-mb`` MB, as the sync
+Each runs with one call per push (``flush_mb`` 0) and with layer-group calls of ``flush_mb`` MB, as the sync
 loader would. Engines start in child processes one after the other; greedy output is compared after each mode so a
-mode that loads wrong weights shows up.
-
-    .venv/bin/python scripts/bench_tp_push.py [--reps 5] [--flush-mb 8]
+mode that loads wrong weights shows up. Why: the TP>1 transfer was chosen from these numbers (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
-import sys
 import tempfile
 import time
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
             "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
@@ -92,33 +85,23 @@ def _run(model_dir: str, tp: int, reps: int, flush_mb: int, q) -> None:
     q.put({"start_s": start_s, "rows": rows})
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--flush-mb", type=int, default=8)
-    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
-    args = ap.parse_args()
+def run(opts: dict, seed: int, work: str) -> dict:
     from asyncppo.data.tiny import build_tiny_model
 
-    with tempfile.TemporaryDirectory() as root:
-        model_dir = build_tiny_model(os.path.join(root, "m"), hidden=512, layers=4, heads=8, intermediate=1536)
-        mb = sum(os.path.getsize(os.path.join(model_dir, f)) for f in os.listdir(model_dir)
-                 if f.endswith(".safetensors")) / 2**20
-        ctx = mp.get_context("spawn")
-        print(f"model: Qwen2 h512 x 4 layers, {mb:.1f} MB fp32; {args.reps} pushes per row, median", flush=True)
-        print(f"{'tp':>2} {'mode':<7} {'calls':>5} {'median s':>9} {'min s':>7}  greedy unchanged", flush=True)
-        for tp in args.tp:
-            q = ctx.Queue()
-            p = ctx.Process(target=_run, args=(model_dir, tp, args.reps, args.flush_mb, q))
-            p.start()
-            res = q.get(timeout=1200)
-            p.join(60)
-            print(f"   (TP={tp} engine start {res['start_s']:.1f} s)", flush=True)
-            for r in res["rows"]:
-                print(f"{r['tp']:>2} {r['mode']:<7} {r['calls']:>5} {r['median_s']:>9.3f} {r['min_s']:>7.3f}  "
-                      f"{r['greedy_unchanged']}", flush=True)
-            print(json.dumps(res), file=sys.stderr)
-
-
-if __name__ == "__main__":
-    main()
+    model_dir = build_tiny_model(os.path.join(work, "m"), hidden=512, layers=4, heads=8, intermediate=1536)
+    ctx = mp.get_context("spawn")
+    figures, units, detail = {}, {}, {"tp": {}}
+    for tp in opts["tp"]:
+        q = ctx.Queue()
+        p = ctx.Process(target=_run, args=(model_dir, int(tp), opts["reps"], opts["flush_mb"], q))
+        p.start()
+        res = q.get(timeout=1200)
+        p.join(60)
+        detail["tp"][str(tp)] = res
+        figures[f"TP={tp} engine start s"], units[f"TP={tp} engine start s"] = res["start_s"], "s"
+        for r in res["rows"]:
+            key = f"TP={r['tp']} {r['mode']} {r['calls']} call(s) s"
+            figures[key], units[key] = (r["median_s"] if r["greedy_unchanged"] else None), "s"
+            print(f"[tp-push] {key}: median {r['median_s']:.3f} (min {r['min_s']:.3f}), greedy unchanged "
+                  f"{r['greedy_unchanged']}", flush=True)
+    return {"figures": figures, "units": units, "detail": detail}

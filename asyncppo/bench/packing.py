@@ -1,14 +1,11 @@
-"""Learner step time and padded-token fraction, padded against packed micro-batches, on long-tailed lengths.
+"""``asyncppo bench packing``: learner step time and padded-token fraction, padded against packed micro-batches, on
+long-tailed lengths.
 
-    python scripts/bench_packing.py                    # CPU, the defaults below
-    python scripts/bench_packing.py --device cuda      # on a GPU (sdpa)
-    python scripts/bench_packing.py --device cuda --flex   # and the packed forward on flex-attention
-
-The batch is what a long-generation task hands the learner: ``--groups`` prompts x ``--n`` samples, prompts of 32-64
-tokens, response lengths drawn from a log-normal (mean about ``--mean``, one sample at ``--max``), so most rows are
+The batch is what a long-generation task hands the learner: ``groups`` prompts x ``n`` samples, prompts of 32-64
+tokens, response lengths drawn from a log-normal (mean about ``mean``, one sample at ``max``), so most rows are
 short and a few are very long. Token ids are random: a forward's cost does not depend on them. The model is a
-randomly initialised Qwen2 of the given size (``asyncppo.data.tiny.build_tiny_model``). Three learner settings run
-the same GRPO step (one mini-batch, decoupled correction):
+randomly initialised Qwen2 of the given size (``asyncppo.data.tiny.build_tiny_model``). Settings, each the same
+GRPO step (one mini-batch, decoupled correction):
 
 * ``padded-count``: ``micro_batch_size`` rows per micro-batch, padded forwards (the schema's way without a budget);
 * ``padded-tokens``: ``max_tokens_per_micro_batch`` filled by token count, ``pack_sequences=false``;
@@ -18,19 +15,18 @@ the same GRPO step (one mini-batch, decoupled correction):
   through the same mask (so its pad fraction is the GPU path's, its CPU time is not);
 * ``packed-varlen``: the learner loaded with ``model.attn_implementation=sdpa_varlen`` (one causal sdpa call per
   sequence of a packed row), rows filled up to the budget;
-* ``packed-flex`` (``--flex``, CUDA): the learner loaded with ``model.attn_implementation=flex_attention``, whose
-  block mask skips the blocks outside every sequence, so rows are filled up to the budget as on the varlen path.
+* ``packed-flex`` (``flex=true``, CUDA): ``model.attn_implementation=flex_attention``, whose block mask skips the
+  blocks outside every sequence, so rows are filled up to the budget as on the varlen path.
 
-Each setting: one warm-up step, then ``--steps`` timed steps; the median is reported with ``perf/pad_fraction``.
-Results: docs/benchmarks.md, "Packed learner micro-batches".
+Each setting: one warm-up step, then ``steps`` timed steps; the median is the figure, with ``perf/pad_fraction``
+(an exact count, so it does not move with the machine's load the way step times do).
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -101,47 +97,30 @@ def run_setting(name: str, model_dir: str, groups, args, varlen_rows: bool = Fal
                 peak_gib=peak, loss=float(metrics["actor/pg_loss"]))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--groups", type=int, default=8)
-    ap.add_argument("--n", type=int, default=8)
-    ap.add_argument("--mean", type=float, default=150.0)
-    ap.add_argument("--max", type=int, default=1024)
-    ap.add_argument("--tokens", type=int, default=4096, help="max_tokens_per_micro_batch of the token settings")
-    ap.add_argument("--micro", type=int, default=8, help="micro_batch_size of padded-count")
-    ap.add_argument("--hidden", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--flex", action="store_true", help="add packed-flex (CUDA: flex-attention has no CPU backward)")
-    args = ap.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = build_tiny_model(tmp, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                                     intermediate=4 * args.hidden, max_position_embeddings=2 * args.max, seed=1)
-        vocab = load_actor(model_dir, torch.float32, torch.device("cpu")).config.vocab_size
-        groups = make_groups(args, vocab)
-        lengths = np.array([len(s.response_ids) for g in groups for s in g.samples])
-        print(f"responses: {lengths.size}, mean {lengths.mean():.1f}, p50 {np.percentile(lengths, 50):.0f}, "
-              f"p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}; threads {torch.get_num_threads()}")
-        results = [
-            run_setting("padded-count", model_dir, groups, args, micro_batch_size=args.micro, pack_sequences=False),
-            run_setting("padded-tokens", model_dir, groups, args, max_tokens_per_micro_batch=args.tokens,
-                        pack_sequences=False),
-            run_setting("packed", model_dir, groups, args, max_tokens_per_micro_batch=args.tokens),
-            run_setting("packed-budget-rows", model_dir, groups, args, varlen_rows=True,
-                        max_tokens_per_micro_batch=args.tokens),
-            run_setting("packed-varlen", model_dir, groups, args, attn="sdpa_varlen",
-                        max_tokens_per_micro_batch=args.tokens),
-        ]
-        if args.flex:
-            results.append(run_setting("packed-flex", model_dir, groups, args, attn="flex_attention",
-                                       max_tokens_per_micro_batch=args.tokens))
-    for r in results:
-        print(f"RESULT {r['setting']:>18}  step {r['step_s']:7.3f} s  pad_fraction {r['pad_fraction']:.3f}  "
-              f"peak {r['peak_gib']:.2f} GiB  pg_loss {r['loss']:.6f}")
-
-
-if __name__ == "__main__":
-    main()
+def run(opts: dict, seed: int, work: str) -> dict:
+    args = SimpleNamespace(**opts, seed=seed)
+    model_dir = build_tiny_model(work, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                                 intermediate=4 * args.hidden, max_position_embeddings=2 * args.max, seed=1)
+    vocab = load_actor(model_dir, torch.float32, torch.device("cpu")).config.vocab_size
+    groups = make_groups(args, vocab)
+    lengths = np.array([len(s.response_ids) for g in groups for s in g.samples])
+    print(f"[packing] responses: {lengths.size}, mean {lengths.mean():.1f}, p50 {np.percentile(lengths, 50):.0f}, "
+          f"p99 {np.percentile(lengths, 99):.0f}, max {lengths.max()}; threads {torch.get_num_threads()}", flush=True)
+    budget = {"max_tokens_per_micro_batch": args.tokens}
+    settings = [("padded-count", {}, dict(micro_batch_size=args.micro, pack_sequences=False)),
+                ("padded-tokens", {}, dict(budget, pack_sequences=False)),
+                ("packed", {}, budget),
+                ("packed-budget-rows", {"varlen_rows": True}, budget),
+                ("packed-varlen", {"attn": "sdpa_varlen"}, budget)]
+    if args.flex:
+        settings.append(("packed-flex", {"attn": "flex_attention"}, budget))
+    figures, units, rows = {}, {}, []
+    for name, how, algorithm in settings:
+        r = run_setting(name, model_dir, groups, args, **how, **algorithm)
+        rows.append(r)
+        figures[f"step s {name}"], units[f"step s {name}"] = r["step_s"], "s"
+        figures[f"pad fraction {name}"], units[f"pad fraction {name}"] = r["pad_fraction"], "fraction"
+        print(f"[packing] {name:>18}  step {r['step_s']:7.3f} s  pad_fraction {r['pad_fraction']:.3f}", flush=True)
+    return {"figures": figures, "units": units,
+            "detail": {"rows": rows, "lengths": {"mean": float(lengths.mean()), "max": int(lengths.max()),
+                                                 "p99": float(np.percentile(lengths, 99))}}}

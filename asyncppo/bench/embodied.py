@@ -1,28 +1,24 @@
-"""Embodied PPO benchmark: the asynchronous launcher against a single-process reference loop, side by side.
+"""``asyncppo bench embodied``: embodied PPO, the asynchronous launcher against a single-process reference loop.
 
 The reference loop is the same algorithm with the same parts (gymnasium vector env, :class:`ActorCritic`,
 :class:`SegmentBuilder`, :class:`EmbodiedPPO`) in one process: collect a segment, update, repeat - no Ray, no
 sockets, no weight broadcast, no overlap. The launcher run is ``asyncppo launch`` with the same overrides (and
-``rollout.max_staleness=k``). Both print wall time, environment steps per second and the return; a PNG of the
-return curves goes to ``--plot``.
-
-    .venv/bin/python scripts/bench_embodied.py env=cartpole --ks 1 --plot docs/img/cartpole.png
-    .venv/bin/python scripts/bench_embodied.py env=HalfCheetah-v5 --ks 0 2 --workers 2 --skip-reference
+``rollout.max_staleness=k``). Figures: wall time, environment steps per second, the mean return of the last 100
+episodes, the best of it within ``budget_steps`` environment steps (what the target is set on: a run that never
+gets there is a miss, not a missing number) and the env steps at which it first reached ``target_return``.
+Sample efficiency (does the lag cost learning?) and speed (does the overlap pay?) are separate questions, and both
+are kept.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-
+from asyncppo.bench.limit import REPO
 
 def reference_loop(overrides: list[str]) -> dict:
     """One process, strictly alternating: collect rollout_batch_size segments, update. Returns the curve."""
@@ -67,8 +63,9 @@ def reference_loop(overrides: list[str]) -> dict:
             "return_recent": curve[-1][2], "curve": curve}
 
 
-def launched(overrides: list[str], k: int, workers: int) -> dict:
-    out = Path(tempfile.mkdtemp(prefix=f"bench-embodied-k{k}-"))
+def launched(overrides: list[str], k: int, workers: int, work: str) -> dict:
+    """``asyncppo launch`` with the same overrides at ``max_staleness=k``, read back (:func:`read_run`)."""
+    out = Path(work) / f"k{k}"
     cmd = [sys.executable, "-m", "asyncppo", "launch", *overrides, f"rollout.max_staleness={k}",
            f"cluster.rollout_workers={workers}", f"trainer.output_dir={out}", "trainer.logger.wandb=false",
            "trainer.logger.console=false"]
@@ -76,7 +73,7 @@ def launched(overrides: list[str], k: int, workers: int) -> dict:
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     total = time.perf_counter() - t0
     if proc.returncode != 0:
-        raise SystemExit(f"launch failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"launch failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
     return read_run(out, f"async k={k}, {workers} worker(s)", total)
 
 
@@ -93,55 +90,27 @@ def read_run(out: Path, label: str, total: float = 0.0) -> dict:
                             (out / "metrics.jsonl").read_text().splitlines()), default=0)}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("overrides", nargs="*", default=["env=cartpole"])
-    p.add_argument("--ks", type=int, nargs="*", default=[1], help="staleness bounds to launch (none: only the reference)")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--skip-reference", action="store_true")
-    p.add_argument("--plot", default="")
-    p.add_argument("--json", default="")
-    p.add_argument("--target", type=float, default=475.0, help="report the env steps at which return(100) first "
-                   "reaches this")
-    p.add_argument("--add-run", action="append", default=[], metavar="LABEL=DIR",
-                   help="also report (and plot) a finished run directory")
-    args = p.parse_args()
-    results = [read_run(Path(spec.rsplit("=", 1)[1]), spec.rsplit("=", 1)[0]) for spec in args.add_run]
-    jobs = ([] if args.skip_reference else [lambda: reference_loop(args.overrides)])
-    jobs += [lambda k=k: launched(args.overrides, k, args.workers) for k in args.ks]
-    for job in jobs:
-        results.append(job())
-        if args.json:  # after every job: a long benchmark loses nothing to a later failure
-            Path(args.json).write_text(json.dumps(results, indent=1))
-    print(f"{'mode':<28} {'wall s':>8} {'env steps':>10} {'steps/s':>9} {'return(100)':>12} "
-          f"{'steps to ' + format(args.target, 'g'):>14}")
+def run(opts: dict, seed: int, work: str) -> dict:
+    overrides = [*opts["preset"], *opts["overrides"], f"trainer.seed={seed}"]
+    results = [] if not opts["reference"] else [reference_loop(overrides)]
+    results += [launched(overrides, int(k), opts["workers"], work) for k in opts["ks"]]
+    figures, units = {}, {}
     for r in results:
-        hit = next((x for x, _, y in r["curve"] if y >= args.target), None)
+        hit = next((x for x, _, y in r["curve"] if y >= opts["target_return"]), None)
+        best = max((y for x, _, y in r["curve"] if x <= opts["budget_steps"]), default=None)
         r["steps_to_target"] = hit
-        print(f"{r['mode']:<28} {r['wall_s']:>8.1f} {r['env_steps']:>10} {r['env_steps_per_s']:>9.0f} "
-              f"{r['return_recent']:>12.1f} {str(hit or 'not reached'):>14}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1))
-    if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        for r in results:
-            xs, _, ys = zip(*r["curve"])
-            ax.plot(xs, ys, label=r["mode"])
-        ax.set_xlabel("environment steps")
-        ax.set_ylabel("mean return, last 100 episodes")
-        ax.set_title(" ".join(args.overrides))
-        ax.legend()
-        ax.grid(alpha=0.3)
-        fig.tight_layout()
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        fig.savefig(args.plot, dpi=100)
-        print(f"plot: {args.plot}")
-
-
-if __name__ == "__main__":
-    main()
+        label = r["mode"]
+        for key, value, unit in ((f"best return within {opts['budget_steps']} env steps {label}", best, "return"),
+                                 (f"env steps to {opts['target_return']:g} {label}", hit, "env steps"),
+                                 (f"env steps/s {label}", r["env_steps_per_s"], "env steps/s"),
+                                 (f"return {label}", r["return_recent"], "return")):
+            figures[key], units[key] = value, unit
+        print(f"[embodied] {label}: {r['wall_s']:.1f} s, {r['env_steps']} env steps, "
+              f"{r['env_steps_per_s']:.0f} steps/s, return {r['return_recent']:.1f}, steps to target "
+              f"{hit or 'not reached'}", flush=True)
+    ref = next((r for r in results if r["mode"] == "reference"), None)
+    for r in results:
+        if ref is not None and r is not ref:
+            key = f"speed over reference {r['mode']}"
+            figures[key], units[key] = r["env_steps_per_s"] / ref["env_steps_per_s"], "ratio"
+    return {"figures": figures, "units": units, "detail": {"runs": results}}

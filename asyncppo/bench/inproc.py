@@ -1,4 +1,5 @@
-"""Single-process pieces shared by scripts/bench_peer.py and scripts/bench_collapse.py.
+"""Single-process pieces shared by the peer, LoRA and collapse benchmarks (asyncppo/bench/peer.py, lora.py,
+scripts/bench_collapse.py).
 
 Sampling with the HF KV cache, turning sampled groups into the learner's :class:`TrainBatch`, and the held-out probe.
 With these, asyncppo's own update (:class:`asyncppo.learner.ppo.PPOUpdate`, the real config and losses) runs
@@ -132,33 +133,30 @@ class Timers:
                 setattr(obj, name, original)
 
 
-def run_variants(script: str, args, known: dict, prefix: str) -> tuple[list[str], str]:
-    """Train ``args.variants`` (comma-separated names of ``known``) as ``script --one NAME`` processes, at most
-    ``args.parallel`` at once, each writing ``<root>/<NAME>.jsonl`` (and its log); returns (names, root)."""
+def run_variants(command: list[str], names: list[str], known: dict, root: str, *, steps: int, eval_every: int,
+                 parallel: int, overrides: list[str]) -> None:
+    """Train each of ``names`` (keys of ``known``) as ``command + ["--one", NAME, ...]`` processes, at most
+    ``parallel`` at once, each writing ``<root>/<NAME>.jsonl`` (and its log). Learning, not speed, is compared, so
+    variants share the machine; a variant that fails is named with its log and the others go on."""
     import os
     import subprocess
-    import sys
-    import tempfile
 
-    names = [n for n in args.variants.split(",") if n]
     unknown = [n for n in names if n not in known]
     if unknown:
-        raise SystemExit(f"unknown variants {unknown}; known: {sorted(known)}")
-    root = args.keep or tempfile.mkdtemp(prefix=prefix)
+        raise ValueError(f"unknown variants {unknown}; known: {sorted(known)}")
     os.makedirs(root, exist_ok=True)
-    print(f"[bench] {len(names)} variants, {args.steps} steps, records in {root}", flush=True)
+    print(f"[bench] {len(names)} variants, {steps} steps, records in {root}", flush=True)
     pending, running = list(names), []
     while pending or running:
-        while pending and len(running) < args.parallel:
+        while pending and len(running) < parallel:
             name = pending.pop(0)
-            cmd = [sys.executable, script, "--one", name, "--keep", root, "--steps", str(args.steps),
-                   "--eval-every", str(args.eval_every), *args.overrides]
+            cmd = [*command, "--one", name, "--keep", root, "--steps", str(steps), "--eval-every", str(eval_every),
+                   *overrides]
             log = open(os.path.join(root, f"{name}.log"), "w")
             running.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
         name, proc = running.pop(0)
         if proc.wait() != 0:
             print(f"[bench] {name} failed (exit {proc.returncode}); see {root}/{name}.log", flush=True)
-    return names, root
 
 
 def variant_parser(doc: str, *, steps: int, eval_every: int, variants: str, parallel: int):

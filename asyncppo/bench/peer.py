@@ -1,5 +1,5 @@
-#!/usr/bin/env python
-"""asyncppo's embedded default against the peers a user would try instead, on the same task, model and box.
+"""``asyncppo bench peer-default``: asyncppo's embedded default against the peers a user would try instead, on the
+same task, model and box.
 
 Three contenders, run one after the other in one invocation (so they see the same machine load), all starting
 from the same cached built-in model (``builtin:tiny-addition``: 2-digit addition, 0.5M-parameter Qwen2 after the
@@ -14,52 +14,40 @@ supervised warm start) with the same batch shape (16 prompts x 8 samples), learn
   after the same training time.
 
 Every contender's final weights are scored here by the same probe the learner uses (256 held-out prompts, 4 sampled
-answers each at T=1, and greedy), so accuracies are comparable. Trained samples/s = samples trained / training time.
-
-``--task long`` (scripts/peer_long.py) puts asyncppo's ``data=long`` preset against TRL's ``GRPOTrainer`` on the
-long-generation task (responses ~158 tokens on average, up to 1,026), each for ``--seconds`` of training (default
-480), and scores ``--points`` checkpoints of each with one in-process probe (128 held-out prompts, 4 sampled answers
-each at T=1 and greedy): held-out accuracy against training time, and the time each first reaches the lower of
-the two final accuracies (no reference loop there). It keeps ``bench_peer_long.json`` and draws the curves into
-``bench_peer_long.png`` beside it (scripts/plot_peer.py redraws them from a kept JSON).
-
-    python scripts/bench_peer.py                  # asyncppo default, then TRL and the reference for as long
-    python scripts/bench_peer.py --seconds 120 --skip asyncppo
-    python scripts/bench_peer.py --task long --seconds 480 --points 4 --keep /tmp/peer_long
+answers each at T=1, and greedy), so accuracies are comparable; equal training time, not equal steps, is the
+comparison a user feels. ``profile=true`` instead profiles the default PPO update in process (where its time goes
+per trained sample, beside the reference loop's update). The long-generation comparison is peer_long.py.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
+from asyncppo.bench.inproc import GROUP, MAX_NEW, PROMPTS, Timers, evaluate, load, rewards, sample_group, sampled_batch
 from asyncppo.data.rewards import exact_match
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import resolve_model_path
-from inproc import GROUP, MAX_NEW, PROMPTS, Timers, evaluate, load, rewards, sample_group, sampled_batch
-from peer_long import main_long
 
 LR = 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- asyncppo
-def run_asyncppo(args, root: str) -> dict:
+def run_asyncppo(overrides: list[str], root: str) -> dict:
+    """``asyncppo launch`` with only ``overrides`` (the default run has none); its learner time and final weights."""
     out = os.path.join(root, "asyncppo")
-    cmd = [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", *args.overrides]
+    cmd = [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", *overrides]
     print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-3000:] + proc.stderr[-3000:])
-        raise SystemExit(f"[bench] asyncppo failed with exit code {proc.returncode}")
+        raise RuntimeError(f"[bench] asyncppo failed with exit code {proc.returncode}")
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     train = [r for r in records if "reward/mean" in r]
     return {
@@ -70,7 +58,8 @@ def run_asyncppo(args, root: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- reference loop
-def run_reference(args, model_dir: str, seconds: float, rows_train: list[dict]) -> dict:
+def run_reference(model_dir: str, seconds: float, rows_train: list[dict]) -> dict:
+    """The plain single-process loop, trained for ``seconds``."""
     model, tok = load(model_dir)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     gen = torch.Generator().manual_seed(0)
@@ -132,7 +121,8 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
     return trainer, tok
 
 
-def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: str) -> dict:
+def run_trl(model_dir: str, seconds: float, rows_train: list[dict], root: str) -> dict:
+    """TRL's ``GRPOTrainer`` stopped after ``seconds`` of training ({} without trl)."""
     from transformers import TrainerCallback
 
     class StopAfter(TrainerCallback):
@@ -161,10 +151,10 @@ def run_trl(args, model_dir: str, seconds: float, rows_train: list[dict], root: 
 
 
 # ---------------------------------------------------------------------------------------------- learner profile
-def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 20) -> None:
+def profile_learner(overrides: list[str], model_dir: str, rows_train: list[dict], steps: int = 20) -> dict:
     """Where the default PPO update spends its time per trained sample, in one process and one thread (as the
     learner actor runs), on batches sampled from the model itself; next to it the reference loop's costs.
-    Exclusive wall time per part (scripts/inproc.py ``Timers``); fractions survive a loaded machine better than
+    Exclusive wall time per part (inproc.py ``Timers``); fractions survive a loaded machine better than
     absolute times."""
     import asyncppo.algo as algo
     import asyncppo.learner.ppo as ppo_mod
@@ -172,7 +162,7 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
     from asyncppo.learner.models import load_actor
     from asyncppo.learner.value_head import build_critic
 
-    cfg = load_config(args.overrides)
+    cfg = load_config(overrides)
     dev = torch.device("cpu")
     actor, critic = load_actor(model_dir, torch.float32, dev), build_critic(cfg, model_dir, torch.float32, dev, False)
     tok = load(model_dir)[1]
@@ -234,70 +224,50 @@ def profile_learner(args, model_dir: str, rows_train: list[dict], steps: int = 2
         upd += time.perf_counter() - t1  # the update only, not the sampling
     print(f"  reference loop update (1 forward + backward, 1 AdamW): {upd / n * 1e6:.0f} us/sample; "
           f"PPO update / reference update = {total / upd:.2f}x")
+    return {"update us/sample": total / n * 1e6, "PPO update / reference update": total / upd}
 
 
-# ---------------------------------------------------------------------------------------------- main
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--seconds", type=float, default=0.0,
-                   help="training time for trl/reference; 0: asyncppo's measured training time "
-                        "(--task long: of each contender; 0: 480)")
-    p.add_argument("--skip", default="", help="comma list of contenders to leave out: asyncppo,trl,reference")
-    p.add_argument("--threads", type=int, default=2, help="torch threads of the single-process contenders")
-    p.add_argument("--profile", action="store_true", help="profile the PPO update in-process, then exit")
-    p.add_argument("--task", choices=("addition", "long"), default="addition",
-                   help="addition: the embedded default (three contenders, final accuracy); long: data=long, "
-                        "asyncppo against TRL, accuracy against time (scripts/peer_long.py)")
-    p.add_argument("--points", type=int, default=4, help="--task long: scored points per contender (every S/P)")
-    p.add_argument("--keep", default="", help="--task long: directory for checkpoints and records (default: temp)")
-    p.add_argument("overrides", nargs="*", help="extra asyncppo overrides (the default run has none)")
-    args = p.parse_args()
-    if args.points < 1:
-        p.error(f"--points={args.points} must be >= 1")
-    if args.task == "long":
-        torch.set_num_threads(args.threads)
-        return main_long(args, trl_trainer)
-    skip = set(filter(None, args.skip.split(",")))
-    torch.set_num_threads(args.threads)
-    task = get_task("addition", seed=0, num_eval=256)
-    splits = task.splits()
+def run(opts: dict, seed: int, work: str) -> dict:
+    torch.set_num_threads(opts["threads"])
+    skip = set(opts["skip"])
+    splits = get_task("addition", seed=0, num_eval=256).splits()
     model_dir = resolve_model_path("builtin:tiny-addition")
+    overrides = [*opts["overrides"], f"trainer.seed={seed}"]
+    if opts["profile"]:
+        prof = profile_learner(overrides, model_dir, splits.train)
+        return {"figures": prof, "units": {"update us/sample": "us", "PPO update / reference update": "ratio"},
+                "detail": {}}
     base, tok = load(model_dir)
-    if args.profile:
-        return profile_learner(args, model_dir, splits.train)
     before = evaluate(base, tok, splits.eval)
-    print(f"[bench] start: sampled {before['sampled']:.3f} greedy {before['greedy']:.3f}; "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    results, seconds = [], args.seconds
-    with tempfile.TemporaryDirectory(prefix="bench_peer_") as root:
-        if "asyncppo" not in skip:
-            r = run_asyncppo(args, root)
-            m, t = load(r["model_dir"])
-            r.update(evaluate(m, t, splits.eval))
+    results, seconds = [], opts["seconds"]
+    if "asyncppo" not in skip:
+        r = run_asyncppo(overrides, work)
+        r.update(evaluate(*load(r["model_dir"]), splits.eval))
+        results.append(r)
+        seconds = seconds or r["train_s"]
+    seconds = seconds or 180.0
+    for name in ("trl", "reference"):
+        if name in skip:
+            continue
+        print(f"[peer-default] {name}: {seconds:.0f} s of training (load {os.getloadavg()[0]:.1f})", flush=True)
+        r = run_trl(model_dir, seconds, splits.train, work) if name == "trl" else \
+            run_reference(model_dir, seconds, splits.train)
+        if r:
+            r.update(evaluate(r.pop("model"), r.pop("tokenizer"), splits.eval))
             results.append(r)
-            seconds = seconds or r["train_s"]
-        seconds = seconds or 180.0
-        for name in ("trl", "reference"):
-            if name in skip:
-                continue
-            print(f"[bench] {name}: {seconds:.0f} s of training (load {os.getloadavg()[0]:.1f})", flush=True)
-            r = run_trl(args, model_dir, seconds, splits.train, root) if name == "trl" else \
-                run_reference(args, model_dir, seconds, splits.train)
-            if r:
-                r.update(evaluate(r.pop("model"), r.pop("tokenizer"), splits.eval))
-                results.append(r)
-    print(f"\nbefore: held-out sampled {before['sampled']:.3f}, greedy {before['greedy']:.3f} "
-          f"(256 prompts; sampled x4 at T=1); load average at the end {os.getloadavg()[0]:.1f}")
-    print(f"{'contender':<10} {'train s':>8} {'samples':>8} {'samples/s':>10} {'sampled':>8} {'greedy':>7} "
-          f"{'d sampled':>10} {'d greedy':>9}")
+    figures, units = {"start sampled": before["sampled"], "start greedy": before["greedy"]}, {}
     for r in results:
-        print(f"{r['name']:<10} {r['train_s']:8.1f} {r['samples']:8d} {r['samples'] / r['train_s']:10.1f} "
-              f"{r['sampled']:8.3f} {r['greedy']:7.3f} {r['sampled'] - before['sampled']:+10.3f} "
-              f"{r['greedy'] - before['greedy']:+9.3f}")
-    for r in results:
-        if "wall_s" in r:
-            print(f"asyncppo: whole launch {r['wall_s']:.1f} s, learner busy {r['learner_busy_s']:.1f} s")
-
-
-if __name__ == "__main__":
-    main()
+        n = r["name"]
+        figures[f"held-out sampled {n}"], figures[f"held-out greedy {n}"] = r["sampled"], r["greedy"]
+        figures[f"samples/s {n}"] = r["samples"] / r["train_s"]
+        units.update({f"held-out sampled {n}": "accuracy", f"held-out greedy {n}": "accuracy",
+                      f"samples/s {n}": "samples/s"})
+        print(f"[peer-default] {n}: {r['train_s']:.1f} s, {r['samples']} samples, sampled {r['sampled']:.3f}, "
+              f"greedy {r['greedy']:.3f}", flush=True)
+    names = {r["name"] for r in results}
+    if {"asyncppo", "trl"} <= names:
+        figures["sampled asyncppo - trl"] = figures["held-out sampled asyncppo"] - figures["held-out sampled trl"]
+        units["sampled asyncppo - trl"] = "accuracy"
+    units.update({"start sampled": "accuracy", "start greedy": "accuracy"})
+    return {"figures": figures, "units": units,
+            "detail": {"seconds": seconds, "results": [{k: v for k, v in r.items()} for r in results]}}

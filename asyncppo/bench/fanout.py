@@ -1,16 +1,14 @@
-"""Push cost of the weight sync: one shared group of 1 + N ranks (one broadcast) vs one two-rank group per worker
-(sync/fanout.py, N pushes in parallel threads), side by side in one run.
+"""``asyncppo bench fanout``: push cost of one shared group of 1 + N ranks (one broadcast) against one two-rank group
+per worker (sync/fanout.py, N pushes in parallel threads), side by side.
 
-    .venv/bin/python scripts/bench_sync_fanout.py [--workers 2 3] [--mb 16 64] [--reps 3]
-
-Each configuration: rank 0 pushes ``--reps`` versions of ``mb`` MiB of float32 tensors (64 tensors) and times
-push + wait (snapshot copy included) until every worker received it; the median is printed with the ratio
-fanout / shared. gloo on CPU over loopback.
+The learner pushes to each rollout worker over its own group so that one worker's death breaks nobody
+(docs/reliability.md); this measures what that costs against a single broadcast. Each configuration: rank 0 pushes
+``reps`` versions of ``mb`` MiB of float32 tensors (64 tensors) and times push + wait (snapshot copy included)
+until every worker received it; gloo on CPU over loopback.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -72,20 +70,17 @@ def _run(mode: str, workers: int, mb: int, reps: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--workers", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--mb", type=int, nargs="+", default=[16, 64])
-    ap.add_argument("--reps", type=int, default=3)
-    args = ap.parse_args()
+def run(opts: dict, seed: int, work: str) -> dict:
     torch.set_num_threads(1)
-    print(f"{'workers':>7} {'MiB':>5} {'shared s':>9} {'fanout s':>9} {'fanout/shared':>14}")
-    for workers in args.workers:
-        for mb in args.mb:
-            shared = _run("shared", workers, mb, args.reps)
-            fanout = _run("fanout", workers, mb, args.reps)
-            print(f"{workers:>7} {mb:>5} {shared:>9.3f} {fanout:>9.3f} {fanout / shared:>14.2f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+    figures, units = {}, {}
+    for workers in opts["workers"]:
+        for mb in opts["mb"]:
+            shared = _run("shared", int(workers), int(mb), opts["reps"])
+            fanout = _run("fanout", int(workers), int(mb), opts["reps"])
+            key = f"{workers} workers {mb} MiB"
+            figures[f"fanout/shared {key}"], units[f"fanout/shared {key}"] = fanout / shared, "ratio"
+            figures[f"shared s {key}"], units[f"shared s {key}"] = shared, "s"
+            figures[f"fanout s {key}"], units[f"fanout s {key}"] = fanout, "s"
+            print(f"[fanout] {key}: shared {shared:.3f} s, fanout {fanout:.3f} s, ratio {fanout / shared:.2f}",
+                  flush=True)
+    return {"figures": figures, "units": units, "detail": {}}

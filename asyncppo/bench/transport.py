@@ -1,4 +1,4 @@
-"""Throughput of the trajectory stream against raw ZeroMQ on the same socket type.
+"""``asyncppo bench transport``: throughput of the trajectory stream against raw ZeroMQ on the same socket type.
 
 For each record shape (samples per group x response tokens), a sender *process* pushes N messages to a receiver
 in this process over loopback TCP. Every mode uses PUSH/PULL, the same HWM, the same number of messages and
@@ -13,34 +13,30 @@ frames of exactly the same length:
 * ``record+samples``: as ``record``, and the receiver also touches ``group.samples`` (builds the ``Sample``
   objects), which the learner does later anyway: the honest upper bound on the receive cost.
 
-Runs are interleaved and repeated; the median is printed, with ratios against ``raw``.
-
-    .venv/bin/python scripts/bench_transport.py [--messages 2000] [--repeats 3] [--shapes 8x128 16x8192 ...]
+Runs are interleaved and repeated; the median is the figure, and ratios are taken against ``raw``. Why measure
+against raw ZeroMQ: the stream's own cost is what the record format adds on top of the socket, and only a
+same-socket baseline separates the two.
 """
 
 from __future__ import annotations
 
-import argparse
 import logging
 import multiprocessing as mp
-import os
 import statistics
-import sys
 import time
 
 import numpy as np
 import zmq
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-
-from asyncppo.stream.channels import TrajectoryReceiver, TrajectorySender  # noqa: E402
-from asyncppo.stream.records import Sample, TrajectoryGroup  # noqa: E402
-from asyncppo.stream.wire import encode_group  # noqa: E402
+from asyncppo.stream.channels import TrajectoryReceiver, TrajectorySender
+from asyncppo.stream.records import Sample, TrajectoryGroup
+from asyncppo.stream.wire import encode_group
 
 END = b"END"
 
 
 def make_group(n_samples: int, resp_len: int, prompt_len: int, seed: int) -> TrajectoryGroup:
+    """A group of random ids and log-probs of the given shape (the content does not change the cost)."""
     rng = np.random.default_rng(seed)
     samples = [
         Sample(
@@ -146,40 +142,30 @@ def run_once(mode: str, shape: tuple, n: int, hwm: int = 64) -> tuple[float, flo
 MODES = ("raw-copy", "raw-zerocopy", "raw+join", "record", "record+samples")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--messages", type=int, default=2000)
-    ap.add_argument("--max-mb-per-run", type=int, default=1024, help="fewer messages for big shapes")
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--shapes", nargs="+", default=["8x128", "8x512", "8x2048", "16x2048", "16x8192"],
-                    help="SAMPLESxRESPONSE_TOKENS per group")
-    ap.add_argument("--prompt-len", type=int, default=128)
-    args = ap.parse_args()
+def run(opts: dict, seed: int, work: str) -> dict:
+    """Every shape of ``opts["shapes"]``, all modes interleaved ``opts["repeats"]`` times; the figures are the
+    median rates and their ratios per shape (``rec/raw 8x128`` is the record format's share of the raw socket)."""
     logging.disable(logging.WARNING)  # the END marker is (correctly) rejected as malformed
-
-    print(f"prompt {args.prompt_len} tokens, int32 ids + float32 logprobs; up to {args.messages} messages "
-          f"(at most {args.max_mb_per_run} MB) per run x {args.repeats} repeats (median), PUSH/PULL over tcp "
-          f"loopback, HWM 64, sender in a separate process; {os.cpu_count()} CPUs")
-    header = (f"{'shape':>8} {'msg bytes':>9} | {'raw msg/s':>9} {'raw MB/s':>8} | {'join/raw':>8} | "
-              f"{'rec msg/s':>9} {'rec MB/s':>8} | {'rec/raw':>7} {'+samples/raw':>12} | {'rec/join':>8}")
-    print(header)
-    print("-" * len(header))
-    for spec in args.shapes:
+    figures, units, rows = {}, {}, []
+    for spec in opts["shapes"]:
         n_samples, T = (int(x) for x in spec.lower().split("x"))
-        shape = (n_samples, T, args.prompt_len)
-        size = len(encode_group(make_group(*shape, seed=0)))
-        n = max(100, min(args.messages, args.max_mb_per_run * 10**6 // size))
+        shape = (n_samples, T, opts["prompt_len"])
+        size = len(encode_group(make_group(*shape, seed=seed)))
+        n = max(opts["min_messages"], min(opts["messages"], opts["max_mb_per_run"] * 10**6 // size))
         res: dict[str, list] = {m: [] for m in MODES}
-        for _ in range(args.repeats):
+        for _ in range(opts["repeats"]):
             for mode in MODES:
                 res[mode].append(run_once(mode, shape, n))
         med = {m: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for m, v in res.items()}
         raw = max(med["raw-copy"], med["raw-zerocopy"])
         join, rec, full = med["raw+join"], med["record"], med["record+samples"]
-        print(f"{spec:>8} {size:>9} | {raw[0]:>9.0f} {raw[1]:>8.0f} | {join[0] / raw[0]:>8.2f} | "
-              f"{rec[0]:>9.0f} {rec[1]:>8.0f} | {rec[0] / raw[0]:>7.2f} {full[0] / raw[0]:>12.2f} | "
-              f"{rec[0] / join[0]:>8.2f}", flush=True)
-
-
-if __name__ == "__main__":
-    main()
+        row = {"shape": spec, "bytes": size, "messages": n, "raw_msg_s": raw[0], "raw_mb_s": raw[1],
+               "join/raw": join[0] / raw[0], "rec_msg_s": rec[0], "rec_mb_s": rec[1], "rec/raw": rec[0] / raw[0],
+               "+samples/raw": full[0] / raw[0], "rec/join": rec[0] / join[0]}
+        rows.append(row)
+        for key, unit in (("rec/raw", "ratio"), ("+samples/raw", "ratio"), ("rec/join", "ratio"),
+                          ("join/raw", "ratio"), ("rec_msg_s", "messages/s"), ("raw_msg_s", "messages/s")):
+            figures[f"{key} {spec}"], units[f"{key} {spec}"] = row[key], unit
+        print(f"[transport] {spec}: {size} bytes, raw {raw[0]:.0f} msg/s, rec/raw {row['rec/raw']:.2f}, "
+              f"+samples/raw {row['+samples/raw']:.2f}, rec/join {row['rec/join']:.2f}", flush=True)
+    return {"figures": figures, "units": units, "detail": {"rows": rows}}

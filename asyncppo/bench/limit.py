@@ -1,7 +1,8 @@
-#!/usr/bin/env python
 """The pipeline's limit: the engine alone, then the learner alone, each pinned to its own cores, on the same samples.
 
-    python scripts/pipeline_limit.py --steps 80 data=reverse algorithm=grpo rollout.rollout_batch_size=4
+``asyncppo bench limit`` measures it beside a launch (asyncppo/bench/async_sync.py); on its own, as a tool:
+
+    python -m asyncppo.bench.limit --steps 80 data=reverse algorithm=grpo rollout.rollout_batch_size=4
 
 1. engine alone (``--rollout-cpus``): the run's engine generates ``steps x rollout_batch_size`` groups with its
    ``max_num_seqs`` slots kept full (asyncppo/rollout/engine_alone.py); the groups are written to a file;
@@ -10,7 +11,7 @@
 
 Each side runs in its own process, one after the other, with the pinning and torch threads a launch gives it
 (launch/actors.py), and its start-up (engine load, model build) is left out of its time. ``limit = max(engine,
-learner)``; scripts/bench_async_vs_sync.py calls :func:`measure_limit` and puts ``limit / async time`` beside the
+learner)``; asyncppo/bench/async_sync.py calls :func:`measure_limit` and puts ``limit / async time`` beside the
 speed-up over sync. Why this is the limit: asyncppo/report/limit.py.
 
 ``--beside-engine`` adds a third run: the learner alone once more, on the same groups, while an engine generates on
@@ -23,7 +24,7 @@ that machine can avoid. It is reported beside the limit, which stays as defined.
 their own lengths, its own batches trained); with ``--beside-learner`` the engine side runs once more while a
 learner trains that run's batches on its own cores: what sharing the machine costs the engine.
 
-    python scripts/pipeline_limit.py --replay RUN_DIR --beside-learner data=long trainer.seed=2 <the run's overrides>
+    python -m asyncppo.bench.limit --replay RUN_DIR --beside-learner data=long trainer.seed=2 <the run's overrides>
 """
 
 from __future__ import annotations
@@ -38,10 +39,9 @@ import tempfile
 import time
 
 SIDES = ("engine", "learner")
-# The tree this script lives in, ahead of the installed one: run from a git worktree, every process a measurement
+# The tree this module lives in, ahead of the installed one: run from a git worktree, every process a measurement
 # starts (each side, a launch and its Ray actors) imports that worktree's asyncppo, not the editable install's.
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _config(overrides: list[str], steps: int):
@@ -111,8 +111,8 @@ def pinned_env(rollout_cpus: str, learner_cpus: str) -> dict:
 
 def _side_argv(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1
                ) -> list[str]:
-    """This script, running one side in its own process (:func:`run_side`)."""
-    return [sys.executable, os.path.abspath(__file__), "--side", side, "--dir", root, "--steps", str(steps),
+    """This module, running one side in its own process (:func:`run_side`)."""
+    return [sys.executable, "-m", "asyncppo.bench.limit", "--side", side, "--dir", root, "--steps", str(steps),
             *(["--replay", replay] if replay else []), *(["--repeat", str(repeat)] if repeat > 1 else []),
             *overrides]
 

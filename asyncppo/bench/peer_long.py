@@ -1,4 +1,4 @@
-"""``bench_peer.py --task long``: asyncppo against TRL's GRPOTrainer on ``data=long``, accuracy against time.
+"""``asyncppo bench peer``: asyncppo against TRL's GRPOTrainer on ``data=long``, accuracy against time.
 
 Both contenders start from the preset's model (``builtin:tiny-long``, the same cached build the launch uses) and
 train for the same wall-clock budget ``S`` with the preset's shape: GRPO without KL, 16 prompts x 8 samples, one
@@ -13,12 +13,19 @@ tokens, exact match of the whole working.
   ends); a callback saves the weights when the training clock passes each point, the time spent saving left out
   of the clock.
 
-The points are ``S/P, 2S/P, ..., S`` (``--points P``): for each, the first checkpoint at or past it. Every point, and
+The points are ``S/P, 2S/P, ..., S`` (``points=P``): for each, the first checkpoint at or past it. Every point, and
 the start (shared, at 0 s), is scored after both have trained (so scoring never competes with training) by one
 probe: the preset's 128 held-out prompts, 4 answers each at T=1 (one seeded draw, the same call for every point)
 and one greedy, up to the task's longest answer + eos; "correct" is the exact working, ended by eos. The reference
 loop of the addition task is not run here: it would cost another ``S`` for a contender the issue does not ask for.
+
+The figures (curves.py: :func:`peer_figures`) are the time each needs to reach the thresholds start + 0.05 and
+start + 0.10, fixed in advance, at the conservative bound (no credit between scored points) and interpolated, and
+the old measure (the time to the lower of the two finals) beside them; issue #48 showed that the old measure is set
+by the point spacing whenever asyncppo leads at its first point.
 """
+
+
 
 from __future__ import annotations
 
@@ -27,20 +34,19 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 
+from asyncppo.bench.curves import peer_figures
+from asyncppo.bench.inproc import GROUP, PROMPTS, load
+from asyncppo.bench.peer import trl_trainer
 from asyncppo.config import load_config
 from asyncppo.data.heldout import SAMPLES_PER_PROMPT, is_exact_answer
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import resolve_model_path
 from asyncppo.data.warmstart import _left_padded_prompts  # the probe's own left padding (variable prompt lengths)
 from asyncppo.learner.checkpoint import _complete_steps, checkpoints_root
-from curves import compare
-from inproc import GROUP, PROMPTS, load
-from plot_peer import plot
 
 SAVE_EVERY = 4  # asyncppo steps between checkpoints: a point lands at most this many steps past its mark
 
@@ -125,22 +131,23 @@ def _stop_when_trained(proc, out: str, seconds: float, log_path: str) -> None:
     while True:
         time.sleep(5)
         if proc.poll() is not None:
-            raise SystemExit(f"[bench] asyncppo launch ended (exit {proc.returncode}) before {seconds:.0f} s of "
+            raise RuntimeError(f"[bench] asyncppo launch ended (exit {proc.returncode}) before {seconds:.0f} s of "
                              f"training; see {log_path}")
         wall = {r["step"]: r["time/wall_s"] for r in _learner_records(out)}
         if any(wall.get(step, -1.0) >= seconds for step, _ in _complete_steps(checkpoints_root(out))):
             return
         if time.monotonic() > deadline:
             last = max(wall.items(), default=None)
-            raise SystemExit(f"[bench] asyncppo: the learner had not trained {seconds:.0f} s with a checkpoint "
+            raise RuntimeError(f"[bench] asyncppo: the learner had not trained {seconds:.0f} s with a checkpoint "
                              f"past it by the deadline (last step, wall: {last}); see {log_path}")
 
 
-def run_asyncppo_long(args, root: str, marks: list[float]) -> dict:
+def run_asyncppo_long(overrides: list[str], root: str, marks: list[float]) -> dict:
+    """``asyncppo launch data=long`` until a checkpoint past the last mark; the first checkpoint past each mark."""
     out = os.path.join(root, "asyncppo")
     cmd = [sys.executable, "-m", "asyncppo", "launch", "data=long", f"trainer.output_dir={out}",
            "trainer.total_steps=100000", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=100000",
-           "trainer.eval_every=0", "data.num_eval_prompts=0", "trainer.logger.wandb=false", *args.overrides]
+           "trainer.eval_every=0", "data.num_eval_prompts=0", "trainer.logger.wandb=false", *overrides]
     print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
     log_path = os.path.join(root, "asyncppo.log")
     t0 = time.perf_counter()
@@ -173,10 +180,10 @@ def run_asyncppo_long(args, root: str, marks: list[float]) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- TRL
-def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
-                 build, mask_truncated: bool, beta: float) -> dict:
-    """``build``: bench_peer's ``trl_trainer`` (the GRPOTrainer set up as the preset trains, truncated answers
-    masked as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``)."""
+def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
+                 mask_truncated: bool, beta: float) -> dict:
+    """TRL's ``GRPOTrainer`` as peer.py's ``trl_trainer`` sets it up (as the preset trains, truncated answers masked
+    as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``), saving a point at each mark."""
     from transformers import TrainerCallback
 
     class TimedPoints(TrainerCallback):
@@ -205,7 +212,7 @@ def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks:
             self.logs.append(dict(logs or {}))
 
     timed = TimedPoints()
-    built = build(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1,
+    built = trl_trainer(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1,
                   mask_truncated=mask_truncated, beta=beta)
     if built is None:
         return {}
@@ -230,77 +237,41 @@ def run_trl_long(args, model_dir: str, rows_train: list[dict], root: str, marks:
             "length_max_mean": sum(g["completions/max_length"] for g in logs) / max(1, len(logs))}
 
 
-# ---------------------------------------------------------------------------------------------- main and report
-def main_long(args, build) -> None:
-    cfg = preset(args.overrides)
-    seconds = args.seconds or 480.0
-    marks = [seconds * k / args.points for k in range(1, args.points + 1)]
+def run(opts: dict, seed: int, work: str) -> dict:
+    """One seed: both contenders for ``seconds`` of training each, every point scored after both trained."""
+    torch.set_num_threads(opts["threads"])
+    overrides = [*opts["overrides"], f"trainer.seed={seed}"]
+    cfg = preset(overrides)
+    seconds, points = opts["seconds"], opts["points"]
+    marks = [seconds * k / points for k in range(1, points + 1)]
     task = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts)
     splits = task.splits()
     max_new = min(task.max_response_tokens, cfg.rollout.response_length)  # the probe's budget: longest + eos
     model_dir = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
-    skip = set(filter(None, args.skip.split(",")))
-    print(f"[bench] data=long, {seconds:.0f} s of training each, points at {[round(m) for m in marks]} s; "
+    print(f"[peer] data=long, {seconds:.0f} s of training each, points at {[round(m) for m in marks]} s; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    root = args.keep or tempfile.mkdtemp(prefix="bench_peer_long_")
-    os.makedirs(root, exist_ok=True)
     results = []
-    if "asyncppo" not in skip:
-        results.append(run_asyncppo_long(args, root, marks))
-    if "trl" not in skip:
-        r = run_trl_long(args, os.path.abspath(model_dir), splits.train, root, marks, cfg.rollout.response_length,
-                         build, cfg.algorithm.mask_truncated,
+    if "asyncppo" not in opts["skip"]:
+        results.append(run_asyncppo_long(overrides, work, marks))
+    if "trl" not in opts["skip"]:
+        r = run_trl_long(os.path.abspath(model_dir), splits.train, work, marks, cfg.rollout.response_length,
+                         cfg.algorithm.mask_truncated,
                          cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0)
         results += [r] if r else []
-    print(f"[bench] scoring {1 + sum(len(r['points']) for r in results)} points: {len(splits.eval)} held-out "
-          f"prompts x {SAMPLES_PER_PROMPT} sampled (T=1, seed {cfg.trainer.seed}) + greedy, up to {max_new} tokens "
-          f"(load {os.getloadavg()[0]:.1f})", flush=True)
     start = probe(*load(model_dir), splits.eval, seed=cfg.trainer.seed, max_new=max_new)
     for r in results:
         for point in r["points"]:
             point.update(probe(*load(point["path"]), splits.eval, seed=cfg.trainer.seed, max_new=max_new))
-            print(f"[bench]   {r['name']} step {point['step']} ({point['train_s']:.0f} s): sampled "
-                  f"{point['sampled']:.3f} greedy {point['greedy']:.3f} (probe {point['probe_s']:.0f} s)", flush=True)
-    with open(os.path.join(root, "bench_peer_long.json"), "w") as f:
-        json.dump({"start": start, "results": results, "seconds": seconds}, f, indent=1)
-    report(results, start)
-    picture = plot({"start": start, "results": results, "seconds": seconds},
-                   os.path.join(root, "bench_peer_long.png"))
-    print(f"(accuracy against time drawn in {os.path.join(root, 'bench_peer_long.png')}"
-          + (f"; at scored points asyncppo >= {picture['at_least']:.1f}x sooner" if "at_least" in picture else "")
-          + ")")
-    print(f"(records in {root}; load average at the end {os.getloadavg()[0]:.1f})")
+            print(f"[peer]   {r['name']} step {point['step']} ({point['train_s']:.0f} s): sampled "
+                  f"{point['sampled']:.3f} greedy {point['greedy']:.3f}", flush=True)
+    doc = {"start": start, "results": results, "seconds": seconds}
+    with open(os.path.join(work, "bench_peer_long.json"), "w") as f:
+        json.dump(doc, f, indent=1)
+    from asyncppo.bench.plot_peer import plot  # matplotlib
 
-
-def report(results: list[dict], start: dict) -> None:
-    print(f"\nheld-out accuracy against training time (sampled x{SAMPLES_PER_PROMPT} at T=1 / greedy; start "
-          f"{start['sampled']:.3f} / {start['greedy']:.3f} at 0 s, probe {start['probe_s']:.0f} s)")
-    print(f"{'contender':<10} {'step':>5} {'train s':>8} {'sampled':>8} {'greedy':>7}")
-    for r in results:
-        for p in r["points"]:
-            print(f"{r['name']:<10} {p['step']:5d} {p['train_s']:8.1f} {p['sampled']:8.3f} {p['greedy']:7.3f}")
-    print("\nper training step (means):")
-    for r in results:
-        split = (f"waiting for rollouts {r['wait_s']:.2f} s, update {r['update_s']:.2f} s" if "wait_s" in r else
-                 f"HF generate {r['generate_s']:.2f} s, the rest (scoring, logprobs, update) {r['update_s']:.2f} s")
-        print(f"  {r['name']:<9} {r['steps']} steps x {PROMPTS}x{GROUP}: {r['step_s']:.2f} s/step ({split}); "
-              f"responses: mean {r['length_mean']:.0f} tokens, batch's longest {r['length_max_mean']:.0f}")
-    names = [r["name"] for r in results]
-    if names != ["asyncppo", "trl"]:
-        print(f"(time to threshold needs both asyncppo and trl; have {names})")
-        return
-    curves = {r["name"]: [(0.0, start["sampled"])] + [(p["train_s"], p["sampled"]) for p in r["points"]]
-              for r in results}
-    c = compare(curves, fast="asyncppo", slow="trl")
-    when = {n: "never" if t is None else f"{t:.0f} s" for n, t in c["reached"].items()}
-    print(f"\nfinal sampled accuracy: asyncppo {c['finals']['asyncppo']:.3f}, trl {c['finals']['trl']:.3f}; "
-          f"the lower: {c['threshold']:.3f}")
-    print(f"first reached (linear interpolation between points, start at 0 s): asyncppo {when['asyncppo']}, "
-          f"trl {when['trl']}")
-    if c["reached"]["asyncppo"] is None:
-        print("ratio: undefined, asyncppo never reached it (target >= 2x sooner: missed)")
-    elif c["speedup"] is None:
-        print("ratio: undefined, the start already met the lower final: no gain to time (target: not met)")
-    else:
-        verdict = "met" if c["speedup"] >= 2.0 else "missed"
-        print(f"ratio trl / asyncppo: {c['speedup']:.2f}x (target >= 2x sooner: {verdict})")
+    plot(doc, os.path.join(work, "bench_peer_long.png"), title=f"data=long, seed {seed}")
+    figures = peer_figures(doc)
+    for name, value in figures.items():
+        print(f"[peer] {name}: {'undefined' if value is None else f'{value:.3f}'}", flush=True)
+    units = {k: ("accuracy" if "sampled" in k else "x") for k in figures}
+    return {"figures": figures, "units": units, "detail": doc}

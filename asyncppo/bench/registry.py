@@ -1,0 +1,252 @@
+"""The benchmarks ``asyncppo bench`` knows: what each asks, what it must show, how long it takes, how it runs.
+
+Each :class:`Benchmark` is data: its question, its :class:`~asyncppo.bench.result.Target` (fixed here, before any run,
+so a result cannot choose its own bar), its default seeds and options, and the runner that measures it, named as
+``module:function`` and imported only when the benchmark runs (``asyncppo bench --list`` imports nothing heavy). A
+runner is ``run(opts, seed, work_dir) -> {"figures": {name: value or None}, "units": {...}, "detail": {...}}``: one
+seed's figures; the driver (driver.py) runs the seeds, computes the spread and the verdict and writes the JSON.
+``quick`` holds the option changes of the reduced run ``asyncppo bench --quick`` does (None: not in the quick table),
+``tolerance`` how far (relative) a quick figure may stand outside the committed spread before it is flagged.
+``history`` names the sections of the old diary (or another doc) where earlier measurements of the question live.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from asyncppo.bench.result import Target
+
+DIARY = "benchmarks/history/diary-2026.md"  # relative to docs/
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    name: str
+    title: str  # its section heading in docs/benchmarks.md
+    question: str
+    headline: str  # the figure the at-a-glance table shows
+    target: Optional[Target]
+    expected: str  # run time of the default run on 2 cores
+    runner: str  # "module:function"
+    seeds: tuple = (0,)
+    options: dict = field(default_factory=dict)  # defaults; "overrides" (a list) takes the command line's KEY=VALUE
+    quick: Optional[dict] = None
+    quick_seeds: tuple = (0,)
+    quick_expected: str = ""
+    tolerance: float = 0.25
+    history: tuple = ()  # (file relative to docs/, heading)
+
+    @property
+    def takes_overrides(self) -> bool:
+        return "overrides" in self.options
+
+
+LONG = dict(preset=["data=long"], steps=60, staleness=12, lookahead=3, modes=["sync", "async-cont-lookahead"],
+            limit=False, replay=False, eval_at_start=False, rollout_cpus="1", learner_cpus="0", overrides=[])
+REVERSE = ["algorithm=grpo", "algorithm.use_kl_loss=false", "rollout.rollout_batch_size=4", "rollout.max_num_seqs=64"]
+ISSUE21 = "issue 21 item 2, on data=long and data=reverse"
+SECTION_LIMIT = (DIARY, "The lookahead in the advisor: occupancy predicted against measured on `data=long`")
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "async-vs-sync", "Async against sync on data=long",
+        "How much less learner time does asynchronous PPO need than synchronous PPO to train the same samples on a "
+        "long-generation task (data=long)?",
+        "speedup over sync async-cont-lookahead",
+        Target("speedup over sync async-cont-lookahead", ">=", 3.0, min_seeds=3,
+               why="3x over synchronous, asked of the first async-vs-sync benchmark (diary, 'Async against sync')"),
+        "~35 min (3 seeds x ~11 min)", "asyncppo.bench.async_sync:run", seeds=(0, 1, 2), options=dict(LONG),
+        history=((DIARY, "Async against sync: continuous generation on a long-tailed task"),
+                 (DIARY, "Packed learner micro-batches"), (DIARY, "What each change bought (issue 21, one table)"))),
+    Benchmark(
+        "lag-accuracy", "Held-out accuracy at equal samples",
+        "Does the policy lag cost held-out accuracy at equal trained samples (async against sync on data=long)?",
+        "held-out async-cont-lookahead - sync",
+        Target("held-out async-cont-lookahead - sync", ">=", -0.03, min_seeds=3,
+               why=f"'within noise of sync over 3 seeds' ({ISSUE21}); noise: two standard errors of the probe, "
+               "~0.015 each"),
+        "~35 min (3 seeds x ~11 min; the same launches as async-vs-sync)", "asyncppo.bench.async_sync:run",
+        seeds=(0, 1, 2), options=dict(LONG), history=(SECTION_LIMIT,)),
+    Benchmark(
+        "limit", "Efficiency against the limit on data=long",
+        "How close does the pipeline come to its limit, the slower side working alone on the launch's own work "
+        "(data=long)?",
+        "efficiency own work async-cont-lookahead",
+        Target("efficiency own work async-cont-lookahead", ">=", 0.9, over="every seed", min_seeds=3, why=ISSUE21),
+        "~30 min (3 seeds x ~10 min)", "asyncppo.bench.async_sync:run", seeds=(0, 1, 2),
+        options=dict(LONG, modes=["async-cont-lookahead"], replay=True),
+        history=(SECTION_LIMIT, (DIARY, "The limit: each side alone"))),
+    Benchmark(
+        "limit-reverse", "Efficiency against the limit on data=reverse",
+        "How close does the pipeline come to its limit on the short long-tailed task (data=reverse), where the "
+        "learner is the slower side?",
+        "efficiency own work async-cont-lookahead+rollout.sync_every=2",
+        Target("efficiency own work async-cont-lookahead+rollout.sync_every=2", ">=", 0.9, over="every seed",
+               min_seeds=3, why=ISSUE21),
+        "~10 min (3 seeds x ~3 min)", "asyncppo.bench.async_sync:run", seeds=(0, 1, 2),
+        options=dict(LONG, preset=["data=reverse"], steps=200, staleness=8, lookahead=3, replay=True,
+                     modes=["async-cont-lookahead+rollout.sync_every=2"], overrides=list(REVERSE)),
+        quick={}, quick_expected="~4 min (seed 0)",
+        history=((DIARY, "`data=reverse` on its own work, and pushes every `s` steps"),)),
+    Benchmark(
+        "occupancy", "Engine occupancy on data=long",
+        "Is the rollout engine kept full over a whole run (data=long, 180 steps)?",
+        "occupancy async-cont-lookahead",
+        Target("occupancy async-cont-lookahead", ">=", 0.9, over="every seed", min_seeds=3, why=ISSUE21),
+        "~30 min (3 seeds x ~10 min)", "asyncppo.bench.async_sync:run", seeds=(0, 1, 2),
+        options=dict(LONG, steps=180, modes=["async-cont-lookahead"]),
+        history=((DIARY, "A 180-step run: the run's drain amortised"),)),
+    Benchmark(
+        "peer", "Against TRL's GRPOTrainer on data=long",
+        "Does asyncppo reach held-out accuracy thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "
+        "TRL's GRPOTrainer at equal training time on data=long?",
+        "conservative speedup, worst threshold",
+        Target("conservative speedup, worst threshold", ">=", 2.0, over="every seed", min_seeds=3,
+               why="issue 48 item 3: >= 2x sooner at the conservative bound, at both thresholds, on all 3 seeds"),
+        "~75 min (3 seeds x ~25 min; trl must be importable)", "asyncppo.bench.peer_long:run", seeds=(0, 1, 2),
+        options=dict(seconds=600.0, points=6, threads=2, skip=[], overrides=[]),
+        history=((DIARY, "`data=long` against TRL's GRPOTrainer: accuracy against time (issue #21 item 5)"),)),
+    Benchmark(
+        "peer-default", "Against TRL and a plain loop on the embedded default",
+        "On the embedded default task at equal training time, does asyncppo's held-out accuracy match TRL's "
+        "GRPOTrainer's (and a plain single-process loop's)?",
+        "sampled asyncppo - trl",
+        Target("sampled asyncppo - trl", ">=", -0.03,
+               why="issue 9: 'accuracy at equal time on par with TRL' (two standard errors of the probe, ~0.015)"),
+        "~6 min (estimate: 100 s launch, then 2 x its training time)", "asyncppo.bench.peer:run",
+        options=dict(seconds=0.0, threads=2, skip=[], profile=False, overrides=[]),
+        history=((DIARY, "Side by side at equal training time"),
+                 (DIARY, "Against the peers: where the time goes, TRL's GRPOTrainer and a plain loop"))),
+    Benchmark(
+        "first-command", "The README's first command",
+        "How long does the README's first command (`asyncppo launch`, the built-in task) take, and does it learn?",
+        "launch wall s",
+        Target("launch wall s", "<=", 300.0, why="the README: the first command learns within 5 minutes"),
+        "~3-4 min", "asyncppo.bench.first_command:run", options=dict(overrides=[]), quick={},
+        quick_expected="~4 min", history=((DIARY, "The embedded default against the 5-minute target"),)),
+    Benchmark(
+        "tool-latency", "Multi-turn episodes behind a slow tool",
+        "Does asynchronous PPO keep its throughput when every tool call of a multi-turn episode takes 200 ms?",
+        "kept async-cont 200 ms",
+        Target("kept async-cont 200 ms", ">=", 0.9, min_seeds=3,
+               why="keep >= 0.9 of the 0 ms rate at 200 ms (diary, 'Latency hiding')"),
+        "~40 min (3 seeds x 4 launches of ~3 min)", "asyncppo.bench.tool_latency:run", seeds=(0, 1, 2),
+        options=dict(steps=60, staleness=16, lookahead=1, modes=["async-cont", "sync"], latencies_ms=[0, 200],
+                     model="", rollout_cpus="1", learner_cpus="0",
+                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
+                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
+        history=((DIARY, "One event loop for every coroutine call"),
+                 (DIARY, "Latency hiding: multi-turn episodes behind a slow tool"))),
+    Benchmark(
+        "transport", "Transport: the trajectory stream against raw ZeroMQ",
+        "What share of raw ZeroMQ's message rate does the trajectory stream (encode, validate, decode) keep?",
+        "rec/raw 8x128",
+        Target("rec/raw 8x128", ">=", 0.9, why="'the record format costs < 10% of the raw rate' (diary, 'Transport')"),
+        "~3 min", "asyncppo.bench.transport:run",
+        options=dict(shapes=["8x128", "8x512", "8x2048", "16x2048", "16x8192"], messages=2000, repeats=3,
+                     prompt_len=128, max_mb_per_run=1024, min_messages=100),
+        quick=dict(shapes=["8x128"]), quick_expected="~15 s", tolerance=0.5,
+        history=((DIARY, "Transport"),)),
+    Benchmark(
+        "weight-sync", "Weight push over gloo", "How long does a weight push over gloo take, against an in-memory copy, "
+        "and how long does a vLLM CPU engine take to load the weights?",
+        "GB/s 100 MB fp32, 16 MiB buckets", None, "~2 min", "asyncppo.bench.weight_sync:run",
+        options=dict(reps=5, mb=100, vllm=True), quick=dict(reps=3, vllm=False), quick_expected="~30 s",
+        history=((DIARY, "Weight sync"),)),
+    Benchmark(
+        "shm-push", "Shared-device weight push: shared memory against gloo",
+        "How much faster is the shared-memory weight path of `--gpus N` than the same push over gloo?",
+        "gloo/shm",
+        Target("gloo/shm", ">=", 1.0, why="the shared-memory path exists to beat gloo between processes on one box"),
+        "~1 min", "asyncppo.bench.shm_push:run", options=dict(mb=200, reps=3),
+        quick=dict(mb=50, reps=2), quick_expected="~10 s", tolerance=0.5,
+        history=((DIARY, "Shared-device weight push: shared memory against gloo"),)),
+    Benchmark(
+        "tp-push", "Tensor-parallel weight push",
+        "How long does a weight push into a vLLM CPU engine take at tensor parallelism 1 and 2, per transfer?",
+        "TP=2 shm 1 call(s) s", None, "~5 min (engine starts: 10-45 s each)", "asyncppo.bench.tp_push:run",
+        options=dict(reps=5, flush_mb=8, tp=[1, 2]), history=((DIARY, "Tensor-parallel weight push"),)),
+    Benchmark(
+        "fanout", "Fan-out: one group per worker against one shared group",
+        "What does pushing over one two-rank group per worker cost against one broadcast over a shared group?",
+        "fanout/shared 2 workers 16 MiB", None, "~2 min", "asyncppo.bench.fanout:run",
+        options=dict(workers=[2, 3], mb=[16, 64], reps=3), quick=dict(workers=[2], mb=[16], reps=2),
+        quick_expected="~30 s", tolerance=1.0,
+        history=((DIARY, "Fan-out: one group per worker against one shared group"),)),
+    Benchmark(
+        "packing", "Packed learner micro-batches",
+        "How much padding is left, and how long does a learner step take, with packed micro-batches on long-tailed "
+        "lengths?",
+        "pad fraction packed-varlen",
+        Target("pad fraction packed-varlen", "<=", 0.05, why="issue 21 item 3: padded-token fraction <= 5%"),
+        "~3 min", "asyncppo.bench.packing:run",
+        options=dict(device="cpu", groups=8, n=8, mean=150.0, max=1024, tokens=4096, micro=8, hidden=256, layers=4,
+                     heads=4, steps=3, flex=False),
+        quick=dict(hidden=64, layers=1, heads=2, steps=1), quick_expected="~1 min",
+        history=((DIARY, "Packed learner micro-batches"),)),
+    Benchmark(
+        "embodied", "Embodied PPO: CartPole-v1",
+        "Does embodied PPO through the launcher reach CartPole-v1's return of 475 within 100k environment steps, "
+        "and how fast against a single-process loop?",
+        "best return within 100000 env steps async k=1, 1 worker(s)",
+        Target("best return within 100000 env steps async k=1, 1 worker(s)", ">=", 475.0, over="every seed",
+               why="CartPole-v1's solved return (rl-zoo's tuned PPO: 500 at 100k steps)"),
+        "~15 min (launch ~9 min, reference loop ~5 min)", "asyncppo.bench.embodied:run",
+        options=dict(preset=["env=cartpole"], ks=[1], workers=1, reference=True, target_return=475.0,
+                     budget_steps=100000, overrides=[]),
+        history=((DIARY, "CartPole-v1: return >= 475 within 100k steps (met)"), (DIARY, "Embodied PPO (gymnasium)"))),
+    Benchmark(
+        "lora", "LoRA against full fine-tuning",
+        "At equal steps, how close does LoRA (rank 8) come to full fine-tuning's held-out accuracy on the built-in "
+        "task?",
+        "greedy lora-2e-3 - full",
+        Target("greedy lora-2e-3 - full", ">=", -0.02,
+               why="the stated margin (diary, 'LoRA against full fine-tuning'): greedy within 0.02 of full "
+               "fine-tuning after 160 steps (and sampled within 0.10, kept as a figure)"),
+        "~30 min (estimate: 2 variants x 160 steps in parallel)", "asyncppo.bench.lora:run",
+        options=dict(variants=["full", "lora-2e-3"], steps=160, eval_every=40, parallel=2, overrides=[]),
+        history=((DIARY, "LoRA against full fine-tuning"),)),
+    Benchmark(
+        "advisor", "Advisor: predicted against measured",
+        "How close is the advisor's predicted throughput to real runs, predicted from one calibration run?",
+        "worst calibrated error",
+        Target("worst calibrated error", "<=", 0.20, why="the validation's own stated target (it printed 'target: within 20%')"),
+        "~8 min (4 launches)", "asyncppo.bench.advisor_check:run",
+        options=dict(steps=40, skip=5, reuse="", overrides=[]), quick={}, quick_expected="~8 min",
+        tolerance=1.0, history=((DIARY, "Advisor: predicted against measured"),)),
+    Benchmark(
+        "fault-drill", "The fault drill",
+        "Does a run recover from a killed worker, a hung worker, a worker stopped mid-push, a killed learner and "
+        "dropped connections, and finish with every step trained?",
+        "drill passed",
+        Target("drill passed", ">=", 1.0, over="every seed",
+               why="docs/reliability.md: every fault recovers and every end check holds"),
+        "~5 min (274-327 s measured)", "asyncppo.bench.fault_drill:run",
+        options=dict(steps=150, staleness=1, recover_s=300.0, overrides=[]), quick={}, quick_expected="~5 min",
+        history=(("reliability.md", "The fault drill"),)),
+)
+
+REGISTRY: dict[str, Benchmark] = {b.name: b for b in BENCHMARKS}
+
+
+def get(name: str) -> Benchmark:
+    if name not in REGISTRY:
+        raise KeyError(f"no benchmark {name!r}; known: {', '.join(REGISTRY)}")
+    return REGISTRY[name]
+
+
+def format_list() -> str:
+    """The table ``asyncppo bench --list`` prints: per benchmark its name, expected time on 2 cores, default seeds
+    and question, and under it the target."""
+    head = ("name", "2 cores", "seeds")
+    rows = [(b.name + (" (quick)" if b.quick is not None else ""), b.expected.split(" (")[0],
+             ",".join(map(str, b.seeds))) for b in BENCHMARKS]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(3)]
+    out = ["  ".join(c.ljust(w) for c, w in zip(head, widths)) + "  question / target"]
+    for b, row in zip(BENCHMARKS, rows):
+        out.append("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + b.question)
+        target = b.target.describe() if b.target else "none (measures a cost)"
+        out.append(" " * (sum(widths) + 6) + "  target: " + target)
+    out.append("(quick): part of `asyncppo bench --quick`; expected times are the default run's, all seeds")
+    return "\n".join(out)
