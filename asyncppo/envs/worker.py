@@ -39,6 +39,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.models.actor_critic import ActorCritic
 from asyncppo.envs.segments import SegmentBuilder
 from asyncppo.envs.spaces import EnvError, describe_env, make_vector_env
+from asyncppo.rollout.meter import LinkCounters
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
@@ -61,6 +62,7 @@ class EnvWorker(WorkerSkeleton):
         self.device = torch.device(device)
         self.version = -1  # no weights yet: the learner pushes version 0 before any ticket can be served
         self.stats = {"segments_sent": 0, "env_steps": 0, "episodes": 0, "weight_loads": 0, "env_errors": 0}
+        self.links = LinkCounters(self)  # the clients' re-created sockets, reported with each segment
         self._ticket = None
         self._errors_in_row = 0
 
@@ -200,6 +202,7 @@ class EnvWorker(WorkerSkeleton):
         self.builder.restart(self._new_env(self._seed + 7919 * self.stats["env_errors"]))
 
     def _send(self, segment) -> None:
+        segment.timings.update(self.links.take())
         frame = encode_segment(segment)
         phase, self.phase = self.phase, "sending"  # the learner not taking a segment is not this worker's hang
         sent = self._send_until_sent(lambda: self.sender.send_encoded(frame, timeout_s=1.0))

@@ -37,6 +37,7 @@ from asyncppo.learner.embodied_checkpoint import load_embodied, resolve_embodied
 from asyncppo.learner.embodied_update import EmbodiedPPO
 from asyncppo.metrics import BusyMeter, RateMeter
 from asyncppo.models.actor_critic import ActorCritic
+from asyncppo.stream.redial import RECONNECT_KEYS
 from asyncppo.stream.validate import SegmentDoor
 
 log = logging.getLogger("asyncppo.learner")
@@ -140,6 +141,8 @@ class EmbodiedWorkload:
             "rollout/inflight_updates": float(sum(s.timings.get("weight_loads", 0.0) for s in segments)),
             # the environment raised in step and was made again (envs/worker.py): segments re-collected
             "env/errors": float(sum(s.timings.get("env_errors", 0.0) for s in segments)),
+            # sockets the workers' admission clients / control subscribers re-created (stream/redial.py)
+            **{f"rollout/{key}": float(sum(s.timings.get(key, 0.0) for s in segments)) for key in RECONNECT_KEYS},
             "staleness/version_spread_max": buffer_stats.get("version_spread_max", 0),
             "buffer/size": buffer_stats.get("size", 0),
             "buffer/dropped_stale": buffer_stats.get("dropped_stale", 0),

@@ -11,6 +11,8 @@ import random
 import statistics
 from typing import Iterable
 
+from asyncppo.stream.redial import RECONNECT_KEYS
+
 
 def token_lag_stats(learner_version: int, groups: Iterable) -> dict[str, float]:
     """``staleness/token_mean``: lag ``learner_version - token_version`` averaged over every response token (a
@@ -151,6 +153,8 @@ class EngineTotals:
             "rollout/step_gap_s": gap / steps if steps else 0.0,
             "rollout/inflight_updates": float(inflight),
             **{f"rollout/{key}": seconds for key, seconds in waits.items()},  # WAIT_KEYS
+            # sockets the workers' admission clients / control subscribers re-created (stream/redial.py)
+            **{f"rollout/{key}": float(sum(g.timings.get(key, 0.0) for g in groups)) for key in RECONNECT_KEYS},
             "sync/push_s": max(pushes, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),

@@ -1,4 +1,5 @@
-"""What a rollout engine did between two groups sent: busy and idle seconds, decode steps, occupancy, pushes.
+"""What a rollout engine did between two groups sent: busy and idle seconds, decode steps, occupancy, pushes; and
+what its worker's clients did (sockets re-created: :class:`LinkCounters`).
 
 The meter rides on the groups (rollout/groups.py): each group's timings carry what the engine did since the previous
 group was sent, so sums over any set of groups are exact totals (the learner's throughput, busy fractions, engine
@@ -8,6 +9,8 @@ occupancy and push latency are computed from them).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from asyncppo.stream.redial import RECONNECT_KEYS
 
 
 @dataclass
@@ -39,4 +42,30 @@ class EngineMeter:
         self.busy_s, self.gap_s, self.steps, self.running_sum, self.inflight_updates = 0.0, 0.0, 0, 0, 0
         self.push_s = []
         self.idle_s, self.unfilled_s = dict.fromkeys(self.idle_s, 0.0), dict.fromkeys(self.unfilled_s, 0.0)
+        return out
+
+
+class LinkCounters:
+    """Sockets the worker's admission client and control subscriber re-created (``reconnects``,
+    :mod:`asyncppo.stream.redial`) since the last record sent, under :data:`~asyncppo.stream.redial.RECONNECT_KEYS`;
+    the worker adds them to each group's (or segment's) timings, so the learner's per-step sums over workers are
+    exact. Reads the clients the worker holds at each call: when a restarted learner made it open new ones, the old
+    ones' last counts are still taken, and the new ones count from zero. What comes after the last record sent is
+    not reported."""
+
+    _CLIENTS = dict(zip(RECONNECT_KEYS, ("admission", "control")))
+
+    def __init__(self, worker):
+        self._worker = worker
+        self._last: dict[str, tuple[object, int]] = {}  # key -> (the client read last, its count then)
+
+    def take(self) -> dict[str, float]:
+        out = {}
+        for key, attr in self._CLIENTS.items():
+            client = getattr(self._worker, attr, None)
+            now = int(getattr(client, "reconnects", 0))
+            old, seen = self._last.get(key, (client, 0))
+            # a replaced client: what the old one counted since the last take, plus all of the new one's
+            out[key] = float(now - seen if old is client else getattr(old, "reconnects", seen) - seen + now)
+            self._last[key] = (client, now)
         return out

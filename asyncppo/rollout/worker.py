@@ -36,7 +36,7 @@ from asyncppo.rollout.engine import SamplingSpec, warm_up, warm_up_prompt
 from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.evaluation import build_eval_runner
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
-from asyncppo.rollout.meter import EngineMeter
+from asyncppo.rollout.meter import EngineMeter, LinkCounters
 from asyncppo.rollout.skeleton import WorkerSkeleton
 from asyncppo.staleness.order import take_startable
 from asyncppo.stream.endpoints import Endpoints
@@ -61,6 +61,7 @@ class RolloutWorker(WorkerSkeleton):
         self.stats = {"groups_sent": 0, "samples": 0, "reward_failures": 0, "weight_loads": 0, "gen_tokens": 0,
                       "inflight_updates": 0}
         self.meter = EngineMeter()
+        self.links = LinkCounters(self)  # the clients' re-created sockets, reported with each group
         self._in_flight: dict[str, InFlight] = {}
         self._draining = False  # weights are waiting for the sequences in flight to finish
         self._step_ended: float | None = None  # when the last decode step ended, while the engine held sequences
@@ -341,6 +342,7 @@ class RolloutWorker(WorkerSkeleton):
         self.stats["eval_rounds"] = self.stats.get("eval_rounds", 0) + 1
 
     def _send(self, group) -> None:
+        group.timings.update(self.links.take())
         phase, self.phase = self.phase, "sending"  # the learner not taking a group is not this worker's hang
         if self._send_until_sent(lambda: self.sender.send(group, timeout_s=1.0)):
             self.stats["groups_sent"] += 1

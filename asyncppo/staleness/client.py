@@ -5,29 +5,47 @@ grant that arrives after its request was given up is sent back at once, so no ti
 
 A reply over MAXMSGSIZE makes libzmq drop the connection for good (a protocol error, never reconnected), and every
 later request went to nobody. The socket is owned by a :class:`~asyncppo.stream.redial.Redialer`, which re-creates it
-(same address and keys, counted in ``reconnects``); the requests still unanswered are then asked again on the new
-connection, since the server answers the old one's into the void (it releases what it cannot deliver). A grant lost
-with the broken frame, or held from the old connection, stays with the old connection on the server: it can no
-longer be released from here (the server takes releases only from the holder), only delivered as a group.
+(same address and keys, counted in ``reconnects``). The new connection then *reattaches* (the server's module
+docstring states the rule): every socket gets a routing id of its own, ``asyncppo-w<worker>-`` and 16 random bytes
+(``ZMQ_ROUTING_ID``), and the first message on a new socket is ``reattach`` naming the previous one's, which only
+this client and the server know; the server moves the old connection's grants and parked requests to the new one
+and re-sends each grant as ``held``. Then the requests still unanswered are asked again (the server skips those it
+has moved; asked in case the reattach was refused). A ``held`` grant is sorted by what this client knows of it:
+
+* its request is still open (or is the one a blocking ``acquire`` waits for): the grant was lost with the old
+  connection; it is taken like any grant (counted in ``redelivered``);
+* its request was given up (a timed-out ``acquire``'s cancel crossed the grant), or the ticket was given back since
+  this client last received it (that release may have been lost with the old connection): given back (again);
+* otherwise this client received it and holds it (or has sent its group): ignored.
+
+Without the reattach, a grant lost in the broken frame or held from the old connection stayed with that connection
+on the server (a release is taken only from the holder): it was never used, and it stalled the learner, which
+trains tickets in order, until the worker was retired.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
+import secrets
 import time
 from typing import Optional
 
 import zmq
 
 from asyncppo.staleness.controller import Ticket
-from asyncppo.staleness.tickets import MAX_REPLY_INT, MAXMSGSIZE, REPLY_SPEC
+from asyncppo.staleness.tickets import MAX_REPLY_INT, MAXMSGSIZE, REPLY_SPEC, ROUTING_SECRET_BYTES
 from asyncppo.stream.errors import REASONS, WireError
 from asyncppo.stream.framing import decode_message, encode_message
 from asyncppo.stream.redial import Redialer, RedialingClient
 from asyncppo.stream.security import CurveKeys, apply_client
 
 log = logging.getLogger(__name__)
+
+#: How many given-up requests and given-back tickets a client remembers, to sort ``held`` grants (module
+#: docstring). Both are rare (a timed-out acquire, a duplicate or late grant); the oldest are forgotten first.
+_MEMORY = 4096
 
 
 class AdmissionClient(RedialingClient):
@@ -39,23 +57,36 @@ class AdmissionClient(RedialingClient):
                  curve: Optional[CurveKeys] = None):
         self.worker_id = int(worker_id)
         ctx = context if context is not None else zmq.Context.instance()
+        # this socket's routing id and the previous one's, and whether the server knows them (an acquire or a
+        # reattach was sent on them): a reattach names the previous one only then (module docstring)
+        self._rid: Optional[bytes] = None
+        self._prev_rid: Optional[bytes] = None
+        self._known = self._prev_known = False
 
         def make() -> zmq.Socket:
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 200)
             sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
+            rid = f"asyncppo-w{self.worker_id}-".encode() + secrets.token_bytes(ROUTING_SECRET_BYTES)
+            sock.setsockopt(zmq.ROUTING_ID, rid)
             apply_client(sock, curve)
+            self._prev_rid, self._rid = self._rid, rid
+            self._prev_known, self._known = self._known, False
             return sock
 
         self._req = 0
         self._open: set[int] = set()  # requests sent with request() and not yet answered
         self._waiting: Optional[int] = None  # the request a blocking acquire() waits for
+        self._abandoned: collections.OrderedDict[int, None] = collections.OrderedDict()  # requests given up
+        self._gave_back: collections.OrderedDict[int, None] = collections.OrderedDict()  # tickets given back last
         self._redial = Redialer(make, address, f"admission client of worker {self.worker_id}",
                                 on_redial=self._ask_again)
         self.stopped = False
         self.rejected: dict[str, int] = {r: 0 for r in REASONS}
         self._early: list[Ticket] = []  # grants for request() that a blocking acquire() read first
         self.returned = 0  # grants that arrived after their request was given up, and were released
+        self.reattaches = 0  # reattach messages sent after a re-created socket
+        self.redelivered = 0  # grants lost with an old connection and taken after the reattach
 
     def acquire(self, timeout_s: Optional[float] = None) -> Optional[Ticket]:
         """Block (sleeping in ``poll``) until the server grants a ticket. None when the server says stop or
@@ -65,7 +96,7 @@ class AdmissionClient(RedialingClient):
         self._req += 1
         req = self._req
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        if not self._send_within(encode_message("acquire", worker_id=self.worker_id, req=req, count=1), deadline):
+        if not self._send_acquire(req, 1, deadline):
             return None
         self._waiting = req  # asked again if the connection is re-created while we wait
         try:
@@ -78,6 +109,7 @@ class AdmissionClient(RedialingClient):
             left_ms = 1000 if deadline is None else int((deadline - time.monotonic()) * 1000)
             if left_ms <= 0:
                 self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
+                _remember(self._abandoned, req)
                 return None
             if not self._redial.poll(min(left_ms, 1000)):
                 continue
@@ -106,21 +138,35 @@ class AdmissionClient(RedialingClient):
             return
         first = self._req + 1
         self._req += count
-        self._send_within(encode_message("acquire", worker_id=self.worker_id, req=first, count=count), None)
+        self._send_acquire(first, count, None)
         self._open.update(range(first, first + count))  # after the send: a redial during it asks only the older
 
+    def _send_acquire(self, first: int, count: int, deadline: Optional[float]) -> bool:
+        sent = self._send_within(encode_message("acquire", worker_id=self.worker_id, req=first, count=count),
+                                 deadline)
+        self._known |= sent  # the server knows this connection now: a later socket may reattach to it
+        return sent
+
     def _ask_again(self) -> None:
-        """The socket was re-created: ask again, on the new connection, for every request still unanswered (the
-        server answers the old connection's into the void and releases them). A grant that arrives twice for one
-        request is given back like any grant nobody waits for."""
+        """The socket was re-created: reattach to the previous connection (module docstring), then ask again, on
+        the new connection, for every request still unanswered (the server skips those it moved over with the
+        reattach; a grant that still arrives twice for one request is given back like any grant nobody waits
+        for)."""
+        reattach = self._prev_known and self._prev_rid is not None
+        msgs = [encode_message("reattach", worker_id=self.worker_id, previous=self._prev_rid)] if reattach else []
         reqs = sorted(self._open | ({self._waiting} if self._waiting is not None else set()))
-        for first, count in _runs(reqs):
+        msgs += [encode_message("acquire", worker_id=self.worker_id, req=first, count=count)
+                 for first, count in _runs(reqs)]
+        for i, msg in enumerate(msgs):
             try:  # the new socket queues until it connects (never blocks: we are inside a wait)
-                self._sock.send(encode_message("acquire", worker_id=self.worker_id, req=first, count=count),
-                                zmq.NOBLOCK)
+                self._sock.send(msg, zmq.NOBLOCK)
             except zmq.Again:
-                log.warning("admission client of worker %d: could not ask again for requests %d..%d",
-                            self.worker_id, first, first + count - 1)
+                log.warning("admission client of worker %d: could not reattach or ask again (%d messages lost)",
+                            self.worker_id, len(msgs) - i)
+                return
+            self._known = True  # the server knows this connection once it reads either message
+            if i == 0 and reattach:
+                self.reattaches += 1
 
     @property
     def open_requests(self) -> int:
@@ -162,7 +208,7 @@ class AdmissionClient(RedialingClient):
                 return None
             try:
                 kind, f = decode_message(payload, REPLY_SPEC, max_bytes=MAXMSGSIZE)
-                if not 0 < f["req"] <= self._req or (kind == "ticket" and not (
+                if not 0 < f["req"] <= self._req or (kind != "stop" and not (
                         0 <= f["index"] < MAX_REPLY_INT and 0 <= f["min_version"] < MAX_REPLY_INT)):
                     raise WireError("schema", f"{kind} reply out of range: {f} (requests sent: {self._req})")
             except WireError as e:
@@ -170,10 +216,27 @@ class AdmissionClient(RedialingClient):
                 log.warning("rejected admission reply: %s", e)
                 continue
             self._redial.healthy()
-            return kind, f
+            if kind == "stop":
+                return kind, f
+            wanted = f["req"] in self._open or f["req"] == self._waiting
+            if kind == "held":  # re-sent after a reattach (module docstring)
+                if wanted:
+                    self.redelivered += 1
+                elif f["req"] in self._abandoned or f["index"] in self._gave_back:
+                    self._abandoned.pop(f["req"], None)
+                    self._give_back(f["index"])
+                    continue
+                else:
+                    continue  # received on the old connection and held (or its group sent): nothing to do
+            if wanted:
+                self._gave_back.pop(f["index"], None)  # ours again: a later ``held`` of it is not a lost release
+            else:
+                self._abandoned.pop(f["req"], None)  # the caller gives it back
+            return "ticket", f
 
     def _give_back(self, index: int) -> None:
         self._send_nowait(encode_message("release", worker_id=self.worker_id, index=index))
+        _remember(self._gave_back, index)
         self.returned += 1
 
     def _send_within(self, msg: bytes, deadline: Optional[float]) -> bool:
@@ -207,6 +270,7 @@ class AdmissionClient(RedialingClient):
             return
         for req in sorted(self._open):
             self._send_nowait(encode_message("cancel", worker_id=self.worker_id, req=req))
+            _remember(self._abandoned, req)
         self._open.clear()
         for ticket in self._early:
             self._give_back(ticket.index)
@@ -218,6 +282,14 @@ class AdmissionClient(RedialingClient):
             if reply[0] == "ticket":
                 self._give_back(reply[1]["index"])
         self._redial.close()
+
+
+def _remember(memory: collections.OrderedDict, key: int) -> None:
+    """Note ``key`` as the newest entry of a bounded memory (``_MEMORY``), forgetting the oldest beyond it."""
+    memory[key] = None
+    memory.move_to_end(key)
+    while len(memory) > _MEMORY:
+        memory.popitem(last=False)
 
 
 def _runs(reqs: list[int]) -> list[tuple[int, int]]:

@@ -27,11 +27,39 @@ tickets held (:mod:`asyncppo.staleness.fairness`), so one engine with a large ``
 window while another idles; ``fair_tickets=False`` keeps arrival order, for comparison. The pending queue is bounded
 per connection and in total, and requests beyond those bounds are refused and counted. Nothing a peer sends raises:
 every refusal is a count in ``rejected``. Replies are range-checked on the client too.
+
+Reattach: what a re-created client socket takes over. A client whose connection libzmq gave up (a frame over its
+size limit or broken on the link: :mod:`asyncppo.stream.redial`) makes a new socket, and so a new connection with a
+new identity; the grants and parked requests of the old one stayed recorded against it, so a grant lost with the
+broken frame was never used, never released (only its holder may) and stalled the learner, which trains tickets in
+order, until the worker was retired. So each client names its connections itself: a routing id of a readable prefix
+and 16 random bytes (``ZMQ_ROUTING_ID``, new for every socket), which only the client and this server see (the
+handshake carries it: encrypted under CURVE; without CURVE whoever reads the link reads it, as it reads everything
+else, docs/security.md). The rule:
+
+* a ``reattach`` from connection N naming connection O (``previous``) is taken only when O is a connection this
+  server knows (it asked for tickets, or was reattached to), O is not N, and O and N (if N is known) belong to the
+  ``worker_id`` the message names. Knowing O's routing id is the proof: a worker id is public (it is in every group
+  id), the id's random bytes are not, so another peer naming a worker's id, or a made-up or stale identity, gets
+  nothing; it is refused and counted in ``rejected["reattach"]``, like every bad message;
+* taken, every grant and parked request of O is moved to N (holding counts and fair-share turn with them), O is
+  forgotten (a second reattach naming it is refused), a message still arriving over O counts as N's, and every grant
+  N now holds from O is re-sent as a ``held`` reply with its request number: the client takes the ones it never
+  received, ignores the ones it holds and gives back the ones it had given up (tickets.py, client.py);
+* an ``acquire`` of a request its connection already has parked or granted is not parked twice (the client asks
+  again for its open requests after the reattach, in case it was refused).
+
+The server lets a connection's routing id be taken over by a new connection (``ROUTER_HANDOVER``): a client's
+ordinary reconnect, which libzmq makes itself under the same routing id, is then served at once even while the dead
+connection is not yet noticed, and with its grants (nothing moves: the identity is the same). Routing ids are never
+logged whole (:func:`_label`). Beyond ``max_known_peers`` known connections, the oldest that hold and park nothing
+are forgotten (a reattach naming one is then refused; nothing is lost with it); one with tickets never is.
 """
 
 from __future__ import annotations
 
 import collections
+import hashlib
 import logging
 import os
 import threading
@@ -42,7 +70,8 @@ import zmq
 
 from asyncppo.staleness.controller import AdmissionController
 from asyncppo.staleness.fairness import HoldingClock, next_holder, startup_cap
-from asyncppo.staleness.tickets import ADMISSION_REASONS, MAXMSGSIZE, REQUEST_SPEC
+from asyncppo.staleness.tickets import (ADMISSION_REASONS, MAX_ROUTING_ID, MAXMSGSIZE, REQUEST_SPEC,
+                                        ROUTING_SECRET_BYTES)
 from asyncppo.stream.endpoints import bind_socket
 from asyncppo.stream.errors import REASONS, WireError
 from asyncppo.stream.framing import decode_message, encode_message
@@ -56,6 +85,15 @@ class _Grant:
     identity: bytes
     worker_id: int
     min_version: int
+    req: int  # the request it answered, re-sent with it after a reattach
+
+
+def _label(identity: bytes) -> str:
+    """A connection as logs name it: a client's routing id ends in random bytes that prove a reattach (module
+    docstring), so only its prefix and a short hash are shown."""
+    if len(identity) <= ROUTING_SECRET_BYTES:  # not one of our clients' (libzmq's own ids are 5 bytes)
+        return repr(identity)
+    return f"{identity[:-ROUTING_SECRET_BYTES]!r}#{hashlib.blake2b(identity, digest_size=4).hexdigest()}"
 
 
 class AdmissionServer:
@@ -72,12 +110,14 @@ class AdmissionServer:
         curve: Optional[CurveKeys] = None,
         fair_tickets: bool = True,
         expected_workers: Optional[int] = None,
+        max_known_peers: int = 4096,
     ):
         self.controller = controller
         self._ctx = context if context is not None else zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a reconnect under the same routing id (module docstring)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAXMSGSIZE)
         self._security = ServerSecurity(curve)
         self._security.apply(self._sock)
@@ -96,6 +136,14 @@ class AdmissionServer:
         self._lock = threading.Lock()  # grants/held: the server thread writes, the learner's feeder claims
         self._grants: dict[int, _Grant] = {}  # granted, not yet delivered as a group, not released
         self._held: collections.Counter[bytes] = collections.Counter()
+        self._reqs: dict[bytes, dict[int, int]] = {}  # connection -> {request: ticket index} of its grants
+        # connections that asked (or were reattached to) -> the worker id they asked as; only these may be named by
+        # a reattach. Bounded: beyond max_known_peers the oldest holding and parking nothing are forgotten.
+        self._known: collections.OrderedDict[bytes, int] = collections.OrderedDict()
+        self.max_known_peers = max(1, int(max_known_peers))
+        self._moved: collections.OrderedDict[bytes, bytes] = collections.OrderedDict()  # reattached: old -> new
+        self.reattached = 0  # reattaches taken
+        self.resent = 0  # grants re-sent after a reattach
         self.rejected: dict[str, int] = {r: 0 for r in REASONS + ADMISSION_REASONS}
         self.undeliverable = 0
         self.granted_by_worker: collections.Counter[int] = collections.Counter()
@@ -157,18 +205,24 @@ class AdmissionServer:
             identity, payload = frames
             try:
                 kind, f = decode_message(payload, REQUEST_SPEC, max_bytes=4096)
+                if kind == "reattach" and not 0 < len(f["previous"]) <= MAX_ROUTING_ID:
+                    raise WireError("schema", f"reattach: previous routing id of {len(f['previous'])} bytes")
             except WireError as e:
                 self._reject(e)
                 continue
+            identity = self._moved.get(identity, identity)  # a late message of a connection reattached since
             try:
                 self._dispatch(identity, kind, f)
             except Exception as e:  # a request that passed its checks and still broke its handler: refused and
-                log.exception("admission request %s from %r failed", kind, identity)  # counted; the server lives on
+                log.exception("admission request %s from %s failed", kind, _label(identity))  # counted; lives on
                 self._reject(WireError("malformed", f"{kind}: {type(e).__name__}: {e}"))
 
     def _dispatch(self, identity: bytes, kind: str, f: dict) -> None:
         if kind == "acquire":
+            self._know(identity, f["worker_id"])
             self._park(identity, f["worker_id"], f["req"], f["count"])
+        elif kind == "reattach":
+            self._reattach(identity, f["worker_id"], f["previous"])
         elif kind == "cancel":
             self._pending = collections.deque(
                 p for p in self._pending if not (p[0] == identity and p[2] == f["req"])
@@ -177,7 +231,7 @@ class AdmissionServer:
             with self._lock:
                 g = self._grants.get(f["index"])
                 if g is None or g.identity != identity:
-                    self._count("not_holder", f"release of ticket {f['index']} by {identity!r}")
+                    self._count("not_holder", f"release of ticket {f['index']} by {_label(identity)}")
                     return
                 self._forget_locked(f["index"])
             self.controller.release(f["index"])
@@ -185,17 +239,26 @@ class AdmissionServer:
     def _park(self, identity: bytes, worker: int, first: int, count: int) -> None:
         """Park requests ``first .. first + count - 1`` of one connection, as far as ``max_pending`` and the
         per-connection limit allow; the rest are refused and counted as ``pending_full`` (a well-behaved worker asks
-        for its free engine slots, far below both limits: only a flood reaches them)."""
+        for its free engine slots, far below both limits: only a flood reaches them). A request the connection has
+        parked or granted already (asked again after a reattach) is skipped."""
         if count < 1:
-            self._count("schema", f"acquire from {identity!r}: count {count} < 1")
+            self._count("schema", f"acquire from {_label(identity)}: count {count} < 1")
             return
-        mine = sum(1 for p in self._pending if p[0] == identity)
-        room = min(self.max_pending - len(self._pending), self._peer_limit() - mine)
-        if room < count:
-            self._count("pending_full", f"acquire of {count} from {identity!r}: {mine} pending from it, "
+        mine = {p[2] for p in self._pending if p[0] == identity}
+        with self._lock:
+            known = mine | set(self._reqs.get(identity, ()))
+        dup = {r for r in known if first <= r < first + count}
+        new = count - len(dup)
+        room = min(self.max_pending - len(self._pending), self._peer_limit() - len(mine))
+        if room < new:
+            self._count("pending_full", f"acquire of {count} from {_label(identity)}: {len(mine)} pending from it, "
                                         f"{len(self._pending)} in all")
-        for req in range(first, first + max(0, min(room, count))):
-            self._pending.append((identity, worker, req))
+        placed, req = 0, first
+        while placed < min(room, new):  # at most room + len(dup) passes
+            if req not in dup:
+                self._pending.append((identity, worker, req))
+                placed += 1
+            req += 1
         if room > 0:
             self.holding.seen(worker)
             self._asked.add(worker)
@@ -209,7 +272,65 @@ class AdmissionServer:
         self._held[g.identity] -= 1
         if self._held[g.identity] <= 0:
             del self._held[g.identity]
+        reqs = self._reqs.get(g.identity)
+        if reqs is not None:
+            reqs.pop(g.req, None)
+            if not reqs:
+                del self._reqs[g.identity]
         return g
+
+    # ------------------------------------------------------------------------------------------ reattach
+    def _know(self, identity: bytes, worker: int) -> None:
+        """Remember a connection that asked as ``worker`` (the first worker id it named), for a later reattach."""
+        if identity not in self._known:
+            self._known[identity] = worker
+            self._trim_known()
+
+    def _trim_known(self) -> None:
+        """Forget the oldest known connections beyond ``max_known_peers`` that hold and park nothing (a connection
+        with tickets is never forgotten: its owner may need to reattach to them)."""
+        excess = len(self._known) - self.max_known_peers
+        if excess <= 0:
+            return
+        busy = {p[0] for p in self._pending}
+        with self._lock:
+            busy |= set(self._held)
+        for identity in [i for i in self._known if i not in busy][:excess]:
+            del self._known[identity]
+
+    def _reattach(self, identity: bytes, worker: int, previous: bytes) -> None:
+        """Move every grant and parked request of connection ``previous`` to ``identity`` and re-send the grants
+        (module docstring, "Reattach"); refused and counted unless the rule there holds."""
+        owner = self._known.get(previous)
+        if previous == identity or owner is None or owner != worker or self._known.get(identity, worker) != worker:
+            self._count("reattach", f"reattach of {_label(identity)} as worker {worker} naming {_label(previous)}: "
+                                    f"{'unknown connection' if owner is None else 'not that worker connection'}")
+            return
+        del self._known[previous]
+        self._known[identity] = worker
+        self._moved[previous] = identity
+        for old in [o for o, new in self._moved.items() if new == previous]:
+            self._moved[old] = identity  # a chain of reattaches: every older connection is the newest's
+        while len(self._moved) > self.max_known_peers:
+            self._moved.popitem(last=False)
+        self._pending = collections.deque((identity if p[0] == previous else p[0], p[1], p[2]) for p in self._pending)
+        with self._lock:
+            resend = sorted(((i, g) for i, g in self._grants.items() if g.identity == previous), key=lambda x: x[1].req)
+            for _, g in resend:
+                g.identity = identity
+            if previous in self._held:
+                self._held[identity] += self._held.pop(previous)
+            moved = self._reqs.pop(previous, {})
+            if moved:
+                self._reqs.setdefault(identity, {}).update(moved)
+        if previous in self._last_served:
+            self._last_served[identity] = max(self._last_served.pop(previous), self._last_served.get(identity, -1))
+        self.reattached += 1
+        log.info("admission: worker %d reattached %s to %s; re-sending %d grants", worker, _label(previous),
+                 _label(identity), len(resend))
+        for index, g in resend:  # kept if undeliverable: the worker may hold it (its group may be on the way)
+            if self._send(identity, encode_message("held", req=g.req, index=index, min_version=g.min_version)):
+                self.resent += 1
 
     def _serve_pending(self) -> None:
         """Answer parked requests: each free ticket to the waiting connection holding fewest (``fair``, see
@@ -254,8 +375,9 @@ class AdmissionServer:
 
     def _grant(self, identity: bytes, worker: int, req: int, ticket) -> None:
         with self._lock:
-            self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version)
+            self._grants[ticket.index] = _Grant(identity, worker, ticket.min_version, req)
             self._held[identity] += 1
+            self._reqs.setdefault(identity, {})[req] = ticket.index
             self.holding.add(worker, +1)
         msg = encode_message("ticket", req=req, index=ticket.index, min_version=ticket.min_version)
         if self._send(identity, msg):
@@ -307,6 +429,8 @@ class AdmissionServer:
             worker_id, done, box = self._retiring.popleft()
             self._pending = collections.deque(p for p in self._pending if p[1] != worker_id)
             box.extend(i for i in self.held_by(worker_id) if self.forfeit(i, worker_id))
+            for identity in [i for i, w in self._known.items() if w == worker_id]:
+                del self._known[identity]  # the dead worker's connections: nothing left to reattach to
             done.set()
 
     def held_by(self, worker_id: int) -> list[int]:
@@ -320,7 +444,7 @@ class AdmissionServer:
             return True
         except zmq.ZMQError as e:  # EHOSTUNREACH (peer gone) or EAGAIN (peer not reading)
             self.undeliverable += 1
-            log.warning("admission reply to %r undeliverable: %s", identity, e)
+            log.warning("admission reply to %s undeliverable: %s", _label(identity), e)
             return False
 
     def _reject(self, err: WireError) -> None:

@@ -43,6 +43,11 @@ _UP = zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_HANDSHAKE_SUCCEEDED
 
 _names = itertools.count()
 
+#: How a rollout worker reports its clients' re-created sockets: deltas of their ``reconnects`` since its previous
+#: group (or segment), in that record's timings under these keys (rollout/meter.py, ``LinkCounters``); the learner
+#: logs their sums over a step's records as ``rollout/<key>`` (docs/staleness.md, "What to watch").
+RECONNECT_KEYS = ("reconnects_admission", "reconnects_control")
+
 
 class Redialer:
     """Owns one connecting socket and re-creates it when libzmq has given its connection up (see the module).

@@ -5,10 +5,13 @@ Before: one control frame over 64 KiB, or one admission reply over 4 KiB, made l
 (a protocol error: libzmq never reconnects those), so the worker read its old control state for the rest of the
 run, and its next ticket request reached nobody; ``AdmissionClient.close()`` stopped at a malformed reply and never
 gave back the grant queued behind it; and the learner logged (or, with several workers, held open until the end)
-evaluation rounds of points the schedule never evaluates."""
+evaluation rounds of points the schedule never evaluates. The tests after "Reattach" below: a grant lost with the
+broken connection, or held from it, stayed with that connection on the server; and the workers' metrics did not
+show the reconnects."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from types import SimpleNamespace
 from typing import Optional
@@ -17,8 +20,10 @@ import msgpack
 import pytest
 import zmq
 
-from asyncppo.staleness import AdmissionClient
-from asyncppo.staleness.tickets import MAXMSGSIZE, REQUEST_SPEC
+from asyncppo.metrics.rollout import EngineTotals
+from asyncppo.rollout.meter import LinkCounters
+from asyncppo.staleness import AdmissionClient, AdmissionController, AdmissionServer
+from asyncppo.staleness.tickets import MAXMSGSIZE, REPLY_SPEC, REQUEST_SPEC
 from asyncppo.stream.channels import SMALL_MAXMSGSIZE, ControlSubscriber
 from asyncppo.stream.framing import MESSAGE_SCHEMA, decode_message, encode_message
 
@@ -145,9 +150,12 @@ def test_an_admission_reply_over_the_limit_does_not_cut_the_worker_off(admission
     identity, kind, f = server.next_request()
     assert (kind, f["req"]) == ("acquire", 1)
     server.reply(identity, b"\x00" * (MAXMSGSIZE + 1))  # libzmq drops the client's connection for good
-    # the waiting acquire asks again on a new connection: it reaches the server, and its grant is taken
+    # the new connection reattaches to the old one, then the waiting acquire asks again: it reaches the server,
+    # and its grant is taken
     identity2, kind, f = server.next_request()
-    assert (kind, f["req"], f["count"]) == ("acquire", 1, 1) and identity2 != identity
+    assert (kind, f) == ("reattach", {"worker_id": 0, "previous": identity}) and identity2 != identity
+    identity2b, kind, f = server.next_request()
+    assert (kind, f["req"], f["count"]) == ("acquire", 1, 1) and identity2b == identity2
     server.ticket(identity2, 1, index=7)
     t.join(timeout=10)
     assert not t.is_alive() and got[0] is not None and got[0].index == 7
@@ -171,7 +179,10 @@ def test_requests_in_flight_are_asked_again_after_a_broken_reply(admission):
     assert _until(lambda: client.poll_granted() != [] or client.open_requests == 2, timeout_s=5)
     server.reply(identity, b"\xff" * (4 * MAXMSGSIZE))
     identity2, kind, f = server.next_request(drive=lambda: client.poll_granted(timeout_s=0.05))
+    assert (kind, f) == ("reattach", {"worker_id": 0, "previous": identity})
+    identity2b, kind, f = server.next_request(drive=lambda: client.poll_granted(timeout_s=0.05))
     assert (kind, f["req"], f["count"]) == ("acquire", 2, 2)  # the two still open, on the new connection
+    assert identity2b == identity2 != identity
     server.ticket(identity2, 2, index=1)
     server.ticket(identity2, 3, index=2)
     granted: list = []
@@ -223,3 +234,208 @@ def test_an_evaluation_report_of_a_point_off_the_schedule_opens_no_round():
     finally:
         sender.close()
         ev.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Reattach. A re-created admission socket is a new connection (a new ROUTER identity): a grant lost inside the broken
+# frame, or held from the old connection, stayed recorded against the old one, so the worker never used it and
+# could not release it (``not_holder``), and the learner, which trains tickets in order, waited for that ticket
+# until the worker was retired. Now the client reattaches (staleness/server.py, "Reattach"). The real
+# AdmissionServer and AdmissionClient on loopback, raw DEALER sockets playing strangers.
+
+def _collect(client: AdmissionClient, n: int, timeout_s: float = 15.0) -> list:
+    got: list = []
+    assert _until(lambda: len(got) >= n, timeout_s, step=lambda: got.extend(client.poll_granted(0.05))), got
+    return got
+
+
+def _break_next_grant(server: AdmissionServer) -> list[int]:
+    """The server's next grant goes out as one frame over the client's size limit (what a half-written frame on a
+    flaky link looks like): libzmq ends the client's connection for good, and the grant inside it is lost. Returns
+    the list the lost grant's index is put in. (Wraps the server's own send, in its own thread.)"""
+    send, broken = server._send, []
+
+    def send_breaking_one(identity: bytes, msg: bytes) -> bool:
+        kind, f = decode_message(msg, REPLY_SPEC)
+        if kind == "ticket" and not broken:
+            broken.append(f["index"])
+            return send(identity, msg + b"\0" * MAXMSGSIZE)
+        return send(identity, msg)
+
+    server._send = send_breaking_one
+    return broken
+
+
+@pytest.fixture
+def ticket_server(zctx):
+    ctrl = AdmissionController(batch_groups=4, max_staleness=0)  # 4 tickets in flight
+    server = AdmissionServer(ctrl, "tcp://127.0.0.1:0", context=zctx)
+    yield ctrl, server
+    server.close()
+
+
+def test_a_grant_lost_in_a_broken_reply_is_delivered_after_the_reattach_and_released_by_the_new_connection(
+        zctx, ticket_server):
+    ctrl, server = ticket_server
+    client = AdmissionClient(server.address, worker_id=0, context=zctx)
+    try:
+        client.request(1)
+        (held,) = _collect(client, 1)  # received on the first connection, and kept
+        broken = _break_next_grant(server)
+        client.request(2)
+        got = _collect(client, 2)
+        assert client.reconnects == 1 and server.reattached == 1
+        assert broken and broken[0] in {t.index for t in got}, (broken, got)  # the lost grant came back
+        assert client.redelivered >= 1 and held.index not in {t.index for t in got}  # the held one is not doubled
+        assert ctrl.stats()["live"] == 3 and ctrl.is_outstanding(held.index)
+        assert sorted(server.held_by(0)) == sorted([held.index] + [t.index for t in got])
+        # the new connection holds them all: a release of one held from the old connection is taken ...
+        client.release(held)
+        assert _until(lambda: not ctrl.is_outstanding(held.index))
+        lost = next(t for t in got if t.index == broken[0])
+        client.release(lost)
+        assert _until(lambda: not ctrl.is_outstanding(lost.index))
+        assert server.rejected["not_holder"] == 0  # before: both refused, the lost ticket outstanding for good
+        # ... and the other's group is accepted as the worker's
+        other = next(t for t in got if t.index != broken[0])
+        assert server.claim(other.index, 0, other.min_version) is None
+        assert server.num_pending == 0 and server.held_by(0) == []
+        assert sum(server.rejected.values()) == 0 and sum(client.rejected.values()) == 0
+    finally:
+        client.close()
+
+
+def test_a_blocking_acquire_whose_grant_was_lost_gets_it_after_the_reattach(zctx, ticket_server):
+    ctrl, server = ticket_server
+    client = AdmissionClient(server.address, worker_id=3, context=zctx)
+    try:
+        broken = _break_next_grant(server)
+        ticket = client.acquire(timeout_s=15)
+        assert ticket is not None and [ticket.index] == broken and client.reconnects == 1
+        assert ctrl.stats()["live"] == 1  # the acquire asked again on the new connection: not granted twice
+        assert server.claim(ticket.index, 3, ticket.min_version) is None
+    finally:
+        client.close()
+
+
+def _dealer(ctx: zmq.Context, routing_id: bytes | None = None) -> zmq.Socket:
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if routing_id is not None:
+        sock.setsockopt(zmq.ROUTING_ID, routing_id)
+    return sock
+
+
+def _reply(sock: zmq.Socket, timeout_ms: int = 5000):
+    return decode_message(sock.recv(), REPLY_SPEC) if sock.poll(timeout_ms) else None
+
+
+def test_a_stranger_naming_a_workers_id_or_a_made_up_connection_gets_nothing(zctx, ticket_server):
+    ctrl, server = ticket_server
+    honest = AdmissionClient(server.address, worker_id=0, context=zctx)
+    stranger = _dealer(zctx)
+    stranger.connect(server.address)
+    try:
+        ticket = honest.acquire(timeout_s=15)
+        assert ticket is not None
+        # worker 0's id is public (it is in every group id); its connection's random routing id is not
+        made_up = b"asyncppo-w0-" + secrets.token_bytes(16)
+        stranger.send(encode_message("reattach", worker_id=0, previous=made_up))
+        stranger.send(encode_message("reattach", worker_id=0, previous=b"\0\x80\0\0\x29"))  # a libzmq-made id
+        # every other shape is refused at the door, like any admission message
+        for bad in ("a str", b"", b"x" * 300):
+            stranger.send(encode_message("reattach", worker_id=0, previous=bad))
+        stranger.send(encode_message("reattach", worker_id=0, previous=made_up, extra=1))
+        stranger.send(encode_message("release", worker_id=0, index=ticket.index))
+        assert _until(lambda: server.rejected["reattach"] == 2 and server.rejected["schema"] == 4
+                      and server.rejected["not_holder"] == 1)
+        assert _reply(stranger, 300) is None  # no grant re-sent to it
+        assert server.held_by(0) == [ticket.index] and server.reattached == 0
+        honest.release(ticket)  # still the holder's to give back
+        assert _until(lambda: not ctrl.is_outstanding(ticket.index)) and server.rejected["not_holder"] == 1
+    finally:
+        honest.close()
+        stranger.close()
+
+
+def test_only_the_owner_of_a_connection_reattaches_to_it_and_only_once(zctx, ticket_server):
+    """Raw sockets with routing ids of their own: worker 1's old connection X, its new one Y, and a stranger."""
+    ctrl, server = ticket_server
+    x_id, y_id = (b"asyncppo-w1-" + secrets.token_bytes(16) for _ in range(2))
+    x, y, z = _dealer(zctx, x_id), _dealer(zctx, y_id), _dealer(zctx)
+    for sock in (x, y, z):
+        sock.connect(server.address)
+    try:
+        x.send(encode_message("acquire", worker_id=1, req=1, count=1))
+        kind, granted = _reply(x)
+        assert kind == "ticket" and granted["req"] == 1
+        # naming X as another worker is refused, even with X's secret
+        z.send(encode_message("reattach", worker_id=2, previous=x_id))
+        assert _until(lambda: server.rejected["reattach"] == 1) and _reply(z, 300) is None
+        # X's owner, on its new connection Y: X's grant moves to Y and is re-sent there with its request number
+        y.send(encode_message("reattach", worker_id=1, previous=x_id))
+        kind, f = _reply(y)
+        assert (kind, f) == ("held", granted)
+        assert server.reattached == 1 and server.held_by(1) == [granted["index"]]
+        # a second reattach naming X is refused (X is forgotten): a replay, or a stranger who learnt it, gets nothing
+        z.send(encode_message("reattach", worker_id=1, previous=x_id))
+        assert _until(lambda: server.rejected["reattach"] == 2) and _reply(z, 300) is None
+        # Y asks again for request 1, as a client does in case its reattach was refused: not granted twice
+        y.send(encode_message("acquire", worker_id=1, req=1, count=1))
+        y.send(encode_message("release", worker_id=1, index=granted["index"]))  # Y holds it now
+        assert _until(lambda: not ctrl.is_outstanding(granted["index"]))
+        assert server.rejected["not_holder"] == 0 and _reply(y, 300) is None and ctrl.stats()["granted"] == 1
+    finally:
+        for sock in (x, y, z):
+            sock.close()
+
+
+def test_a_workers_counters_show_one_reconnect_after_one_oversize_frame(zctx):
+    server = _RawServer(zctx)
+    pub = zctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub_address = f"tcp://127.0.0.1:{pub.bind_to_random_port('tcp://127.0.0.1')}"
+    worker = SimpleNamespace(admission=AdmissionClient(server.address, worker_id=0, context=zctx),
+                             control=ControlSubscriber(pub_address, context=zctx))
+    links = LinkCounters(worker)
+    try:
+        assert links.take() == {"reconnects_admission": 0.0, "reconnects_control": 0.0}
+        worker.admission.request(1)
+        identity, kind, _ = server.next_request()
+        assert kind == "acquire"
+        server.sock.send_multipart([identity, b"\0" * (MAXMSGSIZE + 1)])  # one oversize frame
+        _, kind, _ = server.next_request(drive=lambda: worker.admission.poll_granted(0.05))
+        assert kind == "reattach" and worker.admission.reconnects == 1
+        assert links.take() == {"reconnects_admission": 1.0, "reconnects_control": 0.0}
+        assert links.take() == {"reconnects_admission": 0.0, "reconnects_control": 0.0}  # deltas: counted once
+        # the learner sums them over the step's groups, every worker's (rollout/reconnects_*, metrics.jsonl)
+        group = SimpleNamespace(timings={"reconnects_admission": 1.0, "reconnects_control": 0.0},
+                                sample_lengths=lambda: [3], turn_columns=lambda: None)
+        other = SimpleNamespace(timings={"reconnects_admission": 0.0, "reconnects_control": 2.0},
+                                sample_lengths=lambda: [3], turn_columns=lambda: None)
+        metrics = EngineTotals(max_num_seqs=4).add([group, other])
+        assert metrics["rollout/reconnects_admission"] == 1.0 and metrics["rollout/reconnects_control"] == 2.0
+        # a restarted learner gives the worker new clients: their counts start again from zero
+        worker.admission.close()
+        worker.admission = AdmissionClient(server.address, worker_id=0, context=zctx)
+        assert links.take() == {"reconnects_admission": 0.0, "reconnects_control": 0.0}
+    finally:
+        worker.admission.close()
+        worker.control.close()
+        pub.close(0)
+        server.close()
+
+
+def test_the_rollout_worker_sends_its_clients_reconnects_with_each_group():
+    from asyncppo.rollout.worker import RolloutWorker
+
+    worker = RolloutWorker.__new__(RolloutWorker)  # only what _send touches: no engine, no learner
+    sent: list = []
+    worker.admission, worker.control = SimpleNamespace(reconnects=1), SimpleNamespace(reconnects=0)
+    worker.links, worker.stats, worker.phase, worker.progress = LinkCounters(worker), {"groups_sent": 0}, "", 0
+    worker.sender = SimpleNamespace(send=lambda group, timeout_s: sent.append(dict(group.timings)) or True)
+    worker._send(SimpleNamespace(timings={"gen_s": 1.0}))
+    worker.control.reconnects = 2
+    worker._send(SimpleNamespace(timings={"gen_s": 1.0}))
+    assert sent == [{"gen_s": 1.0, "reconnects_admission": 1.0, "reconnects_control": 0.0},
+                    {"gen_s": 1.0, "reconnects_admission": 0.0, "reconnects_control": 2.0}]
