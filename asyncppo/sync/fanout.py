@@ -41,7 +41,9 @@ import torch.distributed as dist
 
 from asyncppo.sync.broadcast import WeightSender, _as_named_list
 from asyncppo.sync.group_stream import GroupStream
-from asyncppo.sync.group import SyncGroup, SyncGroupError, bound_store, group_on_store, stages_on_host
+from asyncppo.sync.group import (
+    SyncGroup, SyncGroupError, bound_store, forget_rendezvous, group_on_store, stages_on_host,
+)
 
 log = logging.getLogger("asyncppo.sync")
 
@@ -180,6 +182,8 @@ class WeightFanout:
                                                     lambda i, s=snap: s.sent(id(member), i), version)
                         else:
                             member.sender.push(snap, version)
+                        if member.last_version < 0:
+                            self._forget_rendezvous(member)
                         member.last_version = version
                     except Exception as e:
                         if isinstance(snap, GroupStream):
@@ -196,6 +200,15 @@ class WeightFanout:
                     member.queue.task_done()
         finally:
             group.close()
+
+    def _forget_rendezvous(self, member: _Member) -> None:
+        """After the member's first push both ranks are surely past the rendezvous (rank 0's group returns as soon
+        as it is connected, while rank 1 may still be reading rank 0's key): its keys can go."""
+        try:
+            forget_rendezvous(self.store, member_prefix(self.run_prefix, member.worker_id, member.incarnation))
+        except Exception as e:  # a store that cannot list or delete keys keeps them: exposure, not a failure
+            log.warning("could not delete the rendezvous keys of worker %d's weight-sync group: %s",
+                        member.worker_id, e)
 
     def _fail(self, member: _Member, why: str, late: bool = False) -> None:
         with self._lock:

@@ -13,7 +13,8 @@ Exposure. torch's ``TCPStore`` server listens on *every* interface whatever host
 listening socket itself, on exactly ``host`` (``cluster.bind_address``), and hands it to the store
 (``master_listen_fd``; torch then owns and closes it). gloo's own pair sockets bind to the address the machine's
 hostname resolves to unless told otherwise: on a loopback store every rank's gloo device is pinned to that loopback
-address, and rank 0's to ``host`` when that is a specific address. The store has no authentication (torch offers
+address, rank 0's to ``host`` when that is a specific address, and another rank's to its own address on the route
+to ``host`` (unless ``GLOO_SOCKET_IFNAME`` says otherwise). The store has no authentication (torch offers
 none): ``store_prefix`` puts the group's keys under a per-run secret prefix, so a stranger who reaches the port
 cannot guess the rendezvous keys; what remains is listed in docs/security.md.
 """
@@ -144,14 +145,39 @@ def bound_store(host: str, port: int, world_size: int, timeout: timedelta) -> An
         raise
 
 
-def _gloo_options(host: str, rank: int, timeout: timedelta):
-    """Pin gloo's listening device to ``host`` where that is the right address for this rank (module docstring);
-    None: gloo's default device."""
-    if _is_wildcard(host) or not (_is_loopback(host) or rank == 0):
+def local_address_towards(host: str, port: int) -> Optional[str]:
+    """This machine's address on the route to ``host`` (the interface a connection to it would leave by), or None.
+    A UDP ``connect`` only consults the routing table: no packet is sent."""
+    h = host.strip("[]")
+    family = socket.AF_INET6 if ":" in h else socket.AF_INET
+    try:
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((h, port))
+            return str(s.getsockname()[0])
+    except OSError:
         return None
+
+
+def _gloo_options(host: str, rank: int, timeout: timedelta, port: int = 9):
+    """Pin gloo's listening device to the right address for this rank (module docstring); None: gloo's default
+    device. Rank 0 and every rank of a loopback store: ``host``. Another rank of a store on another machine: its own
+    address on the route to ``host``. gloo's default there is the address the machine's hostname resolves to, which
+    on many hosts (and in containers) is ``127.0.0.1``: the rank would listen where its peer cannot reach it (seen
+    across two hosts, tests/e2e/test_two_hosts.py). ``GLOO_SOCKET_IFNAME``, when set, is the user's choice: left
+    to gloo."""
+    if _is_wildcard(host):
+        return None
+    if _is_loopback(host) or rank == 0:
+        address = host.strip("[]")
+    elif os.environ.get("GLOO_SOCKET_IFNAME"):
+        return None
+    else:
+        address = local_address_towards(host, port)
+        if address is None:
+            return None
     opts = dist.ProcessGroupGloo._Options()
     opts._timeout = timeout
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=host.strip("[]"))]
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]
     return opts
 
 
@@ -225,6 +251,20 @@ def make_sync_group(
     return group_on_store(store, host, port, rank, world_size, backend, timeout_s, store_prefix)
 
 
+def forget_rendezvous(store: Any, store_prefix: str) -> int:
+    """Delete a formed group's rendezvous keys from rank 0's store; how many. Once every rank is connected nothing
+    reads them again, and while they stay a stranger who reaches the store port reads them with ``list_keys`` (torch's
+    store lists its keys to any client), the run's secret prefix in their names included (docs/security.md, "Across
+    two hosts"). What remains visible is the rendezvous of a group while it forms."""
+    head = f"{_STORE_PREFIX}/{store_prefix}/" if store_prefix else f"{_STORE_PREFIX}/"
+    gone = 0
+    for key in store.list_keys():
+        if key.startswith(head):
+            store.delete_key(key)
+            gone += 1
+    return gone
+
+
 # How every weight-sync NCCL group handles a peer that stops (docs/reliability.md, "NCCL and gloo"), read by
 # ProcessGroupNCCL when it is constructed: CleanUpOnly (2) aborts the group's communicator on a timeout or a peer's
 # error and raises in the caller, and the process lives on; torch's default (3, SkipCleanUp) tears the whole process
@@ -266,7 +306,7 @@ def group_on_store(store: Any, host: str, port: int, rank: int, world_size: int,
             shm_path.create_segment(segment)
     try:
         if backend in ("gloo", "shm"):
-            gloo_opts = _gloo_options(host, rank, timeout)
+            gloo_opts = _gloo_options(host, rank, timeout, port)
             pg = (dist.ProcessGroupGloo(prefixed, rank, world_size, timeout) if gloo_opts is None
                   else dist.ProcessGroupGloo(prefixed, rank, world_size, gloo_opts))
             device = torch.device("cpu")

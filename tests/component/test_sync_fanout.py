@@ -70,6 +70,9 @@ def test_a_killed_member_breaks_nobody_and_its_replacement_gets_the_current_weig
         fanout.push_async(_weights(1), 1)
         fanout.wait()
         assert _got(outs, (0, 1)) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
+        # once a member took its first push its rendezvous keys are gone: a stranger who reaches the store and
+        # lists its keys learns nothing of the run's secret prefix (docs/security.md, "Across two hosts")
+        assert not [k for k in fanout.store.list_keys() if PREFIX in k], fanout.store.list_keys()
         os.kill(procs[1].pid, signal.SIGKILL)
         procs[1].join()
         t0 = time.monotonic()
