@@ -297,6 +297,10 @@ class ClusterConfig:
     # and replaced like a dead one (launch/hang.py). null: auto, from the learner's measured step time with a floor
     # (config/deadlines.py: max(60 s, 10 x median step seconds), at most timeout_s)
     hang_timeout_s: Optional[float] = None
+    # a worker past its start-up that answers no control ping at all for this long, while the learner and the other
+    # workers answer every few seconds, is hung (stopped, or wedged holding its interpreter; launch/hang.py); at most
+    # hang_timeout_s. null: no such rule, silence waits for hang_timeout_s
+    silent_timeout_s: Optional[float] = 15.0
     # deadline of each weight push per worker; a worker that misses it is retired from the weight sync and replaced
     # as hung, while the others are served. null: hang_timeout_s (resolved as above)
     push_timeout_s: Optional[float] = None

@@ -71,6 +71,8 @@ def check_cluster(cfg: AsyncPPOConfig, c: Checks) -> None:
         value = getattr(k, name)
         if value is not None and not (0 < value <= k.timeout_s):
             c.error(f"cluster.{name}", value, "must be null (auto) or in (0, cluster.timeout_s]")
+    if k.silent_timeout_s is not None and not (0 < k.silent_timeout_s <= k.timeout_s):
+        c.error("cluster.silent_timeout_s", k.silent_timeout_s, "must be null (off) or in (0, cluster.timeout_s]")
     if not (k.logprob_tolerance is not None and 0 <= k.logprob_tolerance < float("inf")):
         c.error("cluster.logprob_tolerance", k.logprob_tolerance, "must be finite and >= 0")
     _check_addresses(k, c)

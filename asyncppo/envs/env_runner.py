@@ -109,6 +109,12 @@ class EnvRunner:
         self.step_seconds = 0.0
         self._stuck: set = set()
         self._blocked_loops: list[LoopThread] = []
+        self.returned = 0  # calls the environment returned from (or raised in), on time or past their deadline
+        # what the launcher's hang watch reads (health()): calls asked and neither answered, cancelled nor past their
+        # deadline, and the seconds such calls were waiting since the environment last returned from any call
+        self._waiting: set = set()
+        self._unanswered_s = 0.0
+        self._ticked = time.monotonic()
         self._inflight: set[_Call] = set()  # started and not yet settled
 
     @property
@@ -119,6 +125,37 @@ class EnvRunner:
             self._stuck = {f for f in self._stuck if not f.done()}
             self._blocked_loops = [t for t in self._blocked_loops if t.alive()]
             return len(self._stuck) + len(self._blocked_loops)
+
+    def health(self) -> dict:
+        """What the launcher's hang watch reads (launch/hang.py, rule 6): ``stuck``, calls still running past their
+        deadline (:attr:`stuck`, and the current event loop when a coroutine has blocked it past a deadline: it is
+        given up only at the next coroutine call); ``unanswered_s``, the seconds calls have been waiting for an
+        answer since the environment last returned from any call (time with no call asked does not count, so a
+        worker idle behind admission is not a pool that hangs); ``returned``, the calls returned so far. A pool
+        whose calls all hang has ``stuck > 0`` and ``unanswered_s`` growing; a slow environment that answers late,
+        or one that hangs some calls and answers others, resets it."""
+        stuck = self.stuck
+        with self._lock:
+            self._tick()
+            loop, unanswered, returned = self._loop, self._unanswered_s, self.returned
+        if loop is not None and loop.blocked_for() > self.step_timeout_s:
+            stuck += 1
+        return {"stuck": stuck, "unanswered_s": round(unanswered, 3), "returned": returned}
+
+    def _tick(self) -> None:
+        """Add the time since the last tick to ``_unanswered_s`` if calls were waiting meanwhile (under ``_lock``)."""
+        now = time.monotonic()
+        if self._waiting:
+            self._unanswered_s += now - self._ticked
+        self._ticked = now
+
+    def _returned(self, inner: cf.Future) -> None:
+        with self._lock:
+            self._tick()
+            self._waiting.discard(inner)
+            if not inner.cancelled():
+                self.returned += 1
+                self._unanswered_s = 0.0
 
     # ------------------------------------------------------------------------------------------- starting
 
@@ -150,6 +187,10 @@ class EnvRunner:
             self._settle(call, lambda: self._fault(call, "raised", f"could not start: {_describe(e)}"))
             return out
         call.inner = inner
+        with self._lock:
+            self._tick()
+            self._waiting.add(inner)
+        inner.add_done_callback(self._returned)  # at once if it is done already
         inner.add_done_callback(lambda f: self._settle(call, lambda: self._answered(call, f)))
         if call.claimed:  # its deadline (or shutdown) came before it was submitted: it is abandoned as a timed-out one
             self._abandon(call, inner)
@@ -222,6 +263,8 @@ class EnvRunner:
         if not inner.cancel() and not call.on_loop:
             with self._lock:
                 self._stuck.add(inner)
+                self._tick()
+                self._waiting.discard(inner)  # past its deadline: counted as stuck, no longer as waiting
 
     def _accept(self, call: _Call, value: Any) -> EnvOutcome:
         try:

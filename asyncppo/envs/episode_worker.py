@@ -173,6 +173,12 @@ class EpisodeRolloutWorker(RolloutWorker):
                           tickets_waiting=len(self._pending))
         super()._work()
 
+    def _env_health(self) -> dict | None:
+        """The environment calls' health for the launcher's ping (rollout/skeleton.py): an engine step that only
+        waited for environments counts as progress, so a pool whose calls all hang shows only here."""
+        runner = getattr(self, "runner", None)  # made when the workload opens
+        return runner.health() if runner is not None else None
+
     def _train_dataset(self, tokenizer):
         if draws_text_env_rows(self.cfg):
             return TextRowDataset.from_files(list(self.cfg.data.train_files), prompt_key=self.cfg.data.prompt_key)

@@ -11,6 +11,7 @@ one worker death too many, ends the run with the actor's error (:func:`report_fa
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -21,7 +22,8 @@ import ray
 
 from asyncppo.launch.console import RunConsole
 from asyncppo.launch.learner_restart import LearnerRestarter
-from asyncppo.launch.hang import HangWatch
+from asyncppo.config.deadlines import SILENT_S
+from asyncppo.launch.hang import HangWatch, Verdict
 from asyncppo.launch.restart_budget import RestartBudget
 from asyncppo.launch.start import RunActors
 from asyncppo.learner.run_files import latest_name
@@ -51,9 +53,11 @@ class Supervisor:
         self.orphans: list[int] = []  # workers that died while the learner was dead: replaced once it is back
         self.report: Optional[threading.Thread] = None  # drawn while the actors and Ray shut down (wait_report)
         self.learner_ref: Any = None  # rank 0's run() of the learner now running (a restart replaces it)
+        self.hang_verdicts = 0  # every worker found hung, each a line of hangs.jsonl (_record_hang)
         cl = run.cfg_dict["cluster"]
         self.hangs = HangWatch(  # LLM rollout workers and embodied env workers alike answer its pings
-            lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s)
+            lambda: dict(run.workers), self.incarnations, run.learner, cl.get("hang_timeout_s"), run.plan.timeout_s,
+            silent_timeout_s=cl.get("silent_timeout_s", SILENT_S))
 
     def watch(self, learner_ref: Any, pending: list) -> int:
         """Until the learner's run() returns (exit code 0) or an actor's error is raised."""
@@ -120,7 +124,7 @@ class Supervisor:
     def _after_learner_restart(self) -> None:
         """The hang watch reads the new learner, and every worker's clock starts again: the restart kept the
         supervisor from pinging them, and their reconnection is a wait on the learner, not a hang."""
-        self.hangs.learner, self.hangs._health_ref = self.run.learner, None
+        self.hangs.new_learner(self.run.learner)
         for i in self.run.workers:
             self.hangs.started(i)
 
@@ -137,16 +141,50 @@ class Supervisor:
     def _replace_hung(self, pending: list) -> list:
         """Kill and replace every worker the hang watch found hung; ``pending`` without their runs' refs (their
         ends are not deaths to replace again), with their replacements'."""
-        for i, why in self.hangs.poll():
+        for i, verdict in self.hangs.poll():
             ref = next((r for r, w in self.run.worker_refs.items() if w == i), None)
+            self._record_hang(i, verdict, replaced=ref is not None)
             if ref is None:
                 continue  # its run() already ended
             del self.run.worker_refs[ref]
             pending = [r for r in pending if r != ref]
-            replacement = self._replace(i, why, hung=True)
+            replacement = self._replace(i, verdict.why, hung=True)
             if replacement is not None:
                 pending.append(replacement)
         return pending
+
+    def _record_hang(self, i: int, verdict: Verdict, replaced: bool) -> None:
+        """Every hang verdict, as one line of ``<run dir>/hangs.jsonl`` (worker, incarnation, rule, why, wall time,
+        and how long each worker's answers have been apart at most): what a test or the fault drill reads to count
+        the verdicts and to find a false one. Never fails the run."""
+        self.hang_verdicts += 1
+        seen = self.hangs.seen.get(i)
+        record = {"time": round(time.time(), 3), "run_s": round(time.time() - self.started_at, 1), "worker": i,
+                  "incarnation": self.incarnations.get(i, 0), "rule": verdict.rule, "why": verdict.why,
+                  "phase": seen.phase if seen else None, "replaced": replaced,
+                  "longest_gaps": self.hangs.longest_gaps()}
+        try:
+            with open(os.path.join(self.run.plan.output_dir, "hangs.jsonl"), "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            print(f"[asyncppo] warning: hangs.jsonl not written: {exc}", file=sys.stderr, flush=True)
+        if not replaced:
+            print(f"[asyncppo] rollout worker {i} hung ({verdict.why}), but its run had already ended",
+                  file=sys.stderr, flush=True)
+
+    def _write_hang_watch(self) -> None:
+        """``<run dir>/hang_watch.json`` at the end: the deadlines in force, the verdicts, and per worker (current
+        incarnations) and for the learner the longest time between two answers: how near a live worker came to the
+        silent deadline, the margin against a false verdict on this machine."""
+        h = self.hangs
+        summary = {"hang_timeout_s": round(h.hang_s(), 1), "silent_timeout_s": h.silent_s(),
+                   "verdicts": self.hang_verdicts, "longest_gaps": h.longest_gaps(),
+                   "learner_longest_gap": round(h.learner_seen.longest_gap, 2)}
+        try:
+            with open(os.path.join(self.run.plan.output_dir, "hang_watch.json"), "w", encoding="utf-8") as f:
+                json.dump(summary, f, indent=1)
+        except OSError:
+            pass  # a summary of the watch never fails a finished run
 
     def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
         plan, budget = self.run.plan, self.budget
@@ -195,6 +233,7 @@ class Supervisor:
         if pending:
             ray.wait(pending, num_returns=len(pending), timeout=STOP_GRACE_S)
         self.console.poll()
+        self._write_hang_watch()
         print(self.console.summary(time.time() - self.started_at), flush=True)
         # the report reads only the run directory: it is drawn on a thread while the actors and Ray stop (1-2 s
         # each on two CPU cores), and the command waits for it (wait_report) before it exits

@@ -100,7 +100,17 @@ class WorkerSkeleton:
         """Answer the launcher's control ping (from another thread: plain reads only). A worker that is waiting
         (for a ticket, for weights, for the learner to take a group) makes no progress and is not hung; one that is
         generating must keep stepping (launch/hang.py)."""
-        return {"phase": self.phase, "progress": self.progress, "incarnation": self.incarnation}
+        beat = {"phase": self.phase, "progress": self.progress, "incarnation": self.incarnation}
+        env = self._env_health()
+        if env is not None:
+            beat["env"] = env
+        return beat
+
+    def _env_health(self) -> dict | None:
+        """How this worker's environment calls fare, for a worker whose environments run beside its loop (text
+        environments: ``{"stuck": calls past their deadline still running, "returned": calls returned}``); None
+        for the others. Its idle waits for those calls count as steps, so only this shows a pool that hangs."""
+        return None
 
     def _turn(self) -> bool:
         """One pass of the loop in the module docstring; False once the run is over. A weight receive that fails

@@ -1,12 +1,13 @@
-"""The hang detector's decision (launch/hang.py: hang_verdict) and the auto deadlines (config/deadlines.py), as pure
-functions of what was seen and when, on hand-computed cases."""
+"""The hang detector's decision (launch/hang.py: judge / hang_verdict) and the auto deadlines (config/deadlines.py),
+as pure functions of what was seen and when, on hand-computed cases: each rule, and the cases that must not be hung
+(all peers late together, a worker answering late but answering, a worker in start-up, a worker waiting)."""
 
 from __future__ import annotations
 
 import pytest
 
-from asyncppo.config.deadlines import HANG_FLOOR_S, hang_timeout, push_timeout
-from asyncppo.launch.hang import Seen, hang_verdict
+from asyncppo.config.deadlines import HANG_FLOOR_S, hang_timeout, push_timeout, silent_timeout
+from asyncppo.launch.hang import Seen, hang_verdict, judge, steady_gap
 
 HANG, GRACE = 60.0, 600.0
 
@@ -129,3 +130,136 @@ def test_a_hang_with_no_replacement_left_ends_the_run_naming_the_worker():
     assert str(err.value) == ("rollout worker 1 hung (no answer to a control ping for 61s (hang timeout 60s)) after "
                               "0 restart(s), the limit (cluster.max_worker_restarts=0)")
     assert supervisor.budget.recent() == 0 and supervisor.incarnations == {0: 0, 1: 0}
+
+
+# ---------------------------------------------------------------------------------------------- the silent rule (3)
+SILENT = 15.0
+
+
+def _steady_ref(until: float, every: float = 2.0, start: float = 0.0, phase: str = "waiting") -> Seen:
+    """A peer (or the learner) answering every ``every`` seconds from ``start`` to ``until``."""
+    ref = Seen(started_at=start)
+    t = start
+    while t <= until:
+        ref.answer(t, phase, int(t), steady_gap(SILENT))
+        t += every
+    return ref
+
+
+def _stopped_at(t_stop: float) -> Seen:
+    """A worker answering every 2 s, generating, until it is stopped at ``t_stop``."""
+    seen = Seen(started_at=0.0)
+    for t in range(0, int(t_stop) + 1, 2):
+        seen.answer(float(t), "generating", t, steady_gap(SILENT))
+    return seen
+
+
+def test_steady_gap_and_silent_timeout():
+    assert steady_gap(15.0) == 7.5 and steady_gap(4.0) == 6.0  # at least three ping periods
+    assert silent_timeout(15.0, 60.0) == 15.0 and silent_timeout(15.0, 10.0) == 10.0  # never past the hang timeout
+    assert silent_timeout(None, 60.0) is None  # null: no silent rule
+
+
+def test_a_stopped_worker_is_found_after_the_silent_deadline_while_its_peers_answer():
+    """SIGSTOP at t=100 (last answer at t=100): the learner and the other worker answer every 2 s throughout."""
+    seen, learner, peer = _stopped_at(100), _steady_ref(200), _steady_ref(200)
+    assert judge(seen, 114.9, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    verdict = judge(seen, 115.5, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer])
+    assert verdict is not None and verdict.rule == "silent"
+    assert verdict.why == ("no answer to a control ping for 16s while the learner and 1 other worker(s) answered "
+                           "every 8s or sooner (silent deadline 15s, cluster.silent_timeout_s)")
+    # one worker alone: the learner is the reference
+    assert judge(seen, 115.5, HANG, GRACE, silent_s=SILENT, learner=learner).rule == "silent"
+    # hang_verdict says the same in words
+    assert "cluster.silent_timeout_s" in hang_verdict(seen, 115.5, HANG, GRACE, silent_s=SILENT, learner=learner,
+                                                      peers=[peer])
+
+
+def test_everybody_late_together_blames_nobody():
+    """A machine-wide stall from t=100 to t=130 (swapping, a stalled Ray, the launcher descheduled): nothing
+    answers, then every answer comes in at once, the stalled worker's a moment after the others'. The silent rule
+    stays quiet throughout; only the hang timeout could still find a worker that never answers again."""
+    learner, peer, seen = _steady_ref(100), _steady_ref(100), _stopped_at(100)
+    for now in (110.0, 116.0, 125.0, 129.0):  # nobody answered: the learner is not steady
+        assert judge(seen, now, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    learner.answer(130.0, "learner", 0, steady_gap(SILENT))  # the stall ends: the peers answer first...
+    peer.answer(130.0, "waiting", 130, steady_gap(SILENT))
+    assert judge(seen, 130.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    seen.answer(131.0, "generating", 131, steady_gap(SILENT))  # ...and the worker a second later: alive, no verdict
+    for t in range(132, 200, 2):
+        learner.answer(float(t), "learner", 0, steady_gap(SILENT))
+        peer.answer(float(t), "waiting", t, steady_gap(SILENT))
+        seen.answer(float(t), "generating", t, steady_gap(SILENT))
+        assert judge(seen, float(t), HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    # a worker stopped during the stall is found once the peers have answered steadily for the silent deadline
+    stopped, learner2, peer2 = _stopped_at(100), _steady_ref(100), _steady_ref(100)
+    for t in range(130, 160, 2):
+        learner2.answer(float(t), "learner", 0, steady_gap(SILENT))
+        peer2.answer(float(t), "waiting", t, steady_gap(SILENT))
+    assert judge(stopped, 144.0, HANG, GRACE, silent_s=SILENT, learner=learner2, peers=[peer2]) is None
+    assert judge(stopped, 146.0, HANG, GRACE, silent_s=SILENT, learner=learner2, peers=[peer2]).rule == "silent"
+
+
+def test_a_late_learner_or_a_late_peer_vetoes_the_silent_rule():
+    seen = _stopped_at(100)
+    late_learner = _steady_ref(200, every=9.0)  # answers, but 9 s apart: the machine is slow
+    assert judge(seen, 120.0, HANG, GRACE, silent_s=SILENT, learner=late_learner, peers=[_steady_ref(200)]) is None
+    late_peer = _steady_ref(200, every=9.0)
+    assert judge(seen, 120.0, HANG, GRACE, silent_s=SILENT, learner=_steady_ref(200), peers=[late_peer]) is None
+    # two workers stopped together: each sees the other silent, so neither is blamed by this rule; the hang
+    # timeout finds both
+    other = _stopped_at(100)
+    assert judge(seen, 120.0, HANG, GRACE, silent_s=SILENT, learner=_steady_ref(200), peers=[other]) is None
+    assert judge(seen, 161.0, HANG, GRACE, silent_s=SILENT, learner=_steady_ref(200), peers=[other]).rule == "silence"
+    # nothing seen of the learner yet, or the rule switched off: no silent verdict
+    assert judge(seen, 120.0, HANG, GRACE, silent_s=SILENT, learner=None) is None
+    assert judge(seen, 120.0, HANG, GRACE, silent_s=None, learner=_steady_ref(200)) is None
+
+
+def test_a_worker_answering_late_but_answering_is_not_silent():
+    """A busy worker whose pings take 12 s each (its interpreter held by long calls): its answers come 12 s apart,
+    never 15 s, while everybody else answers every 2 s."""
+    learner, peer = _steady_ref(400), _steady_ref(400)
+    seen = Seen(started_at=0.0)
+    for t in range(10, 400, 12):
+        seen.answer(float(t), "generating", t, steady_gap(SILENT))
+        for now in (t + 0.5, t + 6.0, t + 11.9):
+            assert judge(seen, now, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    assert seen.longest_gap == 12.0
+
+
+def test_a_worker_in_start_up_is_not_judged_by_the_silent_rule():
+    learner, peer = _steady_ref(400), _steady_ref(400)
+    constructing = Seen(started_at=100.0)  # Ray answers nothing while it constructs the actor
+    assert judge(constructing, 300.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    starting = Seen(started_at=100.0)
+    starting.answer(110.0, "starting", 0, steady_gap(SILENT))  # then imports and the engine build hold it
+    assert judge(starting, 300.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[peer]) is None
+    # and a peer in start-up (a replacement building its engine, late to answer) neither vetoes nor counts
+    seen = _stopped_at(100)
+    assert judge(seen, 116.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[constructing, starting]).rule \
+        == "silent"
+
+
+def test_a_replacement_peer_that_just_started_answering_vetoes_until_it_is_steady():
+    learner, seen = _steady_ref(400), _stopped_at(100)
+    fresh = Seen(started_at=90.0)
+    for t in range(108, 130, 2):  # past its start-up from t=108: steady since then, not over the last 15 s yet
+        fresh.answer(float(t), "waiting", t, steady_gap(SILENT))
+    assert judge(seen, 117.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[fresh]) is None
+    assert judge(seen, 124.0, HANG, GRACE, silent_s=SILENT, learner=learner, peers=[fresh]).rule == "silent"
+
+
+# ------------------------------------------------------------------------------------ text environments (rule 6)
+def test_a_pool_whose_calls_all_hang_is_hung_after_the_hang_timeout():
+    seen = _seen(answers=[(t, "generating", t) for t in range(0, 200, 2)])  # idle waits count as steps
+    seen.answer(200.0, "generating", 200, env={"stuck": 3, "unanswered_s": 59.0, "returned": 12})
+    assert judge(seen, 201.0, HANG, GRACE) is None
+    seen.answer(202.0, "generating", 202, env={"stuck": 3, "unanswered_s": 61.0, "returned": 12})
+    verdict = judge(seen, 203.0, HANG, GRACE)
+    assert verdict.rule == "environment" and "3 call(s) still running past env.step_timeout_s" in verdict.why
+    # a slow environment that answers late (nothing stuck), or one that hangs some calls and answers others
+    seen.answer(204.0, "generating", 204, env={"stuck": 0, "unanswered_s": 300.0, "returned": 12})
+    assert judge(seen, 205.0, HANG, GRACE) is None
+    seen.answer(206.0, "generating", 206, env={"stuck": 5, "unanswered_s": 1.0, "returned": 40})
+    assert judge(seen, 207.0, HANG, GRACE) is None
