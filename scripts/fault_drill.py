@@ -3,6 +3,7 @@
 
     python scripts/fault_drill.py                      # 2 rollout workers (vLLM, CPU), 150 steps, k=1, save_every=5
     python scripts/fault_drill.py --steps 200 --out runs/drill
+    python scripts/fault_drill.py --hosts 2            # faults between two hosts (scripts/fault_drill_hosts.py)
 
 Faults, in order, each once the run has recovered from the previous one and trained a few more steps:
 
@@ -68,13 +69,14 @@ _marker: dict = {}
 class Run:
     """One ``asyncppo launch`` in the background, followed through its run directory and its stderr."""
 
-    def __init__(self, out: Path, overrides: list[str]):
+    def __init__(self, out: Path, overrides: list[str], prefix: tuple = (), env: dict | None = None):
+        """``prefix``: what runs the launch somewhere else (``ip netns exec <host A>``), ``env`` its environment."""
         self.out = out
         out.parent.mkdir(parents=True, exist_ok=True)
         self.err_path = out.parent / f"{out.name}.err"
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", *overrides], cwd=REPO,
-            env=dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)),
+            [*prefix, sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}", *overrides], cwd=REPO,
+            env=dict(env or os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO)),
             stdout=open(out.parent / f"{out.name}.out", "w"), stderr=open(self.err_path, "w"))
 
     def stderr(self) -> str:
@@ -174,7 +176,11 @@ class Drill:
         start = len(self.run.records())
         self.run.wait(lambda: len(self.run.records()) >= start + steps, self.recover_s)
 
-    def inject(self, name: str, worker: int, action, detect: str, recovered=None, same_process=False) -> None:
+    def inject(self, name: str, worker: int, action, detect: str | None, recovered=None, same_process=False,
+               after_detect=None) -> None:
+        """Inject a fault and measure it. ``detect``: the pattern of the line that names it (None: a transient
+        fault nothing needs to notice); ``after_detect``: what the operator does once it is named (plug the cable
+        back, restart a node), so recovery is measured from the injection as the run sees it."""
         offset, lines = len(self.run.stderr()), len(self.run.trained_lines())
         returned0, lost0 = self._metric("workers/tickets_returned"), self._metric("learner/steps_lost")
         restarts0 = self._metric("learner/restarts")
@@ -182,8 +188,10 @@ class Drill:
         (self.run.out / SLOW).touch()
         t0 = time.time()
         action()
-        seen = self.run.wait(self._line_after(offset, detect), self.recover_s)
+        seen = self.run.wait(self._line_after(offset, detect), self.recover_s) if detect else None
         detected = time.time() - t0 if seen else None
+        if after_detect is not None:
+            after_detect()
         back = self.run.wait(check, self.recover_s)
         recovered_s = time.time() - t0 if back else None
         (self.run.out / SLOW).unlink(missing_ok=True)
@@ -276,6 +284,8 @@ def table(rows: list[dict]) -> str:
     out = ["| fault | detected after (s) | recovered after (s) | steps lost | samples re-drawn |", "|---|---|---|---|---|"]
     for r in rows:
         detected = "not detected" if r["detected_s"] is None else f"{r['detected_s']:.1f}"
+        if r["detected_s"] is None and not r["line"] and r.get("transient"):
+            detected = "nothing to detect"
         out.append(f"| {r['fault']} | {detected} | {fmt(r['recovered_s'])} | {r['steps_lost']:.0f} | "
                    f"{r['redrawn_groups'] * GROUP:.0f} ({r['redrawn_groups']:.0f} groups) |")
     return "\n".join(out)
@@ -287,8 +297,15 @@ def main() -> int:
     ap.add_argument("--staleness", type=int, default=1)
     ap.add_argument("--out", default="")
     ap.add_argument("--recover-s", type=float, default=300.0, help="seconds a fault may take to recover")
+    ap.add_argument("--hosts", type=int, default=1, choices=(1, 2),
+                    help="2: the learner and the worker on two hosts (network namespaces, root), faults between "
+                         "them (scripts/fault_drill_hosts.py)")
     ap.add_argument("overrides", nargs="*", help="extra launch overrides")
     args = ap.parse_args()
+    if args.hosts == 2:
+        import fault_drill_hosts  # noqa: PLC0415 - a sibling script, only for this mode
+
+        return fault_drill_hosts.main(args, args.overrides)
     out = Path(args.out or tempfile.mkdtemp(prefix="fault-drill-")) / "run"
     run = Run(out, ["trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4",
                     "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.rollout_workers=2",

@@ -1,0 +1,121 @@
+"""The fault drill across two hosts (``python scripts/fault_drill.py --hosts 2``): faults *between* the hosts.
+
+Host A (the Ray head) runs the launch and the learner, host B (a Ray worker node) the rollout worker
+(scripts/two_hosts.py: network namespaces on one bridge). Faults, in order, each once the run has recovered from the
+previous one and trained a few more steps:
+
+1. ``link down 5 s``: B's cable unplugged for 5 s, then plugged back; nothing has to notice, the run goes on;
+2. ``push stalled across the link``: 4 s of delay on every frame to B (``tc netem``), so a weight push cannot
+   finish by the push deadline: the late member is retired, the worker is replaced (the delay is lifted once the
+   fault is named);
+3. ``link down past the hang timeout``: B unplugged until the launcher names the worker hung, then plugged back;
+4. ``host B's Ray node stopped``: every process of B killed (what ``ray stop`` on B does), then B's Ray node
+   started again, as an operator or an autoscaler would;
+5. ``SIGKILL learner``: the learner on A is killed; it resumes from its checkpoint and the worker on B reconnects
+   to the new addresses.
+
+The columns and the end checks are those of the one-host drill (scripts/fault_drill.py). A fault that the run
+cannot recover from is reported with the line that named it, or as not detected: never a silent hang.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import two_hosts  # noqa: E402  (a sibling script)
+from fault_drill import Drill, Run, check_end, table  # noqa: E402
+
+WORKER = 0  # the one rollout worker, on host B
+DETECT_B = rf"rollout worker\(?s?\)? \[?{WORKER}\b.*(hung|late|did not take|died|no progress|failed)"
+
+
+class HostsDrill(Drill):
+    def __init__(self, run: Run, hosts: two_hosts.TwoHosts, recover_s: float, worker_cpus: int):
+        super().__init__(run, recover_s)
+        self.hosts, self.worker_cpus = hosts, worker_cpus
+
+    def link_blip(self, seconds: float = 5.0) -> None:
+        def cut():
+            self.hosts.link("B", up=False)
+            time.sleep(seconds)
+            self.hosts.link("B", up=True)
+        self.inject(f"link down {seconds:.0f} s", WORKER, cut, None, same_process=True)
+        self.rows[-1]["transient"] = True
+
+    def push_stall(self, delay: str = "delay 4000ms") -> None:
+        self.inject("push stalled across the link", WORKER, lambda: self.hosts.netem("B", delay),
+                    rf"{DETECT_B}|did not take the weights", after_detect=lambda: self.hosts.netem("B", None))
+
+    def link_down_past_hang(self) -> None:
+        self.inject("link down past the hang timeout", WORKER, lambda: self.hosts.link("B", up=False), DETECT_B,
+                    after_detect=self._plug_back)
+
+    def _plug_back(self) -> None:
+        self.hosts.link("B", up=True)
+        self._rejoin_if_gone()
+
+    def _rejoin_if_gone(self) -> None:
+        """Ray declares a node it has not heard from for a while dead, and that node's raylet then exits: start
+        B's node again (the replacement's bundle needs its resources)."""
+        time.sleep(5)
+        if self.hosts.addr("B") not in self.hosts.alive_nodes():
+            two_hosts.kill_namespace(self.hosts.ns("B"))
+            self.hosts.join_ray({"rollout_node": 1}, cpus=self.worker_cpus)
+
+    def stop_node_b(self) -> None:
+        def restart():
+            time.sleep(2)
+            self.hosts.join_ray({"rollout_node": 1}, cpus=self.worker_cpus)
+        self.inject("host B's Ray node stopped", WORKER, lambda: self.hosts.stop_ray("B"), DETECT_B,
+                    after_detect=restart)
+
+
+def main(args, overrides: list[str]) -> int:
+    why = two_hosts.unavailable()
+    if why:
+        print(f"fault_drill --hosts 2: cannot make two hosts here: {why}", file=sys.stderr)
+        return 2
+    out = Path(args.out or tempfile.mkdtemp(prefix="fault-drill-hosts-")) / "run"
+    cpus = 2
+    two_hosts.sweep()
+    with two_hosts.TwoHosts() as hosts:
+        hosts.start_ray({"learner_node": 1}, {"rollout_node": 1}, cpus=cpus)
+        run = Run(out, ["trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4",
+                        "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.rollout_workers=1",
+                        "rollout.max_num_seqs=16", f"rollout.max_staleness={args.staleness}",
+                        f"trainer.total_steps={args.steps}", "trainer.save_every=5", "cluster.max_worker_restarts=8",
+                        "cluster.hang_timeout_s=20", "cluster.push_timeout_s=10",
+                        "rollout.reward_fn=scripts.fault_drill:paced_exact", f"cluster.address={hosts.head}",
+                        "+cluster.learner_resources.learner_node=1", "+cluster.rollout_resources.rollout_node=1",
+                        *overrides],
+                  prefix=tuple(hosts.command("A", [])), env=hosts.ray_env)
+        drill = HostsDrill(run, hosts, args.recover_s, cpus)
+        t_start = time.time()
+        try:
+            run.wait(lambda: len(run.records()) >= 4, 900)
+            for fault in (drill.link_blip, drill.push_stall, drill.link_down_past_hang, drill.stop_node_b,
+                          drill.kill_learner):
+                if run.proc.poll() is not None:
+                    break
+                fault()
+                drill.settle()
+            run.proc.wait(timeout=max(60.0, 1800 - (time.time() - t_start)))
+        finally:
+            hosts.netem("B", None)
+            if run.proc.poll() is None:
+                run.proc.terminate()
+                run.proc.wait(timeout=120)
+        problems = check_end(run, args.steps, args.staleness)
+    print(table(drill.rows))
+    for r in drill.rows:
+        print(f"  {r['fault']}: {r['line']!r}")
+    print(f"run directory: {out}; wall {time.time() - t_start:.0f}s; learner on {hosts.addr('A')}, "
+          f"rollout worker on {hosts.addr('B')}")
+    print("checks: " + ("all held (every step trained, staleness <= k, no prompt trained twice, none skipped, "
+                        "nothing left running)" if not problems else "; ".join(problems)))
+    ok = not problems and all(r["recovered_s"] is not None for r in drill.rows)
+    return 0 if ok else 1
