@@ -198,13 +198,18 @@ def test_killed_worker_and_stopped_worker_are_each_replaced_and_the_run_complete
     out, code, stdout, stderr = (faulted_run[key] for key in ("out", "code", "stdout", "stderr"))
     assert code == 0, stdout[-3000:] + stderr[-5000:]
     assert "rollout worker 1 died" in stderr and "starting a replacement" in stderr, stderr[-3000:]
-    m = re.search(r"rollout worker 0 hung \(no answer to a control ping for (\d+)s \(hang timeout (\d+)s\)\); "
+    # the silent rule (launch/hang.py, rule 3; its deadline is the hang timeout here, 15 s) while worker 1 and the
+    # learner answer; the hang timeout's own rule if they were late too
+    m = re.search(r"rollout worker 0 hung \(no answer to a control ping for (\d+)s (?:while the learner and 1 other "
+                  r"worker\(s\) answered every \d+s or sooner \(silent deadline|\(hang timeout) (\d+)s[^)]*\)\); "
                   r"killing it and starting a replacement \(restart 2 of at most 3 within 3600s\)", stderr)
     assert m, stderr[-3000:]
     silent, hang_s = int(m.group(1)), int(m.group(2))
-    print(f"declared hung after {silent}s without an answer (hang timeout {hang_s}s); the replacement logged its "
+    print(f"declared hung after {silent}s without an answer (deadline {hang_s}s); the replacement logged its "
           f"pid {faulted_run['replaced_after']:.0f}s after SIGSTOP")
     assert hang_s == HANG_S and hang_s <= silent < hang_s + 30
+    verdicts = [json.loads(line) for line in (out / "hangs.jsonl").read_text().splitlines()]
+    assert [(v["worker"], v["incarnation"]) for v in verdicts] == [(0, 0)], verdicts  # no false verdict
     train = surviving_steps(_train_records(_records(out)))
     assert [r["step"] for r in train] == list(range(1, STEPS + 1))
     assert train[0]["workers/restarts"] == 0 and train[-1]["workers/restarts"] == 2
