@@ -143,9 +143,9 @@ class Supervisor:
         ends are not deaths to replace again), with their replacements'."""
         for i, verdict in self.hangs.poll():
             ref = next((r for r, w in self.run.worker_refs.items() if w == i), None)
-            self._record_hang(i, verdict, replaced=ref is not None)
             if ref is None:
-                continue  # its run() already ended
+                continue  # its run() already ended (the learner stopped it): nothing to replace, nothing to count
+            self._record_hang(i, verdict)
             del self.run.worker_refs[ref]
             pending = [r for r in pending if r != ref]
             replacement = self._replace(i, verdict.why, hung=True)
@@ -153,7 +153,7 @@ class Supervisor:
                 pending.append(replacement)
         return pending
 
-    def _record_hang(self, i: int, verdict: Verdict, replaced: bool) -> None:
+    def _record_hang(self, i: int, verdict: Verdict) -> None:
         """Every hang verdict, as one line of ``<run dir>/hangs.jsonl`` (worker, incarnation, rule, why, wall time,
         and how long each worker's answers have been apart at most): what a test or the fault drill reads to count
         the verdicts and to find a false one. Never fails the run."""
@@ -161,16 +161,13 @@ class Supervisor:
         seen = self.hangs.seen.get(i)
         record = {"time": round(time.time(), 3), "run_s": round(time.time() - self.started_at, 1), "worker": i,
                   "incarnation": self.incarnations.get(i, 0), "rule": verdict.rule, "why": verdict.why,
-                  "phase": seen.phase if seen else None, "replaced": replaced,
+                  "phase": seen.phase if seen else None,
                   "longest_gaps": self.hangs.longest_gaps()}
         try:
             with open(os.path.join(self.run.plan.output_dir, "hangs.jsonl"), "a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
         except OSError as exc:
             print(f"[asyncppo] warning: hangs.jsonl not written: {exc}", file=sys.stderr, flush=True)
-        if not replaced:
-            print(f"[asyncppo] rollout worker {i} hung ({verdict.why}), but its run had already ended",
-                  file=sys.stderr, flush=True)
 
     def _write_hang_watch(self) -> None:
         """``<run dir>/hang_watch.json`` at the end: the deadlines in force, the verdicts, and per worker (current

@@ -263,3 +263,28 @@ def test_a_pool_whose_calls_all_hang_is_hung_after_the_hang_timeout():
     assert judge(seen, 205.0, HANG, GRACE) is None
     seen.answer(206.0, "generating", 206, env={"stuck": 5, "unanswered_s": 1.0, "returned": 40})
     assert judge(seen, 207.0, HANG, GRACE) is None
+
+
+def test_every_verdict_is_a_line_of_hangs_jsonl_and_the_watch_is_summed_up_at_the_end(tmp_path):
+    """The launcher's record of its verdicts (launch/supervise.py): one line per worker found hung and replaced, with
+    the rule; a worker whose run already ended is neither replaced nor counted; hang_watch.json at the end."""
+    import json
+    from types import SimpleNamespace
+
+    from asyncppo.launch.hang import Verdict
+    from asyncppo.launch.supervise import Supervisor
+
+    plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=True, max_worker_restarts=3,
+                           worker_restart_window_s=3600.0, timeout_s=600.0, output_dir=str(tmp_path))
+    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None,
+                          worker_refs={"ref-1": 1})
+    supervisor = Supervisor(run, console=None, started_at=0.0)
+    why = "no answer to a control ping for 16s while the learner and 1 other worker(s) answered every 8s or sooner"
+    supervisor.hangs.poll = lambda: [(1, Verdict("silent", why)), (0, Verdict("progress", "no progress"))]
+    supervisor._replace = lambda i, why, hung=False: f"ref-{i}.1"
+    assert supervisor._replace_hung(["ref-1", "learner"]) == ["learner", "ref-1.1"]
+    (line,) = [json.loads(x) for x in (tmp_path / "hangs.jsonl").read_text().splitlines()]
+    assert (line["worker"], line["incarnation"], line["rule"], line["why"]) == (1, 0, "silent", why)
+    supervisor._write_hang_watch()
+    watch = json.loads((tmp_path / "hang_watch.json").read_text())
+    assert watch["verdicts"] == 1 and watch["silent_timeout_s"] == 15.0 and watch["hang_timeout_s"] == 60.0
