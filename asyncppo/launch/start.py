@@ -21,7 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.launch.actors import LearnerActor, RolloutActor
-from asyncppo.launch.addresses import LearnerAddresses, PlacementRecord, bundle_nodes, check_reachable
+from asyncppo.launch.addresses import (
+    LearnerAddresses, PlacementRecord, bundle_nodes, check_reachable, same_machine,
+)
 from asyncppo.launch.env_actors import EnvLearnerActor, EnvRolloutActor
 from asyncppo.launch.resolve import LaunchError, LaunchPlan
 
@@ -51,6 +53,7 @@ class RunActors:
         self.worker_refs: dict = {}  # run() ref of a worker -> its index
         self.pg = None
         self.endpoints = None
+        self.worker_hosts: dict[int, str] = {}  # worker index -> its machine's address, when not the learner's
         self.addresses: LearnerAddresses | None = None
 
     @property
@@ -102,6 +105,10 @@ class RunActors:
                        "sync_host": e.sync_host, "sync_port": e.sync_port, "auth": e.curve is not None,
                        "sync_backend": e.sync_backend, "shared_devices": p.shared_devices},
         ).write(p.output_dir)
+        # a worker on another machine is named with it in the launcher's lines (hung, died, replaced): across hosts
+        # "rollout worker 0 hung" alone does not say which machine to look at
+        self.worker_hosts = {i: nodes[p.worker_slot(i)[0]].node_ip for i in range(p.num_workers)
+                             if not same_machine(nodes[p.worker_slot(i)[0]].node_ip, self.addresses.node_ip)}
         for role, index in roles.items():  # fail now, not after cluster.timeout_s, if a role cannot reach them
             if role != "learner-0":
                 check_reachable(self.addresses, role, nodes[index], p.timeout_s)

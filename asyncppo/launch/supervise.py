@@ -185,7 +185,8 @@ class Supervisor:
 
     def _replace(self, i: int, exc: BaseException | str, hung: bool = False) -> Any:
         plan, budget = self.run.plan, self.budget
-        what = f"hung ({exc})" if hung else "died"
+        host = self.run.worker_hosts.get(i)
+        what = (f"on host {host} " if host else "") + (f"hung ({exc})" if hung else "died")
         if not plan.replace_dead_workers or not budget.take():
             window = (f" per cluster.worker_restart_window_s={budget.window_s:g}"
                       if budget.limit and budget.window_s is not None else "")

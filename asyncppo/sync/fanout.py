@@ -27,6 +27,7 @@ group's broadcast costs, because gloo's broadcast also sends the whole buffer to
 
 from __future__ import annotations
 
+import collections
 import logging
 import queue
 import threading
@@ -62,6 +63,13 @@ class _Member:
     queue: "queue.Queue" = field(default_factory=queue.Queue)
     error: str = ""
     last_version: int = -1  # the last version this member took
+    # when each push still queued (or in hand) was queued, oldest first: a push deadline counts from there
+    queued_at: collections.deque = field(default_factory=collections.deque)
+
+    def put(self, item) -> None:
+        """Queue a push (its clock starts now)."""
+        self.queued_at.append(time.monotonic())
+        self.queue.put(item)
 
 
 def _drain(member: _Member) -> None:
@@ -71,6 +79,7 @@ def _drain(member: _Member) -> None:
             member.queue.get_nowait()
             member.queue.task_done()
         except queue.Empty:
+            member.queued_at.clear()
             return
 
 
@@ -164,7 +173,7 @@ class WeightFanout:
             member.sender = WeightSender(group, bucket_bytes=self.bucket_bytes)
             member.state = "ready"
             if self._latest is not None:
-                member.queue.put(self._latest)  # a late joiner gets the current weights before anything else
+                member.put(self._latest)  # a late joiner gets the current weights before anything else
         self._pusher(member, group)
 
     def _pusher(self, member: _Member, group: SyncGroup) -> None:
@@ -197,6 +206,8 @@ class WeightFanout:
                                               f"failed weight push v{version}: {type(e).__name__}: {e}"), late)
                         return
                 finally:
+                    if item is not None and member.queued_at:
+                        member.queued_at.popleft()
                     member.queue.task_done()
         finally:
             group.close()
@@ -255,7 +266,7 @@ class WeightFanout:
             self._latest = (snap, int(version))
             for m in self._members.values():
                 if m.state == "ready":
-                    m.queue.put(self._latest)
+                    m.put(self._latest)
 
     def push_groups(self, metas: list, groups: list[list[int]], produce: Iterable[list[tuple[int, torch.Tensor]]],
                     version: int, budget_bytes: int, on_release=None) -> GroupStream:
@@ -274,7 +285,7 @@ class WeightFanout:
             self._latest = None  # an older snapshot must never reach a late joiner as if it were current
             self._streamed_version = int(version)
             for m in ready:
-                m.queue.put((stream, int(version)))
+                m.put((stream, int(version)))
         it = iter(produce)
         try:
             for _ in groups:
@@ -318,18 +329,26 @@ class WeightFanout:
             time.sleep(0.01)
 
     def retire_late(self, deadline_s: float) -> list[str]:
-        """Wait up to ``deadline_s`` for every live member to take every queued push; retire each one still busy
-        then, and return why (also kept in :attr:`hung`). Unlike :meth:`wait`, nothing is raised: the members that
-        took the weights already hold them, and the late one is the launcher's to replace (``cluster.push_timeout_s``,
-        docs/reliability.md). Its pusher thread may stay blocked in the broadcast until the peer is killed (the
-        connection resets) or the group timeout ends it; it holds no lock and nobody waits for it."""
-        deadline = time.monotonic() + deadline_s
+        """Wait until every live member took every queued push or has had its oldest one for ``deadline_s``
+        (counted from when that push was queued, not from this call: the learner calls this before its next push,
+        a step after the last one started, and a push across a slow link once took 18 s against a 10 s deadline
+        without ever being late by the call's clock); retire each one still busy then, and return why (also kept in
+        :attr:`hung`). Unlike :meth:`wait`, nothing is raised: the members that took the weights already hold them,
+        and the late one is the launcher's to replace (``cluster.push_timeout_s``, docs/reliability.md). Its pusher
+        thread may stay blocked in the broadcast until the peer is killed (the connection resets) or the group
+        timeout ends it; it holds no lock and nobody waits for it."""
+        called = time.monotonic()
+
+        def due(m: _Member) -> float:
+            return (m.queued_at[0] if m.queued_at else called) + deadline_s
+
         while True:
             with self._lock:
                 busy = [m for m in self._members.values() if m.state == "ready" and m.queue.unfinished_tasks]
             if not busy:
                 return []
-            if time.monotonic() > deadline:
+            now = time.monotonic()
+            if all(now > due(m) for m in busy):
                 break
             time.sleep(0.01)
         retired = []

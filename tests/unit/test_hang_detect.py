@@ -123,13 +123,19 @@ def test_a_hang_with_no_replacement_left_ends_the_run_naming_the_worker():
 
     plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=False, max_worker_restarts=0,
                            worker_restart_window_s=3600.0, timeout_s=600.0)
-    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None)
+    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None,
+                          worker_hosts={})
     supervisor = Supervisor(run, console=None, started_at=0.0)
     with pytest.raises(WorkerFailed) as err:
         supervisor._replace(1, "no answer to a control ping for 61s (hang timeout 60s)", hung=True)
     assert str(err.value) == ("rollout worker 1 hung (no answer to a control ping for 61s (hang timeout 60s)) after "
                               "0 restart(s), the limit (cluster.max_worker_restarts=0)")
     assert supervisor.budget.recent() == 0 and supervisor.incarnations == {0: 0, 1: 0}
+    # a worker on another machine than the learner's is named with that machine (launch/start.py worker_hosts)
+    run.worker_hosts = {1: "10.231.0.2"}
+    with pytest.raises(WorkerFailed) as err:
+        supervisor._replace(1, "no answer to a control ping for 16s", hung=True)
+    assert str(err.value).startswith("rollout worker 1 on host 10.231.0.2 hung (no answer"), str(err.value)
 
 
 # ---------------------------------------------------------------------------------------------- the silent rule (3)
@@ -277,7 +283,7 @@ def test_every_verdict_is_a_line_of_hangs_jsonl_and_the_watch_is_summed_up_at_th
     plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=True, max_worker_restarts=3,
                            worker_restart_window_s=3600.0, timeout_s=600.0, output_dir=str(tmp_path))
     run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None,
-                          worker_refs={"ref-1": 1})
+                          worker_refs={"ref-1": 1}, worker_hosts={})
     supervisor = Supervisor(run, console=None, started_at=0.0)
     why = "no answer to a control ping for 16s while the learner and 1 other worker(s) answered every 8s or sooner"
     supervisor.hangs.poll = lambda: [(1, Verdict("silent", why)), (0, Verdict("progress", "no progress"))]

@@ -53,7 +53,8 @@ def test_a_spent_window_ends_the_run_naming_both_options():
 
     plan = SimpleNamespace(num_workers=2, embodied=False, replace_dead_workers=True, max_worker_restarts=2,
                            worker_restart_window_s=3600.0, timeout_s=600.0)
-    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None)
+    run = SimpleNamespace(plan=plan, cfg_dict={"cluster": {"hang_timeout_s": None}}, workers={}, learner=None,
+                          worker_hosts={})
     supervisor = Supervisor(run, console=None, started_at=0.0)
     clock = supervisor.budget.clock = Clock()
     assert supervisor.budget.take() and supervisor.budget.take()  # two replacements, at t = 0
