@@ -5,9 +5,9 @@ Host A (the Ray head) runs the launch and the learner, host B (a Ray worker node
 previous one and trained a few more steps:
 
 1. ``link down 5 s``: B's cable unplugged for 5 s, then plugged back; nothing has to notice, the run goes on;
-2. ``push stalled across the link``: 4 s of delay on every frame to B (``tc netem``), so a weight push cannot
-   finish by the push deadline: the late member is retired, the worker is replaced (the delay is lifted once the
-   fault is named);
+2. ``push stalled across the link``: the link towards B slowed to 1 Mbit/s (``tc qdisc ... tbf``; this machine's
+   kernel has no ``netem`` for delay or loss), so a weight push (2 MB) cannot finish by the push deadline: the
+   late member is retired and the worker replaced (the link is restored once the fault is named);
 3. ``link down past the hang timeout``: B unplugged until the launcher names the worker hung, then plugged back;
 4. ``host B's Ray node stopped``: every process of B killed (what ``ray stop`` on B does), then B's Ray node
    started again, as an operator or an autoscaler would;
@@ -46,9 +46,9 @@ class HostsDrill(Drill):
         self.inject(f"link down {seconds:.0f} s", WORKER, cut, None, same_process=True)
         self.rows[-1]["transient"] = True
 
-    def push_stall(self, delay: str = "delay 4000ms") -> None:
-        self.inject("push stalled across the link", WORKER, lambda: self.hosts.netem("B", delay),
-                    rf"{DETECT_B}|did not take the weights", after_detect=lambda: self.hosts.netem("B", None))
+    def push_stall(self, slow: str = "tbf rate 1mbit burst 16kb latency 400ms") -> None:
+        self.inject("push stalled across the link", WORKER, lambda: self.hosts.qdisc("B", slow),
+                    rf"{DETECT_B}|did not take the weights", after_detect=lambda: self.hosts.qdisc("B", None))
 
     def link_down_past_hang(self) -> None:
         self.inject("link down past the hang timeout", WORKER, lambda: self.hosts.link("B", up=False), DETECT_B,
@@ -105,7 +105,7 @@ def main(args, overrides: list[str]) -> int:
                 drill.settle()
             run.proc.wait(timeout=max(60.0, 1800 - (time.time() - t_start)))
         finally:
-            hosts.netem("B", None)
+            hosts.qdisc("B", None)
             if run.proc.poll() is None:
                 run.proc.terminate()
                 run.proc.wait(timeout=120)

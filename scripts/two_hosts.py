@@ -12,7 +12,7 @@ bridge are three hosts on one link:
 
 The bridge lives in the root namespace and has no address: the root namespace cannot talk to the hosts, and the
 hosts can talk to nothing but each other (no route beyond the subnet). Faults act on the root-side end of a host's
-veth: ``link(host, up=False)`` unplugs the host's cable, ``netem`` delays or drops its frames.
+veth: ``link(host, up=False)`` unplugs the host's cable, ``qdisc`` slows its frames (``tc``).
 
 Everything made here is named ``<prefix>...`` with a per-harness prefix, removed by :meth:`TwoHosts.down` (also on
 failure, from the context manager), and :func:`sweep` removes what a killed earlier run left. Processes are found by
@@ -207,17 +207,18 @@ class TwoHosts:
         """Plug (up) or unplug (down) ``host``'s cable: frames stop both ways; sockets stay open on both ends."""
         _ip("link", "set", self.cable(host), "up" if up else "down")
 
-    def netem(self, host: str, spec: Optional[str]) -> None:
-        """``tc qdisc ... netem <spec>`` on frames towards ``host`` (e.g. ``"delay 2000ms"``, ``"loss 30%"``);
+    def qdisc(self, host: str, spec: Optional[str]) -> None:
+        """``tc qdisc replace ... root <spec>`` on frames towards ``host`` (e.g. ``"tbf rate 1mbit burst 16kb latency
+        400ms"``: a slow link; ``"netem delay 2000ms"`` where the kernel has netem, which this machine's does not);
         None removes it."""
         dev = self.cable(host)
         if spec is None:
             subprocess.run(["tc", "qdisc", "del", "dev", dev, "root"], capture_output=True)
             return
-        proc = subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", "netem", *spec.split()],
+        proc = subprocess.run(["tc", "qdisc", "replace", "dev", dev, "root", *spec.split()],
                               capture_output=True, text=True)
         if proc.returncode != 0:
-            raise RuntimeError(f"tc netem {spec} on {dev}: {proc.stderr.strip()}")
+            raise RuntimeError(f"tc qdisc {spec} on {dev}: {proc.stderr.strip()}")
 
     # -- Ray ----------------------------------------------------------------------------------------------------
     def start_ray(self, head_resources: dict, worker_resources: dict, cpus: int = 1, timeout_s: float = 180) -> None:
