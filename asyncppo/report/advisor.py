@@ -20,9 +20,9 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from asyncppo.report.pipeline import Result
+from asyncppo.pipeline.model import Result
 from asyncppo.report.rates import Rates
-from asyncppo.report.simulator import simulate
+from asyncppo.pipeline.simulator import simulate
 
 
 @dataclass

@@ -24,8 +24,8 @@ Qwen2.5-7B). The rates are derived from public specifications, not measured here
 
 from __future__ import annotations
 
-from asyncppo.report.lengths import LogNormalLengths
-from asyncppo.report.pipeline import EngineSpeed, TrainSpeed
+from asyncppo.pipeline.lengths import LogNormalLengths
+from asyncppo.pipeline.model import EngineSpeed, TrainSpeed
 from asyncppo.report.rates import Rates
 
 SWITCH_S = {"7b-long": 5.0}

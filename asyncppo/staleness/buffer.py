@@ -127,7 +127,7 @@ class StalenessBuffer:
         keep: collections.deque[TrajectoryGroup] = collections.deque()
         dropped = []
         for g in self._q:
-            (dropped if learner_version - g.version_min > self.k else keep).append(g)
+            (dropped if learner_version - g.version_min > self._bound(g) else keep).append(g)
         if dropped:
             self._q = keep
             self.dropped_stale += len(dropped)
@@ -137,6 +137,12 @@ class StalenessBuffer:
                 self.dropped_by_length[length_bucket(max(g.sample_lengths()), self.response_length)] += 1
             self._cv.notify_all()  # room for blocked producers
         return dropped
+
+    def _bound(self, group: TrajectoryGroup) -> int:
+        """The lag a group may have: its ticket's own ``k`` (the one in force at its grant, which a moving window
+        never rewrites: controller.py), or ``k`` for a group the order does not know."""
+        bound = None if self.order is None else getattr(self.order, "bound_of", lambda _t: None)(group.ticket)
+        return self.k if bound is None else min(bound, self.k)
 
     def take(self, n_groups: int, learner_version: int, timeout_s: Optional[float] = None) -> list[TrajectoryGroup]:
         """Hand out the next ``n_groups`` groups whose lag at ``learner_version`` is ``<= k`` (the oldest arrivals,

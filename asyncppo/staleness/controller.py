@@ -52,6 +52,17 @@ Resuming. A run resumed at version ``V`` has already consumed slots ``0 .. V*B -
 checkpoint). ``start_version=V`` starts the controller as if those slots were granted and consumed: fresh indices
 start at ``V*B`` and the live count at ``V*B``, so at most ``(j + 1) * B`` tickets are in flight at once, exactly as
 in a run that never stopped. Starting at ``version=V`` without the offset would grant ``(k + V + 1) * B`` at once.
+
+A window that moves (:meth:`AdmissionController.set_window`, the in-run tuner of ``rollout.max_staleness=auto``).
+Each ticket records the ``k`` in force at its grant (:meth:`bound_of`) and its deadline ``nominal + k`` computed
+then; a change of ``k`` or ``j`` applies to later grants only and never rewrites an outstanding ticket. The batch
+order is earliest deadline first, ties by index (:meth:`lowest_outstanding`): while the window is fixed deadlines
+never decrease along the indices, so that is ticket order exactly; after a change they may (a lower ``k`` gives a
+later ticket an earlier deadline) and index order would train an early-deadline ticket late. Every grant's deadline
+is at least its slot's batch (``slot // B``, since ``j <= k``), so the outstanding tickets always fit one per slot
+from the learner's version on, each by its deadline: earliest-deadline-first training meets them all, and
+:meth:`can_defer` (an exact check of that same schedule) keeps it so. Hence a token is never trained more than the
+``k`` of its own ticket after its weights, and never past ``max(k over the run) <= rollout.max_staleness_cap``.
 """
 
 from __future__ import annotations
@@ -100,6 +111,8 @@ class AdmissionController:
         self._free: list[int] = []  # released indices, re-granted smallest first
         self._outstanding: set[int] = set()  # granted, neither consumed nor released
         self._deadline: dict[int, int] = {}  # outstanding index -> last version it may be trained at
+        self._bound: dict[int, int] = {}  # outstanding index -> the k in force at its grant (its lag bound)
+        self.window_changes = 0  # set_window calls that changed k or j
         self._live = start_version * batch_groups  # granted - released: the slots in use, consumed ones included
         self.granted = 0  # grants, including re-grants of released indices
         self.released = 0
@@ -138,6 +151,25 @@ class AdmissionController:
             self.stopped = True
         self._changed()
 
+    def set_window(self, max_staleness: int, lookahead: int | None = None) -> None:
+        """Move the window to ``k = max_staleness``, ``j = lookahead`` (None: ``k``) for every later grant.
+
+        Outstanding tickets keep the bound and deadline of their grant (module docstring: a moving window), so
+        lowering ``k`` strands nothing: it narrows new grants (no grant until the live count is back under
+        ``(j + v + 1) * B``) and the tickets already out are trained by their own deadlines."""
+        if lookahead is None:
+            lookahead = max_staleness
+        if type(max_staleness) is not int or max_staleness < 0:
+            raise ValueError(f"max_staleness must be an int >= 0, got {max_staleness!r}")
+        if type(lookahead) is not int or not 0 <= lookahead <= max_staleness:
+            raise ValueError(f"lookahead must be an int in [0, max_staleness={max_staleness}], got {lookahead!r}")
+        with self._lock:
+            changed = (max_staleness, lookahead) != (self.k, self.j)
+            self.k, self.j = max_staleness, lookahead
+            self.window_changes += changed
+        if changed:
+            self._changed()
+
     def capacity(self) -> int:
         """How many tickets may be live right now: ``(j + v + 1) * B`` (``j = k`` unless a lookahead is set), and
         never past the run's last slot."""
@@ -168,6 +200,7 @@ class AdmissionController:
             self._live += 1
             self.granted += 1
             self._deadline[index] = nominal + self.k  # unclamped: with j = k exactly the slot's version
+            self._bound[index] = self.k
             return Ticket(index=index, min_version=max(0, nominal))
 
     def _regrant_nominal(self, index: int) -> int:
@@ -203,7 +236,7 @@ class AdmissionController:
                 self.release_unknown += 1
                 return False
             self._outstanding.remove(index)
-            del self._deadline[index]
+            del self._deadline[index], self._bound[index]
             self._live -= 1
             heapq.heappush(self._free, index)
             self.released += 1
@@ -218,14 +251,29 @@ class AdmissionController:
         with self._lock:
             if index in self._outstanding:
                 self._outstanding.remove(index)
-                del self._deadline[index]
+                del self._deadline[index], self._bound[index]
                 self.consumed_count += 1
 
     def lowest_outstanding(self, n: int) -> list[int]:
-        """The ``n`` smallest outstanding ticket indices, ascending (fewer if fewer are outstanding): the groups
-        the learner must train next when it consumes in ticket order (see :class:`StalenessBuffer`)."""
+        """The ``n`` outstanding tickets the learner must train next (fewer if fewer are outstanding): earliest
+        deadline first, ties by index, which is ascending index while the window never moved (module docstring);
+        see :class:`StalenessBuffer`."""
         with self._lock:
-            return heapq.nsmallest(n, self._outstanding)
+            return heapq.nsmallest(n, self._outstanding, key=self._priority_locked)
+
+    def priority(self, index: int) -> tuple[int, int]:
+        """The key the batch order sorts tickets by: ``(deadline, index)`` (an unknown index sorts last)."""
+        with self._lock:
+            return self._priority_locked(index)
+
+    def _priority_locked(self, index: int) -> tuple[int, int]:
+        return self._deadline.get(index, 1 << 62), index
+
+    def bound_of(self, index: int) -> int | None:
+        """The ``k`` in force when outstanding ticket ``index`` was granted: the most versions its tokens may lag
+        when trained (the buffer's guard checks this, not the current ``k``); None if it is not outstanding."""
+        with self._lock:
+            return self._bound.get(index)
 
     def is_outstanding(self, index: int) -> bool:
         with self._lock:

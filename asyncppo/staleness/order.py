@@ -19,6 +19,8 @@ class TicketOrder(Protocol):
 
     def can_defer(self, take: list[int], version: int) -> bool: ...
 
+    def priority(self, index: int) -> tuple[int, int]: ...
+
 
 def next_batch(order: TicketOrder, arrived, n: int, version: int) -> tuple[list[int], int] | None:
     """The tickets of the batch the learner trains at ``version``, given the tickets that have ``arrived`` (a
@@ -26,14 +28,15 @@ def next_batch(order: TicketOrder, arrived, n: int, version: int) -> tuple[list[
 
     The rule of ticket-ordered consumption with deferral (the buffer's docstring says why), pure so that the simulator
     (asyncppo/report/simulator.py) replays exactly what the buffer does: the ``n`` lowest outstanding tickets when
-    all have arrived; else the ``n`` lowest arrived ones, if ``order.can_defer`` says every missing ticket still
+    all have arrived; else the ``n`` lowest arrived ones (both by ``order.priority``), if ``order.can_defer`` says every missing ticket still
     meets its deadline."""
     want = order.lowest_outstanding(n)
     if len(want) < n:
         return None
     if all(t in arrived for t in want):
         return want, 0
-    pool = heapq.nsmallest(n, (t for t in arrived if order.is_outstanding(t)))  # no full sort per call
+    # no full sort per call; the order's own key (deadline, index): ascending index unless the window moved
+    pool = heapq.nsmallest(n, (t for t in arrived if order.is_outstanding(t)), key=order.priority)
     if len(pool) < n or not order.can_defer(pool, version):
         return None
     lowest = set(want)
