@@ -29,7 +29,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from asyncppo.pipeline.fit import fit_line as _fit_line
+from asyncppo.pipeline.fit import engine_speed, learner_speed
 from asyncppo.pipeline.lengths import LogNormalLengths, capped, parse_groups
 from asyncppo.pipeline.model import EngineSpeed, Setup, TrainSpeed
 from asyncppo.report.runs import Run, load_run
@@ -86,42 +86,8 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     resp_len = int(run.cfg("rollout.response_length", 16))
     turns, env_s, model_frac = _episodes(recs, B * n, engines, notes)
 
-    running, step_s, steps = [], [], []  # per record: sequences per decode step, seconds per step, decode steps
-    gaps: list[tuple[float, float]] = []  # (the worker's seconds between two steps, decode steps) per record
-    for r in recs:
-        tokens = float(r.get("response_length/mean") or 0.0) * B * n
-        if isinstance(r.get("rollout/decode_step_s"), (int, float)) and r.get("rollout/running_mean"):
-            run_mean, dss = float(r["rollout/running_mean"]), float(r["rollout/decode_step_s"])
-        elif r.get("rollout/occupancy") and r.get("throughput/gen_tokens_per_s"):
-            run_mean = float(r["rollout/occupancy"]) * max_seqs
-            dss = run_mean / float(r["throughput/gen_tokens_per_s"])
-        else:
-            continue
-        running.append(run_mean)
-        step_s.append(dss)
-        steps.append(tokens / run_mean)  # every running sequence decodes a token per step
-        if isinstance(r.get("rollout/step_gap_s"), (int, float)):
-            gaps.append((float(r["rollout/step_gap_s"]), steps[-1]))
-    if not running:
-        raise ValueError(f"{run_dir}: no generation timing logged (rollout/decode_step_s or rollout/occupancy)")
-    base, per_seq = _fit_line(running, step_s, steps, "decode step time vs running sequences", notes)
-    # the worker's own time between two steps (admission, groups sent): the engine does not step meanwhile, so it
-    # is part of every step's cost (runs before rollout/step_gap_s: none)
-    if gaps and sum(w for _, w in gaps) > 0:
-        gap = sum(g * w for g, w in gaps) / sum(w for _, w in gaps)
-        base += gap
-        notes.append(f"the worker's loop between decode steps: {gap * 1e3:.2f} ms a step, added to the step time")
-
-    tokens_l, work = [], []
-    for r in recs:
-        if all(isinstance(r.get(k), (int, float)) for k in ("time/step_s", "time/wait_s", "response_length/mean")):
-            decoded = model_frac if not isinstance(r.get("episodes/env_token_frac"), (int, float)) \
-                else max(0.01, 1.0 - float(r["episodes/env_token_frac"]))
-            tokens_l.append(float(r["response_length/mean"]) / decoded * B * n)  # with the environment's
-            work.append(float(r["time/step_s"]) - float(r["time/wait_s"]))
-    if not tokens_l:
-        raise ValueError(f"{run_dir}: no learner timing logged (time/step_s, time/wait_s)")
-    t_base, t_tok = _fit_line(tokens_l, work, [1.0] * len(work), "learner step time vs response tokens", notes)
+    base, per_seq = engine_speed(recs, B, n, max_seqs, notes, where=run_dir)
+    t_base, t_tok = learner_speed(recs, B, n, model_frac, notes, where=run_dir)
 
     pushes = [float(r["sync/push_s"]) for r in recs if isinstance(r.get("sync/push_s"), (int, float))
               and r["sync/push_s"] > 0]

@@ -1,0 +1,75 @@
+"""The window tuner's decisions on hand-made rate sequences (asyncppo/pipeline/tuner.py): drift over the budget
+shrinks at once, pinned knobs never move, the cap holds, and noisy rates do not make it oscillate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from asyncppo.pipeline.tuner import WindowTuner
+
+
+def _rec(rng, *, gen_s=0.004, train_s=1.0, kl=0.0, noise=0.0, running=40.0, wait=0.0):
+    """One step's metrics: a decode step of ``gen_s`` per running sequence, a learner step of ``train_s``."""
+    j = 1.0 + rng.uniform(-noise, noise)
+    return {"rollout/decode_step_s": gen_s * running * j, "rollout/running_mean": running * rng.uniform(0.6, 1.4),
+            "response_length/mean": 30.0, "time/step_s": train_s * j + wait, "time/wait_s": wait,
+            "actor/mismatch_kl": kl}
+
+
+def _groups(rng, n=4):
+    """Heavy-tailed lengths: most answers short, a few long (what makes a wider window pay)."""
+    return [[max(2, min(400, int(rng.lognormvariate(3.0, 1.0)))) for _ in range(n)] for _ in range(2)]
+
+
+def _tuner(**kw):
+    base = dict(k=2, j=2, cap=6, tune_k=True, tune_j=False, tie_j=True, batch_groups=2, group_size=4,
+                max_num_seqs=64, every=3, sim_steps=20)
+    base.update(kw)
+    return WindowTuner(**base)
+
+
+def test_drift_over_the_budget_shrinks_at_once_whatever_the_throughput():
+    rng = random.Random(0)
+    t = _tuner(k=5, j=5, budget=0.01)
+    moves = [m for _ in range(3) if (m := t.observe(_rec(rng, kl=0.05, train_s=0.1), _groups(rng)))]
+    assert len(moves) == 1 and (moves[0].k, moves[0].j) == (4, 4) and "drift over budget" in moves[0].reason
+
+
+def test_pinned_knobs_never_move():
+    rng = random.Random(1)
+    t = _tuner(k=3, j=1, tune_k=False, tune_j=False, tie_j=False, budget=0.001)
+    for _ in range(30):
+        assert t.observe(_rec(rng, kl=0.5, train_s=0.05), _groups(rng)) is None
+    t = _tuner(k=3, j=1, tune_k=False, tune_j=True, tie_j=False, budget=0.001)
+    for _ in range(30):
+        m = t.observe(_rec(rng, kl=0.5, train_s=0.05), _groups(rng))
+        assert m is None or m.k == 3
+    assert t.j == 0  # the auto knob shrank to its floor, the pinned k stayed
+
+
+def test_a_generation_bound_run_widens_one_step_at_a_time_up_to_the_cap():
+    rng = random.Random(2)
+    t = _tuner(k=0, j=0, cap=3)
+    ks = [t.k]
+    for _ in range(120):
+        m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+        if m:
+            assert abs(m.k - ks[-1]) == 1 and m.k <= 3 and m.reason
+            ks.append(m.k)
+    assert ks[-1] > 0 and max(ks) <= 3
+
+
+@pytest.mark.xfail(strict=True, reason="open (issue #50): the model's own prediction noise on a heavy-tailed length "
+                   "reservoir exceeds the 5% margin near the flat top, so k walks 6-5-4-5-6 (tuner.py hysteresis)")
+def test_noisy_rates_do_not_make_it_oscillate():
+    rng = random.Random(3)
+    t = _tuner(k=2, j=2)
+    moves = []
+    for _ in range(150):
+        m = t.observe(_rec(rng, noise=0.3), _groups(rng))
+        if m:
+            moves.append(m.k)
+    flips = sum(1 for a, b, c in zip(moves, moves[1:], moves[2:]) if a == c != b)
+    assert flips <= 1 and len(moves) <= 6, moves
