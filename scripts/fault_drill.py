@@ -284,7 +284,7 @@ def table(rows: list[dict]) -> str:
     out = ["| fault | detected after (s) | recovered after (s) | steps lost | samples re-drawn |", "|---|---|---|---|---|"]
     for r in rows:
         detected = "not detected" if r["detected_s"] is None else f"{r['detected_s']:.1f}"
-        if r["detected_s"] is None and not r["line"] and r.get("transient"):
+        if r["detected_s"] is None and r.get("transient"):
             detected = "nothing to detect"
         out.append(f"| {r['fault']} | {detected} | {fmt(r['recovered_s'])} | {r['steps_lost']:.0f} | "
                    f"{r['redrawn_groups'] * GROUP:.0f} ({r['redrawn_groups']:.0f} groups) |")

@@ -215,7 +215,7 @@ class LearnerLoop:
         work, n = self.workload, self.cfg.rollout.rollout_batch_size
         t_step = time.perf_counter()
         work.start_step()
-        records = self._take(buffer, n)
+        records = self._take(buffer, n, wiring)
         t_work = time.perf_counter()
         metrics, batch = work.update(records, self.version)
         metrics.update(lag_stats(self.version, [m for r in records for m in r.sample_version_mins()]))  # per sample
@@ -273,12 +273,16 @@ class LearnerLoop:
         return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - lookahead
                 and wiring.fanout.pushing())
 
-    def _take(self, buffer, n: int) -> list:
-        """Block until ``n`` fresh records are in; fail loudly if the workers stop producing."""
+    def _take(self, buffer, n: int, wiring=None) -> list:
+        """Block until ``n`` fresh records are in; fail loudly if the workers stop producing. Meanwhile a worker
+        that has not taken a push within the push deadline is retired (``WeightFanout.retire_overdue``): the batch
+        may be waiting for that very worker's groups."""
         timeout_s = self.cfg.cluster.timeout_s
         deadline = time.monotonic() + timeout_s
         records: list = []
         while len(records) < n:
+            if wiring is not None:
+                wiring.fanout.retire_overdue(self.push_deadline())
             if not records and self.stop_requested.is_set():
                 raise StopRequested  # nothing of the next batch taken yet: stop here (taken records are trained)
             taken = buffer.take(n - len(records), self.version, timeout_s=1.0)

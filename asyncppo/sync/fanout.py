@@ -351,8 +351,23 @@ class WeightFanout:
             if all(now > due(m) for m in busy):
                 break
             time.sleep(0.01)
+        return self._retire(busy, deadline_s)
+
+    def retire_overdue(self, deadline_s: float) -> list[str]:
+        """Retire, without waiting, every live member whose oldest queued push was queued more than ``deadline_s``
+        ago; return why. The learner calls this while it waits for a batch: :meth:`retire_late` runs only between
+        two steps, and a batch that needs the late worker's own groups (tickets are trained in order) is not
+        complete until that worker has the weights, so across a stalled link the step never came and the push
+        deadline never fired (the run waited for ``cluster.timeout_s``)."""
+        now = time.monotonic()
+        with self._lock:
+            late = [m for m in self._members.values() if m.state == "ready" and m.queue.unfinished_tasks
+                    and m.queued_at and now - m.queued_at[0] > deadline_s]
+        return self._retire(late, deadline_s) if late else []
+
+    def _retire(self, members: list, deadline_s: float) -> list[str]:
         retired = []
-        for m in busy:
+        for m in members:
             why = (f"rollout worker {m.worker_id} (incarnation {m.incarnation}) did not take the weights pushed to it "
                    f"within {deadline_s:.0f}s (cluster.push_timeout_s); it last took v{m.last_version}")
             with self._lock:

@@ -180,3 +180,39 @@ def test_a_worker_that_never_joins_is_named():
             fanout.wait_joined([0], timeout_s=10)
     finally:
         fanout.close()
+
+
+def test_an_overdue_push_is_retired_without_waiting_while_the_learner_waits_for_a_batch():
+    """``retire_overdue`` (called by the learner while it waits for a batch, which may need the late worker's own
+    groups) never waits: nothing is overdue before the push deadline, counted from the push; the stopped member is
+    retired by the first call after it; the live member is never touched."""
+    ctx = mp.get_context("spawn")
+    outs = _queues(ctx)
+    port = find_free_port()
+    fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
+    procs = {}
+    big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
+    try:
+        procs.update(_start_two(ctx, fanout, port, outs))
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        fanout.push_async(big(1), 1)
+        assert outs[0].get(timeout=30) == (0, 0, 1, 1.0)
+        calls = 0
+        while True:
+            c0 = time.monotonic()
+            retired = fanout.retire_overdue(3)
+            assert time.monotonic() - c0 < 0.5  # never waits
+            calls += 1
+            if retired or time.monotonic() - t0 > 20:
+                break
+            time.sleep(0.1)
+        waited = time.monotonic() - t0
+        assert 3 <= waited < 5 and calls > 5, (waited, calls)
+        assert len(retired) == 1 and "rollout worker 1 (incarnation 0)" in retired[0]
+        assert fanout.ready() == [0] and fanout.retire_overdue(3) == []
+    finally:
+        fanout.close()
+        for p in procs.values():
+            p.kill()
+            p.join()

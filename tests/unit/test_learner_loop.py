@@ -79,6 +79,7 @@ def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0, max_staleness=1
     loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
     wiring = SimpleNamespace(control=_Recorder(), admission=_Recorder(), admission_server=_Recorder(),
                              fanout=SimpleNamespace(wait=lambda: None, retire_late=lambda deadline_s: [],
+                                                    retire_overdue=lambda deadline_s: [],
                                                     behind=lambda: False))
     return loop, wiring
 
@@ -182,6 +183,9 @@ class _SlowFanout:
 
     def retire_late(self, deadline_s):  # the learner waits until every queued push is taken
         self.step = max([self.step, *self.done_at])
+        return []
+
+    def retire_overdue(self, deadline_s):  # no push is ever overdue here
         return []
 
     def behind(self):
