@@ -76,11 +76,13 @@ def build_tiny_model(
     alphabet: str = DEFAULT_ALPHABET,
     max_position_embeddings: int = 1024,
     chat: bool = False,
+    moe: dict | None = None,
 ) -> str:
     """Write a randomly initialised fp32 Qwen2ForCausalLM and its tokenizer to ``out_dir``; return the path.
 
     ``chat``: the tokenizer is :func:`~asyncppo.data.chat_tokenizer.build_chat_tokenizer`'s (printable ASCII and
-    the chat special tokens, with the Qwen-style ``TINY_TOOLS_TEMPLATE``) instead of one over ``alphabet``."""
+    the chat special tokens, with the Qwen-style ``TINY_TOOLS_TEMPLATE``) instead of one over ``alphabet``.
+    ``moe``: a Qwen3-MoE instead (:func:`asyncppo.data.tiny_moe.moe_model`, e.g. ``{"experts": 8, "top_k": 2}``)."""
     import torch  # heavy: torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM  # heavy: transformers
 
@@ -107,7 +109,12 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        if moe is not None:
+            from .tiny_moe import moe_model  # heavy: transformers
+
+            model = moe_model(config, **moe)
+        else:
+            model = Qwen2ForCausalLM(config).to(torch.float32)
     # No sampling defaults in the generation config: vLLM and transformers would otherwise silently apply them.
     model.generation_config = GenerationConfig(
         eos_token_id=tokenizer.eos_token_id,
@@ -145,6 +152,12 @@ BUILTIN_MODELS: dict[str, dict] = {
     "tiny-guess": {
         "task": "guess", "hidden": 64, "layers": 2, "heads": 2, "intermediate": 256, "chat": True,
         "sft": {"transcripts": True, "copy_steps": 0, "batch_size": 32, "lr": 2e-3, "tool_share": 0.3},
+    },
+    # A mixture of experts (Qwen3-MoE: 8 experts, top-2, every layer sparse) on the default addition task, warm-started
+    # like tiny-addition (at lr 2e-3: it learns slower, docs/moe.md); data/tiny_moe.py says why this architecture.
+    "tiny-moe": {
+        "task": "addition", "hidden": 128, "layers": 2, "heads": 2, "intermediate": 512,
+        "moe": {"experts": 8, "top_k": 2, "expert_intermediate": 256}, "sft": {"lr": 2e-3},
     },
     # Long generations (data=long, asyncppo/data/long_task.py): responses up to 1,027 tokens, so a 2,048-token
     # context. Warm start: see configs/data/long.yaml and docs/benchmarks.md ("data=long").

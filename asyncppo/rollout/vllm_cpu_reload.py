@@ -17,6 +17,9 @@ recorded at load time for its own reloads. Then each push: ``model.load_weights`
 received data, with the weight kept (vLLM's own CPU dispatch, ``remove_weight=False``). The cost is one unpacked
 copy of each linear weight, which the CPU engine (a correctness target, small models) can afford.
 
+A mixture of experts: the pushed experts are repacked for vLLM's CPU MoE kernel (:mod:`.vllm_cpu_moe`); vLLM's
+own reload would leave them stale, so an expert push that cannot take this path is refused.
+
 Anything unexpected while setting up (no recorded metadata, a layer shape that differs) makes :func:`fast_load`
 return False before a tensor is touched, and the engine keeps vLLM's ``reload_weights`` for good.
 """
@@ -27,6 +30,8 @@ import logging
 from collections.abc import Iterable
 
 import torch
+
+from .vllm_cpu_moe import MoEPushUnsupported, load_experts, split_experts
 
 log = logging.getLogger("asyncppo.rollout")
 
@@ -67,6 +72,9 @@ class _CpuReload:
     def load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
+        named_tensors, experts = split_experts(named_tensors)
+        if experts:  # the CPU MoE kernel's packed experts: assembled and repacked here (vllm_cpu_moe.py)
+            load_experts(self.model, experts)
         loaded = self.model.load_weights(iter(named_tensors))
         if loaded is None:  # a model that does not say what it loaded: rebuild every packed copy
             touched = {id(layer.weight) for layer in self.linear}
@@ -89,6 +97,9 @@ def _load_on_worker(worker, named_tensors: list) -> bool:
             log.warning("vllm engine: the fast CPU weight load is not available (%s); using vLLM's reload", exc)
         setattr(model, _STATE, state)
     if state is False:
+        if split_experts(named_tensors)[1]:
+            raise MoEPushUnsupported("vllm engine: expert weights need the fast CPU load (vLLM's reload_weights "
+                                     "leaves the CPU MoE kernel's packed copy stale), which is unavailable here")
         return False
     with torch.no_grad():
         state.load(named_tensors)

