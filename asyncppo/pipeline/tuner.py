@@ -9,21 +9,40 @@ The rule, every ``every`` steps: measured drift (``actor/mismatch_kl``, mean ove
 ``budget`` shrinks the window at once by one step, whatever the throughput. Otherwise each neighbour one step away
 (``k +- 1``, ``j +- 1`` for the knobs that are auto, within ``[sync_every - 1, cap]``) is simulated on the rates of
 the last ``history`` steps; a raise must predict more than ``margin`` more samples/s, a lowering at most
-``margin / 4`` fewer (staleness is never free), and the same move must win ``patience`` evaluations in a row. The
-gap between the two thresholds is the hysteresis: after a raise that gained ``margin``, lowering back would lose
-about as much, so noisy rates do not make it oscillate. Pinned knobs never move.
+``margin / 4`` fewer (staleness is never free), and no throughput move is made before ``patience`` evaluations at
+the current window. Pinned knobs never move.
+
+Why it does not oscillate on noisy rates (tests/unit/test_window_tuner.py). Two sources of noise, two remedies:
+- the simulator samples lengths from a heavy-tailed reservoir, so one seed's prediction moves by several percent
+  between two windows that are equally good. Every window is predicted as the mean over ``seeds`` seeds, the *same*
+  seeds for the current window and each neighbour (common random numbers): the comparison sees the windows'
+  difference, not the sampler's;
+- the rates themselves: each evaluation re-fits the last ``history`` steps, and where the decode time hardly
+  depends on the running sequences the line fit flips between a fixed-cost and a proportional engine (fit.py's
+  fallback), which moves the predicted gain of a neighbour by 10-15% from one evaluation to the next. The gain a
+  move is judged by is an exponential average over the evaluations since the window last moved (weight ``smooth``
+  on the newest), reset on every move;
+- a move against the direction of the last one must clear a wider band: a lowering after a raise must predict no
+  loss at all (``gain > 0``, not ``> -margin / 4``), a raise after a lowering ``2 * margin``. The raise was made
+  because the model predicted ``margin`` more; undoing it on a smaller signal would be noise. Drift over the budget
+  is exempt (it shrinks at once, whatever came before, and clears the direction).
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
 from asyncppo.pipeline.fit import engine_speed, learner_speed
 from asyncppo.pipeline.lengths import EmpiricalGroups
-from asyncppo.pipeline.model import EngineSpeed, Setup, TrainSpeed
+from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.pipeline.simulator import simulate
+
+
+_AVERAGED = ("samples_per_s", "tokens_per_s", "step_s", "rollout_busy", "train_busy", "occupancy", "lag_mean",
+             "token_lag_mean", "idle_gpu_frac")  # the fields of a prediction the reasons and callers read
 
 
 @dataclass(frozen=True)
@@ -37,16 +56,21 @@ class WindowTuner:
     def __init__(self, *, k: int, j: int, cap: int, tune_k: bool, tune_j: bool, batch_groups: int, group_size: int,
                  sync_every: int = 1, engines: int = 1, train_ranks: int = 1, max_num_seqs: int = 256,
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
-                 patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False):
+                 patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
+                 smooth: float = 0.3):
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
         self.B, self.n, self.sync_every = batch_groups, group_size, sync_every
         self.engines, self.ranks, self.max_num_seqs, self.unit = engines, train_ranks, max_num_seqs, admission_unit
         self.every, self.margin, self.patience, self.sim_steps = every, margin, patience, sim_steps
+        self.seeds = max(1, seeds)
+        self._last: Optional[bool] = None  # whether the last throughput move widened (reversing needs a wider band)
         self.records: collections.deque = collections.deque(maxlen=history)
         self.groups: collections.deque = collections.deque(maxlen=256)  # recent whole groups' lengths
         self.steps = 0
-        self._streak: tuple[Optional[tuple[int, int]], int] = (None, 0)
+        self.smooth = smooth
+        self._gain: dict[tuple[int, int], float] = {}  # neighbour -> smoothed predicted gain at this window
+        self._evals = 0  # evaluations since the window last moved
         self.k_range = [k, k]
         self.j_range = [j, j]
 
@@ -59,6 +83,8 @@ class WindowTuner:
             return None
         move = self._decide()
         if move is not None:
+            self._last = None if move.reason.startswith("drift") else move.k + move.j > self.k + self.j
+            self._gain, self._evals = {}, 0
             self.k, self.j = move.k, move.j
             self.k_range = [min(self.k_range[0], move.k), max(self.k_range[1], move.k)]
             self.j_range = [min(self.j_range[0], move.j), max(self.j_range[1], move.j)]
@@ -89,7 +115,6 @@ class WindowTuner:
     def _decide(self) -> Optional[Move]:
         drift = self.drift()
         if self.budget is not None and drift is not None and drift > self.budget:
-            self._streak = (None, 0)
             for c in ((self.k - 1, self.k - 1 if self.tie_j else self.j) if self.tune_k else None,
                       (self.k, self.j - 1) if self.tune_j and not self.tie_j else None):
                 if c is not None and self._valid(*c):
@@ -100,18 +125,20 @@ class WindowTuner:
         except ValueError:  # not enough measured yet
             return None
         best, best_gain = None, 0.0
+        self._evals += 1
         for c in self._neighbours():
             if self.budget is not None and drift is not None and drift > 0.8 * self.budget and c[0] > self.k:
                 continue  # close to the budget: never widen
-            gain = self.predict(*c).samples_per_s / max(base.samples_per_s, 1e-12) - 1.0
+            raw = self.predict(*c).samples_per_s / max(base.samples_per_s, 1e-12) - 1.0
+            gain = self._gain[c] = raw if c not in self._gain else \
+                self.smooth * raw + (1 - self.smooth) * self._gain[c]  # smoothed over evaluations at this window
             wider = c[0] + c[1] > self.k + self.j
-            if (gain > self.margin if wider else gain > -self.margin / 4) and (best is None or gain > best_gain):
+            undo = self._last is not None and wider != self._last  # against the last move: the wider band
+            need = (2 * self.margin if undo else self.margin) if wider else (0.0 if undo else -self.margin / 4)
+            if gain > need and (best is None or gain > best_gain):
                 best, best_gain = c, gain
-        streak = (best, self._streak[1] + 1 if best is not None and best == self._streak[0] else 1)
-        self._streak = streak if best is not None else (None, 0)
-        if best is None or streak[1] < self.patience:
+        if best is None or self._evals < self.patience:
             return None
-        self._streak = (None, 0)
         if best[0] + best[1] < self.k + self.j:
             why = f"no predicted loss narrower ({best_gain:+.1%})"
         elif base.occupancy < 0.9:
@@ -120,16 +147,20 @@ class WindowTuner:
             why = f"learner waiting (train busy {base.train_busy:.2f}, {best_gain:+.1%} predicted)"
         return Move(best[0], best[1], why)
 
-    def predict(self, k: int, j: int):
-        """The model's result for window ``(k, j)`` on the rates of the recent steps (ValueError: too few)."""
+    def predict(self, k: int, j: int) -> Result:
+        """The model's result for window ``(k, j)`` on the rates of the recent steps, averaged over ``seeds``
+        simulator seeds (the same seeds for every window: module docstring); ValueError: too few steps measured."""
         recs = list(self.records)
         if len(recs) < 3 or not self.groups:
             raise ValueError("too few steps measured")
         notes: list[str] = []
         base, per_seq = engine_speed(recs, self.B, self.n, self.max_num_seqs, notes)
         t_base, t_tok = learner_speed(recs, self.B, self.n, 1.0, notes)
-        setup = Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
-                      max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
-                      steps=self.sim_steps, warmup_steps=min(8, self.sim_steps // 3))
-        return simulate(setup, EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs),
-                        TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups)))
+        gen = EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs)
+        train, lengths = TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups))
+        runs = [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
+                               max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
+                               steps=self.sim_steps, warmup_steps=min(8, self.sim_steps // 3), seed=seed),
+                         gen, train, lengths) for seed in range(self.seeds)]
+        mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
+        return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})

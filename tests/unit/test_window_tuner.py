@@ -61,10 +61,12 @@ def test_a_generation_bound_run_widens_one_step_at_a_time_up_to_the_cap():
     assert ks[-1] > 0 and max(ks) <= 3
 
 
-@pytest.mark.xfail(strict=True, reason="open (issue #50): the model's own prediction noise on a heavy-tailed length "
-                   "reservoir exceeds the 5% margin near the flat top, so k walks 6-5-4-5-6 (tuner.py hysteresis)")
-def test_noisy_rates_do_not_make_it_oscillate():
-    rng = random.Random(3)
+@pytest.mark.parametrize("seed", [3, 4, 5])
+def test_noisy_rates_do_not_make_it_oscillate(seed):
+    """Stationary rates with 30% noise and a heavy-tailed reservoir: the window climbs and stays (once fixed by
+    averaging each prediction over 5 common simulator seeds, smoothing the gain over evaluations, and a wider band
+    against the last move's direction; before that k walked 6-5-4-5-6)."""
+    rng = random.Random(seed)
     t = _tuner(k=2, j=2)
     moves = []
     for _ in range(150):
