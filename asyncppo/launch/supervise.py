@@ -198,7 +198,7 @@ class Supervisor:
             ) from None
         self.incarnations[i] += 1
         print(f"[asyncppo] rollout worker {i} " + (f"{what}; killing it and starting" if hung else
-                                                   f"died ({_first_line(exc)}); starting")
+                                                   f"{what} ({_first_line(exc)}); starting")
               + f" a replacement (restart {budget.recent()} of at most {budget.limit}{budget.span()})",
               file=sys.stderr, flush=True)
         try:
