@@ -135,6 +135,8 @@ def test_two_hosts_train_across_the_link_survive_a_cut_and_shut_out_a_stranger(h
                 if peer == a and pport not in rays and pport not in ports.values()), default=0)
     param_bytes = sum(f.stat().st_size for f in (out / "final").rglob("*.safetensors"))
     assert param_bytes > 0 and pair > STEPS / 2 * param_bytes, (pair, param_bytes, on_a, traffic.conns)
+    print("bytes on B's connections to A [sent, received]:",
+          {name: traffic.to(a, port) for name, port in ports.items()}, "weights (gloo pair):", pair)
     # B's end of that pair listens on B's own address, not on a loopback A cannot reach (sync/group.py)
     assert not [x for x in on_b if x[0] == "127.0.0.1" and x[2].startswith("ray::RolloutAct")], on_b
 
