@@ -1,0 +1,48 @@
+"""End to end: ``asyncppo launch model.path=builtin:tiny-moe`` (a Qwen3-MoE, 8 experts, top-2) trains on vLLM's CPU
+fused-MoE kernel with in-flight pushes that carry the experts.
+
+Why vLLM: it is the engine whose expert weights are packed by a kernel of its own (asyncppo/rollout/vllm_cpu_moe.py);
+a push that left them stale would show as a growing gap between the behaviour and learner log-probs. Measured
+(2 shared cores, 20 steps): 62 s, reward logged every step, policy_version 1..20, ~7k generated tok/s, pushes
+~0.03 s, eval greedy 0.16 -> 0.26 (docs/moe.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from process_tags import TAG_VAR, assert_no_leftovers, new_tag
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+TAG = new_tag("e2e-moe")
+STEPS = 12
+
+
+def test_tiny_moe_trains_on_vllm_with_expert_pushes(tmp_path):
+    run = tmp_path / "run"
+    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
+    proc = subprocess.run(
+        [sys.executable, "-m", "asyncppo", "launch", "model.path=builtin:tiny-moe", "rollout.engine=vllm",
+         f"trainer.total_steps={STEPS}", "trainer.eval_every=0", f"trainer.output_dir={run}",
+         "trainer.logger.wandb=false"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [r for r in records if r.get("reward/mean") is not None]
+    assert [r["policy_version"] for r in train] == list(range(1, STEPS + 1))  # the version advances every step
+    assert all(0.0 <= r["reward/mean"] <= 1.0 for r in train)
+    assert max(r["reward/mean"] for r in train) > 0  # the warm start answers some prompts right
+    assert max(r["staleness/max"] for r in train) >= 1  # trained on tokens from pushed (older) weights
+    # the engine samples with what the learner sent: behaviour vs learner KL stays small (measured mean 0.009, max
+    # 0.043 at lag 1); experts left stale by a push were 0.1 nats off per token (tests/component/test_moe_push.py)
+    kls = [r["actor/mismatch_kl"] for r in train if "actor/mismatch_kl" in r]
+    assert kls and sum(kls) / len(kls) < 0.03, kls
+    assert_no_leftovers(TAG)
