@@ -28,6 +28,7 @@ from asyncppo.config.keys import CONFIG_GROUPS, check_override_key
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.store import register_schema
 from asyncppo.config.validate import ConfigError, validate_config
+from asyncppo.config.validate_window import resolve_window
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: ``env=<gymnasium id>`` without a preset of that name uses this preset with ``env.id=<id>`` (docs/embodied.md).
@@ -137,8 +138,25 @@ def load_config(overrides: Sequence[str] = (), config_dir: Optional[str | Path] 
     if config_file is not None:
         source = Path(config_dir or CONFIG_DIR).resolve()
         with file_config_dir(config_file, source, CONFIG_GROUPS) as tmp:
-            return _finish(to_dataclass(compose(overrides, tmp, "config")))
-    return _finish(to_dataclass(compose(overrides, config_dir, config_name)))
+            return _finish(_auto_from_preset(to_dataclass(compose(overrides, tmp, "config")), overrides, tmp, "config"))
+    cfg = to_dataclass(compose(overrides, config_dir, config_name))
+    return _finish(_auto_from_preset(cfg, overrides, config_dir, config_name))
+
+
+_AUTO_KEYS = ("rollout.max_staleness", "rollout.admission_lookahead")
+
+
+def _auto_from_preset(cfg: AsyncPPOConfig, overrides: Sequence[str], config_dir, config_name: str) -> AsyncPPOConfig:
+    """``rollout.max_staleness=auto`` on the command line over a preset that set a number starts from that number
+    (validate_window.py): the presets' windows were chosen for their task, a better start than a generic one. The
+    preset's values are read by composing once more without the ``auto`` overrides (only when there are some)."""
+    if not any(o.split("=", 1)[0].lstrip("+~") in _AUTO_KEYS and o.endswith("=auto") for o in overrides):
+        return cfg
+    rest = [o for o in overrides if not (o.split("=", 1)[0].lstrip("+~") in _AUTO_KEYS and o.endswith("=auto"))]
+    preset = compose(rest, config_dir, config_name).rollout
+    pk, pj = preset.max_staleness, preset.admission_lookahead
+    resolve_window(cfg, pk if isinstance(pk, int) else None, pj if isinstance(pj, int) else None)
+    return cfg
 
 
 def config_to_yaml(cfg: AsyncPPOConfig) -> str:

@@ -15,7 +15,7 @@ exists in every project, nor every project option here. The dataclasses are regi
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 MISSING_FLOAT: Optional[float] = None
 
@@ -77,6 +77,8 @@ class AlgorithmConfig:
     value_clip: Optional[float] = 0.5
     huber_delta: Optional[float] = None  # None: squared error; a float: Huber loss with this delta
     vf_coef: float = 0.5
+    # the most measured drift (actor/mismatch_kl) an auto window allows; over it the window shrinks. null: no cap
+    offpolicy_budget: Optional[float] = None
     # --- KL -------------------------------------------------------------------------------
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
@@ -132,10 +134,13 @@ class RolloutConfig:
     response_length: int = 16
     overlong_prompt: str = "truncate"  # truncate | skip
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    max_staleness: int = 1
+    max_staleness: Union[int, str] = 1  # an int k, or "auto": the learner moves it (config/validate_window.py)
     # admission window j <= max_staleness: tickets are granted j versions ahead (nominal lag <= j); a straggler may be
     # trained later, up to max_staleness, while the learner trains fresher groups (docs/staleness.md). null: = k
-    admission_lookahead: Optional[int] = None
+    admission_lookahead: Optional[Union[int, str]] = None
+    max_staleness_cap: int = 16  # the most an auto k reaches (and the buffer's guard while the window moves)
+    tune_every: int = 5  # learner steps between two decisions of the auto window
+    window_auto: str = ""  # derived from "auto" above: which knobs the tuner moves ("", k, j, k=j, k,j)
     sync_every: int = 1
     # skip a due push while the previous one is still being taken, if the weights already pushed serve the next
     # batch (pushed >= version - max_staleness); the newest weights go out once it is done (docs/staleness.md)

@@ -23,6 +23,7 @@ from asyncppo.config.validate_algorithm import check_algorithm
 from asyncppo.config.validate_cluster import check_cluster, check_engine_parallel
 from asyncppo.config.validate_lora import check_lora
 from asyncppo.config.validate_text_env import check_text_env, resolve_env_concurrency
+from asyncppo.config.validate_window import check_window, effective, resolve_window
 
 __all__ = ["ConfigError", "check_config", "resolve_derived", "validate_config"]
 
@@ -37,21 +38,23 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
     c.positive("rollout.prompt_length", r.prompt_length)
     c.positive("rollout.response_length", r.response_length)
     c.choice("rollout.overlong_prompt", r.overlong_prompt, C.OVERLONG_PROMPT)
-    c.non_negative("rollout.max_staleness", r.max_staleness)
-    if r.admission_lookahead is not None and not 0 <= r.admission_lookahead <= max(r.max_staleness, 0):
-        c.error("rollout.admission_lookahead", r.admission_lookahead,
-                f"must be null (= rollout.max_staleness) or in [0, rollout.max_staleness={r.max_staleness}]: "
+    check_window(cfg, c)
+    k, j = effective(r)  # "auto" as the numbers the checks below test (validate_window.py)
+    c.non_negative("rollout.max_staleness", k)
+    if j is not None and isinstance(r.max_staleness, int) and not 0 <= j <= max(k, 0):
+        c.error("rollout.admission_lookahead", j,
+                f"must be null (= rollout.max_staleness) or in [0, rollout.max_staleness={k}]: "
                 "tickets granted further ahead than the bound could not be trained within it")
     if r.sync_every < 1:
         c.error("rollout.sync_every", r.sync_every, "must be >= 1 (learner steps between weight pushes)")
-    elif r.max_staleness >= 0 and r.max_staleness < r.sync_every - 1:
-        c.error("rollout.max_staleness", r.max_staleness,
+    elif k >= 0 and k < r.sync_every - 1:
+        c.error("rollout.max_staleness", k,
                 f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: pushing weights every {r.sync_every} "
                 f"steps makes samples up to {r.sync_every - 1} versions old, so a smaller bound can never hold")
-    elif r.admission_lookahead is not None and 0 <= r.admission_lookahead < r.sync_every - 1:
-        c.error("rollout.admission_lookahead", r.admission_lookahead,
+    elif j is not None and 0 <= j < r.sync_every - 1:
+        c.error("rollout.admission_lookahead", j,
                 f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: a ticket needs weights at most "
-                f"{r.admission_lookahead} versions old, and with a push every {r.sync_every} steps the engines "
+                f"{j} versions old, and with a push every {r.sync_every} steps the engines "
                 "never get them, so the run would hang")
     c.choice("rollout.dtype", r.dtype, C.ROLLOUT_DTYPES)
     c.in_range("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, lo_open=True)
@@ -215,6 +218,8 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
     * ``algorithm.ppo_mini_batch_size`` 0: ``rollout.rollout_batch_size / algorithm.ppo_num_mini_batches`` (the
       whole batch when that is 0)
     * ``rollout.prompts_per_call`` 0: ``rollout.rollout_batch_size``
+    * ``rollout.max_staleness`` / ``admission_lookahead`` ``auto``: the start value, ``rollout.window_auto`` says
+      which knobs the tuner moves (validate_window.py)
     * ``rollout.admission_lookahead`` null: ``rollout.max_staleness``
     * ``cluster.advertise_address`` null: ``cluster.bind_address`` (``auto`` stays ``auto``: both are decided in the
       learner actor at launch, launch/addresses.py)
@@ -232,6 +237,7 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
         a.ppo_mini_batch_size = mini_batch_prompts(cfg)
     if r.prompts_per_call == 0:
         r.prompts_per_call = r.rollout_batch_size
+    resolve_window(cfg)  # "auto": its start (before the lookahead's null, which an auto k keeps tied)
     if r.admission_lookahead is None:
         r.admission_lookahead = r.max_staleness
     resolve_env_concurrency(cfg)  # after the lookahead: the window it sizes

@@ -1,0 +1,71 @@
+"""``rollout.max_staleness=auto`` / ``rollout.admission_lookahead=auto``: the checks and where the window starts.
+
+Why a module of its own: ``auto`` is the one place a knob holds a word instead of a number, and every other check
+and every consumer (workers, launch, the learner) reads ``max_staleness`` as an int. So ``auto`` is resolved here,
+once, into the int the run starts from plus ``rollout.window_auto`` (which knobs the in-run tuner,
+:mod:`asyncppo.pipeline.tuner`, may move); a dumped config reloads to the same values and the same tuning.
+
+Where auto starts (docs/configuration.md): the preset's number when the preset set one (the loader reads it,
+:func:`asyncppo.config.loader.load_config`), else :data:`AUTO_START_K`; always clipped to
+``[sync_every - 1, max_staleness_cap]``. An auto lookahead starts at the preset's ``j`` if it set one, else at the
+start of ``k``. A knob set to a number is pinned and never moves.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from asyncppo.config.checks import Checks
+from asyncppo.config.schema import AsyncPPOConfig
+
+AUTO = "auto"
+AUTO_START_K = 4  # the documented start of an auto k when no preset number is known
+# rollout.window_auto: "" (fixed window), "k" (k tuned, j pinned), "j" (j tuned, k pinned), "k=j" (k tuned, j follows
+# it: the lookahead was null), "k,j" (both tuned independently)
+WINDOW_AUTO = ("", "k", "j", "k=j", "k,j")
+
+
+def effective(r) -> tuple[int, Optional[int]]:
+    """The ints the other rollout checks test: an auto ``k`` as its start (unknown yet: the floor), an auto ``j``
+    as null (= k)."""
+    k = r.max_staleness if isinstance(r.max_staleness, int) else max(0, r.sync_every - 1)
+    j = r.admission_lookahead if isinstance(r.admission_lookahead, int) else None
+    return k, j
+
+
+def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
+    r, a = cfg.rollout, cfg.algorithm
+    for key, v in (("rollout.max_staleness", r.max_staleness), ("rollout.admission_lookahead", r.admission_lookahead)):
+        if isinstance(v, str) and v != AUTO:
+            c.error(key, v, 'must be an int or "auto" (the learner tunes it, docs/staleness.md)')
+    if r.max_staleness_cap < max(0, r.sync_every - 1):
+        c.error("rollout.max_staleness_cap", r.max_staleness_cap,
+                f"must be >= 0 and >= rollout.sync_every - 1 = {r.sync_every - 1} (the most an auto k may reach)")
+    if isinstance(r.max_staleness, int) and r.admission_lookahead == AUTO and r.max_staleness > r.max_staleness_cap:
+        c.error("rollout.max_staleness", r.max_staleness,
+                f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto")
+    if r.tune_every < 1:
+        c.error("rollout.tune_every", r.tune_every, "must be >= 1 (learner steps between two window decisions)")
+    if a.offpolicy_budget is not None and not a.offpolicy_budget > 0:
+        c.error("algorithm.offpolicy_budget", a.offpolicy_budget,
+                "must be null (no cap) or > 0 (the most actor/mismatch_kl an auto window allows)")
+    if r.window_auto not in WINDOW_AUTO:
+        c.error("rollout.window_auto", r.window_auto, f"is derived from max_staleness/admission_lookahead=auto; one "
+                f"of {', '.join(repr(w) for w in WINDOW_AUTO)}")
+
+
+def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j: Optional[int] = None) -> None:
+    """Turn ``auto`` into the start value and record it in ``rollout.window_auto``, in place; idempotent (a
+    resolved config has ints). Runs before the lookahead's own default (null: = k)."""
+    r = cfg.rollout
+    k_auto, j_auto = r.max_staleness == AUTO, r.admission_lookahead == AUTO
+    if not (k_auto or j_auto):
+        return
+    lo = max(0, r.sync_every - 1)
+    if k_auto:  # at least a pinned lookahead (j <= k), at most the cap
+        floor = max(lo, r.admission_lookahead if isinstance(r.admission_lookahead, int) else 0)
+        r.max_staleness = max(floor, min(AUTO_START_K if preset_k is None else preset_k, r.max_staleness_cap))
+    if j_auto:
+        start = r.max_staleness if preset_j is None else preset_j
+        r.admission_lookahead = min(max(lo, start), r.max_staleness)
+    r.window_auto = ("k,j" if j_auto else "k=j" if r.admission_lookahead is None else "k") if k_auto else "j"
