@@ -1,4 +1,5 @@
-"""``asyncppo bench fault-drill``: scripts/fault_drill.py as a registered benchmark.
+"""``asyncppo bench fault-drill`` (and ``fault-drill-hosts``, its ``--hosts 2`` form across two test hosts):
+scripts/fault_drill.py as a registered benchmark.
 
 The drill (one short real launch, five faults injected one after another: a killed worker, a stopped worker, a
 worker stopped mid-push, a killed learner, dropped connections) lives in scripts/fault_drill.py, whose reward
@@ -39,7 +40,8 @@ def parse_table(text: str) -> list[dict]:
 
 def run(opts: dict, seed: int, work: str) -> dict:
     cmd = [sys.executable, SCRIPT, "--out", work, "--steps", str(opts["steps"]), "--staleness",
-           str(opts["staleness"]), "--recover-s", str(opts["recover_s"]), *opts["overrides"], f"trainer.seed={seed}"]
+           str(opts["staleness"]), "--recover-s", str(opts["recover_s"]), "--hosts", str(opts.get("hosts", 1)),
+           *opts["overrides"], f"trainer.seed={seed}"]
     print(f"[fault-drill] {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=pinned_env("", ""))
     print(proc.stdout[-4000:], flush=True)
