@@ -222,6 +222,9 @@ def summary_table(records: list[dict], summary: dict, wall_s: float, run_dir: st
         rows.append(("busy (rollout / train)",
                      f"{_fmt(_mean([r.get('util/rollout_busy') for r in train]), '{:.2f}')} / "
                      f"{_fmt(_mean([r.get('util/train_busy') for r in train]), '{:.2f}')}"))
+    window = window_row(train)
+    if window:
+        rows.append(window)
     rollout = summary.get("rollout") if isinstance(summary.get("rollout"), dict) else {}
     if isinstance(rollout.get("occupancy_steady"), (int, float)):
         rows.append(("engine occupancy (without the last step / all)",
@@ -240,6 +243,19 @@ def summary_table(records: list[dict], summary: dict, wall_s: float, run_dir: st
     lines += [f"{k.ljust(width)} | {v}" for k, v in rows]
     hint = lookahead_hint(train, rollout, run_dir)
     return "\n".join(lines + ([hint] if hint else []))
+
+
+def window_row(train: list[dict]) -> Optional[tuple[str, str]]:
+    """Under ``rollout.max_staleness=auto``: the range the window took (``tune/k``, ``tune/j`` of every step) and
+    how many times it moved, so a reader sees at once whether the tuner settled or wandered."""
+    ks = [r["tune/k"] for r in train if isinstance(r.get("tune/k"), int)]
+    js = [r["tune/j"] for r in train if isinstance(r.get("tune/j"), int)]
+    if not ks:
+        return None
+    moves = sum(1 for r in train if r.get("tune/reason"))
+    return ("window k / j (auto: first -> last, range)",
+            f"k {ks[0]} -> {ks[-1]} ({min(ks)}..{max(ks)}), j {js[0]} -> {js[-1]} ({min(js)}..{max(js)}); "
+            f"{moves} change{'s' if moves != 1 else ''}")
 
 
 def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[str]:

@@ -35,6 +35,7 @@ from asyncppo.config.devices import learner_on_gpu
 from asyncppo.learner.final_model import write_whole
 from asyncppo.learner.run_files import latest_name
 from asyncppo.learner.step_metrics import make_logger
+from asyncppo.learner.window import buffer_bound, window_hook
 from asyncppo.metrics import batch_token_lag_stats, lag_stats, token_lag_stats
 from asyncppo.staleness import Feeder, StalenessBuffer
 
@@ -106,6 +107,7 @@ class LearnerLoop:
         self._joined = False  # the weight push may still be running: the shutdown waits for it
         self._in_group = False  # this rank joined the learner group: the shutdown leaves it
         self._engine_eval = None  # the held-out evaluation on the rollout engines, when the workload has one
+        self._window = None  # rollout.max_staleness=auto: the window tuner's hook (learner/window.py)
         # set by the launcher when it restarted a dead learner (launch/learner_restart.py): the live workers hold
         # the dead learner's newer weights, so the checkpoint's are pushed before any ticket; the restart count and
         # the steps it lost go into every metrics record
@@ -140,6 +142,7 @@ class LearnerLoop:
         logger.message(f"waiting for {self.num_workers} {work.workers_name}(s) to join the weight-sync group")
         self._join_workers(wiring)
         buffer = self._open_buffer(wiring)
+        self._window = window_hook(cfg, wiring.admission, logger.message, self.num_workers, self.world_size)
         start = saved_version = self.version
         self.written_version = start  # the checkpoint resumed from (nothing to write at version 0)
         t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
@@ -186,10 +189,11 @@ class LearnerLoop:
     def _open_buffer(self, wiring) -> StalenessBuffer:
         """The ticket-ordered staleness buffer and the feeder thread that fills it through the workload's door."""
         ro, work = self.cfg.rollout, self.workload
+        k = buffer_bound(self.cfg)  # the cap under an auto window: each ticket's own k is the guard (window.py)
         buffer = StalenessBuffer(
-            ro.max_staleness,
+            k,
             # room for everything admission lets into flight, so the feeder never blocks a worker's send
-            capacity_groups=max((ro.max_staleness + 2) * ro.rollout_batch_size, 64),
+            capacity_groups=max((k + 2) * ro.rollout_batch_size, 64),
             on_drop=lambda record: self._release_dropped(wiring, record),
             on_take=work.on_take,  # consumes the ticket (or, for a skipped group, releases it)
             # the batch at version v is the B lowest outstanding tickets: lag <= k without dropping long samples
@@ -239,6 +243,8 @@ class LearnerLoop:
         wiring.control.publish(version=self.version, weights_version=self.pushed_version)
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
         metrics.update(self.run_metrics)
+        if self._window is not None:
+            self._window.after_step(metrics, records)
         if self.cfg.rollout.coalesce_pushes:
             metrics["sync/pushes_coalesced"] = self.pushes_coalesced
         return metrics
@@ -265,11 +271,13 @@ class LearnerLoop:
         """``rollout.coalesce_pushes``: skip a due push while the previous one is still being taken (the engines are
         slower to load than the learner is to step), but only while the weights already pushed serve every ticket
         of the next batch: that batch (version ``v``) holds tickets of ``min_version = v - j`` (``j`` the admission
-        lookahead, ``max_staleness`` unless set), so a skip needs ``pushed_version >= v - j`` (never under ``j=0``).
+        lookahead, ``max_staleness`` unless set), so a skip needs ``pushed_version >= v - j`` (never under ``j=0``);
+        under an auto window ``j`` is the smallest ever in force (outstanding tickets keep the ``j`` of their grant).
         Otherwise, and at the last step, the push waits for the previous one as usual (its deadline retires a late
         worker)."""
         ro = self.cfg.rollout
         lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
+        lookahead = lookahead if self._window is None else self._window.j_min
         return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - lookahead
                 and wiring.fanout.pushing())
 
@@ -362,6 +370,7 @@ class LearnerLoop:
         write_whole(os.path.join(self.output_dir, "final"), lambda path: work.save_final(path, self.version))
         summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
+        summary.update(self._window.summary() if self._window is not None else {})
         self._write_summary(summary)
         # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
         shown = dict(summary)

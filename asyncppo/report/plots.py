@@ -103,9 +103,11 @@ def _reward_panel(x: str) -> Callable:
 PANELS: list[tuple[str, str, str, Callable]] = [
     ("reward_step", "Reward and held-out accuracy", "learner step", _reward_panel("step")),
     ("reward_wall", "Reward and held-out accuracy against time", "wall time (s)", _reward_panel("wall")),
-    ("lag", "Policy lag (versions)", "learner step", _metrics_panel(
+    # under rollout.max_staleness=auto the window in force (tune/k, tune/j) on the same axis: the lag against its bound
+    ("lag", "Policy lag and window (versions)", "learner step", _metrics_panel(
         [("staleness/min", "lag min"), ("staleness/mean", "lag mean"), ("staleness/max", "lag max"),
-         ("staleness/token_mean", "token-weighted lag")], "lag")),
+         ("staleness/token_mean", "token-weighted lag"), ("tune/k", "window k (auto)"),
+         ("tune/j", "window j (auto)")], "lag")),
     ("utilisation", "Busy fractions and engine occupancy", "learner step", _metrics_panel(
         [("util/rollout_busy", "rollout busy"), ("util/train_busy", "train busy"),
          ("rollout/occupancy", "engine occupancy")], "fraction")),

@@ -1,0 +1,65 @@
+"""The learner's side of ``rollout.max_staleness=auto``: feed the window tuner each step's metrics, apply its moves
+to the admission controller, and make every decision visible.
+
+Why a hook of its own and not code inside the loop: the loop (loop.py) owns steps, versions and pushes; the window
+is one more consumer of the step's metrics, and keeping it here keeps the loop's edit to three calls. The tuner
+(:mod:`asyncppo.pipeline.tuner`) is pure and predicts with the advisor's model; this hook only turns the config into
+its arguments and the learner's records into its inputs.
+
+What the bound relies on (docs/staleness.md, "A window that moves"): the buffer is opened with ``k = cap`` so its
+guard is each ticket's own ``k`` (``AdmissionController.bound_of``), and :meth:`AdmissionController.set_window`
+changes later grants only. A pinned knob is passed to the tuner as not tunable and never moves.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from asyncppo.pipeline.tuner import WindowTuner
+
+
+class WindowHook:
+    """One per run when ``rollout.window_auto`` is set (:func:`window_hook` returns None otherwise)."""
+
+    def __init__(self, cfg, admission, say: Callable[[str], None], engines: int = 1, train_ranks: int = 1):
+        r = cfg.rollout
+        self.admission, self.say = admission, say
+        self.tuner = WindowTuner(
+            k=r.max_staleness, j=r.admission_lookahead, cap=r.max_staleness_cap,
+            tune_k="k" in r.window_auto, tune_j="j" in r.window_auto, tie_j=r.window_auto == "k=j",
+            batch_groups=r.rollout_batch_size, group_size=r.num_return_sequences_in_group,
+            sync_every=r.sync_every, engines=max(1, engines), train_ranks=max(1, train_ranks),
+            max_num_seqs=r.max_num_seqs, admission_unit=r.admission_unit,
+            budget=cfg.algorithm.offpolicy_budget, every=r.tune_every)
+        self.j_min = r.admission_lookahead  # the smallest j ever in force (what a coalesced push must still serve)
+        self.changes = 0
+
+    def after_step(self, metrics: dict, records: list) -> None:
+        """Feed one step; on a move set the window, say why on the console and in this step's record. Every
+        record gets ``tune/k`` and ``tune/j`` (the window in force for the grants after this step)."""
+        lengths = [list(r.sample_lengths()) for r in records if hasattr(r, "sample_lengths")]
+        old = (self.tuner.k, self.tuner.j)
+        move = self.tuner.observe(metrics, lengths)
+        if move is not None:
+            self.admission.set_window(move.k, move.j)
+            self.j_min = min(self.j_min, move.j)
+            self.changes += 1
+            metrics["tune/reason"] = move.reason
+            self.say(f"window k {old[0]} -> {move.k}, j {old[1]} -> {move.j}: {move.reason}")
+        metrics["tune/k"], metrics["tune/j"] = self.tuner.k, self.tuner.j
+
+    def summary(self) -> dict:
+        t = self.tuner
+        return {"window": {"k_range": list(t.k_range), "j_range": list(t.j_range), "changes": self.changes,
+                          "k_final": t.k, "j_final": t.j}}
+
+
+def window_hook(cfg, admission, say, engines: int = 1, train_ranks: int = 1) -> Optional[WindowHook]:
+    """The hook for an auto window, None for a fixed one (nothing is measured or logged then)."""
+    return WindowHook(cfg, admission, say, engines, train_ranks) if cfg.rollout.window_auto else None
+
+
+def buffer_bound(cfg) -> int:
+    """The buffer's global guard: the cap while the window may move (each ticket's own k binds below it), else k."""
+    r = cfg.rollout
+    return r.max_staleness_cap if "k" in r.window_auto else r.max_staleness

@@ -1,0 +1,57 @@
+"""The learner's window hook (asyncppo/learner/window.py) on a real admission controller: every step's record
+carries the window, a move reaches the controller and the console with its reason, a fixed window has no hook, and
+the summary table gives the range the window took (launch/console.py)."""
+
+from __future__ import annotations
+
+import random
+
+from asyncppo.config.loader import load_config
+from asyncppo.launch.console import window_row
+from asyncppo.learner.window import buffer_bound, window_hook
+from asyncppo.staleness.controller import AdmissionController
+
+
+class _Group:
+    def __init__(self, lengths):
+        self._lengths = lengths
+
+    def sample_lengths(self):
+        return self._lengths
+
+
+def _step(rng, B=2):
+    """A generation-bound step (the learner waits on a slow engine): the tuner should widen."""
+    running = rng.uniform(10, 60)
+    metrics = {"rollout/decode_step_s": 0.002 + 0.0004 * running, "rollout/running_mean": running,
+               "response_length/mean": 30.0, "time/step_s": 0.05, "time/wait_s": 0.0, "actor/mismatch_kl": 0.0}
+    groups = [_Group([max(2, min(400, int(rng.lognormvariate(3.0, 1.0)))) for _ in range(4)]) for _ in range(B)]
+    return metrics, groups
+
+
+def test_moves_reach_the_controller_the_console_and_every_record():
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.tune_every=3", "rollout.rollout_batch_size=2",
+                       "rollout.num_return_sequences_in_group=4", "rollout.max_staleness_cap=4",
+                       "rollout.max_num_seqs=64"])
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append)
+    rng, records = random.Random(0), []
+    for _ in range(60):
+        metrics, groups = _step(rng)
+        hook.after_step(metrics, groups)
+        assert (metrics["tune/k"], metrics["tune/j"]) == (adm.k, adm.j)  # the record says what is in force
+        records.append(metrics)
+    assert said and all(line.startswith("window k ") and ": " in line for line in said), said
+    assert len([r for r in records if "tune/reason" in r]) == len(said) == hook.changes
+    assert 1 < adm.k <= 4 and adm.j == adm.k  # widened from 1, a null lookahead follows k, the cap holds
+    assert hook.summary()["window"]["k_range"] == [1, adm.k]
+    what, value = window_row(records)
+    assert what.startswith("window k / j") and value.startswith(f"k 1 -> {adm.k} (1..{adm.k})")
+
+
+def test_a_fixed_window_has_no_hook_and_the_buffer_guard_is_the_cap_only_under_auto():
+    fixed = load_config(["rollout.max_staleness=3"])
+    assert window_hook(fixed, None, print) is None and buffer_bound(fixed) == 3 and window_row([{"step": 1}]) is None
+    auto = load_config(["rollout.max_staleness=auto", "rollout.max_staleness_cap=9"])
+    assert buffer_bound(auto) == 9
