@@ -6,11 +6,22 @@ vLLM engine validates against names them per expert, and vLLM's CPU MoE kernel p
 "successfully" could still leave the engine's experts stale (measured: 0.12 nats off before the fix,
 asyncppo/rollout/vllm_cpu_moe.py). The check is the engine's own packed tensors against the learner's weights packed
 the same way, and the engine's sampled-token log-probs against transformers' with the pushed weights.
+
+Every vLLM engine here runs in a spawned child process of its own: vLLM's parallel state is per process and set up
+once, by the first engine a process builds, so after a dense engine (the session's, or another test's) a MoE engine in
+the same pytest process finds no expert-parallel group. In the product each rollout worker is a process with one
+engine. The child returns plain numbers and numpy arrays (samples, log-probs, packed experts); the assertions stay here.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -21,18 +32,30 @@ MOE = {"experts": 8, "top_k": 2, "expert_intermediate": 256}
 PROMPTS = ["07+45=", "12+34=", "99+01="]
 
 
-def _engine_lp_error(engine, model, tok) -> float:
-    """Largest |engine log-prob - transformers log-prob| over sampled tokens of PROMPTS."""
-    prompts = [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
+VLLM_ENV = {"VLLM_TARGET_DEVICE": "cpu", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+            "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+def _sample(engine, prompts: list[list[int]]) -> list[list[tuple[list[int], list[float]]]]:
+    """Per prompt: (sampled token ids, the engine's log-probs of them) for each of 2 samples."""
+    return [[([int(t) for t in c.token_ids], [float(x) for x in c.logprobs]) for c in group]
+            for group in engine.generate(prompts, n=2, max_tokens=6, temperature=1.0, seed=1)]
+
+
+def _lp_error(samples, prompts: list[list[int]], model) -> float:
+    """Largest |engine log-prob - transformers log-prob| over the sampled tokens of ``samples``."""
     worst = 0.0
-    for p, group in zip(prompts, engine.generate(prompts, n=2, max_tokens=6, temperature=1.0, seed=1)):
-        for c in group:
-            toks = [int(t) for t in c.token_ids]
+    for p, group in zip(prompts, samples):
+        for toks, logprobs in group:
             with torch.no_grad():
                 lp = torch.log_softmax(model(torch.tensor([p + toks])).logits[0, :-1].float(), -1)
             ref = torch.stack([lp[len(p) - 1 + i, t] for i, t in enumerate(toks)])
-            worst = max(worst, float((ref - torch.tensor(c.logprobs)).abs().max()))
+            worst = max(worst, float((ref - torch.tensor(logprobs)).abs().max()))
     return worst
+
+
+def _prompts(tok) -> list[list[int]]:
+    return [tok.encode(p, add_special_tokens=False) for p in PROMPTS]
 
 
 def _perturb(model, seed: int) -> None:
@@ -61,6 +84,51 @@ def _engine_experts(engine) -> tuple[dict[str, torch.Tensor], str]:
         return {n: p.detach().clone() for n, p in model.named_parameters() if "routed_experts" in n}, isa
     (out,) = engine.llm.collective_rpc(read)
     return out
+
+
+def _vllm_child(path: str, prompts: list[list[int]], state: dict, q) -> None:
+    """In a fresh process: a vLLM engine over ``path`` samples ``prompts``, takes ``state`` (numpy arrays, learner
+    names) in layer groups, and samples again; reports the samples, the push's group count and its packed experts."""
+    try:
+        os.environ.update(VLLM_ENV)
+        from asyncppo.rollout.vllm_engine import VLLMEngine
+
+        engine = VLLMEngine(path, max_model_len=64, seed=0)
+        try:
+            res = {"before": _sample(engine, prompts)}
+            res["groups"] = _push_in_layer_groups(engine, {n: torch.from_numpy(a) for n, a in state.items()})
+            experts, res["isa"] = _engine_experts(engine)
+            res["experts"] = {n: t.numpy() for n, t in experts.items()}
+            res["after"] = _sample(engine, prompts)
+        finally:
+            engine.close()
+    except BaseException:
+        res = {"error": traceback.format_exc()}
+    q.put(res)
+
+
+def _in_child_engine(path: str, prompts: list[list[int]], state: dict, timeout_s: float = 600.0) -> dict:
+    """Run :func:`_vllm_child` in a spawned process; its report, or a failure naming why none came."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    proc = ctx.Process(target=_vllm_child, args=(path, prompts, {n: t.detach().numpy() for n, t in state.items()}, q))
+    proc.start()
+    try:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                res = q.get(timeout=2)  # before join: the child's large report must be drained for it to exit
+                break
+            except queue.Empty:
+                assert proc.is_alive(), f"vLLM child exited with code {proc.exitcode} before reporting"
+                assert time.monotonic() < deadline, f"vLLM child reported nothing within {timeout_s} s"
+    finally:
+        proc.join(60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert "error" not in res, res["error"]
+    return res
 
 
 def test_tiny_moe_builtin_is_a_top2_of_8_mixture_and_its_warm_start_beats_chance(tmp_path):
@@ -95,26 +163,24 @@ def test_expert_push_reaches_vllm_packed_experts_and_the_hf_engine(tmp_path):
 
     from asyncppo.data.tiny import build_tiny_model
     from asyncppo.rollout.hf_engine import HFEngine
-    from asyncppo.rollout.vllm_engine import VLLMEngine
 
     path = build_tiny_model(str(tmp_path / "moe"), seed=0, moe=MOE)
     tok = AutoTokenizer.from_pretrained(path)
-    learner = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    engine = VLLMEngine(path, max_model_len=64, seed=0)
-    try:
-        assert _engine_lp_error(engine, learner, tok) < 1e-4
-        _perturb(learner, seed=3)
-        assert _push_in_layer_groups(engine, learner.state_dict()) == 5  # embedding, 2 layers (experts inside), norm, head
-        got, isa = _engine_experts(engine)
-        for i, layer in enumerate(learner.model.layers):
-            experts = layer.mlp.experts
-            for attr, mine in (("w13_weight", experts.gate_up_proj), ("w2_weight", experts.down_proj)):
-                want = cpu_prepack_moe_weight(mine.detach().contiguous(), isa)  # the kernel's layout on this CPU
-                name = f"model.layers.{i}.mlp.experts.routed_experts.{attr}"
-                assert torch.equal(got[name], want), name
-        assert _engine_lp_error(engine, learner, tok) < 1e-4  # it samples with the pushed experts
-    finally:
-        engine.close()
+    prompts = _prompts(tok)
+    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    learner = copy.deepcopy(start)
+    _perturb(learner, seed=3)
+    res = _in_child_engine(path, prompts, learner.state_dict())
+    assert _lp_error(res["before"], prompts, start) < 1e-4
+    assert res["groups"] == 5  # embedding, 2 layers (experts inside), norm, head
+    got, isa = res["experts"], res["isa"]
+    for i, layer in enumerate(learner.model.layers):
+        experts = layer.mlp.experts
+        for attr, mine in (("w13_weight", experts.gate_up_proj), ("w2_weight", experts.down_proj)):
+            want = cpu_prepack_moe_weight(mine.detach().contiguous(), isa)  # the kernel's layout on this CPU
+            name = f"model.layers.{i}.mlp.experts.routed_experts.{attr}"
+            assert torch.equal(torch.from_numpy(got[name]), want), name
+    assert _lp_error(res["after"], prompts, learner) < 1e-4  # it samples with the pushed experts
     hf = HFEngine(path, max_model_len=64)
     try:
         hf.update_weights(learner.state_dict().items())
@@ -131,7 +197,6 @@ def test_a_save_pretrained_moe_directory_loads_in_learner_and_both_engines(tmp_p
     from asyncppo.data.tiny import build_tokenizer, resolve_model_path
     from asyncppo.learner.models import load_actor
     from asyncppo.rollout.hf_engine import HFEngine
-    from asyncppo.rollout.vllm_engine import VLLMEngine
 
     d = tmp_path / "ckpt"
     tok = build_tokenizer()
@@ -147,14 +212,12 @@ def test_a_save_pretrained_moe_directory_loads_in_learner_and_both_engines(tmp_p
     actor = load_actor(path, torch.float32, torch.device("cpu")).eval()
     assert tuple(actor.model.layers[2].mlp.experts.down_proj.shape) == (4, 128, 64)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    engine = VLLMEngine(path, max_model_len=64, seed=0)
-    try:
-        assert _engine_lp_error(engine, actor, tokenizer) < 1e-4
-        _perturb(actor, seed=5)
-        _push_in_layer_groups(engine, actor.state_dict())
-        assert _engine_lp_error(engine, actor, tokenizer) < 1e-4
-    finally:
-        engine.close()
+    prompts = _prompts(tokenizer)
+    pushed = copy.deepcopy(actor)
+    _perturb(pushed, seed=5)
+    res = _in_child_engine(path, prompts, pushed.state_dict())
+    assert _lp_error(res["before"], prompts, actor) < 1e-4
+    assert _lp_error(res["after"], prompts, pushed) < 1e-4
     hf = HFEngine(path, max_model_len=64)
     try:
         out = hf.generate([tokenizer.encode("12+34=", add_special_tokens=False)], n=2, max_tokens=4, temperature=1.0)
