@@ -9,6 +9,7 @@ import random
 from asyncppo.config.loader import load_config
 from asyncppo.launch.console import window_row
 from asyncppo.learner.window import buffer_bound, window_hook
+from asyncppo.pipeline.tuner import Move
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -46,6 +47,7 @@ def test_moves_reach_the_controller_the_console_and_every_record():
     assert len([r for r in records if "tune/reason" in r]) == len(said) == hook.changes
     assert 1 < adm.k <= 4 and adm.j == adm.k  # widened from 1, a null lookahead follows k, the cap holds
     assert hook.summary()["window"]["k_range"] == [1, adm.k]
+    assert hook.j_min == 1  # what a coalesced push is checked against: the smallest j ever in force (loop.py)
     what, value = window_row(records)
     assert what.startswith("window k / j") and value.startswith(f"k 1 -> {adm.k} (1..{adm.k})")
 
@@ -55,3 +57,15 @@ def test_a_fixed_window_has_no_hook_and_the_buffer_guard_is_the_cap_only_under_a
     assert window_hook(fixed, None, print) is None and buffer_bound(fixed) == 3 and window_row([{"step": 1}]) is None
     auto = load_config(["rollout.max_staleness=auto", "rollout.max_staleness_cap=9"])
     assert buffer_bound(auto) == 9
+
+
+def test_a_lowered_lookahead_is_what_a_coalesced_push_must_still_serve():
+    """Tickets keep the j of their grant, so after a lowering the push check uses the lower j; after a raise the
+    older, lower j still holds for tickets granted before it (j_min never rises)."""
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.max_staleness_cap=6"])
+    adm = AdmissionController(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
+    hook = window_hook(cfg, adm, lambda _line: None)
+    for move, j_min in ((Move(3, 3, "up"), 1), (Move(0, 0, "down"), 0), (Move(2, 2, "up"), 0)):
+        hook.tuner.observe = lambda *_a, m=move: m  # the decision itself is test_window_tuner.py's
+        hook.after_step({}, [])
+        assert (adm.k, adm.j, hook.j_min) == (move.k, move.j, j_min)
