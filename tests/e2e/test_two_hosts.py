@@ -79,13 +79,16 @@ def _scan(h, targets: list[tuple[str, int, str]]) -> list[dict]:
 def test_two_hosts_train_across_the_link_survive_a_cut_and_shut_out_a_stranger(hosts, tmp_path):
     h, out = hosts, tmp_path / "run"
     a, b = h.addr("A"), h.addr("B")
-    env = dict(h.ray_env, WANDB_MODE="offline", PYTHONUNBUFFERED="1")
+    env = dict(h.ray_env, WANDB_MODE="offline", PYTHONUNBUFFERED="1", PYTHONPATH=str(REPO))
     traffic = LinkTraffic(h, "B").start()
     log = open(tmp_path / "launch.log", "w")
     proc = h.popen("A", [sys.executable, "-m", "asyncppo", "launch", f"trainer.output_dir={out}",
                          "trainer.logger.wandb=false", f"cluster.address={h.head}",
                          "+cluster.learner_resources.learner_node=1", "+cluster.rollout_resources.rollout_node=1",
-                         f"trainer.total_steps={STEPS}", "cluster.timeout_s=120"],
+                         f"trainer.total_steps={STEPS}", "cluster.timeout_s=120",
+                         # exact match, 0.3 s a sample while <run dir>/DRILL_SLOW exists: the run outlasts the scan
+                         # however fast the machine is
+                         "rollout.reward_fn=scripts.fault_drill:paced_exact"],
                    cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         # -- the cable pulled mid-run ---------------------------------------------------------------------------
@@ -94,11 +97,13 @@ def test_two_hosts_train_across_the_link_survive_a_cut_and_shut_out_a_stranger(h
         time.sleep(CUT_S)
         h.link("B", up=True)
         # -- a stranger on the link, while the run's sockets are open ----------------------------------------------
+        (out / "DRILL_SLOW").touch()
         on_a, on_b = listening(h, "A"), listening(h, "B")
         targets = [(a, p, who) for addr, p, who in on_a if addr != "127.0.0.1"]
         targets += [(b, p, who) for addr, p, who in on_b if addr != "127.0.0.1"]
         scan = _scan(h, targets)
         alive_after_scan = proc.poll() is None
+        (out / "DRILL_SLOW").unlink()
         no_token = h.run("X", [sys.executable, "-c", f"import ray; ray.init(address='{h.head}')"],
                          env={k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}, timeout=120)
         rc = proc.wait(timeout=900)
