@@ -40,7 +40,7 @@ def parse_table(text: str) -> list[dict]:
 
 def run(opts: dict, seed: int, work: str) -> dict:
     cmd = [sys.executable, SCRIPT, "--out", work, "--steps", str(opts["steps"]), "--staleness",
-           str(opts["staleness"]), "--recover-s", str(opts["recover_s"]), "--hosts", str(opts.get("hosts", 1)),
+           str(opts["staleness"]), "--recover-s", str(opts["recover_s"]), "--hosts", str(opts["hosts"]),
            *opts["overrides"], f"trainer.seed={seed}"]
     print(f"[fault-drill] {' '.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=pinned_env("", ""))

@@ -223,7 +223,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         Target("drill passed", ">=", 1.0, over="every seed",
                why="docs/reliability.md: every fault recovers and every end check holds"),
         "~5 min (274-327 s measured)", "asyncppo.bench.fault_drill:run",
-        options=dict(steps=150, staleness=1, recover_s=300.0, overrides=[]), quick={}, quick_expected="~5 min",
+        options=dict(steps=150, staleness=1, recover_s=300.0, hosts=1, overrides=[]), quick={}, quick_expected="~5 min",
         history=(("reliability.md", "The fault drill"),)),
     Benchmark(
         "fault-drill-hosts", "The fault drill across two hosts",

@@ -41,6 +41,8 @@ from asyncppo.stream.framing import decode_message, encode_message
 from asyncppo.stream.redial import Redialer, RedialingClient
 from asyncppo.stream.security import CurveKeys, apply_client
 
+# earlier connections a re-created socket names in its reattaches, at most (a link breaking that often is down)
+MAX_REATTACH = 4
 log = logging.getLogger(__name__)
 
 #: How many given-up requests and given-back tickets a client remembers, to sort ``held`` grants (module
@@ -60,8 +62,13 @@ class AdmissionClient(RedialingClient):
         # this socket's routing id and the previous one's, and whether the server knows them (an acquire or a
         # reattach was sent on them): a reattach names the previous one only then (module docstring)
         self._rid: Optional[bytes] = None
-        self._prev_rid: Optional[bytes] = None
-        self._known = self._prev_known = False
+        self._known = False
+        # earlier connections whose grants may still be recorded against them on the server, newest first: each one
+        # on which something was sent since the last valid reply. A reattach is only known to have been read once a
+        # reply arrives on its socket; a socket that dies before that would otherwise strand its predecessor's
+        # grants (the next socket named a connection the server never heard of), so every candidate is named
+        # until a reply confirms the chain (the server refuses, and counts, the names it no longer knows)
+        self._candidates: list[bytes] = []
 
         def make() -> zmq.Socket:
             sock = ctx.socket(zmq.DEALER)
@@ -70,8 +77,9 @@ class AdmissionClient(RedialingClient):
             rid = f"asyncppo-w{self.worker_id}-".encode() + secrets.token_bytes(ROUTING_SECRET_BYTES)
             sock.setsockopt(zmq.ROUTING_ID, rid)
             apply_client(sock, curve)
-            self._prev_rid, self._rid = self._rid, rid
-            self._prev_known, self._known = self._known, False
+            if self._known and self._rid is not None:
+                self._candidates = [self._rid, *self._candidates][:MAX_REATTACH]
+            self._rid, self._known = rid, False
             return sock
 
         self._req = 0
@@ -152,8 +160,8 @@ class AdmissionClient(RedialingClient):
         the new connection, for every request still unanswered (the server skips those it moved over with the
         reattach; a grant that still arrives twice for one request is given back like any grant nobody waits
         for)."""
-        reattach = self._prev_known and self._prev_rid is not None
-        msgs = [encode_message("reattach", worker_id=self.worker_id, previous=self._prev_rid)] if reattach else []
+        msgs = [encode_message("reattach", worker_id=self.worker_id, previous=rid) for rid in self._candidates]
+        reattaches = len(msgs)
         reqs = sorted(self._open | ({self._waiting} if self._waiting is not None else set()))
         msgs += [encode_message("acquire", worker_id=self.worker_id, req=first, count=count)
                  for first, count in _runs(reqs)]
@@ -164,8 +172,8 @@ class AdmissionClient(RedialingClient):
                 log.warning("admission client of worker %d: could not reattach or ask again (%d messages lost)",
                             self.worker_id, len(msgs) - i)
                 return
-            self._known = True  # the server knows this connection once it reads either message
-            if i == 0 and reattach:
+            self._known = True  # the server knows this connection once it reads any of these messages
+            if i < reattaches:
                 self.reattaches += 1
 
     @property
@@ -216,6 +224,7 @@ class AdmissionClient(RedialingClient):
                 log.warning("rejected admission reply: %s", e)
                 continue
             self._redial.healthy()
+            self._candidates = []  # a reply on this socket: the server read its first message, the reattaches
             if kind == "stop":
                 return kind, f
             wanted = f["req"] in self._open or f["req"] == self._waiting

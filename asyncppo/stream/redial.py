@@ -67,6 +67,7 @@ class Redialer:
         self._down_since: Optional[float] = None  # when a disconnect with no retry after it was seen
         self._backoff = min_backoff_s
         self._last_redial = -math.inf
+        self._failed = False  # the last redial could not make its socket (tried again when the backoff allows)
         self.sock, self._monitor = self._open()
 
     def _open(self) -> tuple[zmq.Socket, zmq.Socket]:
@@ -98,8 +99,10 @@ class Redialer:
     def check(self) -> bool:
         """Read the monitor's events; re-create the socket if its connection was given up. True if it was (the
         old socket and anything still queued on it are gone)."""
-        if self.sock.closed:
-            return False
+        if self.sock.closed:  # closed by close(), or a redial that could not make its socket: retried when due
+            if not self._failed or time.monotonic() < self._last_redial + self._backoff:
+                return False
+            return self._redial()
         while True:
             try:
                 event = recv_monitor_message(self._monitor, zmq.NOBLOCK)["event"]
@@ -111,23 +114,33 @@ class Redialer:
                 self._down_since = time.monotonic()
         if self._down_since is None or time.monotonic() < self._due():
             return False
-        self._redial()
-        return True
+        return self._redial()
 
     def _due(self) -> float:
         return max(self._down_since + self.grace_s, self._last_redial + self._backoff)
 
-    def _redial(self) -> None:
-        self._shut(0)
+    def _redial(self) -> bool:
+        """Replace the socket; False if the new one could not be made (out of file descriptors, ...): the socket
+        stays closed and :meth:`check` tries again after the backoff, so a wait on it sleeps instead of spinning."""
+        if not self.sock.closed:
+            self._shut(0)
         self._down_since = None
         self._last_redial = time.monotonic()
         self._backoff = min(2 * self._backoff, self._max_backoff)
+        try:
+            self.sock, self._monitor = self._open()
+        except (zmq.ZMQError, OSError) as e:
+            self._failed = True
+            log.warning("%s: could not re-create the socket to %s (%s); trying again in %.1fs", self.what,
+                        self.address, e, self._backoff)
+            return False
+        self._failed = False
         self.reconnects += 1
         log.warning("%s: libzmq gave up the connection to %s (a frame over the size limit or a broken handshake); "
                     "re-created the socket (%d so far)", self.what, self.address, self.reconnects)
-        self.sock, self._monitor = self._open()
         if self.on_redial is not None:
             self.on_redial()
+        return True
 
     def poll(self, timeout_ms: int, flags: int = zmq.POLLIN) -> bool:
         """Like ``sock.poll``: whether the socket is ready for ``flags`` within ``timeout_ms``; meanwhile it also
@@ -136,7 +149,10 @@ class Redialer:
         while True:
             self.check()
             if self.sock.closed:
-                return False
+                if not self._failed or time.monotonic() >= deadline:
+                    return False
+                time.sleep(max(0.0, min(deadline - time.monotonic(), 0.1)))  # no socket yet: wait, never spin
+                continue
             poller = zmq.Poller()
             poller.register(self.sock, flags)
             poller.register(self._monitor, zmq.POLLIN)
@@ -148,6 +164,7 @@ class Redialer:
                 return False
 
     def close(self, linger_ms: Optional[int] = None) -> None:
+        self._failed = False  # closed for good: no more redials
         if not self.sock.closed:
             self._shut(linger_ms)
 

@@ -72,6 +72,15 @@ class _Member:
         self.queue.put(item)
 
 
+def _oldest(member: _Member, default: float) -> float:
+    """When the member's oldest push still queued was queued (``default`` if none). The pusher thread pops that
+    entry without the fan-out's lock, so it may vanish between a check and a read: read it once, or fall back."""
+    try:
+        return member.queued_at[0]
+    except IndexError:
+        return default
+
+
 def _drain(member: _Member) -> None:
     """Drop every push queued for a retired member (each counted as done)."""
     while True:
@@ -340,7 +349,7 @@ class WeightFanout:
         called = time.monotonic()
 
         def due(m: _Member) -> float:
-            return (m.queued_at[0] if m.queued_at else called) + deadline_s
+            return _oldest(m, called) + deadline_s
 
         while True:
             with self._lock:
@@ -362,7 +371,7 @@ class WeightFanout:
         now = time.monotonic()
         with self._lock:
             late = [m for m in self._members.values() if m.state == "ready" and m.queue.unfinished_tasks
-                    and m.queued_at and now - m.queued_at[0] > deadline_s]
+                    and now - _oldest(m, now) > deadline_s]
         return self._retire(late, deadline_s) if late else []
 
     def _retire(self, members: list, deadline_s: float) -> list[str]:

@@ -439,3 +439,88 @@ def test_the_rollout_worker_sends_its_clients_reconnects_with_each_group():
     worker._send(SimpleNamespace(timings={"gen_s": 1.0}))
     assert sent == [{"gen_s": 1.0, "reconnects_admission": 1.0, "reconnects_control": 0.0},
                     {"gen_s": 1.0, "reconnects_admission": 0.0, "reconnects_control": 2.0}]
+
+
+def test_a_socket_broken_before_its_reattach_was_answered_names_both_earlier_connections(admission):
+    """Two redials before any reply: the second new socket cannot know whether the server read the first one's
+    reattach, so it names both earlier connections (newest first); the server takes the one it knows and refuses,
+    and counts, the other. Naming only the last one stranded the first connection's grants whenever the middle
+    socket died unread (a review found it)."""
+    import threading
+
+    server, client = admission
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(client.acquire(timeout_s=30)), daemon=True)
+    t.start()
+    first, kind, _ = server.next_request()
+    assert kind == "acquire"
+    server.reply(first, b"\x00" * (MAXMSGSIZE + 1))  # connection 1 broken: its grant, if any, is on the server
+    second, kind, f = server.next_request()
+    assert (kind, f["previous"]) == ("reattach", first)
+    server.next_request()  # its acquire asked again
+    server.reply(second, b"\x00" * (MAXMSGSIZE + 1))  # connection 2 broken before any reply reached it
+    third, kind, f = server.next_request()
+    assert (kind, f["previous"]) == ("reattach", second) and third not in (first, second)
+    third_b, kind, f = server.next_request()
+    assert (kind, f["previous"]) == ("reattach", first) and third_b == third
+    _, kind, f = server.next_request()
+    assert (kind, f["req"]) == ("acquire", 1)
+    server.ticket(third, 1, index=5)
+    t.join(timeout=10)
+    assert got and got[0] is not None and got[0].index == 5 and client.reconnects == 2 and client.reattaches == 3
+    # a reply confirmed the chain: a later break names only the connection that was answered
+    t = threading.Thread(target=lambda: got.append(client.acquire(timeout_s=30)), daemon=True)
+    t.start()
+    ident, kind, _ = server.next_request()
+    assert kind == "acquire" and ident == third
+    server.reply(third, b"\x00" * (MAXMSGSIZE + 1))
+    fourth, kind, f = server.next_request()
+    assert (kind, f["previous"]) == ("reattach", third)
+    _, kind, f = server.next_request()
+    assert kind == "acquire", (kind, f)
+    server.ticket(fourth, 2, index=6)
+    t.join(timeout=10)
+    assert got[1] is not None and got[1].index == 6
+
+
+def test_a_socket_that_cannot_be_made_again_is_retried_after_the_backoff_and_waits_never_spin(zctx):
+    """A redial whose new socket cannot be made (out of file descriptors, ...) leaves the socket closed: a poll on
+    it then sleeps its timeout instead of returning at once (a caller's wait loop spun at full CPU), and the
+    redialer tries again once its backoff allows, reconnecting when it can."""
+    import errno
+
+    from asyncppo.stream.redial import Redialer
+
+    router = zctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    fail = {"on": False, "tries": 0}
+
+    def make() -> zmq.Socket:
+        if fail["on"]:
+            fail["tries"] += 1
+            raise zmq.ZMQError(errno.EMFILE)
+        sock = zctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, 64)
+        return sock
+
+    dial = Redialer(make, f"tcp://127.0.0.1:{port}", "test client", min_backoff_s=0.2, max_backoff_s=0.4)
+    try:
+        dial.sock.send(b"hello")
+        assert router.poll(5000)
+        identity, _ = router.recv_multipart()
+        fail["on"] = True
+        router.send_multipart([identity, b"\x00" * 100])  # over the client's 64 bytes: its connection is given up
+        assert _until(lambda: fail["tries"] >= 1 or dial.check(), timeout_s=5) and fail["tries"] >= 1
+        assert dial.sock.closed and dial.reconnects == 0
+        t0 = time.monotonic()
+        assert dial.poll(500) is False
+        assert time.monotonic() - t0 >= 0.45  # slept its timeout: no spin
+        assert fail["tries"] >= 2  # retried during that wait, after the backoff
+        fail["on"] = False
+        assert _until(lambda: dial.check() or not dial.sock.closed, timeout_s=5)
+        assert not dial.sock.closed and dial.reconnects == 1
+    finally:
+        dial.close()
+        router.close(0)

@@ -121,3 +121,31 @@ def test_every_token_stays_within_its_own_tickets_k_while_the_window_moves():
         assert len(out["trained"]) == out["granted"], f"seed {seed}: a granted ticket never trained"  # (< B left)
         moved += len(out["ks"]) > 1
     assert moved > 100  # the window really moved in most runs
+
+
+def test_a_window_that_never_moved_trains_in_plain_ticket_order_even_after_regrants():
+    """Under a fixed window with a lookahead j < k, a ticket granted again (its group skipped, dropped or returned)
+    gets a later batch's nominal and so a later deadline than fresh tickets above it; earliest-deadline-first would
+    then train other batches than ticket order did before windows could move (a review's simulation: 273 of 3,000
+    random runs differed). While the window never moved the order must stay ticket order."""
+    import random
+
+    for seed in range(200):
+        r = random.Random(seed)
+        B, k = r.choice([1, 2, 3]), r.choice([1, 2, 3, 4])
+        j = r.randrange(0, k)  # j < k: where the two orders can differ
+        c = AdmissionController(B, k, lookahead=j)
+        for _ in range(300):
+            a = r.random()
+            if a < 0.5:
+                c.try_acquire()
+            elif a < 0.65 and c._outstanding:
+                c.release(r.choice(sorted(c._outstanding)))
+            elif c._outstanding:
+                c.consumed(min(c._outstanding))
+                if r.random() < 0.3:
+                    c.set_version(c.version + 1)
+            outstanding = sorted(c._outstanding)
+            for n in (1, B, 2 * B):
+                assert c.lowest_outstanding(n) == outstanding[:n], (seed, n)
+        assert c.window_changes == 0
