@@ -305,45 +305,66 @@ def main() -> int:
     if args.hosts == 2:
         import fault_drill_hosts  # noqa: PLC0415 - a sibling script, only for this mode
 
-        return fault_drill_hosts.main(args, args.overrides)
+        return fault_drill_hosts.main(args)
     out = Path(args.out or tempfile.mkdtemp(prefix="fault-drill-")) / "run"
-    run = Run(out, ["trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4",
-                    "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.rollout_workers=2",
-                    "rollout.max_num_seqs=16", f"rollout.max_staleness={args.staleness}",
-                    f"trainer.total_steps={args.steps}", "trainer.save_every=5", "cluster.max_worker_restarts=8",
-                    "rollout.reward_fn=scripts.fault_drill:paced_exact",
-                    *args.overrides])
+    run = Run(out, drill_overrides(args, ["cluster.rollout_workers=2"]))
     drill = Drill(run, args.recover_s)
+
+    def release_stopped() -> None:
+        for pid in drill.stopped:  # a stopped worker that was never replaced must not stay stopped
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     t_start = time.time()
+    drive(run, drill, (lambda: drill.kill_worker(1), lambda: drill.stop_worker(0),
+                       lambda: drill.stop_worker(1, "SIGSTOP worker mid-push", mid_push=True),
+                       drill.kill_learner, lambda: drill.drop_connections(0)), t_start, cleanup=release_stopped)
+    return report(run, drill, args, out, t_start)
+
+
+def drill_overrides(args, extra: list[str]) -> list[str]:
+    """The drill's launch: a short real run with checkpoints every 5 steps and the paced reward (module docstring)."""
+    return ["trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4",
+            "data.num_eval_prompts=16", "trainer.eval_every=0", "rollout.max_num_seqs=16",
+            f"rollout.max_staleness={args.staleness}", f"trainer.total_steps={args.steps}", "trainer.save_every=5",
+            "cluster.max_worker_restarts=8", "rollout.reward_fn=scripts.fault_drill:paced_exact", *extra,
+            *args.overrides]
+
+
+def drive(run: Run, drill: Drill, faults, t_start: float, cleanup=None, started=None) -> None:
+    """Inject ``faults`` one after another once the run trained 4 steps (each after the previous recovered and 3
+    more steps), then let the run finish; whatever happens, ``cleanup`` and the run's end."""
     try:
         run.wait(lambda: len(run.records()) >= 4, 900)
-        for fault in (lambda: drill.kill_worker(1), lambda: drill.stop_worker(0),
-                      lambda: drill.stop_worker(1, "SIGSTOP worker mid-push", mid_push=True),
-                      drill.kill_learner, lambda: drill.drop_connections(0)):
+        if started is not None:
+            started()
+        for fault in faults:
             if run.proc.poll() is not None:
                 break
             fault()
             drill.settle()
         run.proc.wait(timeout=max(60.0, 1800 - (time.time() - t_start)))
     finally:
-        for pid in drill.stopped:  # a stopped worker that was never replaced must not stay stopped
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except (ProcessLookupError, PermissionError):
-                pass
+        if cleanup is not None:
+            cleanup()
         if run.proc.poll() is None:
             run.proc.terminate()
             run.proc.wait(timeout=120)
+
+
+def report(run: Run, drill: Drill, args, out: Path, t_start: float, where: str = "") -> int:
+    """The end checks, the table and the verdict: 0 when every check held and every fault recovered."""
     problems = check_end(run, args.steps, args.staleness)
     print(table(drill.rows))
     for r in drill.rows:
         print(f"  {r['fault']}: {r['line']!r}")
-    print(f"run directory: {out}; wall {time.time() - t_start:.0f}s")
+    print(f"run directory: {out}; wall {time.time() - t_start:.0f}s{where}")
     print("checks: " + ("all held (every step trained, staleness <= k, no prompt trained twice, none skipped, "
                         "nothing left running)" if not problems else "; ".join(problems)))
     ok = not problems and all(r["recovered_s"] is not None for r in drill.rows)
     return 0 if ok else 1
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import two_hosts  # noqa: E402  (a sibling script)
-from fault_drill import Drill, Run, check_end, table  # noqa: E402
+from fault_drill import Drill, Run, drill_overrides, drive, report  # noqa: E402
 
 
 def detect(worker: int) -> str:
@@ -87,7 +87,7 @@ class HostsDrill(Drill):
                     after_detect=restart)
 
 
-def main(args, overrides: list[str]) -> int:
+def main(args) -> int:
     why = two_hosts.unavailable()
     if why:
         print(f"fault_drill --hosts 2: cannot make two hosts here: {why}", file=sys.stderr)
@@ -97,39 +97,14 @@ def main(args, overrides: list[str]) -> int:
     two_hosts.sweep()
     with two_hosts.TwoHosts() as hosts:
         hosts.start_ray({"learner_node": 1, "rollout_node": 1}, {"rollout_node": 1}, cpus=cpus)
-        run = Run(out, ["trainer.logger.wandb=false", "rollout.engine=vllm", "rollout.rollout_batch_size=4",
-                        "data.num_eval_prompts=16", "trainer.eval_every=0", "cluster.rollout_workers=2",
-                        "rollout.max_num_seqs=16", f"rollout.max_staleness={args.staleness}",
-                        f"trainer.total_steps={args.steps}", "trainer.save_every=5", "cluster.max_worker_restarts=8",
-                        "cluster.hang_timeout_s=20", "cluster.push_timeout_s=10",
-                        "rollout.reward_fn=scripts.fault_drill:paced_exact", f"cluster.address={hosts.head}",
-                        "+cluster.learner_resources.learner_node=1", "+cluster.rollout_resources.rollout_node=1",
-                        *overrides],
-                  prefix=tuple(hosts.command("A", [])), env=hosts.ray_env)
+        run = Run(out, drill_overrides(args, [
+            "cluster.rollout_workers=2", "cluster.hang_timeout_s=20", "cluster.push_timeout_s=10",
+            f"cluster.address={hosts.head}", "+cluster.learner_resources.learner_node=1",
+            "+cluster.rollout_resources.rollout_node=1"]), prefix=tuple(hosts.command("A", [])), env=hosts.ray_env)
         drill = HostsDrill(run, hosts, args.recover_s, cpus)
         t_start = time.time()
-        try:
-            run.wait(lambda: len(run.records()) >= 4, 900)
-            print(f"[drill] rollout worker {drill.find_b()} is on host B", flush=True)
-            for fault in (drill.link_blip, drill.push_stall, drill.link_down_past_hang, drill.stop_node_b,
-                          drill.kill_learner):
-                if run.proc.poll() is not None:
-                    break
-                fault()
-                drill.settle()
-            run.proc.wait(timeout=max(60.0, 1800 - (time.time() - t_start)))
-        finally:
-            hosts.qdisc("B", None)
-            if run.proc.poll() is None:
-                run.proc.terminate()
-                run.proc.wait(timeout=120)
-        problems = check_end(run, args.steps, args.staleness)
-    print(table(drill.rows))
-    for r in drill.rows:
-        print(f"  {r['fault']}: {r['line']!r}")
-    print(f"run directory: {out}; wall {time.time() - t_start:.0f}s; learner and worker {1 - drill.b} on "
-          f"{hosts.addr('A')}, worker {drill.b} on {hosts.addr('B')}")
-    print("checks: " + ("all held (every step trained, staleness <= k, no prompt trained twice, none skipped, "
-                        "nothing left running)" if not problems else "; ".join(problems)))
-    ok = not problems and all(r["recovered_s"] is not None for r in drill.rows)
-    return 0 if ok else 1
+        drive(run, drill, (drill.link_blip, drill.push_stall, drill.link_down_past_hang, drill.stop_node_b,
+                           drill.kill_learner), t_start, cleanup=lambda: hosts.qdisc("B", None),
+              started=lambda: print(f"[drill] rollout worker {drill.find_b()} is on host B", flush=True))
+        return report(run, drill, args, out, t_start, where=f"; learner and worker {1 - drill.b} on "
+                      f"{hosts.addr('A')}, worker {drill.b} on {hosts.addr('B')}")
