@@ -105,6 +105,7 @@ class WeightFanout:
         except Exception as e:
             raise SyncGroupError(f"could not bind the weight-sync store on {host}:{port}: {e}") from e
         self._lock = threading.Lock()
+        self._store_lock = threading.Lock()  # calls on self.store from the pusher threads (_forget_rendezvous)
         self._members: dict[int, _Member] = {}
         self._latest: Optional[tuple[list, int]] = None  # (snapshot, version) of the newest push
         self._streamed_version: Optional[int] = None  # version of the newest push_groups (no snapshot kept)
@@ -225,7 +226,11 @@ class WeightFanout:
         """After the member's first push both ranks are surely past the rendezvous (rank 0's group returns as soon
         as it is connected, while rank 1 may still be reading rank 0's key): its keys can go."""
         try:
-            forget_rendezvous(self.store, member_prefix(self.run_prefix, member.worker_id, member.incarnation))
+            # one store client, several pusher threads: torch's store client is not safe to call from two threads
+            # at once (the two calls' replies interleave on its one socket and one waits out its timeout; seen as
+            # two members' first pushes ending together and one pusher stuck for the 60 s timeout)
+            with self._store_lock:
+                forget_rendezvous(self.store, member_prefix(self.run_prefix, member.worker_id, member.incarnation))
         except Exception as e:  # a store that cannot list or delete keys keeps them: exposure, not a failure
             log.warning("could not delete the rendezvous keys of worker %d's weight-sync group: %s",
                         member.worker_id, e)
