@@ -149,6 +149,11 @@ class AdmissionServer:
         self.granted_by_worker: collections.Counter[int] = collections.Counter()
         self._closing = threading.Event()
         self._retiring: collections.deque = collections.deque()  # (worker_id, done event, tickets returned)
+        # connections of retired workers (bounded, oldest forgotten): refused from then on. A worker retired as hung
+        # may still be alive until the launcher's kill lands (a link that came back); a request it sent meanwhile
+        # was granted and the ticket died with it, held by nobody, and the learner waited for it until its timeout
+        # (the two-host drill's cable pulled past the hang timeout)
+        self._retired: collections.OrderedDict[bytes, None] = collections.OrderedDict()
         # the wake-up pipe: any thread writes a byte (os.write is thread-safe, unlike a ZeroMQ socket); made after
         # the argument checks, so a refused setting leaves no pipe open and no listener on the controller
         self._wake_r, self._wake_w = os.pipe()
@@ -218,6 +223,9 @@ class AdmissionServer:
                 self._reject(WireError("malformed", f"{kind}: {type(e).__name__}: {e}"))
 
     def _dispatch(self, identity: bytes, kind: str, f: dict) -> None:
+        if identity in self._retired:
+            self._count("retired", f"{kind} from {_label(identity)}, a connection of a retired worker")
+            return
         if kind == "acquire":
             self._know(identity, f["worker_id"])
             self._park(identity, f["worker_id"], f["req"], f["count"])
@@ -431,6 +439,9 @@ class AdmissionServer:
             box.extend(i for i in self.held_by(worker_id) if self.forfeit(i, worker_id))
             for identity in [i for i, w in self._known.items() if w == worker_id]:
                 del self._known[identity]  # the dead worker's connections: nothing left to reattach to
+                self._retired[identity] = None  # ... and nothing more to ask, should it still be alive
+            while len(self._retired) > self.max_known_peers:
+                self._retired.popitem(last=False)
             done.set()
 
     def held_by(self, worker_id: int) -> list[int]:

@@ -25,7 +25,7 @@ REPLY_SPEC = {
     "held": {"req": int, "index": int, "min_version": int},
 }
 #: Refusals of the admission server beyond the wire decoder's REASONS.
-ADMISSION_REASONS = ("not_holder", "pending_full", "reattach")
+ADMISSION_REASONS = ("not_holder", "pending_full", "reattach", "retired")
 #: libzmq drops the connection of a peer whose message exceeds this (requests and replies are < 100 bytes).
 MAXMSGSIZE = 4096
 MAX_REPLY_INT = 1 << 53  # sane upper bound for indices and versions in replies

@@ -524,3 +524,28 @@ def test_a_socket_that_cannot_be_made_again_is_retried_after_the_backoff_and_wai
     finally:
         dial.close()
         router.close(0)
+
+
+def test_a_retired_workers_connection_that_is_still_alive_is_refused_and_its_replacement_served(zctx, ticket_server):
+    """A worker retired as hung may still be alive until the launcher's kill lands (its link came back): a ticket
+    granted to it meanwhile died with it, held by nobody, and the learner waited for it until its timeout (the
+    two-host drill, a cable pulled past the hang timeout). Its connections are refused after the retirement; the
+    replacement (new connections, same worker id) is served."""
+    ctrl, server = ticket_server
+    old = AdmissionClient(server.address, worker_id=1, context=zctx)
+    new = None
+    try:
+        first = old.acquire(timeout_s=10)
+        assert first is not None
+        assert server.retire(1) == [first.index]  # its ticket back in the pool
+        assert old.acquire(timeout_s=1.5) is None  # still alive, asking again: refused, nothing granted
+        assert _until(lambda: server.rejected["retired"] >= 1, timeout_s=5), server.rejected
+        assert server.held_by(1) == []
+        new = AdmissionClient(server.address, worker_id=1, context=zctx)
+        again = new.acquire(timeout_s=10)
+        assert again is not None and again.index == first.index  # the replacement takes the returned ticket
+        assert server.held_by(1) == [again.index]
+    finally:
+        old.close()
+        if new is not None:
+            new.close()
