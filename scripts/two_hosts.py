@@ -66,19 +66,38 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return proc
 
 
+def _owner_alive(name: str, prefix: str) -> bool:
+    """Whether the process whose pid tags ``name`` (``<prefix><pid><host>``) still runs: its hosts are in use."""
+    digits = ""
+    for ch in name[len(prefix):]:
+        if not ch.isdigit():
+            break
+        digits += ch
+    if not digits or int(digits) == os.getpid():
+        return False
+    try:
+        os.kill(int(digits), 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+
+
 def sweep(prefix: str = NAME_PREFIX) -> list[str]:
-    """Remove every namespace (after killing its processes) and bridge named ``prefix...``: what an earlier run that
-    was killed before its cleanup left behind. Returns the names removed."""
+    """Remove every namespace (after killing its processes) and bridge named ``prefix...`` whose maker is gone: what
+    an earlier run that was killed before its cleanup left behind (a live run's hosts are left alone). Returns the
+    names removed."""
     removed = []
     for line in _ip("netns", "list", check=False).stdout.splitlines():
         name = line.split()[0] if line.split() else ""
-        if name.startswith(prefix):
+        if name.startswith(prefix) and not _owner_alive(name, prefix):
             kill_namespace(name)
             _ip("netns", "del", name, check=False)
             removed.append(name)
     for line in _ip("-o", "link", "show", "type", "bridge", check=False).stdout.splitlines():
         name = line.split(":")[1].strip().split("@")[0] if ":" in line else ""
-        if name.startswith(prefix):
+        if name.startswith(prefix) and not _owner_alive(name, prefix):
             _ip("link", "del", name, check=False)
             removed.append(name)
     return removed
@@ -125,7 +144,7 @@ class TwoHosts:
     """Hosts A, B and X on one bridge (module docstring). Use as a context manager: ``with TwoHosts() as h:``."""
 
     subnet: str = "10.231.0"
-    tag: str = field(default_factory=lambda: f"{os.getpid() % 100000}")
+    tag: str = field(default_factory=lambda: str(os.getpid()))  # sweep() leaves hosts whose maker still runs
     ray_tmp: str = ""
     ray_env: dict = field(default_factory=dict)
 
