@@ -37,6 +37,11 @@ def _weights(version: int) -> dict[str, torch.Tensor]:
     return {"w": torch.full((1000,), float(version)), "b": torch.arange(10, dtype=torch.float64) * version}
 
 
+def _big(version: int) -> dict[str, torch.Tensor]:
+    """24 MiB of weights: more than the sockets' buffers absorb, so a push to a stopped process blocks."""
+    return {"w": torch.full((6 << 20,), float(version)), "b": torch.zeros(10, dtype=torch.float64)}
+
+
 def _queues(ctx) -> dict:
     """One report queue per worker. Not one shared queue: its writers share a lock, and a worker stopped or killed
     between writing a report and releasing that lock would leave the other's next report stuck behind it."""
@@ -141,15 +146,14 @@ def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
-    big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
     try:
         procs.update(_start_two(ctx, fanout, port, outs))
-        fanout.push_async(big(1), 1)
+        fanout.push_async(_big(1), 1)
         assert fanout.retire_late(30) == []  # both took version 1 within the deadline
         assert _got(outs, (0, 1)) == [(0, 0, 1, 1.0), (1, 0, 1, 1.0)]
         os.kill(procs[1].pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        fanout.push_async(big(2), 2)
+        fanout.push_async(_big(2), 2)
         assert outs[0].get(timeout=30) == (0, 0, 2, 2.0)  # the running member loaded version 2 ...
         served = time.monotonic() - t0
         # ... and the stopped one is cut off at the deadline, not the timeout. The learner asks a step after the push
@@ -163,7 +167,7 @@ def test_a_stopped_member_misses_the_push_deadline_and_the_others_are_served_in_
         assert "cluster.push_timeout_s" in retired[0] and "last took v1" in retired[0]
         assert [(w, g) for w, g, _ in fanout.hung] == [(1, 0)]
         assert fanout.ready() == [0] and fanout.versions() == {0: 2}
-        fanout.push_async(big(3), 3)  # later pushes go to the live member alone, without waiting
+        fanout.push_async(_big(3), 3)  # later pushes go to the live member alone, without waiting
         assert fanout.retire_late(30) == [] and outs[0].get(timeout=30) == (0, 0, 3, 3.0)
     finally:
         fanout.close()
@@ -191,12 +195,11 @@ def test_an_overdue_push_is_retired_without_waiting_while_the_learner_waits_for_
     port = find_free_port()
     fanout = WeightFanout("127.0.0.1", port, PREFIX, timeout_s=60)
     procs = {}
-    big = lambda v: {"w": torch.full((6 << 20,), float(v)), "b": torch.zeros(10, dtype=torch.float64)}  # 24 MiB
     try:
         procs.update(_start_two(ctx, fanout, port, outs))
         os.kill(procs[1].pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        fanout.push_async(big(1), 1)
+        fanout.push_async(_big(1), 1)
         assert outs[0].get(timeout=30) == (0, 0, 1, 1.0)
         calls = 0
         while True:
