@@ -343,6 +343,13 @@ class EnvConfig:
     step_timeout_s: float = 30.0  # deadline of one init/step call; past it the episode is handled per on_error
     on_error: str = "zero_reward"  # drop | zero_reward: what a raising, hung or malformed environment costs
     max_tokens_per_turn: Optional[int] = None  # model tokens per turn at most (None: what the episode budget leaves)
+    # Agent programs (docs/agents.md): pkg.module:function, `async def agent(client, row) -> reward | dict`, trained
+    # through an OpenAI-compatible endpoint on each rollout worker (sets text_env to the agent adapter)
+    agent: Optional[str] = None
+    reward_fn: Optional[str] = None  # pkg.module:function(transcript, row) -> reward, when the agent returns none
+    agent_host: str = "127.0.0.1"  # the endpoint's address (a bearer key is always required)
+    agent_port: int = 0  # 0: a free port per worker
+    agent_max_body_bytes: int = 4194304  # larger request bodies are refused with 413
 
 
 @dataclass

@@ -22,7 +22,7 @@ from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.validate_algorithm import check_algorithm
 from asyncppo.config.validate_cluster import check_cluster, check_engine_parallel
 from asyncppo.config.validate_lora import check_lora
-from asyncppo.config.validate_text_env import check_text_env, resolve_env_concurrency
+from asyncppo.config.validate_text_env import check_text_env, resolve_agent, resolve_env_concurrency
 from asyncppo.config.validate_window import check_window, effective, resolve_window
 
 __all__ = ["ConfigError", "check_config", "resolve_derived", "validate_config"]
@@ -241,6 +241,7 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
     if r.admission_lookahead is None:
         r.admission_lookahead = r.max_staleness
     resolve_env_concurrency(cfg)  # after the lookahead: the window it sizes
+    resolve_agent(cfg)
     if cfg.cluster.advertise_address is None:
         cfg.cluster.advertise_address = cfg.cluster.bind_address
     return cfg

@@ -25,6 +25,7 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.positive(f"env.{key}", getattr(e, key))
     c.non_negative("env.max_concurrency", e.max_concurrency)  # 0: auto (resolve_env_concurrency)
     c.optional_positive("env.max_tokens_per_turn", e.max_tokens_per_turn)
+    _check_agent(cfg, c)
     if e.text_env is None:
         return
     if not isinstance(e.text_env, str) or not _DOTTED_CLASS.match(e.text_env):
@@ -33,6 +34,37 @@ def check_text_env(cfg: AsyncPPOConfig, c: Checks) -> None:
     elif e.id is not None:
         c.error("env.text_env", e.text_env, f"is a text environment; env.id={e.id!r} asks for a gymnasium run: "
                 "set one of them")
+
+
+#: The text environment an agent run plays: the adapter that turns the agent's calls into turns (agents/episode.py).
+AGENT_TEXT_ENV = "asyncppo.agents.episode.AgentEpisode"
+
+
+def _check_agent(cfg: AsyncPPOConfig, c: Checks) -> None:
+    e = cfg.env
+    if e.agent is None:
+        if e.reward_fn is not None:
+            c.error("env.reward_fn", e.reward_fn, "scores an agent's episodes: set env.agent too")
+        return
+    for key in ("agent", "reward_fn"):
+        value = getattr(e, key)
+        if value is not None and (not isinstance(value, str) or not _DOTTED_CLASS.match(value)):
+            c.error(f"env.{key}", value, "must be pkg.module:function")
+    if e.text_env not in (None, AGENT_TEXT_ENV):
+        c.error("env.agent", e.agent, f"and env.text_env={e.text_env!r} are two ways to play an episode: set one")
+    if e.id is not None:
+        c.error("env.agent", e.agent, f"plays text episodes; env.id={e.id!r} asks for a gymnasium run: set one")
+    if not 0 <= int(e.agent_port) <= 65535:
+        c.error("env.agent_port", e.agent_port, "must be 0 (a free port) or a port number")
+    c.positive("env.agent_max_body_bytes", e.agent_max_body_bytes)
+    if not isinstance(e.agent_host, str) or not e.agent_host:
+        c.error("env.agent_host", e.agent_host, "must be an address such as 127.0.0.1")
+
+
+def resolve_agent(cfg: AsyncPPOConfig) -> None:
+    """``env.agent`` set: the episodes are played by the agent adapter (``env.text_env``)."""
+    if cfg.env.agent is not None:
+        cfg.env.text_env = AGENT_TEXT_ENV
 
 
 #: The largest ``env.max_concurrency`` the auto value (0) resolves to: a bound on one worker's threads for

@@ -9,7 +9,7 @@ import envs/ (the import contracts' layers), so the template and its tokenizer l
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 PAD, EOS, UNK, BOS = "<pad>", "<eos>", "<unk>", "<bos>"
 SPECIAL_TOKENS = [PAD, EOS, UNK, BOS]  # ids 0..3: pad is 0 so that zero-filled buffers read as padding
@@ -50,14 +50,20 @@ TINY_TOOLS_TEMPLATE = QWEN_STYLE_TEMPLATE.replace(
     "<args-json-object>}\n</tool_call>", "")
 
 
-def build_chat_tokenizer(alphabet: Optional[str] = None, template: str = QWEN_STYLE_TEMPLATE):
+def build_chat_tokenizer(alphabet: Optional[str] = None, template: str = QWEN_STYLE_TEMPLATE,
+                         extra_tokens: Sequence[str] = ()):
     """A char-level fast tokenizer (one token per printable ASCII character, newline included) with the chat
-    special tokens and ``template``: enough to render and tokenize tool-calling conversations locally."""
+    special tokens and ``template``: enough to render and tokenize tool-calling conversations locally.
+
+    ``extra_tokens``: multi-character tokens in the vocabulary that encoding never produces (it splits text into
+    characters). A model may sample them, and their text then re-encodes as other ids: the non-canonical
+    tokenizations of a BPE vocabulary, made certain, for tests of the token-in/token-out rule."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # heavy: tokenizers
     from transformers import PreTrainedTokenizerFast  # heavy: transformers
 
     chars = list(dict.fromkeys(alphabet if alphabet is not None else "\n" + "".join(map(chr, range(32, 127)))))
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHAT_SPECIAL_TOKENS + chars)}
+    extra = [t for t in dict.fromkeys(extra_tokens) if t not in chars]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHAT_SPECIAL_TOKENS + chars + extra)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()

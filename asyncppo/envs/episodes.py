@@ -257,8 +257,12 @@ class EpisodeEngine:
     def _generate(self, ep: _Episode) -> None:
         """Re-enter the engine with the whole prefix as ids; this turn may use what the budget leaves."""
         left = self.response_length - len(ep.ids)
-        stops = tuple(ep.spec.stop_token_ids) + ((self._stop_id,) if self._stop_id is not None else ())
-        spec = SamplingSpec(n=1, max_tokens=min(left, self.turn_max_tokens or left),
+        # an environment may limit the turn about to start (an agent's call: its max_tokens and stop ids)
+        next_turn = getattr(ep.env, "next_turn", None)
+        asked, extra_stops = next_turn() if callable(next_turn) else (None, ())
+        stops = tuple(ep.spec.stop_token_ids) + ((self._stop_id,) if self._stop_id is not None else ()) \
+            + tuple(extra_stops)
+        spec = SamplingSpec(n=1, max_tokens=min(left, self.turn_max_tokens or left, asked or left),
                             temperature=ep.spec.temperature, top_p=ep.spec.top_p, top_k=ep.spec.top_k,
                             seed=None if ep.spec.seed is None else ep.spec.seed + ep.index
                             + TURN_SEED_STRIDE * len(ep.turn_rewards), stop_token_ids=stops)
@@ -281,9 +285,20 @@ class EpisodeEngine:
         self.counters["model_tokens"] += len(ids)
         stopped = c.finish_reason == "stop" and ids
         ep.model_stop_text = self.stop_text if stopped and ids[-1] == self._stop_id else ""
+        action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
+        hook = getattr(ep.env, "on_model_turn", None)  # an agent's call waits for this turn (agents/episode.py)
+        if callable(hook):
+            try:
+                hook(token_ids=ids, logprobs=ep.logprobs[-len(ids):] if ids else [], versions=versions,
+                     finish_reason=c.finish_reason, text=action, prompt_tokens=len(ep.prompt_ids) + len(ep.ids)
+                     - len(ids))
+            except Exception as e:  # the adapter's bug must not end the worker: this episode's fault, named
+                self.runner.faults["raised"] += 1
+                if self.runner.on_error == "drop":
+                    return self._drop_group(ep.group, "raised", f"on_model_turn raised {type(e).__name__}: {e}")
+                return self._end(ep, "raised")
         if len(ep.ids) >= self.response_length:
             return self._end(ep, "truncated")  # the budget is spent: no environment reply would fit
-        action = self.tokenizer.decode(ids[:-1] if stopped else ids, skip_special_tokens=False)
         self._to_env(ep, "step", action)
 
     def _end(self, ep: _Episode, why: str) -> None:

@@ -108,7 +108,9 @@ class LearnerActor:
 class RolloutActor:
     def __init__(self, cfg_dict: dict, worker_id: int, num_workers: int, model_path: str, incarnation: int = 0):
         # torch and the engine stack are imported in the actor's process only, never in the launcher
-        if cfg_dict["env"].get("text_env"):  # multi-turn episodes (docs/environments.md)
+        if cfg_dict["env"].get("agent"):  # an agent program behind an OpenAI-compatible endpoint (docs/agents.md)
+            from asyncppo.agents.worker import AgentRolloutWorker as RolloutWorker  # heavy: the engines, aiohttp
+        elif cfg_dict["env"].get("text_env"):  # multi-turn episodes (docs/environments.md)
             from asyncppo.envs.episode_worker import EpisodeRolloutWorker as RolloutWorker  # heavy: the engines
         else:
             from asyncppo.rollout.worker import RolloutWorker  # heavy: torch, the rollout engines

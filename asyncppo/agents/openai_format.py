@@ -1,0 +1,225 @@
+"""The Chat Completions wire format: a request checked field by field, and the reply built from a model turn.
+
+Why strict: an agent framework sends many optional fields, and a field the endpoint silently ignored (a logit bias,
+a JSON response format, a streamed reply) would make the agent behave differently in training than against the
+model it was written for, with no trace. So every field is either honoured, accepted as a no-op that cannot change
+the reply (``model``, ``user``, ``metadata``, ``store``, ``parallel_tool_calls``, a ``temperature``/``top_p``/
+``seed`` that the run's own sampling settings replace; docs/agents.md says why), or refused with a 400 that names
+it. Nothing here does I/O: :mod:`asyncppo.agents.server` calls it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from asyncppo.envs.tools import parse_tool_calls
+
+
+class RequestError(ValueError):
+    """A refused request: ``status`` (400, 401, 404, 409, 410, 413) and the reason, which names the field."""
+
+    def __init__(self, status: int, reason: str, kind: str = "invalid_request"):
+        super().__init__(reason)
+        self.status, self.reason, self.kind = status, reason, kind
+
+
+#: Fields accepted and not acted on (they cannot change the reply of one model turn).
+NO_OP = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options",
+         "prompt_cache_key", "safety_identifier")
+#: Fields honoured.
+HONOURED = ("messages", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs",
+            "top_logprobs", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
+            "logit_bias", "response_format")
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ChatRequest:
+    """One checked call: the conversation (messages with text content), the tools, and the per-call limits."""
+
+    messages: list
+    tools: Optional[list] = None
+    parse_tools: bool = True  # tool_choice "none": the reply's text is not read for calls
+    max_tokens: Optional[int] = None
+    stop: list = field(default_factory=list)
+    logprobs: bool = False
+    sampling: dict = field(default_factory=dict)  # temperature / top_p / seed as sent (replaced by the run's)
+
+
+def _text(content: Any, where: str) -> str:
+    """A message's content as text: a string, None (an assistant turn of tool calls only), or text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        out = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") not in ("text", "input_text", "output_text") \
+                    or not isinstance(part.get("text"), str):
+                raise RequestError(400, f"{where}.content[{j}]: only text parts are supported, got {str(part)[:80]}")
+            out.append(part["text"])
+        return "".join(out)
+    raise RequestError(400, f"{where}.content must be a string, null or a list of text parts")
+
+
+def _tool_call_ids(calls: Any, where: str) -> tuple:
+    if calls in (None, []):
+        return ()
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise RequestError(400, f"{where}.tool_calls must be a list of objects")
+    return tuple(str(c.get("id", "")) for c in calls)
+
+
+def normalize_message(m: Any, i: int) -> dict:
+    """``{"role", "content", ...}`` with text content; an assistant turn keeps its tool-call ids (how the session
+    recognises its own replies), a tool turn its ``tool_call_id``."""
+    where = f"messages[{i}]"
+    if not isinstance(m, dict):
+        raise RequestError(400, f"{where} must be an object")
+    role = m.get("role")
+    if role not in ROLES:
+        raise RequestError(400, f"{where}.role={str(role)[:40]!r}: allowed: {', '.join(ROLES)}")
+    out = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)}
+    if role == "assistant":
+        out["tool_call_ids"] = _tool_call_ids(m.get("tool_calls"), where)
+    if role == "tool":
+        out["tool_call_id"] = str(m.get("tool_call_id", ""))
+    return out
+
+
+def _positive_int(body: dict, key: str) -> Optional[int]:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise RequestError(400, f"{key}={v!r}: must be an integer >= 1")
+    return v
+
+
+def _number(body: dict, key: str) -> Optional[float]:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+        raise RequestError(400, f"{key}={v!r}: must be a finite number")
+    return float(v)
+
+
+def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int]]) -> ChatRequest:
+    """A :class:`ChatRequest`, or :class:`RequestError` (400) naming the first field it cannot honour.
+    ``stop_token_id``: the token id of a stop string that is one token of the vocabulary, else None."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - set(NO_OP) - set(HONOURED))
+    if unknown:
+        raise RequestError(400, f"unsupported field {unknown[0]!r} (supported: {', '.join(HONOURED + NO_OP)})")
+    if body.get("stream"):
+        raise RequestError(400, "stream=true is not supported: ask for the whole reply (stream=false)")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise RequestError(400, "messages must be a non-empty list")
+    messages = [normalize_message(m, i) for i, m in enumerate(msgs)]
+    n = body.get("n", 1)
+    if n not in (None, 1):
+        raise RequestError(400, f"n={n!r}: a session is one episode, one reply per call (the run's "
+                                "rollout.num_return_sequences_in_group makes the group of episodes)")
+    for key in ("frequency_penalty", "presence_penalty"):
+        if _number(body, key) not in (None, 0.0):
+            raise RequestError(400, f"{key}={body[key]!r}: penalties are not supported (they would make the "
+                                    "sampled tokens' log-probs differ from the policy's)")
+    if body.get("logit_bias"):
+        raise RequestError(400, "logit_bias is not supported (it would make the sampled tokens off-policy)")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise RequestError(400, f"response_format={str(fmt)[:80]}: only {{'type': 'text'}} is supported")
+    top = body.get("top_logprobs")
+    if top not in (None, 0):
+        raise RequestError(400, f"top_logprobs={top!r}: only the sampled tokens' log-probs are returned (0)")
+    logprobs = body.get("logprobs") or False
+    if not isinstance(logprobs, bool):
+        raise RequestError(400, f"logprobs={logprobs!r}: must be a bool")
+    tools = body.get("tools")
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
+        raise RequestError(400, "tools must be a list of objects (the function format)")
+    choice = body.get("tool_choice")
+    if choice not in (None, "auto", "none"):
+        raise RequestError(400, f"tool_choice={str(choice)[:80]}: only 'auto' and 'none' are supported (the engine "
+                                "does not constrain what the model writes)")
+    a, b = _positive_int(body, "max_tokens"), _positive_int(body, "max_completion_tokens")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
+        raise RequestError(400, "stop must be a string or a list of at most 4 strings")
+    stop_ids = [stop_token_id(s) for s in stop]
+    for s, tid in zip(stop, stop_ids):
+        if tid is None:
+            raise RequestError(400, f"stop={s!r}: only stop strings that are one token of the model's vocabulary "
+                                    "are supported (the engine stops on token ids)")
+    sampling = {k: _number(body, k) for k in ("temperature", "top_p") if body.get(k) is not None}
+    if body.get("seed") is not None:
+        sampling["seed"] = body["seed"]
+    return ChatRequest(messages=messages, tools=tools or None, parse_tools=choice != "none",
+                       max_tokens=min(x for x in (a, b) if x is not None) if (a or b) else None,
+                       stop=stop_ids, logprobs=logprobs, sampling=sampling)
+
+
+def tool_names(tools: Optional[list]) -> Optional[set]:
+    names = set()
+    for t in tools or []:
+        name = (t.get("function") or {}).get("name") or t.get("name")
+        if isinstance(name, str) and name:
+            names.add(name)
+    return names or None
+
+
+@dataclass
+class Reply:
+    """The assistant message of one model turn, and what the session keeps of it."""
+
+    content: Optional[str]
+    tool_calls: list
+    finish_reason: str
+
+    @property
+    def tool_call_ids(self) -> tuple:
+        return tuple(c["id"] for c in self.tool_calls)
+
+
+def make_reply(text: str, finish: str, request: ChatRequest, call_id: str) -> Reply:
+    """The model's text as an assistant message: calls in the template's syntax become ``tool_calls`` (ids
+    ``<call_id>-<j>``), the text outside them the content; ``finish`` is the engine's (``stop`` / ``length``)."""
+    if request.parse_tools and request.tools and "<tool_call>" in text:
+        parsed = parse_tool_calls(text, tool_names(request.tools))
+        if parsed.calls:
+            calls = [{"id": f"{call_id}-{j}", "type": "function",
+                      "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}
+                     for j, c in enumerate(parsed.calls)]
+            return Reply(parsed.text or None, calls, "tool_calls" if finish == "stop" else finish)
+    return Reply(text, [], finish)
+
+
+def completion_body(reply: Reply, *, call_id: str, model: str, created: int, prompt_tokens: int, token_ids: list,
+                    logprobs: Optional[list], token_texts: Optional[list], versions: list) -> dict:
+    """The JSON of a chat completion. ``asyncppo`` (an extension field the OpenAI client keeps) carries the sampled
+    ids and their policy versions: what the learner trains for this turn."""
+    message: dict = {"role": "assistant", "content": reply.content}
+    if reply.tool_calls:
+        message["tool_calls"] = reply.tool_calls
+    lp = None
+    if logprobs is not None:
+        lp = {"content": [{"token": t, "logprob": float(x), "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+                          for t, x in zip(token_texts or [], logprobs)]}
+    return {"id": call_id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": reply.finish_reason, "logprobs": lp}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+                      "total_tokens": prompt_tokens + len(token_ids)},
+            "asyncppo": {"token_ids": [int(t) for t in token_ids], "versions": [int(v) for v in versions]}}
+
+
+def error_body(err: RequestError) -> dict:
+    return {"error": {"message": err.reason, "type": err.kind, "code": err.status}}

@@ -1,0 +1,260 @@
+"""Agent programs through the OpenAI-compatible endpoint (agents/): the real vLLM CPU engine, a real aiohttp server
+on loopback, the real ``openai`` client, the episode loop of envs/episodes.py.
+
+* Token-in, token-out: an agent makes three calls, each time sending the whole conversation back as text. The
+  episode's trained ids are the ids each call sampled (as its reply reported them) with only the agent's new
+  messages rendered in between, the reported log-probs are the record's, and re-rendering the decoded conversation
+  tokenizes *differently* (the tokenizer has multi-character tokens that encoding never produces; the random model
+  samples them): what training on the agent's text would have got wrong.
+* Hostile calls made by an agent during its own episode (a wrong key, an unknown session, malformed JSON, a body
+  over the limit, unsupported fields, a concurrent call, a rewritten history): each is refused with its status and
+  counted, and the episode's record is still exactly its admitted calls. A late call after the episode: 410.
+* Agents that raise, never call, or hang between calls end their own episodes as faults (``env.on_error``); the
+  other episode of the group still trains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import numpy as np
+import pytest
+
+from asyncppo.agents.episode import AgentEpisode
+from asyncppo.agents.server import AgentServer
+from asyncppo.envs.chat import build_chat_tokenizer, turn_ids
+from asyncppo.envs.env_runner import EnvRunner
+from asyncppo.envs.episodes import EpisodeEngine
+from asyncppo.rollout.engine import SamplingSpec
+
+#: two-letter tokens the char-level encoder never produces (build_chat_tokenizer's extra_tokens)
+EXTRA = sorted({a + b for a in "etaoinsh" for b in "etaoinsh"})
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory):
+    from test_episodes import tiny_chat_qwen2
+
+    tok = build_chat_tokenizer(extra_tokens=EXTRA)
+    model = tiny_chat_qwen2(tok).eval()
+    out = str(tmp_path_factory.mktemp("agent-model"))
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out, tok
+
+
+@pytest.fixture(scope="module")
+def engine(chat_model):
+    from vllm_required import require_vllm
+
+    require_vllm()
+    from asyncppo.rollout.engines import make_engine
+
+    eng = make_engine("vllm", chat_model[0], dtype="float32", max_model_len=400, seed=0, kv_cache_gib=1,
+                      enable_prefix_caching=True, block_size=32)
+    yield eng
+    eng.close()
+
+
+class Rig:
+    """A server, a runner and the episode loop around the shared engine, torn down after each test."""
+
+    def __init__(self, engine, tok, agent, *, step_timeout_s: float = 30.0, on_error: str = "zero_reward",
+                 max_body_bytes: int = 1 << 16):
+        self.tok = tok
+        self.server = AgentServer(agent, max_body_bytes=max_body_bytes, model_name="tiny",
+                                  stop_token_id=lambda s: None).start()
+        self.runner = EnvRunner(8, step_timeout_s, on_error)
+        self.episodes = EpisodeEngine(engine, tok, self.runner, max_turns=4, response_length=160,
+                                      turn_max_tokens=12)
+        self.wait_s = step_timeout_s + 2
+
+    def run_group(self, key: str, row: dict, n: int, deadline_s: float = 120.0) -> list:
+        eps = [AgentEpisode(self.server, row, wait_s=self.wait_s, tokenizer=self.tok) for _ in range(n)]
+        self.episodes.add_group(key, None, SamplingSpec(n=n, max_tokens=12, seed=7), eps, prompt_messages=[])
+        got, t0 = [], time.monotonic()
+        while not got:
+            assert time.monotonic() - t0 < deadline_s, "the group did not come back"
+            got = self.episodes.step()
+            if not self.episodes.engine.num_unfinished_seqs():
+                time.sleep(0.005)
+        return got
+
+    def close(self):
+        self.server.close()
+        self.runner.shutdown()
+
+
+@pytest.fixture
+def rig(engine, chat_model):
+    made = []
+
+    def make(agent, **kw):
+        made.append(Rig(engine, chat_model[1], agent, **kw))
+        return made[-1]
+
+    yield make
+    for r in made:
+        r.close()
+
+
+# ------------------------------------------------------------------------------------------------ agents
+async def three_calls(client, row):
+    """Three calls, the conversation sent back as text each time; the replies are logged for the test."""
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": row["prompt"]}]
+    calls = []
+    for k in range(3):
+        resp = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, logprobs=True)
+        calls.append(resp)
+        messages.append({"role": "assistant", "content": resp.choices[0].message.content})
+        messages.append({"role": "user", "content": f"and {k}?"})
+    row["log"].append({"calls": calls, "messages": messages[:-1]})
+    return {"reward": 2.5, "calls": 3}
+
+
+def test_trained_ids_are_the_sampled_ids_not_the_retokenized_text(rig):
+    r = rig(three_calls)
+    row = {"prompt": "say something", "log": []}
+    (group,) = r.run_group("g0", row, n=2)
+    tok = r.tok
+    assert len(group.completions) == 2 and len(row["log"]) == 2
+    extra_ids = set(tok.convert_tokens_to_ids(EXTRA))
+    differs = 0
+    for c in group.completions:
+        ids = [int(t) for t in c.token_ids]
+        log = next(x for x in row["log"] if x["calls"][0].model_extra["asyncppo"]["token_ids"] == ids[:len(
+            x["calls"][0].model_extra["asyncppo"]["token_ids"])])
+        # the record: each call's sampled ids, then only the new user message rendered (mask 0), turn by turn
+        expected, lps, pos = [], [], []
+        for k, resp in enumerate(log["calls"]):
+            sampled = resp.model_extra["asyncppo"]["token_ids"]
+            pos += range(len(expected), len(expected) + len(sampled))
+            expected += sampled
+            lps += [x.logprob for x in resp.choices[0].logprobs.content]
+            assert resp.usage.completion_tokens == len(sampled)
+            if k < 2:
+                stop = "<|im_end|>" if sampled and sampled[-1] == tok.convert_tokens_to_ids("<|im_end|>") else ""
+                expected += turn_ids(tok, [{"role": "user", "content": f"and {k}?"}], model_stop_text=stop)
+        assert ids == expected
+        assert [tuple(x) for x in c.env_runs] and c.reward == 2.5 and list(c.turn_rewards) == [0.0, 0.0, 2.5]
+        np.testing.assert_allclose(np.asarray(c.logprobs)[pos], lps, rtol=0, atol=1e-6)
+        assert np.all(np.asarray(c.versions) == 0)
+        # the agent's own text of the conversation, rendered and tokenized again, is not what was sampled
+        text = tok.apply_chat_template(log["messages"], tokenize=False)
+        prompt = tok.encode(tok.apply_chat_template(log["messages"][:2], tokenize=False, add_generation_prompt=True),
+                            add_special_tokens=False)
+        retokenized = tok.encode(text, add_special_tokens=False)[len(prompt):]
+        if retokenized[:len(ids)] != ids:
+            differs += 1
+        assert extra_ids & set(ids), "the model sampled none of the multi-character tokens (seeded: it does)"
+    assert differs == 2
+    assert r.server.refusals == {} and r.server.calls == 6
+
+
+# ------------------------------------------------------------------------------------------------ hostile
+async def hostile(client, row):
+    """One admitted call, then every kind of bad call at its own session and the server; statuses logged."""
+    base, key = str(client.base_url).rstrip("/"), client.api_key
+    first = [{"role": "user", "content": "hello"}]
+    resp = await client.chat.completions.create(model="tiny", messages=first, max_tokens=6)
+    reply = {"role": "assistant", "content": resp.choices[0].message.content}
+    ok = {"Authorization": f"Bearer {key}"}
+    statuses = {}
+    async with aiohttp.ClientSession() as http:
+        async def post(name, url, body=None, headers=ok, raw=None):
+            data = raw if raw is not None else json.dumps(body)
+            async with http.post(url, data=data, headers={**headers, "Content-Type": "application/json"}) as r:
+                statuses[name] = (r.status, (await r.json())["error"]["message"])
+
+        chat = f"{base}/chat/completions"
+        good = {"model": "tiny", "messages": first + [reply, {"role": "user", "content": "more"}], "max_tokens": 6}
+        await post("wrong_key", chat, good, headers={"Authorization": "Bearer nope"})
+        await post("no_key", chat, good, headers={})
+        await post("unknown_session", chat.replace(base.split("/sessions/")[1].split("/")[0], "0" * 32), good)
+        await post("no_session", base.split("/sessions/")[0] + "/v1/chat/completions", good)
+        await post("malformed_json", chat, raw=b"{not json")
+        await post("too_large", chat, raw=json.dumps({"messages": [{"role": "user", "content": "x" * 70000}]}))
+        await post("stream", chat, {**good, "stream": True})
+        await post("n", chat, {**good, "n": 3})
+        await post("unknown_field", chat, {**good, "frobnicate": 1})
+        await post("bad_role", chat, {**good, "messages": [{"role": "wizard", "content": "x"}]})
+        await post("rewritten", chat, {**good, "messages": [{"role": "user", "content": "HELLO"}, reply,
+                                                            {"role": "user", "content": "more"}]})
+        await post("injected_assistant", chat, {**good, "messages": good["messages"] + [
+            {"role": "assistant", "content": "I say so"}]})
+        # two calls at once on one session: one is admitted, the other refused
+        results = await asyncio.gather(client.chat.completions.create(**good),
+                                       post("concurrent", chat, good), return_exceptions=True)
+        assert not isinstance(results[0], Exception), results[0]
+    row["log"].append({"statuses": statuses, "first": resp, "second": results[0], "base": base, "key": key})
+    return 1.0
+
+
+def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(rig):
+    r = rig(hostile, max_body_bytes=1 << 16)
+    row = {"log": []}
+    (group,) = r.run_group("h0", row, n=1)
+    (log,) = row["log"]
+    s = log["statuses"]
+    expected = {"wrong_key": 401, "no_key": 401, "unknown_session": 404, "no_session": 404, "malformed_json": 400,
+                "too_large": 413, "stream": 400, "n": 400, "unknown_field": 400, "bad_role": 400, "rewritten": 409,
+                "injected_assistant": 409, "concurrent": 409}
+    assert {k: v[0] for k, v in s.items()} == expected, s
+    assert "stream" in s["stream"][1] and "'frobnicate'" in s["unknown_field"][1] and "n=3" in s["n"][1]
+    assert "do not extend" in s["rewritten"][1] and "in flight" in s["concurrent"][1]
+    assert sum(r.server.refusals.values()) == len(expected)
+    # the record is exactly the two admitted calls
+    (c,) = group.completions
+    first = log["first"].model_extra["asyncppo"]["token_ids"]
+    second = log["second"].model_extra["asyncppo"]["token_ids"]
+    ids = [int(t) for t in c.token_ids]
+    assert ids[:len(first)] == first and ids[-len(second):] == second and c.reward == 1.0
+    # after the episode: the session is gone (410), the server still answers
+    import urllib.request
+    import urllib.error
+
+    req = urllib.request.Request(f"{log['base']}/chat/completions", method="POST",
+                                 data=json.dumps({"messages": [{"role": "user", "content": "late"}]}).encode(),
+                                 headers={"Authorization": f"Bearer {log['key']}", "Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as late:
+        urllib.request.urlopen(req, timeout=10)
+    assert late.value.code == 410
+
+
+# ------------------------------------------------------------------------------------------------ faults
+async def faulty(client, row):
+    """Episode j of the group: 0 behaves, 1 raises after a call, 2 never calls, 3 hangs after a call."""
+    j = row["next"].pop(0)
+    if j == 2:
+        await asyncio.sleep(3600)
+    resp = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=6)
+    if j == 1:
+        raise KeyError("the agent's own bug")
+    if j == 3:
+        await asyncio.sleep(3600)
+    return float(len(resp.choices[0].message.content or "") >= 0)
+
+
+def test_agents_that_raise_never_call_or_hang_fault_their_own_episodes(rig):
+    r = rig(faulty, step_timeout_s=2.0, on_error="zero_reward")
+    t0 = time.monotonic()
+    (group,) = r.run_group("f0", {"next": [0, 1, 2, 3]}, n=4, deadline_s=60)
+    # the never-calling agent fails its episode's init at the deadline, which drops the group under zero_reward too
+    # (an init fault leaves no prompt to train); the hanging agent is cancelled with it, which is not a fault
+    assert group.dropped and ("timeout" in group.detail or "within" in group.detail), group.detail
+    assert time.monotonic() - t0 < 20
+    assert dict(r.runner.faults) == {"raised": 1, "timeout": 1, "malformed": 0, "nonfinite_reward": 0}
+
+
+def test_a_group_whose_agents_fault_after_calling_still_trains_the_good_episode(rig):
+    r = rig(faulty, step_timeout_s=2.0, on_error="zero_reward")
+    (group,) = r.run_group("f1", {"next": [0, 1, 3]}, n=3, deadline_s=60)
+    assert not group.dropped and len(group.completions) == 3
+    ended = sorted(c.ended for c in group.completions)
+    assert ended == ["done", "raised", "timeout"], ended
+    good = next(c for c in group.completions if c.ended == "done")
+    assert good.reward == 1.0 and all(c.reward == 0.0 for c in group.completions if c is not good)
