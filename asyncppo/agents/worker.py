@@ -48,7 +48,10 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
     """:class:`EpisodeRolloutWorker` whose episodes are runs of the user's agent program (module docstring)."""
 
     def _open_workload(self) -> None:
+        self._open_server()  # first: the episode worker's announcement names the endpoint
         super()._open_workload()
+
+    def _open_server(self) -> None:
         e = self.cfg.env
         self.agent_fn = load_function(e.agent, "env.agent")
         self.reward_fn: Optional[Callable] = load_function(e.reward_fn, "env.reward_fn") if e.reward_fn else None

@@ -1,0 +1,170 @@
+"""The endpoint's pure parts (agents/openai_format.py, agents/session.py, agents/episode.py's reward rule): what a
+request may carry, how a reply is built from the model's text, which calls extend a session, and the reward forms."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from asyncppo.agents.episode import agent_reward
+from asyncppo.agents.openai_format import (RequestError, completion_body, make_reply, normalize_message,
+                                           parse_chat_request)
+from asyncppo.agents.session import Session
+from asyncppo.config import ConfigError, load_config
+from asyncppo.envs.text_env import MalformedStep
+
+TOOLS = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+STOPS = {"\n": 5, ";": 9}
+
+
+def parse(body):
+    return parse_chat_request(body, stop_token_id=STOPS.get)
+
+
+def _status(body) -> tuple[int, str]:
+    with pytest.raises(RequestError) as e:
+        parse(body)
+    return e.value.status, e.value.reason
+
+
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+def test_a_plain_request_and_its_limits():
+    r = parse({"model": "x", "messages": MSGS, "max_tokens": 30, "max_completion_tokens": 20, "stop": ["\n", ";"],
+               "logprobs": True, "temperature": 0.7, "seed": 3, "tools": TOOLS, "tool_choice": "auto",
+               "parallel_tool_calls": False, "store": False, "metadata": {"a": "b"}})
+    assert r.max_tokens == 20 and r.stop == [5, 9] and r.logprobs and r.tools == TOOLS and r.parse_tools
+    assert r.sampling == {"temperature": 0.7, "seed": 3}
+    assert parse({"messages": MSGS, "stop": "\n", "tool_choice": "none"}).stop == [5]
+    assert not parse({"messages": MSGS, "tool_choice": "none"}).parse_tools
+
+
+@pytest.mark.parametrize("body, status, named", [
+    ({"messages": MSGS, "stream": True}, 400, "stream"),
+    ({"messages": MSGS, "n": 2}, 400, "n=2"),
+    ({"messages": MSGS, "top_logprobs": 5}, 400, "top_logprobs"),
+    ({"messages": MSGS, "stop": "END"}, 400, "stop='END'"),
+    ({"messages": MSGS, "stop": ["\n"] * 5}, 400, "stop"),
+    ({"messages": MSGS, "tool_choice": "required"}, 400, "tool_choice"),
+    ({"messages": MSGS, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": MSGS, "max_tokens": True}, 400, "max_tokens"),
+    ({"messages": MSGS, "temperature": float("nan")}, 400, "temperature"),
+    ({"messages": MSGS, "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"messages": MSGS, "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ({"messages": MSGS, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"messages": MSGS, "functions": []}, 400, "'functions'"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400, "content[0]"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ([1, 2], 400, "JSON object"),
+])
+def test_what_cannot_be_honoured_is_refused_naming_the_field(body, status, named):
+    got, reason = _status(body)
+    assert got == status and named in reason, reason
+
+
+def test_messages_are_normalized_to_text():
+    m = normalize_message({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+                          0)
+    assert m == {"role": "user", "content": "ab"}
+    assert normalize_message({"role": "developer", "content": "s"}, 0)["role"] == "system"
+    a = normalize_message({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {}}]}, 1)
+    assert a == {"role": "assistant", "content": "", "tool_call_ids": ("c1",)}
+    assert normalize_message({"role": "tool", "content": "4", "tool_call_id": "c1"}, 2)["tool_call_id"] == "c1"
+
+
+def test_reply_reads_tool_calls_of_declared_tools_only():
+    r = parse({"messages": MSGS, "tools": TOOLS})
+    text = 'let me see <tool_call>{"name": "calc", "arguments": {"expr": "2*3"}}</tool_call>'
+    reply = make_reply(text, "stop", r, "chatcmpl-x-1")
+    assert reply.content == "let me see" and reply.finish_reason == "tool_calls"
+    (call,) = reply.tool_calls
+    assert call["id"] == "chatcmpl-x-1-0" and call["function"]["name"] == "calc"
+    assert json.loads(call["function"]["arguments"]) == {"expr": "2*3"}
+    # an undeclared tool, tool_choice none, or no tools: the text as it is
+    unknown = '<tool_call>{"name": "rm", "arguments": {}}</tool_call>'
+    assert make_reply(unknown, "stop", r, "c").tool_calls == []
+    assert make_reply(text, "stop", parse({"messages": MSGS, "tools": TOOLS, "tool_choice": "none"}), "c").content \
+        == text
+    assert make_reply(text, "length", parse({"messages": MSGS}), "c").finish_reason == "length"
+    body = completion_body(reply, call_id="c", model="m", created=1, prompt_tokens=10, token_ids=[1, 2, 3],
+                           logprobs=[-0.5, -1.0, -2.0], token_texts=["a", "b", "c"], versions=[4, 4, 5])
+    assert body["usage"] == {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13}
+    assert [x["logprob"] for x in body["choices"][0]["logprobs"]["content"]] == [-0.5, -1.0, -2.0]
+    assert body["asyncppo"] == {"token_ids": [1, 2, 3], "versions": [4, 4, 5]}
+
+
+def _session():
+    loop = asyncio.new_event_loop()
+    return Session("s", loop), loop
+
+
+def test_a_session_admits_extensions_and_refuses_rewrites():
+    s, loop = _session()
+    first = parse({"messages": MSGS, "tools": TOOLS})
+    call = s.accept(first, loop.create_future())
+    assert call.new_messages == [{"role": "user", "content": "hi"}]
+    with pytest.raises(RequestError) as busy:
+        s.accept(first, loop.create_future())
+    assert busy.value.status == 409 and busy.value.kind == "concurrent_call"
+    reply = make_reply('<tool_call>{"name": "calc", "arguments": {"expr": "1"}}</tool_call>', "stop", first, "c")
+    s.reply(reply, {"ok": 1})
+    loop.run_until_complete(asyncio.sleep(0))
+    assert call.future.result() == {"ok": 1}
+    echoed = {"role": "assistant", "content": None, "tool_calls": [{"id": "c-0", "function": {}}]}
+    tool = {"role": "tool", "content": "1", "tool_call_id": "c-0"}
+    nxt = s.accept(parse({"messages": MSGS + [echoed, tool], "tools": TOOLS}), loop.create_future())
+    assert nxt.new_messages == [{"role": "tool", "content": "1", "tool_call_id": "c-0"}]
+    s.reply(make_reply("42", "stop", first, "d"), {})
+    ok = MSGS + [echoed, tool, {"role": "assistant", "content": " 42 "}]
+    for bad in ([{"role": "user", "content": "HI"}] + ok[1:],  # an earlier message edited
+                ok[:2],  # a shorter history (truncated context)
+                MSGS + [{**echoed, "tool_calls": [{"id": "other"}]}] + ok[2:],  # a reply that is not the model's
+                ok + [{"role": "assistant", "content": "prefill"}]):  # an assistant turn the model did not write
+        with pytest.raises(RequestError) as e:
+            s.accept(parse({"messages": bad, "tools": TOOLS}), loop.create_future())
+        assert e.value.status == 409 and e.value.kind == "history_rewritten"
+    with pytest.raises(RequestError) as tools:
+        s.accept(parse({"messages": ok + [{"role": "user", "content": "x"}]}), loop.create_future())
+    assert "tools" in tools.value.reason
+    s.accept(parse({"messages": ok + [{"role": "user", "content": "x"}], "tools": TOOLS}), loop.create_future())
+    pending = s.pending
+    s.close("max_turns")
+    loop.run_until_complete(asyncio.sleep(0))
+    assert isinstance(pending.future.exception(), RequestError) and pending.future.exception().status == 410
+    with pytest.raises(RequestError) as gone:
+        s.accept(first, loop.create_future())
+    assert gone.value.status == 410 and "max_turns" in gone.value.reason
+    assert [m["role"] for m in s.transcript()] == ["user", "assistant", "tool", "assistant", "user"]
+    loop.close()
+
+
+def test_the_agents_reward_forms():
+    no_transcript = lambda: []  # noqa: E731
+    assert agent_reward(1, no_transcript, {}, None) == (1.0, {})
+    assert agent_reward(True, no_transcript, {}, None) == (1.0, {})
+    assert agent_reward({"reward": 0.5, "turns": 2}, no_transcript, {}, None) == (0.5, {"turns": 2})
+    scored = agent_reward(None, lambda: [{"role": "user", "content": "q"}], {"answer": "q"},
+                          lambda transcript, row: float(transcript[-1]["content"] == row["answer"]))
+    assert scored == (1.0, {})
+    for bad, kind in ((None, "malformed"), ("1", "malformed"), (float("inf"), "nonfinite_reward"),
+                      ({"turns": 1}, "malformed")):
+        with pytest.raises(MalformedStep) as e:
+            agent_reward(bad, no_transcript, {}, None)
+        assert e.value.kind == kind
+
+
+def test_agent_options_are_checked():
+    cfg = load_config(overrides=["data=calculator_agent"])
+    assert cfg.env.text_env == "asyncppo.agents.episode.AgentEpisode" and cfg.env.agent.endswith(":agent")
+    for overrides, named in ((["data=calculator", "env.agent=a.b:c"], "env.agent"),
+                             (["env.reward_fn=a.b:c"], "env.reward_fn"),
+                             (["data=calculator_agent", "env.agent=not a path"], "env.agent"),
+                             (["data=calculator_agent", "env.agent_port=70000"], "env.agent_port"),
+                             (["data=calculator_agent", "env.agent_max_body_bytes=0"], "env.agent_max_body_bytes")):
+        with pytest.raises(ConfigError) as e:
+            load_config(overrides=overrides)
+        assert named in str(e.value), str(e.value)
