@@ -18,7 +18,7 @@ fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 # torch first, pinned, so that the local CPU wheel is used and no CUDA build is pulled in.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-"$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev,mujoco,envs]"
+"$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev,mujoco,envs,agents]"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

@@ -32,6 +32,8 @@ from typing import Any, Callable, Optional
 from asyncppo.agents.openai_format import RequestError, error_body, parse_chat_request
 from asyncppo.agents.session import Session
 
+#: Connections the agents' clients share (one pool per worker); calls beyond wait for one.
+MAX_CONNECTIONS = 256
 #: Ended sessions remembered (so that a late call gets 410, not 404), at most this many.
 CLOSED_KEPT = 4096
 
@@ -65,6 +67,13 @@ class AgentServer:
     async def _serve(self) -> None:
         from aiohttp import web  # heavy: aiohttp
 
+        import httpx  # heavy: the OpenAI client's transport
+
+        # one connection pool for every session's client (a client per episode with its own pool would open a
+        # connection per episode: thousands on a busy worker, and connection errors once the backlog fills)
+        limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS)
+        self._http = httpx.AsyncClient(limits=limits, timeout=self.client_timeout_s)
+        self._http_blocking = httpx.Client(limits=limits, timeout=self.client_timeout_s)
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
@@ -82,6 +91,8 @@ class AgentServer:
         if self._runner is not None and self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=10)
+                asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
+                self._http_blocking.close()
             except Exception:  # a stop must not fail on a server that is already half gone
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
@@ -117,11 +128,8 @@ class AgentServer:
         try:
             if inspect.iscoroutinefunction(self.agent):
                 client = openai.AsyncOpenAI(base_url=base, api_key=self.key, max_retries=0,
-                                            timeout=self.client_timeout_s)
-                try:
-                    value = await self.agent(client, dict(row))
-                finally:
-                    await client.close()
+                                            timeout=self.client_timeout_s, http_client=self._http)
+                value = await self.agent(client, dict(row))  # the client is not closed: its pool is shared
             else:
                 value = await self.loop.run_in_executor(self._threads, self._run_blocking, base, dict(row))
         except asyncio.CancelledError:  # its episode ended first (a drop, a limit, the worker's stop): no fault
@@ -135,8 +143,9 @@ class AgentServer:
     def _run_blocking(self, base: str, row: dict) -> Any:
         import openai  # heavy: the OpenAI client
 
-        with openai.OpenAI(base_url=base, api_key=self.key, max_retries=0, timeout=self.client_timeout_s) as client:
-            return self.agent(client, row)
+        client = openai.OpenAI(base_url=base, api_key=self.key, max_retries=0, timeout=self.client_timeout_s,
+                               http_client=self._http_blocking)
+        return self.agent(client, row)
 
     # ------------------------------------------------------------------------------------------------ routes
     def _refuse(self, err: RequestError):

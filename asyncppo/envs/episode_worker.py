@@ -138,7 +138,8 @@ class EpisodeRolloutWorker(RolloutWorker):
         self.env_class = load_text_env(e.text_env)
         self.runner = CountingRunner(e.max_concurrency, e.step_timeout_s, e.on_error)
         self.engine = EpisodeEngine(self.model_engine, self.tokenizer, self.runner, max_turns=e.max_turns,
-                                    response_length=ro.response_length, turn_max_tokens=e.max_tokens_per_turn)
+                                    response_length=ro.response_length, turn_max_tokens=e.max_tokens_per_turn,
+                                    max_prompt_tokens=ro.prompt_length)
         self._closables += [self.engine, _Shutdown(self.runner)]
         self.builder = EpisodeGroupBuilder(self.model_engine, self.worker_id, self.stats)
         self.meter = EpisodeMeter(self.engine, self.runner)

@@ -104,11 +104,13 @@ class EpisodeEngine:
     until the groups come back. Weight updates go to the wrapped engine (``engine``) as before."""
 
     def __init__(self, engine: Any, tokenizer: Any, runner: EnvRunner, *, max_turns: int, response_length: int,
-                 turn_max_tokens: Optional[int] = None, stop_text: str = IM_END):
+                 turn_max_tokens: Optional[int] = None, stop_text: str = IM_END,
+                 max_prompt_tokens: Optional[int] = None):
         if max_turns < 1 or response_length < 1:
             raise ValueError(f"episodes: max_turns={max_turns} and response_length={response_length} must be >= 1")
         self.engine, self.tokenizer, self.runner = engine, tokenizer, runner
         self.max_turns, self.response_length, self.turn_max_tokens = max_turns, response_length, turn_max_tokens
+        self.max_prompt_tokens = max_prompt_tokens  # rollout.prompt_length: a longer rendered prompt drops its group
         self.stop_text = stop_text
         stop_id = tokenizer.convert_tokens_to_ids(stop_text)
         self._stop_id = stop_id if isinstance(stop_id, int) and stop_id != tokenizer.unk_token_id else None
@@ -237,6 +239,11 @@ class EpisodeEngine:
                 text = self.tokenizer.apply_chat_template(out.observations, tools=getattr(ep.env, "tools", None)
                                                           or None, tokenize=False, add_generation_prompt=True)
                 ep.prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if self.max_prompt_tokens is not None and len(ep.prompt_ids) > self.max_prompt_tokens:
+                # the learner would refuse the record: drop the group here, named, and its ticket is given back
+                self.runner.faults["malformed"] += 1
+                return self._drop_group(ep.group, "malformed", f"the rendered prompt is {len(ep.prompt_ids)} tokens, "
+                                        f"over rollout.prompt_length={self.max_prompt_tokens}")
             return self._generate(ep)
         ep.turn_rewards[-1] = float(out.reward)
         if out.done:
