@@ -123,7 +123,7 @@ class AgentEpisode:
             return AgentError(f"the agent returned {when} (an episode is at least one model call)")
         if kind == "closed":
             return AgentError(f"the session closed {when} ({payload})")
-        return AgentError(f"the agent raised {type(payload).__name__}: {payload}")
+        return AgentError(f"the agent failed{' ' + when if when else ''}: {payload}")
 
 
 def _template_messages(messages: list) -> list:

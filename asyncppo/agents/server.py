@@ -12,39 +12,42 @@ Routes (``{base}`` = ``/sessions/<id>/v1``, what the agent's client is given as 
 * ``GET {base}/models`` and ``GET /v1/models``: the one model this endpoint serves;
 * ``POST /v1/chat/completions``: 404 naming the session URL (a call outside an episode has nowhere to train).
 
-The agents run on the same loop (a coroutine function) or on a pool of threads (a plain function, given a blocking
-``openai.OpenAI`` client); each run's end or error goes to its session's events.
+The agent programs run in a child process (:mod:`asyncppo.agents.host`) and call this server over loopback like
+any client; each run's end or error comes back to its session's events.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures as cf
 import hmac
-import inspect
 import json
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from typing import Any, Callable, Optional
 
+from asyncppo.agents.host import AgentHost
 from asyncppo.agents.openai_format import RequestError, error_body, parse_chat_request
 from asyncppo.agents.session import Session
 
-#: Connections the agents' clients share (one pool per worker); calls beyond wait for one.
-MAX_CONNECTIONS = 256
+#: Pending connections the listener queues: every episode's client may connect at once when a group starts (a full
+#: queue drops the SYN, and the client's kernel retries a second later)
+BACKLOG = 4096
 #: Ended sessions remembered (so that a late call gets 410, not 404), at most this many.
 CLOSED_KEPT = 4096
 
 
 class AgentServer:
-    """One worker's endpoint (module docstring). :meth:`start` binds; :meth:`open_session` starts an agent run."""
+    """One worker's endpoint (module docstring). :meth:`start` binds; :meth:`open_session` starts an agent run.
+    ``agent``: the ``pkg.module:function`` path of the agent program (imported in the child process)."""
 
-    def __init__(self, agent: Callable, *, host: str = "127.0.0.1", port: int = 0, key: Optional[str] = None,
+    def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0, key: Optional[str] = None,
                  max_body_bytes: int = 4 << 20, model_name: str = "policy", max_concurrency: int = 16,
                  stop_token_id: Callable[[str], Optional[int]] = lambda s: None, client_timeout_s: float = 600.0):
         self.agent, self.host, self.port = agent, host, port
+        self.agents = AgentHost(agent, self._agent_done, max_concurrency=max_concurrency,
+                                client_timeout_s=client_timeout_s)
         self.key = key or secrets.token_urlsafe(24)
         self.max_body_bytes, self.model_name = max_body_bytes, model_name
         self.stop_token_id, self.client_timeout_s = stop_token_id, client_timeout_s
@@ -52,8 +55,7 @@ class AgentServer:
         self._closed: OrderedDict[str, str] = OrderedDict()
         self.refusals: Counter = Counter()
         self.calls = 0
-        self.call_seconds: list[float] = []  # admitted call -> reply, seconds (the last 10,000)
-        self._threads = cf.ThreadPoolExecutor(max_concurrency, thread_name_prefix="agent")
+        self.call_seconds: deque = deque(maxlen=10_000)  # admitted call -> reply, seconds (the latest)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-http", daemon=True)
         self._runner = None
@@ -62,18 +64,12 @@ class AgentServer:
     def start(self) -> "AgentServer":
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._serve(), self.loop).result(timeout=30)
+        self.agents.warm()  # the child imports the agent now, not on the first episode
         return self
 
     async def _serve(self) -> None:
         from aiohttp import web  # heavy: aiohttp
 
-        import httpx  # heavy: the OpenAI client's transport
-
-        # one connection pool for every session's client (a client per episode with its own pool would open a
-        # connection per episode: thousands on a busy worker, and connection errors once the backlog fills)
-        limits = httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=MAX_CONNECTIONS)
-        self._http = httpx.AsyncClient(limits=limits, timeout=self.client_timeout_s)
-        self._http_blocking = httpx.Client(limits=limits, timeout=self.client_timeout_s)
         app = web.Application(client_max_size=self.max_body_bytes)
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
@@ -81,22 +77,20 @@ class AgentServer:
         app.router.add_post("/v1/chat/completions", self._no_session)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=BACKLOG)
         await site.start()
         self.port = self._runner.addresses[0][1]
 
     def close(self) -> None:
         for s in list(self.sessions.values()):
             s.close("the worker stopped")
+        self.agents.close()
         if self._runner is not None and self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self.loop).result(timeout=10)
-                asyncio.run_coroutine_threadsafe(self._http.aclose(), self.loop).result(timeout=10)
-                self._http_blocking.close()
             except Exception:  # a stop must not fail on a server that is already half gone
                 pass
         self.loop.call_soon_threadsafe(self.loop.stop)
-        self._threads.shutdown(wait=False, cancel_futures=True)
 
     @property
     def url(self) -> str:
@@ -111,7 +105,8 @@ class AgentServer:
         """A new session and the agent's run on it (started at once; its calls wait for the episode)."""
         session = Session(secrets.token_hex(16), self.loop)
         self.sessions[session.sid] = session
-        session.task = asyncio.run_coroutine_threadsafe(self._run_agent(session, row), self.loop)
+        session.cancel = lambda sid=session.sid: self.agents.cancel(sid)
+        self.agents.start(session.sid, self.base_url(session), self.key, row)
         return session
 
     def end_session(self, session: Session, why: str) -> None:
@@ -121,31 +116,11 @@ class AgentServer:
             while len(self._closed) > CLOSED_KEPT:
                 self._closed.popitem(last=False)
 
-    async def _run_agent(self, session: Session, row: dict) -> None:
-        import openai  # heavy: the OpenAI client
-
-        base = self.base_url(session)
-        try:
-            if inspect.iscoroutinefunction(self.agent):
-                client = openai.AsyncOpenAI(base_url=base, api_key=self.key, max_retries=0,
-                                            timeout=self.client_timeout_s, http_client=self._http)
-                value = await self.agent(client, dict(row))  # the client is not closed: its pool is shared
-            else:
-                value = await self.loop.run_in_executor(self._threads, self._run_blocking, base, dict(row))
-        except asyncio.CancelledError:  # its episode ended first (a drop, a limit, the worker's stop): no fault
-            session.events.put(("closed", session.closed))
-            raise
-        except BaseException as e:  # the user's code: whatever it raises is this episode's fault, named
-            session.events.put(("error", e))
-            return
-        session.events.put(("end", value))
-
-    def _run_blocking(self, base: str, row: dict) -> Any:
-        import openai  # heavy: the OpenAI client
-
-        client = openai.OpenAI(base_url=base, api_key=self.key, max_retries=0, timeout=self.client_timeout_s,
-                               http_client=self._http_blocking)
-        return self.agent(client, row)
+    def _agent_done(self, sid: str, kind: str, value: Any) -> None:
+        """The agent host's report of a run's end (``end`` with its value, ``error`` with its detail)."""
+        session = self.sessions.get(sid)
+        if session is not None:
+            session.events.put((kind, value))
 
     # ------------------------------------------------------------------------------------------------ routes
     def _refuse(self, err: RequestError):
@@ -205,5 +180,5 @@ class AgentServer:
         except RequestError as err:
             return self._refuse(err)
         self.calls += 1
-        self.call_seconds = self.call_seconds[-9999:] + [time.perf_counter() - t0]
+        self.call_seconds.append(time.perf_counter() - t0)
         return web.json_response(answer)

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from asyncppo.agents.openai_format import ChatRequest, Reply, RequestError
 
@@ -47,7 +47,7 @@ def _same(sent: dict, kept: dict) -> bool:
 
 class Session:
     """The record of one episode's calls (module docstring). ``events`` yields ``("call", Call)``, ``("end",
-    value)`` (the agent returned) or ``("error", exception)`` (it raised)."""
+    value)`` (the agent returned) or ``("error", detail)`` (it raised, or its process died)."""
 
     def __init__(self, sid: str, loop: asyncio.AbstractEventLoop):
         self.sid, self.loop = sid, loop
@@ -58,7 +58,7 @@ class Session:
         self.closed: Optional[str] = None  # why the session ended (None: open)
         self.calls = 0
         self.opened_at = time.monotonic()
-        self.task: Any = None  # the agent's run (a concurrent future of its coroutine)
+        self.cancel: Optional[Callable[[], None]] = None  # stops the agent's run (the agent host's cancel)
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------ server side
@@ -119,8 +119,9 @@ class Session:
             self.loop.call_soon_threadsafe(
                 _settle, call.future, RequestError(410, f"session closed: the episode ended ({why})",
                                                    "session_closed"))
-        if self.task is not None:
-            self.task.cancel()
+        if self.cancel is not None:
+            self.cancel()
+        self.events.put(("closed", why))  # a thread waiting for the agent's next move wakes now
 
     def next_event(self, timeout_s: float) -> tuple:
         """The next call, the agent's return, or its error; TimeoutError after ``timeout_s``."""

@@ -8,10 +8,10 @@ across them: every token keeps the version that sampled it), the trajectory reco
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Optional
 
 from asyncppo.agents.episode import AgentEpisode
+from asyncppo.agents.host import load_function
 from asyncppo.agents.server import AgentServer
 from asyncppo.data.text_rows import TextEnvRow
 from asyncppo.envs.episode_worker import EpisodeRolloutWorker
@@ -20,20 +20,6 @@ from asyncppo.rollout.engine import SamplingSpec
 #: Seconds an episode's blocked wait lasts past ``env.step_timeout_s`` before its thread gives up (the runner ended
 #: the episode at the deadline already; this only frees the thread).
 WAIT_GRACE_S = 5.0
-
-
-def load_function(path: str, option: str) -> Callable:
-    """The function named ``pkg.module:function`` (or ``pkg.module.function``); ValueError naming ``option``."""
-    module_name, sep, name = str(path).replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"{option}={path!r}: expected pkg.module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{option}={path!r}: cannot import it ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise ValueError(f"{option}={path!r}: not callable (got {fn!r:.80})")
-    return fn
 
 
 def agent_row(row: Any) -> dict:
@@ -53,7 +39,6 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
 
     def _open_server(self) -> None:
         e = self.cfg.env
-        self.agent_fn = load_function(e.agent, "env.agent")
         self.reward_fn: Optional[Callable] = load_function(e.reward_fn, "env.reward_fn") if e.reward_fn else None
         tokenizer = self.tokenizer
 
@@ -61,7 +46,7 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
             ids = tokenizer.encode(text, add_special_tokens=False)
             return int(ids[0]) if len(ids) == 1 else None
 
-        self.server = AgentServer(self.agent_fn, host=e.agent_host, port=e.agent_port, key=None,
+        self.server = AgentServer(e.agent, host=e.agent_host, port=e.agent_port, key=None,
                                   max_body_bytes=e.agent_max_body_bytes, model_name=str(self.cfg.model.path),
                                   max_concurrency=e.max_concurrency, stop_token_id=stop_token_id).start()
         self._closables.append(self.server)

@@ -139,6 +139,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         history=((DIARY, "One event loop for every coroutine call"),
                  (DIARY, "Latency hiding: multi-turn episodes behind a slow tool"))),
     Benchmark(
+        "agent-overhead", "Agents: the endpoint's cost against the in-process episode loop",
+        "What does playing an agent program through the OpenAI-compatible endpoint cost, per call and in episodes "
+        "per second, against the same episodes played by an in-process environment (data=calculator)?",
+        "throughput endpoint / in-process",
+        Target("throughput endpoint / in-process", ">=", 0.8, min_seeds=3,
+               why="set before the first run (issue 49): the HTTP path may cost an agent at most a fifth of the "
+               "episode rate on the smallest model, where a call's cost weighs most"),
+        "~6 min (3 seeds x ~2 min)", "asyncppo.bench.agent_overhead:run", seeds=(0, 1, 2),
+        options=dict(model="builtin:tiny-calculator", engine="vllm", rounds=4, rows=16, n=8),
+        quick=dict(rounds=2), quick_expected="~1 min", tolerance=0.3),
+    Benchmark(
         "transport", "Transport: the trajectory stream against raw ZeroMQ",
         "What share of raw ZeroMQ's message rate does the trajectory stream (encode, validate, decode) keep?",
         "rec/raw 8x128",

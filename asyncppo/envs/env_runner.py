@@ -107,6 +107,7 @@ class EnvRunner:
         # the same for step calls alone (the metric episodes/env_s_per_step: a tool's latency, not init's or close's)
         self.step_calls = 0
         self.step_seconds = 0.0
+        self.step_durations: collections.deque = collections.deque(maxlen=10_000)  # the latest, for percentiles
         self._stuck: set = set()
         self._blocked_loops: list[LoopThread] = []
         self.returned = 0  # calls the environment returned from (or raised in), on time or past their deadline
@@ -286,6 +287,7 @@ class EnvRunner:
             if call.what == "step":
                 self.step_calls += 1
                 self.step_seconds += outcome.seconds
+                self.step_durations.append(outcome.seconds)
         return outcome
 
     def _fault(self, call: _Call, kind: str, detail: str) -> EnvOutcome:

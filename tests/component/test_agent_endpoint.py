@@ -11,13 +11,19 @@ on loopback, the real ``openai`` client, the episode loop of envs/episodes.py.
   counted, and the episode's record is still exactly its admitted calls. A late call after the episode: 410.
 * Agents that raise, never call, or hang between calls end their own episodes as faults (``env.on_error``); the
   other episode of the group still trains.
+
+The agents run in the agent host's child process (agents/host.py), as in a run: what they saw comes back to the test
+through files in ``row["log_dir"]``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
+import uuid
+from pathlib import Path
 
 import aiohttp
 import numpy as np
@@ -65,7 +71,7 @@ class Rig:
     def __init__(self, engine, tok, agent, *, step_timeout_s: float = 30.0, on_error: str = "zero_reward",
                  max_body_bytes: int = 1 << 16):
         self.tok = tok
-        self.server = AgentServer(agent, max_body_bytes=max_body_bytes, model_name="tiny",
+        self.server = AgentServer(f"{__name__}:{agent.__name__}", max_body_bytes=max_body_bytes, model_name="tiny",
                                   stop_token_id=lambda s: None).start()
         self.runner = EnvRunner(8, step_timeout_s, on_error)
         self.episodes = EpisodeEngine(engine, tok, self.runner, max_turns=4, response_length=160,
@@ -102,39 +108,55 @@ def rig(engine, chat_model):
 
 
 # ------------------------------------------------------------------------------------------------ agents
+def _log(row: dict, entry: dict) -> None:
+    Path(row["log_dir"], f"{uuid.uuid4().hex}.json").write_text(json.dumps(entry))
+
+
+def _logs(log_dir) -> list:
+    return [json.loads(p.read_text()) for p in Path(log_dir).glob("*.json")]
+
+
+def _sampled(resp) -> dict:
+    """What the test keeps of a reply: the sampled ids, their log-probs, the usage."""
+    extra = resp.model_extra["asyncppo"]
+    lps = [x.logprob for x in resp.choices[0].logprobs.content] if resp.choices[0].logprobs else None
+    return {"ids": extra["token_ids"], "versions": extra["versions"], "logprobs": lps,
+            "completion_tokens": resp.usage.completion_tokens, "content": resp.choices[0].message.content}
+
+
 async def three_calls(client, row):
     """Three calls, the conversation sent back as text each time; the replies are logged for the test."""
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": row["prompt"]}]
     calls = []
     for k in range(3):
         resp = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=10, logprobs=True)
-        calls.append(resp)
+        calls.append(_sampled(resp))
         messages.append({"role": "assistant", "content": resp.choices[0].message.content})
         messages.append({"role": "user", "content": f"and {k}?"})
-    row["log"].append({"calls": calls, "messages": messages[:-1]})
+    _log(row, {"calls": calls, "messages": messages[:-1]})
     return {"reward": 2.5, "calls": 3}
 
 
-def test_trained_ids_are_the_sampled_ids_not_the_retokenized_text(rig):
+def test_trained_ids_are_the_sampled_ids_not_the_retokenized_text(rig, tmp_path):
     r = rig(three_calls)
-    row = {"prompt": "say something", "log": []}
+    row = {"prompt": "say something", "log_dir": str(tmp_path)}
     (group,) = r.run_group("g0", row, n=2)
     tok = r.tok
-    assert len(group.completions) == 2 and len(row["log"]) == 2
+    logs = _logs(tmp_path)
+    assert len(group.completions) == 2 and len(logs) == 2
     extra_ids = set(tok.convert_tokens_to_ids(EXTRA))
     differs = 0
     for c in group.completions:
         ids = [int(t) for t in c.token_ids]
-        log = next(x for x in row["log"] if x["calls"][0].model_extra["asyncppo"]["token_ids"] == ids[:len(
-            x["calls"][0].model_extra["asyncppo"]["token_ids"])])
+        log = next(x for x in logs if x["calls"][0]["ids"] == ids[:len(x["calls"][0]["ids"])])
         # the record: each call's sampled ids, then only the new user message rendered (mask 0), turn by turn
         expected, lps, pos = [], [], []
-        for k, resp in enumerate(log["calls"]):
-            sampled = resp.model_extra["asyncppo"]["token_ids"]
+        for k, call in enumerate(log["calls"]):
+            sampled = call["ids"]
             pos += range(len(expected), len(expected) + len(sampled))
             expected += sampled
-            lps += [x.logprob for x in resp.choices[0].logprobs.content]
-            assert resp.usage.completion_tokens == len(sampled)
+            lps += call["logprobs"]
+            assert call["completion_tokens"] == len(sampled) and call["versions"] == [0] * len(sampled)
             if k < 2:
                 stop = "<|im_end|>" if sampled and sampled[-1] == tok.convert_tokens_to_ids("<|im_end|>") else ""
                 expected += turn_ids(tok, [{"role": "user", "content": f"and {k}?"}], model_stop_text=stop)
@@ -159,7 +181,7 @@ async def hostile(client, row):
     """One admitted call, then every kind of bad call at its own session and the server; statuses logged."""
     base, key = str(client.base_url).rstrip("/"), client.api_key
     first = [{"role": "user", "content": "hello"}]
-    resp = await client.chat.completions.create(model="tiny", messages=first, max_tokens=6)
+    resp = await client.chat.completions.create(model="tiny", messages=first, max_tokens=6, logprobs=True)
     reply = {"role": "assistant", "content": resp.choices[0].message.content}
     ok = {"Authorization": f"Bearer {key}"}
     statuses = {}
@@ -167,7 +189,9 @@ async def hostile(client, row):
         async def post(name, url, body=None, headers=ok, raw=None):
             data = raw if raw is not None else json.dumps(body)
             async with http.post(url, data=data, headers={**headers, "Content-Type": "application/json"}) as r:
-                statuses[name] = (r.status, (await r.json())["error"]["message"])
+                got = await r.json()
+                statuses[name] = (r.status, got["error"]["message"] if r.status != 200 else "")
+                return got
 
         chat = f"{base}/chat/completions"
         good = {"model": "tiny", "messages": first + [reply, {"role": "user", "content": "more"}], "max_tokens": 6}
@@ -185,31 +209,32 @@ async def hostile(client, row):
                                                             {"role": "user", "content": "more"}]})
         await post("injected_assistant", chat, {**good, "messages": good["messages"] + [
             {"role": "assistant", "content": "I say so"}]})
-        # two calls at once on one session: one is admitted, the other refused
-        results = await asyncio.gather(client.chat.completions.create(**good),
-                                       post("concurrent", chat, good), return_exceptions=True)
-        assert not isinstance(results[0], Exception), results[0]
-    row["log"].append({"statuses": statuses, "first": resp, "second": results[0], "base": base, "key": key})
+        # two calls at once on one session: one is admitted, the other refused (either may arrive first)
+        results = await asyncio.gather(post("concurrent-a", chat, good), post("concurrent-b", chat, good))
+    admitted = [r for r in results if "choices" in r]
+    _log(row, {"statuses": statuses, "first": _sampled(resp),
+               "second": admitted[0]["asyncppo"]["token_ids"] if len(admitted) == 1 else None, "base": base,
+               "key": key})
     return 1.0
 
 
-def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(rig):
+def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(rig, tmp_path):
     r = rig(hostile, max_body_bytes=1 << 16)
-    row = {"log": []}
-    (group,) = r.run_group("h0", row, n=1)
-    (log,) = row["log"]
+    (group,) = r.run_group("h0", {"log_dir": str(tmp_path)}, n=1)
+    (log,) = _logs(tmp_path)
     s = log["statuses"]
     expected = {"wrong_key": 401, "no_key": 401, "unknown_session": 404, "no_session": 404, "malformed_json": 400,
                 "too_large": 413, "stream": 400, "n": 400, "unknown_field": 400, "bad_role": 400, "rewritten": 409,
-                "injected_assistant": 409, "concurrent": 409}
+                "injected_assistant": 409}
+    concurrent = sorted(s.pop(k) for k in ("concurrent-a", "concurrent-b"))
     assert {k: v[0] for k, v in s.items()} == expected, s
     assert "stream" in s["stream"][1] and "'frobnicate'" in s["unknown_field"][1] and "n=3" in s["n"][1]
-    assert "do not extend" in s["rewritten"][1] and "in flight" in s["concurrent"][1]
-    assert sum(r.server.refusals.values()) == len(expected)
+    assert "do not extend" in s["rewritten"][1]
+    assert concurrent[0][0] == 200 and concurrent[1][0] == 409 and "in flight" in concurrent[1][1], concurrent
+    assert sum(r.server.refusals.values()) == len(expected) + 1
     # the record is exactly the two admitted calls
     (c,) = group.completions
-    first = log["first"].model_extra["asyncppo"]["token_ids"]
-    second = log["second"].model_extra["asyncppo"]["token_ids"]
+    first, second = log["first"]["ids"], log["second"]
     ids = [int(t) for t in c.token_ids]
     assert ids[:len(first)] == first and ids[-len(second):] == second and c.reward == 1.0
     # after the episode: the session is gone (410), the server still answers
@@ -225,9 +250,20 @@ def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(ri
 
 
 # ------------------------------------------------------------------------------------------------ faults
+def _claim(row: dict) -> int:
+    """The first of ``row["roles"]`` no other episode of the group claimed (a file each, created exclusively)."""
+    for j in row["roles"]:
+        try:
+            os.close(os.open(os.path.join(row["log_dir"], f"role-{j}"), os.O_CREAT | os.O_EXCL))
+            return j
+        except FileExistsError:
+            continue
+    raise AssertionError("more episodes than roles")
+
+
 async def faulty(client, row):
     """Episode j of the group: 0 behaves, 1 raises after a call, 2 never calls, 3 hangs after a call."""
-    j = row["next"].pop(0)
+    j = _claim(row)
     if j == 2:
         await asyncio.sleep(3600)
     resp = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
@@ -239,10 +275,10 @@ async def faulty(client, row):
     return float(len(resp.choices[0].message.content or "") >= 0)
 
 
-def test_agents_that_raise_never_call_or_hang_fault_their_own_episodes(rig):
+def test_agents_that_raise_never_call_or_hang_fault_their_own_episodes(rig, tmp_path):
     r = rig(faulty, step_timeout_s=2.0, on_error="zero_reward")
     t0 = time.monotonic()
-    (group,) = r.run_group("f0", {"next": [0, 1, 2, 3]}, n=4, deadline_s=60)
+    (group,) = r.run_group("f0", {"roles": [0, 1, 2, 3], "log_dir": str(tmp_path)}, n=4, deadline_s=60)
     # the never-calling agent fails its episode's init at the deadline, which drops the group under zero_reward too
     # (an init fault leaves no prompt to train); the hanging agent is cancelled with it, which is not a fault
     assert group.dropped and ("timeout" in group.detail or "within" in group.detail), group.detail
@@ -250,9 +286,9 @@ def test_agents_that_raise_never_call_or_hang_fault_their_own_episodes(rig):
     assert dict(r.runner.faults) == {"raised": 1, "timeout": 1, "malformed": 0, "nonfinite_reward": 0}
 
 
-def test_a_group_whose_agents_fault_after_calling_still_trains_the_good_episode(rig):
+def test_a_group_whose_agents_fault_after_calling_still_trains_the_good_episode(rig, tmp_path):
     r = rig(faulty, step_timeout_s=2.0, on_error="zero_reward")
-    (group,) = r.run_group("f1", {"next": [0, 1, 3]}, n=3, deadline_s=60)
+    (group,) = r.run_group("f1", {"roles": [0, 1, 3], "log_dir": str(tmp_path)}, n=3, deadline_s=60)
     assert not group.dropped and len(group.completions) == 3
     ended = sorted(c.ended for c in group.completions)
     assert ended == ["done", "raised", "timeout"], ended
