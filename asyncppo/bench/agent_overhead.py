@@ -10,7 +10,7 @@ prefix caching on), in one process as in a rollout worker:
 Both render the same prompt and the same tool turns, and both sample with the same per-episode seeds, so they
 generate the same episodes (up to a reply whose tool call does not parse, which the environment answers with an
 error and the agent reads as its answer): the paired difference is the path. Per path, ``rounds`` alternating
-rounds of ``rows`` held-out rows x ``n`` episodes, all added at once: episodes per second (the median round), and the
+rounds of ``rows`` held-out rows x ``n`` episodes, all added at once (the prefix cache emptied before each): episodes per second (the median round), and the
 per-call time (an environment ``step``: the in-process call, or the round trip from the model's reply to the
 agent's next call) at p50 and p99 over every call of every round. Also: the fraction of episodes whose token ids
 are the same on both paths.
@@ -36,6 +36,9 @@ AGENT = "examples.agents.calculator_openai:agent"
 def _play(engine, tok, episodes_of, rows: list, n: int, seed: int) -> tuple[float, list, dict]:
     """Play ``n`` episodes of every row at once; (seconds, per-call seconds, key -> [token ids per episode])."""
     lim = CALCULATOR_LIMITS
+    reset = getattr(getattr(engine, "llm", None), "reset_prefix_cache", None)
+    if reset is not None:
+        reset()  # the other path played these prompts: neither starts with them cached
     with EnvRunner(max_concurrency=len(rows) * n, step_timeout_s=60, on_error="zero_reward") as runner:
         loop = EpisodeEngine(engine, tok, runner, max_turns=lim.max_turns, response_length=lim.response_length,
                              turn_max_tokens=lim.turn_max_tokens, max_prompt_tokens=lim.prompt_tokens)

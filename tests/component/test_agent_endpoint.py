@@ -294,3 +294,28 @@ def test_a_group_whose_agents_fault_after_calling_still_trains_the_good_episode(
     assert ended == ["done", "raised", "timeout"], ended
     good = next(c for c in group.completions if c.ended == "done")
     assert good.reward == 1.0 and all(c.reward == 0.0 for c in group.completions if c is not good)
+
+
+async def exits_then_behaves(client, row):
+    """The first episode of the first group kills the agent process (a crash of the user's code, not an exception);
+    every later episode makes one call."""
+    resp = await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=4)
+    if row.get("crash"):
+        try:
+            os.close(os.open(os.path.join(row["log_dir"], "crashed"), os.O_CREAT | os.O_EXCL))
+            os._exit(3)
+        except FileExistsError:
+            await asyncio.sleep(3600)  # the other episode: ends with the process
+    return float(resp.choices[0].finish_reason in ("stop", "length"))
+
+
+def test_a_crashed_agent_process_fails_its_episodes_and_the_next_group_gets_a_new_one(rig, tmp_path):
+    r = rig(exits_then_behaves, step_timeout_s=20.0, on_error="zero_reward")
+    t0 = time.monotonic()
+    (crashed,) = r.run_group("c0", {"crash": True, "log_dir": str(tmp_path)}, n=2, deadline_s=60)
+    assert time.monotonic() - t0 < 15  # the process's end is seen at once, not at the episodes' deadline
+    assert [c.ended for c in crashed.completions] == ["raised", "raised"]
+    assert r.runner.faults["raised"] == 2 and r.runner.faults["timeout"] == 0
+    (after,) = r.run_group("c1", {"log_dir": str(tmp_path)}, n=2, deadline_s=60)
+    assert [c.reward for c in after.completions] == [1.0, 1.0] and r.server.agents.restarts == 1
