@@ -79,9 +79,9 @@ class CalculatorTask:
     """Rows ``{"prompt": "What is 347*86?", "answer": "29842"}`` over every pair of a 3-digit and a 2-digit number.
 
     Split (deterministic by ``seed``): all 81,000 pairs shuffled; the first ``HELD_OUT_POOL`` are held out whatever
-    ``num_eval`` is (the eval split is the pool's first ``num_eval``), the rest are the train split. So a run that
-    switches the single-turn probe off (``data.num_eval_prompts=0``, as ``data=calculator`` does: its success is
-    measured on whole episodes, :mod:`asyncppo.envs.calculator_eval`) still never trains on a held-out pair.
+    ``num_eval`` is (the eval split is the pool's first ``num_eval``), the rest are the train split. So a run never
+    trains on a held-out pair, whatever ``data.num_eval_prompts`` says (``data=calculator`` evaluates the first 100
+    as whole episodes in the run; :mod:`asyncppo.envs.calculator_eval` measures any saved weights on the pool).
     """
 
     name = "calculator"

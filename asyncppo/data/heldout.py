@@ -39,6 +39,7 @@ class HeldOutProbe:
     seed: int  # of the sampled answers, so that two measurements of one model agree
     max_new_tokens: int  # the longest answer + eos: more only costs time, less cuts answers short
     samples: int = SAMPLES_PER_PROMPT
+    episodes: bool = False  # a multi-turn task's rows: each answer is an episode on the engines (its reward scores)
 
     def evaluate(self, model, tokenizer) -> dict:
         """``accuracy_sampled`` (``samples`` answers per row at ``temperature``) and ``accuracy_greedy``; the
@@ -94,7 +95,8 @@ def task_probe(cfg) -> Optional[HeldOutProbe]:
     # the task's longest answer + eos (5 for addition, as always), never more than a rollout may generate
     max_new = min(getattr(task, "max_response_tokens", 5), cfg.rollout.response_length)
     return HeldOutProbe(rows=task.splits().eval, temperature=cfg.rollout.sampling.temperature,
-                        seed=cfg.trainer.seed, max_new_tokens=max_new)
+                        seed=cfg.trainer.seed, max_new_tokens=max_new,
+                        episodes=bool(getattr(task, "multi_turn", False) and cfg.env.text_env))
 
 
 def has_eval_sets(cfg) -> bool:
@@ -111,6 +113,9 @@ def task_eval_set(cfg, tokenizer, worker_id: int, num_workers: int) -> Optional[
     ro = cfg.rollout
     dataset = PromptDataset(probe.rows, tokenizer, prompt_length=ro.prompt_length, overlong=ro.overlong_prompt,
                             apply_chat_template=cfg.data.apply_chat_template)
+    if probe.episodes:  # a multi-turn task: each answer is an episode, scored by its environment (or agent)
+        return EvalSet(dataset.shard(worker_id, num_workers), samples=probe.samples, max_tokens=ro.response_length,
+                       seed=probe.seed, paired=True, episodes=True)
     return EvalSet(dataset.shard(worker_id, num_workers), samples=probe.samples, max_tokens=probe.max_new_tokens,
                    seed=probe.seed, paired=True, exact=True)
 
