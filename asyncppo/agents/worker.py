@@ -22,12 +22,13 @@ from asyncppo.rollout.engine import SamplingSpec
 WAIT_GRACE_S = 5.0
 
 
-def agent_row(row: Any) -> dict:
+def agent_row(row: Any, env_config: dict) -> dict:
     """The dataset row as the agent sees it: a task row's ``prompt``/``answer``/``index``, or a SkyRL row's fields
-    with ``prompt`` its chat messages."""
+    with ``prompt`` its chat messages; ``env_config`` is ``env.text_env_config`` (the agent's own settings)."""
     if isinstance(row, TextEnvRow):
-        return {**row.episode_extras(), "prompt": [dict(m) for m in row.prompt_messages], "index": row.index}
-    return {"prompt": row.prompt, "answer": row.answer, "index": row.index}
+        return {**row.episode_extras(), "prompt": [dict(m) for m in row.prompt_messages], "index": row.index,
+                "env_config": env_config}
+    return {"prompt": row.prompt, "answer": row.answer, "index": row.index, "env_config": env_config}
 
 
 class AgentRolloutWorker(EpisodeRolloutWorker):
@@ -59,7 +60,8 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
 
     def _start_episodes(self, key: str, row, spec: SamplingSpec) -> None:
         e = self.cfg.env
-        episodes = [AgentEpisode(self.server, agent_row(row), wait_s=e.step_timeout_s + WAIT_GRACE_S,
+        row = agent_row(row, dict(e.text_env_config))
+        episodes = [AgentEpisode(self.server, row, wait_s=e.step_timeout_s + WAIT_GRACE_S,
                                  tokenizer=self.tokenizer, reward_fn=self.reward_fn) for _ in range(spec.n)]
         self.engine.add_group(key, None, spec, episodes, prompt_messages=[])
 

@@ -133,7 +133,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                why="keep >= 0.9 of the 0 ms rate at 200 ms (diary, 'Latency hiding')"),
         "~40 min (3 seeds x 4 launches of ~3 min)", "asyncppo.bench.tool_latency:run", seeds=(0, 1, 2),
         options=dict(steps=60, staleness=16, lookahead=1, modes=["async-cont", "sync"], latencies_ms=[0, 200],
-                     model="", rollout_cpus="1", learner_cpus="0",
+                     model="", agent=False, rollout_cpus="1", learner_cpus="0",
                      overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
                                 "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
         history=((DIARY, "One event loop for every coroutine call"),

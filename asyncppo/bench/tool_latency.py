@@ -1,5 +1,7 @@
 """``asyncppo bench tool-latency``: latency hiding on a multi-turn task, sync against async-continuous PPO while the
-environment's tool is slow.
+environment's tool is slow. ``agent=true`` plays the same game as an agent program through the OpenAI-compatible
+endpoint instead (examples/agents/guess_latency.py: the same prompt, replies and rewards; the latency awaited by the
+agent between its calls).
 
 The guess game (``data=guess``) behind a tool that takes ``latency_s`` to answer every turn
 (``asyncppo.envs.examples.ToolLatencyGuessEnv``: the step *awaits* the latency, the CPU stays free), launched in
@@ -18,6 +20,8 @@ import os
 from asyncppo.bench.launches import Launch, run_once
 
 ENV = "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv"
+#: ``agent=true``: the same game as an agent program through the endpoint (examples/agents/guess_latency.py)
+AGENT = "examples.agents.guess_latency:agent"
 
 
 def episode_readout(run_dir: str, train_s: float) -> dict:
@@ -53,9 +57,10 @@ def run(opts: dict, seed: int, work: str) -> dict:
     results, figures, units = [], {}, {}
     for mode in opts["modes"]:
         for ms in opts["latencies_ms"]:
+            played = ["env.text_env=null", f"env.agent={AGENT}"] if opts["agent"] else [ENV]
             launch = Launch(steps=opts["steps"], staleness=opts["staleness"], lookahead=opts["lookahead"],
                             rollout_cpus=opts["rollout_cpus"], learner_cpus=opts["learner_cpus"],
-                            preset=["data=guess", f"model.path={model}", ENV],
+                            preset=["data=guess", f"model.path={model}", *played],
                             overrides=[f"+env.text_env_config.latency_s={ms / 1000}", *opts["overrides"],
                                        f"trainer.seed={seed}"])
             r = run_once(f"{mode}-{ms}ms", launch, work, mode=mode)
