@@ -57,6 +57,7 @@ class Session:
         self.pending: Optional[Call] = None  # the call whose reply the model is writing
         self.closed: Optional[str] = None  # why the session ended (None: open)
         self.calls = 0
+        self.replied: list = []  # the token ids of each reply, in order (what the episode trains as model turns)
         self.opened_at = time.monotonic()
         self.cancel: Optional[Callable[[], None]] = None  # stops the agent's run (the agent host's cancel)
         self._lock = threading.Lock()
@@ -107,6 +108,7 @@ class Session:
                 return
             self.conversation.append({"role": "assistant", "content": reply.content or "",
                                       "tool_call_ids": reply.tool_call_ids})
+            self.replied.append(list(body.get("asyncppo", {}).get("token_ids", [])))
         self.loop.call_soon_threadsafe(_settle, call.future, body)
 
     def close(self, why: str) -> None:

@@ -80,6 +80,7 @@ class Rig:
 
     def run_group(self, key: str, row: dict, n: int, deadline_s: float = 120.0) -> list:
         eps = [AgentEpisode(self.server, row, wait_s=self.wait_s, tokenizer=self.tok) for _ in range(n)]
+        self.last_episodes = eps
         self.episodes.add_group(key, None, SamplingSpec(n=n, max_tokens=12, seed=7), eps, prompt_messages=[])
         got, t0 = [], time.monotonic()
         while not got:
@@ -319,3 +320,60 @@ def test_a_crashed_agent_process_fails_its_episodes_and_the_next_group_gets_a_ne
     assert r.runner.faults["raised"] == 2 and r.runner.faults["timeout"] == 0
     (after,) = r.run_group("c1", {"log_dir": str(tmp_path)}, n=2, deadline_s=60)
     assert [c.reward for c in after.completions] == [1.0, 1.0] and r.server.agents.restarts == 1
+
+
+def model_runs(c) -> list:
+    """The model's token runs of an episode: the response split at its environment runs."""
+    ids, out, pos = [int(t) for t in c.token_ids], [], 0
+    for start, length in [tuple(map(int, r)) for r in c.env_runs]:
+        out.append(ids[pos:start])
+        pos = start + length
+    return out + [ids[pos:]]
+
+
+def blocking_agent(client, row):
+    """A plain function: it gets a blocking client and runs on a thread of the agent process."""
+    first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "again"}]
+    client.chat.completions.create(model="tiny", messages=messages, max_tokens=5)
+    return 0.5
+
+
+def test_a_plain_function_agent_runs_on_a_thread_with_a_blocking_client(rig):
+    r = rig(blocking_agent)
+    (group,) = r.run_group("b0", {}, n=2)
+    assert [c.reward for c in group.completions] == [0.5, 0.5]
+    for c, ep in zip(group.completions, r.last_episodes):
+        assert model_runs(c) == ep.session.replied and len(ep.session.replied) == 2
+
+
+async def sdk_agent(client, row):
+    """An agent of the OpenAI Agents SDK (its own loop, its own request fields), launched unchanged."""
+    from agents import Agent, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+
+    set_tracing_disabled(True)
+
+    @function_tool
+    def lookup(word: str) -> str:
+        """Look a word up.
+
+        Args:
+            word: the word
+        """
+        return word.upper()
+
+    model = OpenAIChatCompletionsModel(model="tiny", openai_client=client)
+    result = await Runner.run(Agent(name="t", instructions="be brief", model=model, tools=[lookup]), "say hi",
+                              max_turns=2)
+    return float(isinstance(result.final_output, str))
+
+
+def test_an_agents_sdk_agent_trains_the_ids_it_sampled(rig):
+    pytest.importorskip("agents", reason="openai-agents is installed by scripts/install.sh ([agents] extra)")
+    r = rig(sdk_agent)
+    (group,) = r.run_group("s0", {}, n=2)
+    assert not group.dropped and [c.reward for c in group.completions] == [1.0, 1.0], group
+    for c, ep in zip(group.completions, r.last_episodes):
+        assert model_runs(c) == ep.session.replied and ep.session.replied
+    assert r.server.refusals == {}
