@@ -370,7 +370,6 @@ async def sdk_agent(client, row):
 
 
 def test_an_agents_sdk_agent_trains_the_ids_it_sampled(rig):
-    pytest.importorskip("agents", reason="openai-agents is installed by scripts/install.sh ([agents] extra)")
     r = rig(sdk_agent)
     (group,) = r.run_group("s0", {}, n=2)
     assert not group.dropped and [c.reward for c in group.completions] == [1.0, 1.0], group
