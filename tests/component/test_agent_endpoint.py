@@ -36,16 +36,24 @@ from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.rollout.engine import SamplingSpec
 
+#: the engine's context: the Agents SDK's prompt (its tool schema, char-level tokens) is ~670 tokens
+MAX_MODEL_LEN, RESPONSE_LENGTH = 1024, 160
 #: two-letter tokens the char-level encoder never produces (build_chat_tokenizer's extra_tokens)
 EXTRA = sorted({a + b for a in "etaoinsh" for b in "etaoinsh"})
 
 
 @pytest.fixture(scope="module")
 def chat_model(tmp_path_factory):
-    from test_episodes import tiny_chat_qwen2
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tok = build_chat_tokenizer(extra_tokens=EXTRA)
-    model = tiny_chat_qwen2(tok).eval()
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=32, max_position_embeddings=MAX_MODEL_LEN,
+                      tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      bos_token_id=tok.bos_token_id, use_sliding_window=False)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).to(torch.float32).eval()
     out = str(tmp_path_factory.mktemp("agent-model"))
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
@@ -59,7 +67,7 @@ def engine(chat_model):
     require_vllm()
     from asyncppo.rollout.engines import make_engine
 
-    eng = make_engine("vllm", chat_model[0], dtype="float32", max_model_len=400, seed=0, kv_cache_gib=1,
+    eng = make_engine("vllm", chat_model[0], dtype="float32", max_model_len=MAX_MODEL_LEN, seed=0, kv_cache_gib=1,
                       enable_prefix_caching=True, block_size=32)
     yield eng
     eng.close()
@@ -74,8 +82,8 @@ class Rig:
         self.server = AgentServer(f"{__name__}:{agent.__name__}", max_body_bytes=max_body_bytes, model_name="tiny",
                                   stop_token_id=lambda s: None).start()
         self.runner = EnvRunner(8, step_timeout_s, on_error)
-        self.episodes = EpisodeEngine(engine, tok, self.runner, max_turns=4, response_length=160,
-                                      turn_max_tokens=12)
+        self.episodes = EpisodeEngine(engine, tok, self.runner, max_turns=4, response_length=RESPONSE_LENGTH,
+                                      turn_max_tokens=12, max_prompt_tokens=MAX_MODEL_LEN - RESPONSE_LENGTH)
         self.wait_s = step_timeout_s + 2
 
     def run_group(self, key: str, row: dict, n: int, deadline_s: float = 120.0) -> list:
