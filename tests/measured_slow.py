@@ -10,10 +10,6 @@ a deadline on purpose, or start processes and engines of their own. Keyed by fil
 SLOW_SECONDS = 5.0
 
 MEASURED_SLOW: dict[str, frozenset[str]] = {
-    "test_agent_endpoint.py": frozenset({
-        # 5.4 s: its agent process dies on purpose and the next group starts another (imports the OpenAI client)
-        "test_a_crashed_agent_process_fails_its_episodes_and_the_next_group_gets_a_new_one",
-    }),
     "test_episodes.py": frozenset({
         "test_sleeping_environment_does_not_stall_other_groups",  # 6.2 s: its environment sleeps 3 x 2 s on purpose
     }),

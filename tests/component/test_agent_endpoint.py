@@ -36,6 +36,10 @@ from asyncppo.envs.env_runner import EnvRunner
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.rollout.engine import SamplingSpec
 
+# ~45 s in all on the 2-core box (a vLLM engine, an agent process per test, deadlines of 2 s on purpose): the fast
+# tier keeps the endpoint's pure parts (tests/unit/test_agent_format.py)
+pytestmark = pytest.mark.slow
+
 #: the engine's context: the Agents SDK's prompt (its tool schema, char-level tokens) is ~670 tokens
 MAX_MODEL_LEN, RESPONSE_LENGTH = 1024, 160
 #: two-letter tokens the char-level encoder never produces (build_chat_tokenizer's extra_tokens)
