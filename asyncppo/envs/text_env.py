@@ -74,6 +74,16 @@ def check_messages(messages: Any, what: str) -> list:
     return [dict(m) for m in messages]
 
 
+def check_reward(reward: Any, what: str = "reward") -> float:
+    """``reward`` as a float: a finite real number, not a bool; else :class:`MalformedStep` (``malformed`` or
+    ``nonfinite_reward``)."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        raise MalformedStep("malformed", f"{what} must be a real number, got {type(reward).__name__}")
+    if not math.isfinite(float(reward)):
+        raise MalformedStep("nonfinite_reward", f"{what} {reward!r} is not finite")
+    return float(reward)
+
+
 def normalize_step(out: Any) -> StepResult:
     """A :class:`StepResult` from either step form (a 4-tuple, or skyrl-gym's mapping); :class:`MalformedStep`
     when the form, the messages or the reward (a finite real number, not a bool) are wrong."""
@@ -88,15 +98,12 @@ def normalize_step(out: Any) -> StepResult:
         raise MalformedStep("malformed", "step must return (observations, reward, done, info) or a mapping with "
                                          f"observations/reward/done/metadata, got {type(out).__name__}")
     obs = check_messages(obs, "observations")
-    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
-        raise MalformedStep("malformed", f"reward must be a real number, got {type(reward).__name__}")
-    if not math.isfinite(float(reward)):
-        raise MalformedStep("nonfinite_reward", f"reward {reward!r} is not finite")
+    reward = check_reward(reward)
     if not isinstance(done, (bool, int)):
         raise MalformedStep("malformed", f"done must be a bool, got {type(done).__name__}")
     if not isinstance(info, Mapping):
         raise MalformedStep("malformed", f"info must be a mapping, got {type(info).__name__}")
-    return StepResult(obs, float(reward), bool(done), dict(info))
+    return StepResult(obs, reward, bool(done), dict(info))
 
 
 def normalize_init(out: Any) -> tuple[list, dict]:
@@ -106,16 +113,22 @@ def normalize_init(out: Any) -> tuple[list, dict]:
     return check_messages(out[0], "init messages"), dict(out[1])
 
 
+def import_named(path: str, option: str, expected: str) -> Any:
+    """The object a config option names as ``pkg.module.name`` or ``pkg.module:name``; ValueError naming ``option``
+    when the path has no module part (``expected`` says what form was expected) or does not import."""
+    module_name, sep, name = str(path).replace(":", ".").rpartition(".")
+    if not sep or not module_name:
+        raise ValueError(f"{option}={path!r}: expected {expected}")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{option}={path!r}: cannot import it ({type(e).__name__}: {e})") from None
+
+
 def load_text_env(path: str) -> type:
     """The class named by ``env.text_env`` (``pkg.module.Class`` or ``pkg.module:Class``); ValueError naming the
     option when it cannot be imported or is not a class with ``init`` and ``step``."""
-    module_name, sep, name = path.replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"env.text_env={path!r}: expected a dotted class path such as my_pkg.envs.MyEnv")
-    try:
-        cls = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"env.text_env={path!r}: cannot import it ({type(e).__name__}: {e})") from None
+    cls = import_named(path, "env.text_env", "a dotted class path such as my_pkg.envs.MyEnv")
     if not isinstance(cls, type) or not callable(getattr(cls, "step", None)) \
             or not callable(getattr(cls, "init", None)):
         raise ValueError(f"env.text_env={path!r}: not a class with init() and step() (got {cls!r:.80})")
