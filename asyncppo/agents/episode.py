@@ -20,14 +20,12 @@ An agent that never calls, hangs between calls or raises costs its episode what 
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 from typing import Any, Callable, Optional
 
 from asyncppo.agents.openai_format import completion_body, make_reply
 from asyncppo.agents.server import AgentServer
-from asyncppo.envs.text_env import MalformedStep
+from asyncppo.envs.text_env import MalformedStep, check_reward
 
 
 class AgentError(RuntimeError):
@@ -49,11 +47,7 @@ def agent_reward(value: Any, transcript: Callable[[], list], row: dict,
                                          "env.reward_fn is not set")
     if isinstance(value, bool):
         value = float(value)
-    if not isinstance(value, numbers.Real):
-        raise MalformedStep("malformed", f"the agent's reward must be a number, got {type(value).__name__}")
-    if not math.isfinite(float(value)):
-        raise MalformedStep("nonfinite_reward", f"the agent's reward {value!r} is not finite")
-    return float(value), info
+    return check_reward(value, "the agent's reward"), info
 
 
 class AgentEpisode:

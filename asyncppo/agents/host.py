@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib
 import inspect
 import json
 import os
@@ -29,6 +28,8 @@ import sys
 import threading
 import time
 from typing import Any, Callable, Optional
+
+from asyncppo.envs.text_env import import_named
 
 #: Connections one agent's client may open (its own pool: an agent is one conversation, one call at a time, but a
 #: framework may send a few at once). One pool shared by every agent cost the child O(calls in flight) of Python per
@@ -40,13 +41,7 @@ AGENT_CONNECTIONS = 8
 
 def load_function(path: str, option: str) -> Callable:
     """The function named ``pkg.module:function`` (or ``pkg.module.function``); ValueError naming ``option``."""
-    module_name, sep, name = str(path).replace(":", ".").rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(f"{option}={path!r}: expected pkg.module:function")
-    try:
-        fn = getattr(importlib.import_module(module_name), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"{option}={path!r}: cannot import it ({type(e).__name__}: {e})") from None
+    fn = import_named(path, option, "pkg.module:function")
     if not callable(fn):
         raise ValueError(f"{option}={path!r}: not callable (got {fn!r:.80})")
     return fn
