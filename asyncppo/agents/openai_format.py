@@ -16,7 +16,7 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from asyncppo.envs.tools import parse_tool_calls
+from asyncppo.envs.tools import declared_tool_names, parse_tool_calls
 
 
 class RequestError(ValueError):
@@ -168,15 +168,6 @@ def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int
                        stop=stop_ids, logprobs=logprobs, sampling=sampling)
 
 
-def tool_names(tools: Optional[list]) -> Optional[set]:
-    names = set()
-    for t in tools or []:
-        name = (t.get("function") or {}).get("name") or t.get("name")
-        if isinstance(name, str) and name:
-            names.add(name)
-    return names or None
-
-
 @dataclass
 class Reply:
     """The assistant message of one model turn, and what the session keeps of it."""
@@ -194,7 +185,7 @@ def make_reply(text: str, finish: str, request: ChatRequest, call_id: str) -> Re
     """The model's text as an assistant message: calls in the template's syntax become ``tool_calls`` (ids
     ``<call_id>-<j>``), the text outside them the content; ``finish`` is the engine's (``stop`` / ``length``)."""
     if request.parse_tools and request.tools and "<tool_call>" in text:
-        parsed = parse_tool_calls(text, tool_names(request.tools))
+        parsed = parse_tool_calls(text, declared_tool_names(request.tools) or None)
         if parsed.calls:
             calls = [{"id": f"{call_id}-{j}", "type": "function",
                       "function": {"name": c.name, "arguments": json.dumps(c.arguments)}}

@@ -35,7 +35,7 @@ from asyncppo.envs.env_runner import FAULT_KINDS, EnvRunner
 from asyncppo.envs.episode_groups import EpisodeGroupBuilder
 from asyncppo.envs.episodes import EpisodeEngine
 from asyncppo.envs.text_env import load_text_env, make_text_env
-from asyncppo.envs.tools import ToolCallCounter, parse_tool_calls
+from asyncppo.envs.tools import ToolCallCounter, declared_tool_names, parse_tool_calls
 from asyncppo.rollout.engine import SamplingSpec
 from asyncppo.rollout.meter import EngineMeter
 from asyncppo.rollout.worker import RolloutWorker
@@ -49,13 +49,7 @@ PREFIX_BLOCK_SIZE = 32
 
 def tool_names(env) -> list:
     """The names of the tools an environment declares (JSON schemas, OpenAI's nested form or flat)."""
-    names = []
-    for tool in getattr(env, "tools", None) or []:
-        if isinstance(tool, dict):
-            name = (tool.get("function") or {}).get("name") or tool.get("name")
-            if name:
-                names.append(str(name))
-    return names
+    return declared_tool_names(getattr(env, "tools", None))
 
 
 class CountingRunner(EnvRunner):

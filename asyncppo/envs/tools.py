@@ -82,6 +82,18 @@ def parse_tool_calls(text: str, known_tools: Optional[Collection[str]] = None) -
     return parsed
 
 
+def declared_tool_names(tools) -> list:
+    """The names of declared tools (JSON schemas, OpenAI's nested form or flat): an environment's ``tools`` or an
+    agent's request's."""
+    names = []
+    for tool in tools or []:
+        if isinstance(tool, dict):
+            name = (tool.get("function") or {}).get("name") or tool.get("name")
+            if name:
+                names.append(str(name))
+    return names
+
+
 def tool_message(content: str) -> dict:
     """The chat message that carries a tool's result back to the model."""
     return {"role": "tool", "content": content}
