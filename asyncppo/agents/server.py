@@ -23,8 +23,7 @@ import hmac
 import json
 import secrets
 import threading
-import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional
 
 from asyncppo.agents.host import AgentHost
@@ -45,17 +44,16 @@ class AgentServer:
     def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0, key: Optional[str] = None,
                  max_body_bytes: int = 4 << 20, model_name: str = "policy", max_concurrency: int = 16,
                  stop_token_id: Callable[[str], Optional[int]] = lambda s: None, client_timeout_s: float = 600.0):
-        self.agent, self.host, self.port = agent, host, port
+        self.host, self.port = host, port
         self.agents = AgentHost(agent, self._agent_done, max_concurrency=max_concurrency,
                                 client_timeout_s=client_timeout_s)
         self.key = key or secrets.token_urlsafe(24)
         self.max_body_bytes, self.model_name = max_body_bytes, model_name
-        self.stop_token_id, self.client_timeout_s = stop_token_id, client_timeout_s
+        self.stop_token_id = stop_token_id
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
         self.refusals: Counter = Counter()
         self.calls = 0
-        self.call_seconds: deque = deque(maxlen=10_000)  # admitted call -> reply, seconds (the latest)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="agent-http", daemon=True)
         self._runner = None
@@ -175,10 +173,8 @@ class AgentServer:
             chat = parse_chat_request(body, stop_token_id=self.stop_token_id)
             future = self.loop.create_future()
             session.accept(chat, future)
-            t0 = time.perf_counter()
             answer = await future  # the model's turn, or a RequestError when the episode ended first
         except RequestError as err:
             return self._refuse(err)
         self.calls += 1
-        self.call_seconds.append(time.perf_counter() - t0)
         return web.json_response(answer)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -58,7 +57,6 @@ class Session:
         self.closed: Optional[str] = None  # why the session ended (None: open)
         self.calls = 0
         self.replied: list = []  # the token ids of each reply, in order (what the episode trains as model turns)
-        self.opened_at = time.monotonic()
         self.cancel: Optional[Callable[[], None]] = None  # stops the agent's run (the agent host's cancel)
         self._lock = threading.Lock()
 
