@@ -11,20 +11,16 @@ on; a tool built with ``@function_tool`` works the same way, with a longer schem
 
 from __future__ import annotations
 
-import json
-
 from agents import Agent, FunctionTool, OpenAIChatCompletionsModel, Runner, set_tracing_disabled
 
-from asyncppo.data.calculator import CALC_TOOL, evaluate_expression
+from asyncppo.data.calculator import CALC_TOOL
+from examples.agents.calculator_openai import run_tool
 
 set_tracing_disabled(True)  # the SDK would upload traces to OpenAI; nothing leaves the machine
 
 
 async def run_calc(ctx, arguments: str) -> str:
-    try:
-        return str(evaluate_expression(json.loads(arguments).get("expr")))
-    except (ValueError, AttributeError) as e:
-        return f"error: {e}"
+    return run_tool(arguments)  # the plain agent's tool: the same evaluation, the same error replies
 
 
 calc = FunctionTool(name="calc", description=CALC_TOOL["function"]["description"],
