@@ -38,6 +38,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
+from asyncppo.stream.routing import RoutingColumn
 from asyncppo.stream.turns import TurnColumns, turns_from_samples
 
 
@@ -229,7 +230,7 @@ class TrajectoryGroup:
     :meth:`from_columns`; both behave the same to every reader."""
 
     __slots__ = ("group_id", "worker_id", "prompt_ids", "prompt_index", "ticket", "answer", "timings",
-                 "_samples", "_columns")
+                 "_samples", "_columns", "routing")
 
     def __init__(
         self,
@@ -241,6 +242,7 @@ class TrajectoryGroup:
         ticket: int = -1,  # admission ticket that allowed this generation (-1: not admission-controlled)
         answer: str = "",  # reference answer, for logging
         timings: Optional[dict[str, float]] = None,  # gen_s, reward_s, created_at (unix time)
+        routing: Optional[RoutingColumn] = None,  # MoE policies: the engine's experts per position (stream/routing.py)
     ):
         self.group_id = group_id
         self.worker_id = worker_id
@@ -251,13 +253,15 @@ class TrajectoryGroup:
         self.ticket = ticket
         self.answer = answer
         self.timings = {} if timings is None else timings
+        self.routing = routing
 
     @classmethod
     def from_columns(cls, group_id: str, worker_id: int, prompt_ids: np.ndarray, columns: SampleColumns,
                      prompt_index: int = -1, ticket: int = -1, answer: str = "",
-                     timings: Optional[dict[str, float]] = None) -> "TrajectoryGroup":
+                     timings: Optional[dict[str, float]] = None,
+                     routing: Optional[RoutingColumn] = None) -> "TrajectoryGroup":
         """A group whose ``Sample`` objects are built lazily from ``columns`` (see the module docstring)."""
-        g = cls(group_id, worker_id, prompt_ids, None, prompt_index, ticket, answer, timings)
+        g = cls(group_id, worker_id, prompt_ids, None, prompt_index, ticket, answer, timings, routing)
         g._samples = None
         g._columns = columns
         return g

@@ -35,6 +35,7 @@ import numpy as np
 
 from asyncppo.stream.group_ids import parse_key
 from asyncppo.stream.records import TrajectoryGroup
+from asyncppo.stream.routing import content_problem as routing_problem
 from asyncppo.stream.segments import EnvSegment
 from asyncppo.stream.turns import turn_content_problem
 
@@ -51,6 +52,7 @@ CONTENT_REASONS = (
     "worker",  # ticket granted to another worker, or worker_id out of range
     "duplicate",  # group_id seen before
     "group_id",  # a group id not of the form "<worker>[.<incarnation>]-<draw>" naming the sender's own worker_id
+    "routing",  # MoE routing column: missing, unexpected, wrong shape, expert id out of range (stream/routing.py)
     "turns",  # multi-turn episode: bad environment segments, env log-prob != 0, turn rewards != reward
     "error",  # a check itself failed unexpectedly (a bug, logged with its traceback): refused all the same
 )
@@ -66,6 +68,8 @@ class ContentLimits:
     max_samples: int  # samples per group
     num_workers: Optional[int] = None  # worker_id must lie in [0, num_workers) when given
     logprob_tolerance: float = 0.01
+    # (layers, top_k, num_experts) of the model whose engine routing the groups carry; None: groups carry none
+    routing: Optional[tuple[int, int, int]] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "max_prompt_len", "max_response_len", "max_samples"):
@@ -134,6 +138,9 @@ def check_content(group: TrajectoryGroup, limits: ContentLimits, learner_version
     if newest > learner_version or min(vmin) < 0:
         raise ContentError("version", f"versions [{min(vmin)}, {newest}] outside [0, learner version "
                                       f"{learner_version}]")
+    problem = routing_problem(group.routing, limits.routing, prompt.shape[0], lengths)
+    if problem is not None:
+        raise ContentError("routing", problem)
     if group.turn_columns() is not None:  # a multi-turn episode (asyncppo.stream.turns)
         # a columnar group came off the wire, whose decoder checked the segments' structure already
         problem = turn_content_problem(group.as_columns(), structure_checked=group.columns is not None)

@@ -23,6 +23,8 @@ save. So a group travels as **one frame**::
 * turns (multi-turn episodes only): a 14th header field ``turns`` and, after the version spans, the
   environment-segment run-lengths and per-turn rewards (:mod:`asyncppo.stream.turn_wire`). Single-turn groups have
   neither, so their frames are exactly the frames of before.
+* routing (mixture-of-experts policies only): a last header field ``[layers, top_k, dtype]`` and, ending the frame,
+  the engine's expert ids for every position of every sample (:mod:`asyncppo.stream.routing`).
 
 Every offset follows from the header and the table, so the receiver computes the exact frame length and refuses
 any other. The design goal is *few Python operations per message*, because on a small machine the stream's
@@ -75,6 +77,7 @@ from asyncppo.stream.framing import header_end as _header_end
 from asyncppo.stream.framing import header_parts, read_header
 from asyncppo.stream.framing import pad as _pad
 from asyncppo.stream.framing import up as _up
+from asyncppo.stream import routing as _routing
 from asyncppo.stream.records import SampleColumns, TrajectoryGroup, check_spans  # noqa: F401
 from asyncppo.stream.spans import _I8, _bad_spans, _check_spans, _span_counts, _spans_region
 from asyncppo.stream.turn_wire import TURNS_FORMAT, group_turns, pop_turns_field, read_turn_region, turn_region
@@ -265,6 +268,8 @@ def encode_group(group: TrajectoryGroup) -> bytes:
         header = [SCHEMA_VERSION, "group", str(group.group_id), int(group.worker_id), int(group.prompt_index),
                   int(group.ticket), str(group.answer), timings, n, prompt.dtype.str, prompt.shape[0],
                   ids_dt.str, lp_dt.str] + ([] if turns is None else [TURNS_FORMAT])
+        if group.routing is not None:
+            header.append(_routing.header_field(group.routing, prompt.shape[0], lengths))
         parts: list[Any] = header_parts(MAGIC, header)
     except (TypeError, ValueError, OverflowError) as e:
         raise WireError("schema", f"group scalars are not representable: {e}") from None
@@ -276,6 +281,8 @@ def encode_group(group: TrajectoryGroup) -> bytes:
     parts.append(_ZEROS[: _pad(total * lp_dt.itemsize)])
     parts.append(spans)
     parts += turn_parts
+    if group.routing is not None:
+        parts.append(group.routing.experts)
     try:
         return b"".join(parts)  # numpy arrays are bytes-like when C-contiguous
     except TypeError:  # some array is a strided view: copy those into contiguous memory first
@@ -321,6 +328,7 @@ def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
     header, data_start = _unpack_header(mv, max_bytes, list)
     if header and type(header[0]) is int and header[0] != SCHEMA_VERSION:
         raise WireError("version", f"schema version {header[0]}, this reader speaks {SCHEMA_VERSION}")
+    routing = _routing.pop_field(header, len(_HEADER_TYPES))  # the optional last field: an MoE policy's experts
     turns = pop_turns_field(header, len(_HEADER_TYPES))  # the optional trailing field: a multi-turn group
     if len(header) != len(_HEADER_TYPES) or tuple(map(type, header)) != _HEADER_TYPES:
         raise _explain_header(header)
@@ -337,7 +345,7 @@ def _checked_header(mv: memoryview, max_bytes: int | None) -> tuple[list, int]:
     header[9] = _dtype("prompt_ids", header[9])
     header[11] = _dtype("response_ids", header[11])
     header[12] = _dtype("behavior_logprobs", header[12])
-    return header + [turns], data_start
+    return header + [turns, routing], data_start
 
 
 def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
@@ -349,7 +357,7 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     mv = _as_view(buf)
     size = mv.nbytes
     header, data_start = _checked_header(mv, max_bytes)
-    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt, turns) = header
+    (_, _, group_id, worker_id, prompt_index, ticket, answer, timings, n, p_dt, p_n, i_dt, l_dt, turns, routing) = header
 
     # Layout: every offset follows from the header and the table; the frame must end exactly where it says.
     table = _table(n)
@@ -362,6 +370,11 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     offsets = list(itertools.accumulate(lengths, initial=0))
     total = offsets[-1]
     counts = values[5 * n :]
+    if routing is not None:  # the routing rows end the frame: the other regions end where they begin
+        size -= _routing.region_bytes(routing, n, p_n, sum(lengths))
+        if size < i_start:
+            raise WireError("malformed", f"message is {mv.nbytes} bytes, too short for its routing rows")
+        full, mv = mv, mv[:size]
     span_offsets = list(itertools.accumulate(counts, initial=0))
     n_spans = span_offsets[-1]
     l_start = i_start + _up(total * i_dt.itemsize)
@@ -400,4 +413,5 @@ def decode_group(buf: Any, max_bytes: int | None = None) -> TrajectoryGroup:
     return TrajectoryGroup.from_columns(
         group_id, worker_id, np.frombuffer(mv, dtype=p_dt, count=p_n, offset=p_start), columns,
         prompt_index, ticket, answer, timings,
+        None if routing is None else _routing.read_region(full, routing, n, p_n, offsets[-1]),
     )
