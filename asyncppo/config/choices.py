@@ -30,6 +30,7 @@ KL_PENALTIES = KL_PENALTIES_BASE + tuple(name + "+" for name in KL_PENALTIES_BAS
 KL_CTRL_TYPES = ("fixed", "adaptive")
 REWARD_NORMS = (None, "batch", "group", "running")
 OFF_POLICY_CORRECTIONS = ("none", "decoupled", "tis")
+ROUTING_REPLAY = ("off", "measure", "rollout")
 OFF_POLICY_LEVELS = ("token", "sequence")
 OFF_POLICY_TRUNCATIONS = ("clip", "mask", "icepop")
 REJECTION_LEVELS = ("none", "token", "sequence")

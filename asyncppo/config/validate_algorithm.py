@@ -177,10 +177,32 @@ def _check_schedule(cfg: AsyncPPOConfig, c: Checks) -> None:
                 "and every micro-batch is a collective; use algorithm.micro_batch_size")
 
 
+def _check_routing_replay(cfg: AsyncPPOConfig, c: Checks) -> None:
+    """``algorithm.routing_replay`` (docs/moe.md): where the engine's expert choices can travel and be replayed.
+    Whether the model has experts at all is checked when the learner loads it."""
+    mode = cfg.algorithm.routing_replay
+    c.choice("algorithm.routing_replay", mode, C.ROUTING_REPLAY)
+    if mode == "off":
+        return
+    if cfg.env.id is not None:
+        c.error("algorithm.routing_replay", mode, "is for mixture-of-experts language models; an embodied run has no "
+                "experts (set it to off)")
+    if cfg.env.text_env is not None or cfg.env.agent:
+        c.error("algorithm.routing_replay", mode, "does not run with multi-turn episodes yet (a continued turn is a "
+                "new engine request whose record would need stitching to the earlier turns'); set it to off")
+    if cfg.rollout.tensor_parallel_size > 1:
+        c.error("algorithm.routing_replay", mode, "needs rollout.tensor_parallel_size=1: a tensor-parallel engine's "
+                "routers run in other processes, where the capture cannot read them")
+    if mode == "rollout" and cfg.model.gradient_checkpointing:
+        c.error("algorithm.routing_replay", mode, "cannot run with model.gradient_checkpointing: the forward "
+                "recomputed in the backward would route itself, not by the engine's record")
+
+
 def _check_correction(cfg: AsyncPPOConfig, c: Checks) -> None:
     """Off-policy correction and the temperature the learner recomputes log-probs at."""
     a, r = cfg.algorithm, cfg.rollout
     c.choice("algorithm.off_policy_correction", a.off_policy_correction, C.OFF_POLICY_CORRECTIONS)
+    _check_routing_replay(cfg, c)
     if a.off_policy_cap < 1:
         c.error("algorithm.off_policy_cap", a.off_policy_cap, "must be >= 1 (a cap below 1 truncates even "
                 "on-policy samples, whose weight is 1)")

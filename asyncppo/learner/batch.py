@@ -21,7 +21,8 @@ from asyncppo.learner.turn_batch import turn_arrays
 from asyncppo.stream.records import TrajectoryGroup
 
 
-_SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids")  # [B, P + T]; every other 2-D field is [B, T]
+# [B, P + T, ...]; every other 2-D field is [B, T, ...]
+_SEQUENCE_FIELDS = ("input_ids", "attention_mask", "position_ids", "routed_experts")
 
 
 @dataclass
@@ -41,6 +42,8 @@ class TrainBatch:
     # [B, T] float, multi-turn samples' turn rewards at the last model token of each turn (None: no turn rewards
     # in the batch); response_mask is then 0 on environment tokens too (asyncppo.learner.turn_batch)
     turn_rewards: Optional[torch.Tensor] = None
+    # [B, P+T, layers, top_k] int16: the engine's experts at every position (-1: none; algorithm.routing_replay)
+    routed_experts: Optional[torch.Tensor] = None
     # tokens per packed row of this batch's forwards, or PADDED / ONE_ROW / LONGEST (asyncppo.learner.packing)
     pack_capacity: int = 0
     # Filled in by the learner before the update:
@@ -158,6 +161,7 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         placed = np.zeros((B, T), dtype=np.float32)
         placed[tok_row[turn_rewards[0]], tok_col[turn_rewards[0]]] = turn_rewards[1]
     attention = torch.from_numpy(attention_mask)
+    routed = _routed_experts(groups, counts, lengths, P, T)
     return TrainBatch(
         input_ids=torch.from_numpy(input_ids),
         attention_mask=attention,
@@ -171,7 +175,27 @@ def collate_groups(groups: list[TrajectoryGroup], pad_token_id: int) -> TrainBat
         truncated=torch.from_numpy(cut),
         token_versions=torch.from_numpy(token_versions),
         turn_rewards=None if placed is None else torch.from_numpy(placed),
+        routed_experts=routed,
     )
+
+
+def _routed_experts(groups: list[TrajectoryGroup], counts: list[int], lengths: np.ndarray, P: int,
+                    T: int) -> Optional[torch.Tensor]:
+    """``[B, P + T, layers, top_k]`` int16 from the groups' routing columns, in the batch's layout (a sample's
+    prompt positions end at column P, its response follows; -1 elsewhere); None when no group carries one. The
+    door admits either every group with a column of the model's shape or none (stream/routing.py)."""
+    if all(g.routing is None for g in groups):
+        return None
+    first = next(g.routing for g in groups if g.routing is not None)
+    out = np.full((len(lengths), P + T, first.layers, first.top_k), -1, dtype=np.int16)
+    row = 0
+    for g, n in zip(groups, counts):
+        p = int(g.prompt_ids.shape[0])
+        if g.routing is not None:
+            for j, rows in enumerate(g.routing.per_sample(p, [int(t) for t in lengths[row : row + n]])):
+                out[row + j, P - p : P - p + rows.shape[0]] = rows
+        row += n
+    return torch.from_numpy(out)
 
 
 def mini_batches(batch: TrainBatch, groups_per_mini_batch: int, generator: torch.Generator) -> Iterator[TrainBatch]:

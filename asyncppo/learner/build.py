@@ -20,6 +20,7 @@ from asyncppo.config.checks import uses_critic, uses_reference
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.sharding import ShardedPPOUpdate
 from asyncppo.learner.value_head import build_critic
+from asyncppo.models.moe_routing import RoutingHooks
 
 
 @dataclasses.dataclass
@@ -44,6 +45,17 @@ class LearnerModels:
                           attn_implementation=self.attn_implementation)
 
 
+def attach_routing(cfg, actor: torch.nn.Module, model_path: str) -> None:
+    """``algorithm.routing_replay`` on: the actor's routers get their hooks (models/moe_routing.py); a model without
+    mixture-of-experts routers is refused by name."""
+    mode = cfg.algorithm.routing_replay
+    if mode == "off":
+        return
+    if RoutingHooks.attach(actor, apply=mode == "rollout") is None:
+        raise ValueError(f"algorithm.routing_replay={mode}: model.path={model_path!r} has no mixture-of-experts "
+                         "layers (no router with top_k and num_experts); set algorithm.routing_replay=off")
+
+
 def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, world_size: int) -> LearnerModels:
     """Load (and shard, for ``world_size > 1``) the actor, the critic and the reference, and wrap them in the
     update; ``resume`` is the checkpoint being resumed from, or ``None``."""
@@ -53,6 +65,7 @@ def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, 
     actor_path = resume.actor_dir if resume is not None and not lora else model_path
     attn = learner_attention(cfg.model, device)
     actor = load_actor(actor_path, dtype, device, remote, cfg.model.gradient_checkpointing, attn)
+    attach_routing(cfg, actor, model_path)
     if lora:
         actor = lora_actor(actor, cfg.model, os.path.join(resume.actor_dir, ADAPTER_DIR) if resume else None)
     actor = maybe_shard(actor, world_size, device)

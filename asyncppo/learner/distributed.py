@@ -30,9 +30,9 @@ _MAGIC, _PROTOCOL = 0x41505031, 1  # "APP1"
 # the ints (prompt_len in the header; pack_capacity, which each rank sets from its own options) do not travel
 _TENSOR_FIELDS = tuple(f.name for f in fields(TrainBatch) if f.name not in ("prompt_len", "pack_capacity"))
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.uint8,
-           torch.bool)
+           torch.bool, torch.int16)
 _DTYPE_CODE = {dt: i for i, dt in enumerate(_DTYPES)}
-_MAX_DIMS = 2
+_MAX_DIMS = 4  # routed_experts is [B, P + T, layers, top_k]
 _PER_FIELD = 3 + _MAX_DIMS  # present, dtype code, ndim, dims
 _HEADER_LEN = 6 + len(_TENSOR_FIELDS) * _PER_FIELD  # magic, protocol, op, arg, prompt_len, n_fields + fields
 

@@ -15,6 +15,7 @@ layout, so everything downstream is unchanged.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 from asyncppo.algo import entropy_from_logits, logprobs_from_logits
 from asyncppo.learner.batch import TrainBatch
 from asyncppo.learner.packing import pack_rows, packed_slots, unpack
+from asyncppo.models.moe_routing import NO_EXPERT, hooks_of
 
 
 def used_columns(batch: TrainBatch) -> tuple[int, int]:
@@ -56,11 +58,34 @@ def forward_footprint(batch: TrainBatch) -> tuple[int, int]:
     return batch.size * (hi - lo), real
 
 
+def _position_versions(batch: TrainBatch) -> Optional[torch.Tensor]:
+    """``[B, P + T]``: the weights version under which the engine computed each position (its routing record): a
+    prompt's prefill ran at the first response token's version, response position ``t`` produced token ``t + 1``."""
+    if batch.token_versions is None:
+        return None
+    T = batch.response_len
+    idx = (torch.arange(batch.input_ids.shape[1], device=batch.token_versions.device) - batch.prompt_len + 1)
+    return batch.token_versions[:, idx.clamp(0, max(T - 1, 0))]
+
+
+def _routing(model: nn.Module, batch: TrainBatch, layout):
+    """The forward's routing replay (models/moe_routing.py): the engine's records laid out like the forward's input
+    by ``layout`` (columns of the padded batch, or the packed rows), for a model with routing hooks and a batch with
+    records; a no-op otherwise (a dense model, the reference, ``algorithm.routing_replay=off``)."""
+    hooks = hooks_of(model)
+    if hooks is None or batch.routed_experts is None:
+        return contextlib.nullcontext()
+    versions = _position_versions(batch)
+    return hooks.replaying(layout(batch.routed_experts, NO_EXPERT),
+                           None if versions is None else layout(versions, -1))
+
+
 def _packed_outputs(model: nn.Module, batch: TrainBatch, temperature: float, hidden: bool):
     """:func:`_response_outputs` through one packed forward (no attention mask: see asyncppo.learner.packing)."""
     packed = pack_rows(batch, batch.pack_capacity)
-    out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids, use_cache=False,
-                output_hidden_states=hidden)
+    with _routing(model, batch, packed.gather):
+        out = model(input_ids=packed.input_ids, attention_mask=None, position_ids=packed.position_ids,
+                    use_cache=False, output_hidden_states=hidden)
     logits = unpack(out.logits, packed, batch.response_mask).float() / temperature
     return logits, (unpack(out.hidden_states[-1], packed, batch.response_mask) if hidden else None)
 
@@ -69,13 +94,14 @@ def _response_outputs(model: nn.Module, batch: TrainBatch, temperature: float, h
     if batch.pack_capacity:
         return _packed_outputs(model, batch, temperature, hidden)
     lo, hi = used_columns(batch)
-    out = model(
-        input_ids=batch.input_ids[:, lo:hi],
-        attention_mask=batch.attention_mask[:, lo:hi],
-        position_ids=batch.position_ids[:, lo:hi],
-        use_cache=False,
-        output_hidden_states=hidden,
-    )
+    with _routing(model, batch, lambda values, fill: values[:, lo:hi]):
+        out = model(
+            input_ids=batch.input_ids[:, lo:hi],
+            attention_mask=batch.attention_mask[:, lo:hi],
+            position_ids=batch.position_ids[:, lo:hi],
+            use_cache=False,
+            output_hidden_states=hidden,
+        )
     P = batch.prompt_len
     logits = _pad_back(out.logits[:, P - 1 - lo : hi - 1 - lo, :].float() / temperature, batch)
     if not hidden:

@@ -25,6 +25,7 @@ from asyncppo.config.checks import uses_critic
 from asyncppo.learner.push import WeightPusher
 from asyncppo.learner.step_metrics import StepMeters
 from asyncppo.learner.value_head import uses_shared_head
+from asyncppo.models.moe_routing import hooks_of
 from asyncppo.stream.validate import ContentLimits, GroupValidator, RejectionSummary
 
 log = logging.getLogger("asyncppo.learner")
@@ -128,9 +129,12 @@ class LLMWorkload:
         vocabulary and the configured lengths."""
         cl, ro, wiring = self.cfg.cluster, self.cfg.rollout, self.wiring
         vocab = int(getattr(getattr(self.plain_actor, "config", None), "vocab_size", 0) or len(self.tokenizer))
+        routing = hooks_of(self.actor)
         limits = ContentLimits(vocab_size=vocab, max_prompt_len=ro.prompt_length, max_response_len=ro.response_length,
                                max_samples=ro.num_return_sequences_in_group, num_workers=self.num_workers,
-                               logprob_tolerance=cl.logprob_tolerance)
+                               logprob_tolerance=cl.logprob_tolerance,
+                               routing=None if routing is None else (routing.shape.layers, routing.shape.top_k,
+                                                                     routing.shape.num_experts))
         self.validator = GroupValidator(limits, current_version, ledger=wiring.admission_server)
         summary = RejectionSummary({"stream": lambda: wiring.receiver.rejected,
                                     "content": lambda: self.validator.rejected,
@@ -167,6 +171,9 @@ class LLMWorkload:
 
     def update(self, groups: list, version: int):
         batch = collate_groups(groups, self.tokenizer.pad_token_id)
+        routing = hooks_of(self.actor)
+        if routing is not None:
+            routing.current_version = version  # tokens the engine made at these weights: moe/routing_mismatch_fresh
         metrics = self.updater.step(D.broadcast_batch(batch) if self.multi else batch)
         if self.cfg.algorithm.dynamic_sampling:
             metrics.update(self.group_filter.metrics())

@@ -22,6 +22,8 @@ losses, their masks and their normalisation (the mini-batch's global counts) are
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
+
 import torch
 
 from asyncppo.config.schema import AlgorithmConfig
@@ -79,6 +81,15 @@ class PackedRows:
     src_row: torch.Tensor  # [B, T] long
     src_col: torch.Tensor  # [B, T] long
     real_tokens: int
+    # [R, W] long: the flat index (row x (P + T) + column) in the padded batch of each packed slot, -1 on padding
+    source: Optional[torch.Tensor] = None
+
+    def gather(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """Per-position ``values`` ``[B, P + T, ...]`` of the padded batch, laid out as the packed input ``[R, W,
+        ...]`` (``fill`` on packed padding): what a per-token input such as the engine's routing needs."""
+        flat = values.reshape(-1, *values.shape[2:])
+        out = flat[self.source.clamp(min=0)]
+        return out.masked_fill((self.source < 0).view(*self.source.shape, *([1] * (out.dim() - 2))), fill)
 
     @property
     def slots(self) -> int:
@@ -115,12 +126,15 @@ def pack_rows(batch, capacity: int, pad_token_id: int = 0) -> PackedRows:
     position_ids = torch.zeros((len(rows), width), dtype=torch.long, device=device)
     start = torch.zeros(batch.size, dtype=torch.long)
     row_of = torch.zeros(batch.size, dtype=torch.long)
+    source = torch.full((len(rows), width), -1, dtype=torch.long, device=device)
+    columns = batch.input_ids.shape[1]
     for r, members in enumerate(rows):
         col = 0
         for i in members:
             n = lengths[i]
             input_ids[r, col : col + n] = batch.input_ids[i][mask[i]]
             position_ids[r, col : col + n] = torch.arange(n, device=device)
+            source[r, col : col + n] = i * columns + torch.nonzero(mask[i], as_tuple=False).squeeze(1)
             row_of[i], start[i] = r, col
             col += n
     # the output predicting response token t of sample i sits at its sequence's position prompt_len_i - 1 + t
@@ -129,7 +143,7 @@ def pack_rows(batch, capacity: int, pad_token_id: int = 0) -> PackedRows:
     valid = batch.response_mask.detach().cpu() > 0
     src_col = torch.where(valid, start[:, None] + torch.tensor(prompt_lens)[:, None] - 1 + t, 0)
     src_row = torch.where(valid, row_of[:, None].expand(-1, T), 0)
-    return PackedRows(input_ids, position_ids, src_row.to(device), src_col.to(device), int(sum(lengths)))
+    return PackedRows(input_ids, position_ids, src_row.to(device), src_col.to(device), int(sum(lengths)), source)
 
 
 def unpack(x: torch.Tensor, packed: PackedRows, response_mask: torch.Tensor) -> torch.Tensor:

@@ -50,6 +50,7 @@ from asyncppo.learner.ppo_targets import (
 )
 from asyncppo.learner.schedule import advance, scheduled_adamw
 from asyncppo.learner.value_head import shares_actor_body
+from asyncppo.models.moe_routing import hooks_of
 
 @dataclass
 class _FirstPass:
@@ -106,7 +107,12 @@ class PPOUpdate:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
+        routing = hooks_of(self.actor)  # MoE routing replay: count disagreement at the step's starting weights
+        if routing is not None:
+            routing.counting = True
         batch, first_pass, fused = self._prepare(batch, rows, metrics)
+        if routing is not None:
+            routing.counting = fused  # a fused step's proximal log-probs come from its training forwards
         token_rewards = outcome_token_rewards(
             self.alg, batch, self.cfg.rollout.response_length, self.reward_stats, metrics
         )
@@ -116,6 +122,9 @@ class PPOUpdate:
         trained = None if first_pass is not None else trained_rows(batch, self.critic is not None, self.world_size)
         metrics["actor/untrained_rows"] = 0.0 if trained is None else float(batch.size - trained.numel())
         self._train(batch, first_pass, fused, metrics)
+        if routing is not None:
+            routing.counting = False
+            metrics.update(routing.take_metrics())
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["perf/pad_fraction"] = pad_fraction(self._footprints)
         return metrics

@@ -33,6 +33,9 @@ class Completion:
     logprobs: np.ndarray  # float32 [T]
     finish_reason: str  # "stop" | "length"
     versions: Optional[np.ndarray] = None  # int64 [T]
+    # MoE engines built with capture_routing: int16 [P + T, layers, top_k], the experts chosen at every position of
+    # prompt + response (-1: none recorded; the last token always, it never ran through the model)
+    routed_experts: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:

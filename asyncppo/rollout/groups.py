@@ -18,6 +18,7 @@ import numpy as np
 from asyncppo.data.rewards import score_safely
 from asyncppo.rollout.engine import FinishedGroup, SamplingSpec
 from asyncppo.stream.records import Sample, TrajectoryGroup, spans_from_token_versions
+from asyncppo.stream.routing import RoutingColumn
 
 log = logging.getLogger("asyncppo.rollout")
 
@@ -115,4 +116,13 @@ class GroupBuilder:
             ticket=int(flight.ticket.index),
             answer=str(flight.row.answer)[:ANSWER_CHARS],
             timings=timings,
+            routing=self._routing(done),
         )
+
+    def _routing(self, done: FinishedGroup):
+        """The engine's expert choices for every position of the group (MoE engines built to capture them)."""
+        experts = getattr(self.engine, "num_experts", 0)
+        records = [c.routed_experts for c in done.completions]
+        if not experts or any(r is None for r in records):
+            return None
+        return RoutingColumn.from_samples(records, experts)

@@ -41,6 +41,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         num_threads: Optional[int] = None,
         max_num_seqs: int = 256,
         kv_cache: bool = True,
+        capture_routing: bool = False,
         **unused,
     ):
         """``num_threads``: torch intra-op threads for this process (applied here). On a few shared cores use 1:
@@ -67,7 +68,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         self.seed = seed
         self.batch_size = batch_size
         self._calls = 0
-        self._init_streaming(max_num_seqs, kv_cache)
+        self._init_streaming(max_num_seqs, kv_cache, capture_routing)
 
     # ------------------------------------------------------------------ generation
     def _generate(self, prompts, n, max_tokens, temperature, top_p, top_k, seed, stop_token_ids

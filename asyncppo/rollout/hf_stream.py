@@ -31,6 +31,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asyncppo.models.moe_routing import RoutingRecorder
+
 from .engine import Completion, FinishedGroup, SamplingSpec, check_sampling_args
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM); same constant as hf_engine
@@ -54,6 +56,7 @@ class _Seq:
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)
+    routing: Optional[np.ndarray] = None  # int16 [P + max_tokens, layers, top_k] (capture_routing), -1 unrecorded
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -76,9 +79,12 @@ class HFStreamingMixin:
     """Adds the :class:`StreamingEngine` methods to ``HFEngine``. The host provides ``model``, ``device``,
     ``pad_token_id``, ``eos_token_id``, ``max_model_len`` and ``seed``, and calls :meth:`_init_streaming`."""
 
-    def _init_streaming(self, max_num_seqs: int, kv_cache: bool = True) -> None:
+    def _init_streaming(self, max_num_seqs: int, kv_cache: bool = True, capture_routing: bool = False) -> None:
         if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={max_num_seqs!r} must be an int >= 1")
+        # MoE routing replay: the experts every router chose, per position of every streamed sequence
+        self._routing = RoutingRecorder(self.model) if capture_routing else None
+        self.num_experts = self._routing.shape.num_experts if self._routing is not None else 0
         self.max_num_seqs = max_num_seqs
         self.kv_cache = bool(kv_cache)
         self._groups: dict[str, _Group] = {}  # unfinished groups, in add order
@@ -159,6 +165,10 @@ class HFStreamingMixin:
             use_cache=use_cache,
             logits_to_keep=1,
         )
+        if self._routing is not None:
+            taken = self._routing.take().view(len(rows), width, *self._routing_shape())
+            for s, r, chosen in zip(seqs, rows, taken):
+                self._routing_rows(s)[: len(r)] = chosen[width - len(r) :].cpu().numpy()
         return out.logits[:, -1, :].float(), (out.past_key_values if use_cache else None), attn
 
     @torch.no_grad()
@@ -176,7 +186,27 @@ class HFStreamingMixin:
             logits_to_keep=1,
         )
         self._cache, self._cache_mask = out.past_key_values, mask
+        if self._routing is not None:
+            taken = self._routing.take().cpu().numpy()
+            for s, chosen in zip(seqs, taken):
+                self._routing_rows(s)[len(s.group.prompt) + len(s.tokens) - 1] = chosen
         return out.logits[:, -1, :].float()
+
+    def _routing_shape(self) -> tuple[int, int]:
+        return self._routing.shape.layers, self._routing.shape.top_k
+
+    def _routing_rows(self, s: _Seq) -> np.ndarray:
+        if s.routing is None:
+            s.routing = np.full((len(s.group.prompt) + s.group.spec.max_tokens, *self._routing_shape()), -1, np.int16)
+        return s.routing
+
+    def _routed(self, s: _Seq) -> Optional[np.ndarray]:
+        """A finished sequence's record over prompt + response; its last token never ran through the model."""
+        if self._routing is None:
+            return None
+        rows = self._routing_rows(s)[: len(s.group.prompt) + len(s.tokens)].copy()
+        rows[-1] = -1
+        return rows
 
     def _merge_cache(self, cache, mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the cache, left-padding both to a common width."""
@@ -279,6 +309,7 @@ class HFStreamingMixin:
                 np.asarray(s.logprobs, dtype=np.float32),
                 reason,
                 np.asarray(s.versions, dtype=np.int64),
+                self._routed(s),
             )
             g.remaining -= 1
             if g.remaining == 0:

@@ -46,6 +46,7 @@ from .engine import Completion, FinishedGroup, RolloutEngine, SamplingSpec, chec
 from .tp_load import EXTENSION, TPLoadBroken, TPLoadRejected, staged_reload
 from .vllm_cpu_moe import MoEPushUnsupported, split_experts
 from .vllm_cpu_reload import fast_load
+from .vllm_routing import install_on_worker
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -121,6 +122,7 @@ class VLLMEngine(RolloutEngine):
         max_num_seqs: int = 256,
         allow_tied_fp32: bool = True,  # accepted for compatibility; tied fp32 is handled in update_weights
         tensor_parallel_size: int = 1,
+        capture_routing: bool = False,
         **llm_kwargs,
     ):
         if not (Path(model_path) / "config.json").is_file():
@@ -158,6 +160,12 @@ class VLLMEngine(RolloutEngine):
             os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
             kwargs.update(tensor_parallel_size=self.tensor_parallel_size, distributed_executor_backend="mp",
                           worker_extension_cls=EXTENSION)
+        if capture_routing:
+            if int(tensor_parallel_size) > 1:
+                raise ValueError("vllm engine: routing capture runs on one rank only (the routers of a tensor-parallel "
+                                 "engine run in other processes); set rollout.tensor_parallel_size=1")
+            # a cached prompt block is never computed, so its positions would carry no expert choice
+            kwargs["enable_prefix_caching"] = False
         kwargs.update(llm_kwargs)
         if device == "cpu":
             _eager_rank_count()  # before the engine starts, so TP ranks it forks run it eagerly too
@@ -172,6 +180,16 @@ class VLLMEngine(RolloutEngine):
         self.version = 0
         self._streaming: set[str] = set()  # keys of groups added with add_group and not yet returned
         self.llm.llm_engine.set_weight_version("0")
+        # MoE routing replay (rollout/vllm_routing.py): the experts chosen at every position of streamed requests
+        self._routing = None
+        self.num_experts = 0
+        self._requests: dict[str, tuple[str, int, int]] = {}  # group key -> (vLLM's request id, n, prompt length)
+        if capture_routing:
+            (self._routing,) = self.llm.collective_rpc(install_on_worker, args=(int(max_model_len),))
+            if self._routing is None:
+                raise ValueError(f"vllm engine: routing capture asked of {model_path!r}, which has no "
+                                 "mixture-of-experts layers")
+            self.num_experts = self._routing.num_experts
         self.seed = seed
         self._calls = 0
         self._shapes: Optional[dict[str, tuple[int, ...]]] = None
@@ -219,6 +237,8 @@ class VLLMEngine(RolloutEngine):
             )
         inputs = [{"prompt_token_ids": [int(t) for t in p]} for p in prompts]
         outs = self.llm.generate(inputs, params, use_tqdm=False)
+        if self._routing is not None:
+            self._routing.forget("")  # nothing streams now (checked above): the one-shot requests' records go
         return [[_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outs]
 
     # ------------------------------------------------------------------ streaming (step-level) generation
@@ -243,8 +263,10 @@ class VLLMEngine(RolloutEngine):
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
         prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"asyncppo-v{self.version}"}
-        self.llm.llm_engine.add_request(key, prompt, params)
+        request_id = self.llm.llm_engine.add_request(key, prompt, params)
         self._streaming.add(key)
+        if self._routing is not None:
+            self._requests[key] = (str(request_id), spec.n, len(prompt_ids))
 
     def step(self) -> list[FinishedGroup]:
         """One engine iteration; the groups that finished in it."""
@@ -257,9 +279,18 @@ class VLLMEngine(RolloutEngine):
             if not out.finished or out.request_id not in self._streaming:
                 continue
             self._streaming.discard(out.request_id)
-            done.append(FinishedGroup(out.request_id, [_completion(c) for c in sorted(out.outputs,
-                                                                                     key=lambda c: c.index)]))
+            completions = [_completion(c) for c in sorted(out.outputs, key=lambda c: c.index)]
+            if self._routing is not None:
+                self._attach_routing(out.request_id, completions)
+            done.append(FinishedGroup(out.request_id, completions))
         return done
+
+    def _attach_routing(self, key: str, completions: list[Completion]) -> None:
+        """Each sample's record from the capture (vLLM names sample j of a request ``f"{j}_{id}"`` when n > 1)."""
+        request_id, n, prompt_len = self._requests.pop(key)
+        for j, c in enumerate(completions):
+            c.routed_experts = self._routing.take(request_id if n == 1 else f"{j}_{request_id}",
+                                                  prompt_len + c.num_tokens)
 
     def num_unfinished_seqs(self) -> int:
         """Child sequences added and not finished (vLLM tracks each of a group's ``n`` samples separately)."""
@@ -282,6 +313,9 @@ class VLLMEngine(RolloutEngine):
         if keys:
             self.llm.llm_engine.abort_request(keys)
         self._streaming.clear()
+        if self._routing is not None:
+            self._requests.clear()
+            self._routing.forget("")
         return keys
 
     def decode(self, token_ids) -> str:
