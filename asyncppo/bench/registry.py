@@ -219,6 +219,18 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(variants=["full", "lora-2e-3"], steps=160, eval_every=40, parallel=2, overrides=[]),
         history=((DIARY, "LoRA against full fine-tuning"),)),
     Benchmark(
+        "moe-replay", "MoE: routing replay against the learner's own routing",
+        "On the built-in mixture of experts (8 experts, top-2), how much does replaying the engine's experts in the "
+        "learner (R3) cut the behaviour -> learner KL, and what does it do to clipping and held-out accuracy, at the "
+        "recipe's window and under a wide window with a large learning rate?",
+        "mismatch_kl rollout / measure k4-lr1e-3",
+        Target("mismatch_kl rollout / measure k4-lr1e-3", "<=", 0.9, min_seeds=3,
+               why="set before the first run (issue 51): 'replay must cut the KL measurably'; a tenth, where the "
+               "lag moves the learner's routers furthest from the engine's"),
+        "~25 min (3 seeds x 4 launches of 40 steps)", "asyncppo.bench.moe_replay:run", seeds=(0, 1, 2),
+        options=dict(settings=["k1", "k4-lr1e-3"], steps=40, overrides=[]),
+        quick=dict(settings=["k4-lr1e-3"], steps=12), quick_expected="~3 min", tolerance=0.5),
+    Benchmark(
         "advisor", "Advisor: predicted against measured",
         "How close is the advisor's predicted throughput to real runs, predicted from one calibration run?",
         "worst calibrated error",

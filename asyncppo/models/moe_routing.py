@@ -93,6 +93,7 @@ class RoutingHooks:
         self._replay: Optional[torch.Tensor] = None  # [N, layers, top_k] for the forward running now
         self._fresh: Optional[torch.Tensor] = None  # [N] bool
         self._counts = _Counts()
+        self._fresh_known = False  # the forwards counted knew each position's version (fresh/stale split)
         self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
         self._norm = [bool(getattr(r, "norm_topk_prob", True)) for r in moe_routers(model)]
 
@@ -117,6 +118,7 @@ class RoutingHooks:
                              f"layers, top-{K}")
         self._replay = experts.reshape(-1, L, K)
         self._fresh = None if versions is None else (versions.reshape(-1) == self.current_version)
+        self._fresh_known = self._fresh is not None
         try:
             yield
         finally:
@@ -178,7 +180,7 @@ class RoutingHooks:
         if c.fresh_compared:
             out["moe/routing_mismatch_fresh"] = c.fresh_differ / c.fresh_compared
         stale = c.compared - c.fresh_compared
-        if stale > 0 and c.fresh_compared:
+        if stale > 0 and self._fresh_known:
             out["moe/routing_mismatch_stale"] = (c.differ - c.fresh_differ) / stale
         if c.load is not None and float(c.load.sum()) > 0:
             per_layer = c.load.max(dim=1).values / c.load.mean(dim=1).clamp(min=1e-12)
