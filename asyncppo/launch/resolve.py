@@ -21,6 +21,7 @@ check that touches files or devices, so ``asyncppo launch --dry-run`` prints it 
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Any, Optional
@@ -305,7 +306,28 @@ def _resolve_model(cfg: AsyncPPOConfig) -> str:
     path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
     if not os.path.isdir(path):
         raise LaunchError(f"model.path={cfg.model.path!r}: no such model directory")
+    _check_routing_model(cfg, path)
     return path
+
+
+#: config.json keys that give a mixture of experts' expert count (Qwen-MoE, Mixtral / GPT-OSS, DeepSeek)
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def _check_routing_model(cfg: AsyncPPOConfig, path: str) -> None:
+    """``algorithm.routing_replay`` needs a mixture of experts: a model whose config names no experts is refused
+    before anything starts (the learner checks its routers again when it loads the model)."""
+    mode = cfg.algorithm.routing_replay
+    config = os.path.join(path, "config.json")
+    if mode == "off" or not os.path.isfile(config):
+        return
+    with open(config, encoding="utf-8") as f:
+        hf = json.load(f)
+    text = hf.get("text_config", {}) if isinstance(hf.get("text_config"), dict) else {}
+    if not any(int(src.get(k) or 0) > 0 for src in (hf, text) for k in _EXPERT_KEYS):
+        raise LaunchError(f"algorithm.routing_replay={mode}: model.path={cfg.model.path!r} is not a mixture of "
+                          f"experts (its config.json has none of {', '.join(_EXPERT_KEYS)}); set "
+                          "algorithm.routing_replay=off")
 
 
 def _resolve_resume(cfg: AsyncPPOConfig, model_path: str) -> tuple[str, Optional[str]]:

@@ -125,6 +125,17 @@ PANELS: list[tuple[str, str, str, Callable]] = [
 ]
 
 
+# drawn only for runs that log it: mixture-of-experts policies with algorithm.routing_replay on (docs/moe.md)
+MOE_PANEL = ("moe", "MoE routing: learner against engine", "learner step", _metrics_panel(
+    [("moe/routing_mismatch", "routing mismatch"), ("moe/routing_mismatch_fresh", "mismatch, same weights"),
+     ("moe/routing_mismatch_stale", "mismatch, lagged"), ("actor/mismatch_kl", "off-policy KL")],
+    "fraction / KL", twin=[("moe/expert_load", "expert load (max / mean)")], twin_label="expert load"))
+
+
+def _panels(runs) -> list:
+    return PANELS + ([MOE_PANEL] if any(run.get("moe/routing_mismatch")[0] for run in runs) else [])
+
+
 def _draw(ax, runs, colors, title, xlabel, fn) -> bool:
     drawn = fn(ax, runs, colors)
     ax.set_title(title, fontsize=10)
@@ -162,13 +173,14 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
     colors = [plt.get_cmap("tab10")(i % 10) for i in range(len(runs))]
     # One drawing: the page is rendered once and each panel's PNG is cut out of its pixels (drawing every panel a
     # second time on its own figure doubled the time, ~11 s -> ~5 s at the end of every run on two CPU cores).
+    panels = _panels(runs)
     cols = 2
-    rows = (len(PANELS) + cols - 1) // cols
+    rows = (len(panels) + 1 + cols - 1) // cols  # and a slot for the summary text
     fig, axes = plt.subplots(rows, cols, figsize=(6.4 * cols, 4.2 * rows), dpi=PAGE_DPI)
     flat = list(axes.flat)
-    for ax, (name, title, xlabel, fn) in zip(flat, PANELS):
+    for ax, (name, title, xlabel, fn) in zip(flat, panels):
         _draw(ax, runs, colors, title, xlabel, fn)
-    for ax in flat[len(PANELS):]:
+    for ax in flat[len(panels):]:
         _summary_text(ax, runs)
     fig.suptitle("asyncppo run report: " + ", ".join(r.name for r in runs), fontsize=12)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
@@ -177,7 +189,7 @@ def write_report(*run_dirs: str, out_dir: Optional[str] = None, names: Optional[
     page = np.asarray(fig.canvas.buffer_rgba())
     paths: dict[str, str] = {}
     height = page.shape[0]
-    for ax, (name, *_) in zip(flat, PANELS):
+    for ax, (name, *_) in zip(flat, panels):
         boxes = [a.get_tightbbox(renderer) for a in (ax, getattr(ax, "asyncppo_twin", None)) if a is not None]
         x0, y0 = min(b.x0 for b in boxes), min(b.y0 for b in boxes)
         x1, y1 = max(b.x1 for b in boxes), max(b.y1 for b in boxes)

@@ -134,3 +134,24 @@ def test_no_record_marks_are_not_expert_ids():
     assert (col.experts[: len(PROMPT) + LENGTHS[0]] == NONE_U8).all()
     assert content_problem(col, (LAYERS, TOP_K, EXPERTS), len(PROMPT), list(LENGTHS)) is None
     assert RoutingColumn.from_samples(rows, 1000).none_value == NONE_U16
+
+
+def test_a_refused_routing_column_is_counted_and_its_ticket_goes_back():
+    from asyncppo.staleness import AdmissionController
+    from asyncppo.stream.validate import GroupValidator
+    from tests.unit.test_stream_validate import Ledger
+
+    ctrl = AdmissionController(batch_groups=4, max_staleness=0)
+    ledger = Ledger(ctrl)
+    t0, t1 = ledger.grant(0), ledger.grant(0)
+    v = GroupValidator(LIMITS, lambda: 0, ledger=ledger)
+    bad = RoutingColumn.from_samples(_rows(), EXPERTS).experts.copy()
+    bad[0, 0, 0] = 200  # an expert the model does not have
+    group = _group(RoutingColumn(bad))
+    group.ticket = t0.index
+    assert v.check(decode_group(encode_group(group))).reason == "routing"
+    assert v.forfeited == 1 and not ctrl.is_outstanding(t0.index)  # back to the pool, to be generated again
+    good = _group(RoutingColumn.from_samples(_rows(), EXPERTS))
+    good.group_id, good.ticket = "0-1", t1.index
+    assert v.check(decode_group(encode_group(good))) is None
+    assert v.rejected["routing"] == 1 and v.accepted == 1
