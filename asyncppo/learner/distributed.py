@@ -176,7 +176,8 @@ def _batch_payload(header: torch.Tensor, batch: Optional[TrainBatch], src: int) 
             flat = torch.cat([getattr(batch, name).reshape(-1) for name, _ in group]).to(device)
         else:
             flat = torch.empty(sum(numels), dtype=dtype, device=device)
-        dist.broadcast(flat, src=src)
+        # gloo has no int16: those travel as their bytes (bit-exact either way)
+        dist.broadcast(flat.view(torch.uint8) if dtype == torch.int16 else flat, src=src)
         for (name, shape), part in zip(group, torch.split(flat, numels)):
             out[name] = part.view(shape)
     return TrainBatch(prompt_len=int(header[4]), **out)

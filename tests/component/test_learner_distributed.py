@@ -23,6 +23,7 @@ from asyncppo.learner.forward import chunked, count_chunks, policy_forward
 from asyncppo.learner.models import load_actor, load_critic, load_reference
 from asyncppo.config.checks import uses_critic, uses_reference
 from asyncppo.learner.ppo import PPOUpdate
+from asyncppo.stream.routing import RoutingColumn
 from asyncppo.stream.records import Sample, TrajectoryGroup
 from spawn_ranks import spawn_ranks
 
@@ -64,7 +65,11 @@ def _groups(num_groups=4, n=2, seed=0, vocab=16, eos=1):
             ids = rng.integers(4, vocab, size=length).astype(np.int32)
             samples.append(Sample(response_ids=ids, behavior_logprobs=(-rng.random(length) * 3).astype(np.float32),
                                   reward=float(rng.random()), finish_reason="length", version_min=g, version_max=g))
-        groups.append(TrajectoryGroup(group_id=f"0-{g}", worker_id=0, prompt_ids=prompt, samples=samples))
+        # an MoE run's routing column (2 layers x top-2 of 8): the batch's one 4-D int16 field travels too
+        routing = RoutingColumn.from_samples(
+            [rng.integers(-1, 8, size=(len(prompt) + s.num_tokens, 2, 2)) for s in samples], 8)
+        groups.append(TrajectoryGroup(group_id=f"0-{g}", worker_id=0, prompt_ids=prompt, samples=samples,
+                                      routing=routing))
     return groups
 
 
