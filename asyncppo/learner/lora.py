@@ -21,19 +21,43 @@ from typing import Optional
 import torch
 from torch import nn
 
+from asyncppo.models.moe_routing import moe_routers
 from asyncppo.sync.adapter import adapter_names, merged_weight
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint's actor/ (and final/): the peft adapter a resume loads
 _PEFT_PREFIX = "base_model.model."
 
 
-def lora_config(model_cfg):
+def lora_config(model_cfg, base: Optional[nn.Module] = None):
     from peft import LoraConfig  # heavy: peft
 
     targets = list(model_cfg.lora_target_modules)
+    if targets == ["all-linear"] and base is not None and moe_routers(base):
+        targets = linear_targets(base)
     return LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha),
                       lora_dropout=float(model_cfg.lora_dropout), bias="none",
                       target_modules="all-linear" if targets == ["all-linear"] else targets)
+
+
+def linear_targets(base: nn.Module) -> list[str]:
+    """``all-linear`` on a mixture of experts: the names of its ``nn.Linear`` layers (attention), without the
+    output layer, as peft's ``all-linear`` leaves it out. Why not peft's own: on a mixture of experts it also wraps
+    the fused expert tensors and the routers (a ``ParamWrapper`` around 3-D parameters), whose adapters are not
+    ``B @ A`` on a checkpoint weight, so neither the engines' merge (sync/adapter.py) nor the merged export could
+    apply them (docs/moe.md)."""
+    names = {name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, nn.Linear)}
+    return sorted(names - {"lm_head"})
+
+
+def _refuse_parameter_adapters(model: nn.Module, model_cfg) -> None:
+    """Adapters on parameters (peft's ``ParamWrapper``: fused experts, routers) cannot be pushed or exported yet."""
+    wrapped = sorted(name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+                     for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper")
+    if wrapped:
+        raise ValueError(f"model.lora_target_modules={list(model_cfg.lora_target_modules)}: peft adapts "
+                         f"{wrapped[:2]} ({len(wrapped)} in all) as parameters (fused experts or routers), whose "
+                         "adapters the weight push and the merged export cannot apply yet; target the linear layers "
+                         "(e.g. q_proj, k_proj, v_proj, o_proj; all-linear does so on a mixture of experts)")
 
 
 def lora_actor(base: nn.Module, model_cfg, adapter_dir: Optional[str] = None) -> nn.Module:
@@ -43,7 +67,8 @@ def lora_actor(base: nn.Module, model_cfg, adapter_dir: Optional[str] = None) ->
     (learner/checkpoint.py), so a resumed run's random stream is the saved one."""
     from peft import get_peft_model, set_peft_model_state_dict  # heavy: peft
 
-    model = get_peft_model(base, lora_config(model_cfg))
+    model = get_peft_model(base, lora_config(model_cfg, base))
+    _refuse_parameter_adapters(model, model_cfg)
     if getattr(base, "is_gradient_checkpointing", False):
         # reentrant checkpointing (older transformers' default) passes no gradient to a block whose input needs none
         model.enable_input_require_grads()

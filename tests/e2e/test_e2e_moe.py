@@ -48,15 +48,18 @@ def test_tiny_moe_trains_on_vllm_with_expert_pushes(tmp_path):
     assert_no_leftovers(TAG)
 
 
-def test_routing_replay_runs_end_to_end_and_reports_the_routers(tmp_path):
-    """``algorithm.routing_replay=rollout`` at a window of 2: every group carries the engine's experts (none refused
-    at the door), the learner's forwards replay them, and every step logs how often its own routers disagreed and
-    how the load spreads over the experts."""
+def test_routing_replay_with_lora_runs_end_to_end_and_reports_the_routers(tmp_path):
+    """``algorithm.routing_replay=rollout`` at a window of 2, on a LoRA actor: every group carries the engine's
+    experts (none refused at the door), the learner's forwards replay them, every step logs how often its own routers
+    disagreed and how the load spreads over the experts, and the pushed adapters (on attention: ``all-linear`` on a
+    mixture of experts, learner/lora.py) merge into the engine's weights, so the behaviour -> learner KL stays small
+    (before, the first adapter push stopped the engine: 'no base weight for model.layers.0.mlp.experts')."""
     run = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.run(
         [sys.executable, "-m", "asyncppo", "launch", "model.path=builtin:tiny-moe", "rollout.engine=vllm",
          "algorithm.routing_replay=rollout", "rollout.max_staleness=2", f"trainer.total_steps={STEPS}",
+         "model.lora_rank=8", "model.lora_alpha=16", "trainer.lr=2e-3",
          "trainer.eval_every=0", f"trainer.output_dir={run}", "trainer.logger.wandb=false"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
@@ -64,9 +67,13 @@ def test_routing_replay_runs_end_to_end_and_reports_the_routers(tmp_path):
     train = [r for r in records if r.get("reward/mean") is not None]
     assert [r["policy_version"] for r in train] == list(range(1, STEPS + 1))
     assert all("moe/routing_mismatch" in r and 1.0 <= r["moe/expert_load"] <= 4.0 for r in train)  # 8 experts, top-2
-    # a few percent of (token, layer) pairs at most: at equal weights vLLM and transformers agree exactly on CPU
-    assert 0.0 <= max(r["moe/routing_mismatch"] for r in train) < 0.1
+    # measured: a few percent of (token, layer) pairs, from the lag alone (at equal weights vLLM and transformers
+    # agree exactly on CPU); records misaligned with the tokens would disagree on most pairs (top-2 of 8 at random)
+    mismatch = [r["moe/routing_mismatch"] for r in train]
+    assert 0.0 <= max(mismatch) < 0.3, mismatch
     assert max(r["staleness/max"] for r in train) >= 1
+    kls = [r["actor/mismatch_kl"] for r in train]
+    assert sum(kls) / len(kls) < 0.05, kls  # measured on 10 steps: mean 0.008, max 0.028
     summary = json.loads((run / "summary.json").read_text())
     assert summary["rejected"]["content/routing"] == 0 and sum(summary["rejected"].values()) == 0
     assert_no_leftovers(TAG)

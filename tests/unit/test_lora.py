@@ -232,3 +232,59 @@ def test_gradient_checkpointing_still_trains_the_adapters(model_dir):
     models.updater.step(_batches(0, 1)[0])
     moved = [n for n, t in adapter_tensors(models.actor).items() if not torch.equal(t, before[n])]
     assert len(moved) == len(before), sorted(set(before) - set(moved))[:3]
+
+
+def _moe():
+    from transformers import Qwen2Config
+
+    from asyncppo.data.tiny_moe import moe_model
+
+    torch.manual_seed(0)
+    return moe_model(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                 max_position_embeddings=64), experts=4, top_k=2, expert_intermediate=16)
+
+
+def test_all_linear_on_a_mixture_of_experts_adapts_attention_and_the_push_merges_onto_checkpoint_weights(tmp_path):
+    """peft's own all-linear would also wrap the fused experts and routers as parameters (the push then stopped the
+    engine: 'no base weight for model.layers.0.mlp.experts'); here the adapters sit on the linear layers, each a
+    B @ A that sync/adapter.py merges onto a checkpoint weight of the saved model, and the merged weights change
+    the output exactly as the adapted model does."""
+    from asyncppo.learner.lora import lora_actor, merged_state_dict
+
+    base = _moe()
+    base.save_pretrained(tmp_path / "moe")
+    cfg = _lora_cfg()
+    actor = lora_actor(base, cfg.model)
+    pushed = adapter_tensors(actor)
+    modules = {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in pushed}
+    assert modules == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "moe" / "model.safetensors"), framework="pt") as fh:
+        names = set(fh.keys())
+    assert all(n.rsplit(".lora_", 1)[0] + ".weight" in names for n in pushed)
+    with torch.no_grad():
+        for n, p in actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # adapters that do something
+        ids = torch.randint(1, 32, (2, 6))
+        adapted = actor(input_ids=ids).logits
+        plain = _moe()
+        plain.load_state_dict(merged_state_dict(actor))
+        assert torch.allclose(plain(input_ids=ids).logits, adapted, atol=1e-5)
+
+
+def test_lora_on_fused_experts_is_refused_by_name():
+    """Adapters on parameters (what peft's own all-linear makes of fused experts and routers) are refused by name;
+    naming the experts as a target module peft refuses itself."""
+    from peft import LoraConfig, get_peft_model
+
+    from asyncppo.learner.lora import _refuse_parameter_adapters, lora_actor
+
+    cfg = _lora_cfg()
+    wrapped = get_peft_model(_moe(), LoraConfig(r=RANK, lora_alpha=8.0, target_modules="all-linear"))
+    with pytest.raises(ValueError, match="model.layers.0.mlp.experts.*as parameters"):
+        _refuse_parameter_adapters(wrapped, cfg.model)
+    with pytest.raises(ValueError, match="not supported"):
+        lora_actor(_moe(), _lora_cfg(lora_target_modules=["q_proj", "experts"]).model)
