@@ -8,6 +8,12 @@ differed from the engine's (``moe/routing_mismatch``, split fresh/stale), the be
 the recipe's window (``k = 1``) and a stressed one (``k = 4`` and five times the learning rate), where the learner's
 routers move furthest from the engine's between a sample's making and its training. A collapse shows as the held-out
 accuracy falling below its start.
+
+Two runs take two paths, so their KLs differ by more than replay (a collapsing run's KL is its collapse). The
+``measure`` runs therefore also score every batch both ways at the step's starting weights (``moe/mismatch_kl_own``,
+``moe/mismatch_kl_replay``): the paired ratio is what replay changes on identical data. (The paired figure was added
+after the first seeds showed the unpaired ratio swinging 0.6-1.4 between seeds; the registry's target stays the one
+fixed before any run.)
 """
 
 from __future__ import annotations
@@ -23,7 +29,9 @@ SETTINGS = {
     "k4-lr1e-3": dict(staleness=4, overrides=["trainer.lr=1e-3"]),
 }
 METRICS = (("moe/routing_mismatch", "routing mismatch"), ("moe/routing_mismatch_stale", "routing mismatch stale"),
-           ("actor/mismatch_kl", "mismatch_kl"), ("actor/clipfrac", "clipfrac"), ("moe/expert_load", "expert load"))
+           ("actor/mismatch_kl", "mismatch_kl"), ("actor/clipfrac", "clipfrac"), ("moe/expert_load", "expert load"),
+           # measure only: the same batches' KL with the learner's own routing and with the engine's replayed
+           ("moe/mismatch_kl_own", "paired mismatch_kl own"), ("moe/mismatch_kl_replay", "paired mismatch_kl replay"))
 
 
 def _read(run_dir: str) -> dict:
@@ -46,6 +54,8 @@ def run(opts: dict, seed: int, work: str) -> dict:
             launches.append(r)
             for name in [n for _, n in METRICS] + ["held-out"]:
                 value = r["eval_after"] if name == "held-out" else r[name]
+                if value != value:  # nan: not logged by this mode (the paired KLs in rollout mode)
+                    continue
                 key = f"{name} {setting} {mode}"
                 figures[key], units[key] = value, "accuracy" if name == "held-out" else "mean over steps"
             figures[f"held-out gain {setting} {mode}"] = r["eval_after"] - r["eval_before"]
@@ -56,6 +66,10 @@ def run(opts: dict, seed: int, work: str) -> dict:
         base, replay = (figures[f"mismatch_kl {setting} {m}"] for m in MODES)
         key = f"mismatch_kl rollout / measure {setting}"
         figures[key], units[key] = (replay / base if base else float("nan")), "ratio"
+        own, replay = figures[f"paired mismatch_kl own {setting} measure"], figures[f"paired mismatch_kl replay "
+                                                                                   f"{setting} measure"]
+        key = f"paired mismatch_kl replay / own {setting}"
+        figures[key], units[key] = (replay / own if own else float("nan")), "ratio"
         key = f"held-out rollout - measure {setting}"
         figures[key] = figures[f"held-out {setting} rollout"] - figures[f"held-out {setting} measure"]
         units[key] = "accuracy"

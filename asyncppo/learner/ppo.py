@@ -109,6 +109,7 @@ class PPOUpdate:
         rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
         routing = hooks_of(self.actor)  # MoE routing replay: count disagreement at the step's starting weights
         if routing is not None:
+            self._paired_replay_kl(routing, batch, rows, metrics)
             routing.counting = True
         batch, first_pass, fused = self._prepare(batch, rows, metrics)
         if routing is not None:
@@ -128,6 +129,25 @@ class PPOUpdate:
         metrics["time/update_s"] = time.perf_counter() - t0
         metrics["perf/pad_fraction"] = pad_fraction(self._footprints)
         return metrics
+
+    def _paired_replay_kl(self, routing, batch: TrainBatch, rows: int, metrics: dict) -> None:
+        """``algorithm.routing_replay=measure``: the behaviour -> learner KL of this very batch at the step's
+        starting weights, once with the learner's own routing and once with the engine's experts replayed
+        (``moe/mismatch_kl_own``, ``moe/mismatch_kl_replay``): what replay would change, free of the run's path. One
+        extra no-grad forward a step; the update itself routes as the learner does."""
+        if routing.apply or batch.routed_experts is None:
+            return
+        fwd = lambda b: policy_forward(self.actor, b, self.alg.temperature, False)[0]  # noqa: E731
+        self.actor.eval()
+        own = self._no_grad_rows(fwd, batch, rows)
+        routing.apply = True
+        try:
+            replayed = self._no_grad_rows(fwd, batch, rows)
+        finally:
+            routing.apply = False
+        for name, logprobs in (("own", own), ("replay", replayed)):
+            metrics[f"moe/mismatch_kl_{name}"] = float(algo.mismatch_kl(batch.behavior_logprobs, logprobs,
+                                                                        batch.response_mask))
 
     def _prepare(
         self, batch: TrainBatch, rows: int, metrics: dict

@@ -192,3 +192,24 @@ def test_the_learner_measures_disagreement_and_replays_the_engines_experts(moe_d
         else:
             assert torch.allclose(replay_lp, padded_lp, atol=1e-5)  # packed and padded replay agree
     assert not torch.allclose(replay_lp, own_lp, atol=1e-4)  # replay changed the learner's log-probs
+
+
+def test_measure_scores_each_batch_with_and_without_the_engines_experts(moe_dir):
+    """``measure``: one PPO step also reports the behaviour -> learner KL of the same batch with the learner's own
+    routing and with the engine's experts replayed. With the learner's routers moved away from the engine's, replay
+    brings the learner's log-probs back toward the behaviour ones; the own-routing figure is the step's
+    ``actor/mismatch_kl``."""
+    from asyncppo.learner.ppo import PPOUpdate
+    from tests.component.test_learner_distributed import _cfg
+
+    batch = _batch(moe_dir)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        for r in moe_routers(model):
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    RoutingHooks.attach(model, apply=False)
+    m = PPOUpdate(_cfg(dict(adv_estimator="grpo", use_critic=False)), model, None, None,
+                  torch.device("cpu")).step(batch)
+    assert m["moe/mismatch_kl_own"] == pytest.approx(m["actor/mismatch_kl"], rel=1e-4, abs=1e-7)
+    assert m["moe/mismatch_kl_replay"] < 0.5 * m["moe/mismatch_kl_own"], m
+    assert m["moe/routing_mismatch"] > 0.02
