@@ -17,7 +17,8 @@ DESCRIPTION = (
     "docs/benchmarks.md). Needs torch and transformers; the rungs that need vLLM, Ray, pyzmq or Hydra are skipped "
     "with the reason when those are missing. See docs/quickstart-gpu.md.")
 
-# name -> title, in ladder order; the functions live in rungs_device.py / rungs_variants.py / rungs_multi.py
+# name -> title, in ladder order; the functions live in rungs_device.py / rungs_variants.py / rungs_multi.py /
+# rungs_long.py / rungs_moe.py
 RUNGS = {
     "learner_step": "PPO learner step",
     "learner_variants": "learner step, every estimator, loss and correction",
@@ -28,6 +29,7 @@ RUNGS = {
     "shared_long": "--gpus 1, data=long: async vs sync",
     "nccl_push": "1 GiB NCCL weight push",
     "async_vs_sync": "async vs sync, data=reverse",
+    "moe": "mixture of experts: learner step with routing replay, engine recording experts",
 }
 
 
@@ -48,11 +50,13 @@ def _ladder():
     from asyncppo.selftest import rungs_device as D  # heavy: torch (inside the rungs)
     from asyncppo.selftest import rungs_multi as M
     from asyncppo.selftest.rungs_long import shared_long
+    from asyncppo.selftest.rungs_moe import moe
     from asyncppo.selftest.rungs_variants import learner_variants
 
     return {"learner_step": D.learner_step, "learner_variants": learner_variants, "hf_engine": D.hf_engine,
             "vllm_engine": D.vllm_engine, "shared_push": M.shared_push, "shared_mode": M.shared_mode,
-            "shared_long": shared_long, "nccl_push": M.nccl_push, "async_vs_sync": M.async_vs_sync}
+            "shared_long": shared_long, "nccl_push": M.nccl_push, "async_vs_sync": M.async_vs_sync,
+            "moe": moe}
 
 
 def run(args: argparse.Namespace) -> int:

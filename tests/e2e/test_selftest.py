@@ -15,7 +15,7 @@ from process_tags import TAG_VAR, assert_no_leftovers, new_tag
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-selftest")
 CPU_RUNGS = ("learner_step", "learner_variants", "hf_engine", "vllm_engine", "shared_push", "shared_mode",
-             "shared_long")
+             "shared_long", "moe")
 
 
 def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
@@ -31,6 +31,9 @@ def test_cpu_selftest_passes_every_cpu_rung(tmp_path):
     for name in ("nccl_push", "async_vs_sync"):
         assert rungs[name]["status"] == "skipped" and "needs >= 2 CUDA devices" in rungs[name]["detail"]
     assert rungs["learner_step"]["figures"]["tokens/s"] > 0 and rungs["hf_engine"]["figures"]["tokens/s"] > 0
+    moe = rungs["moe"]["figures"]  # a learner step with routing replay; the engine with and without recording
+    assert moe["learner tokens/s"] > 0 and moe["engine tokens/s"] > 0 and moe["engine tokens/s recording"] > 0
+    assert 1.0 <= moe["expert load"] <= 2.0  # 4 experts, top-2
     variants = rungs["learner_variants"]["figures"]
     assert variants["passed"] == variants["variants"] >= 29  # the CUDA-only ones (bf16, flex) are left out here
     shared = rungs["shared_mode"]["figures"]
