@@ -67,6 +67,9 @@ class EmbodiedWorkload:
     def saved_position(self) -> dict:
         return {}  # env workers draw no dataset: nothing to position
 
+    def saved_window(self) -> Optional[dict]:
+        return None  # embodied runs keep a fixed window
+
     def resumed_from(self) -> Optional[str]:
         return self.resume[0] if self.resume else None
 
@@ -169,7 +172,7 @@ class EmbodiedWorkload:
     def refresh_weights(self) -> None:
         """One rank: the trained policy is the saved one."""
 
-    def checkpoint(self, version: int, logger) -> None:
+    def checkpoint(self, version: int, logger, window: Optional[dict] = None) -> None:
         t0 = time.perf_counter()
         path = save_embodied(self.output_dir, version, {
             "policy": self.policy.state_dict(), "updater": self.updater.resume_state(),

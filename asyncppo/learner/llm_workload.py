@@ -73,6 +73,12 @@ class LLMWorkload:
             return {}
         return C.load_trainer_state(self.resume.state_file).get("extra", {}).get("data_position", {})
 
+    def saved_window(self) -> Optional[dict]:
+        """The auto window in force when the checkpoint was written (None: a fixed window, or an older checkpoint)."""
+        if self._resolve() is None:
+            return None
+        return C.load_trainer_state(self.resume.state_file).get("extra", {}).get("window")
+
     def resumed_from(self) -> Optional[str]:
         return self.resume.path if self.resume is not None else None
 
@@ -201,7 +207,7 @@ class LLMWorkload:
         if self.multi:
             self.pusher.actor_state()  # the collective gather into plain_actor
 
-    def checkpoint(self, version: int, logger) -> None:
+    def checkpoint(self, version: int, logger, window: Optional[dict] = None) -> None:
         self.refresh_weights()
         t0 = time.perf_counter()
 
@@ -213,7 +219,8 @@ class LLMWorkload:
                                  updater=self.updater, critic=self.critic, keep=self.cfg.trainer.keep_checkpoints,
                                  sharded=sharded if self.multi else None,
                                  extra={"samples_trained": self.samples_trained,
-                                        "data_position": self.wiring.ledger.trained.state_dict()})
+                                        "data_position": self.wiring.ledger.trained.state_dict(),
+                                        **({"window": window} if window else {})})
         logger.message(f"checkpoint {ckpt.path} written in {time.perf_counter() - t0:.2f}s")
 
     def save_final(self, final_dir: str, version: int) -> None:

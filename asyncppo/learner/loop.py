@@ -71,6 +71,7 @@ class Workload(Protocol):
 
     def start_version(self) -> int: ...  # the version a resume continues from (0: a fresh run)
     def saved_position(self) -> dict: ...  # the data position a resume continues from
+    def saved_window(self) -> Optional[dict]: ...  # an auto window's (k, j) when the checkpoint was written
     def resumed_from(self) -> Optional[str]: ...  # the checkpoint a resume continues from
     def build(self, device: torch.device, wiring: Optional[Wiring]) -> None: ...
     def follow(self) -> int: ...  # ranks > 0: do what rank 0 broadcasts; the steps done
@@ -85,7 +86,7 @@ class Workload(Protocol):
     def step_metrics(self, step: int, version: int, records: list, batch, t_step: float, t_work: float,
                      buffer_stats: dict) -> dict: ...
     def refresh_weights(self) -> None: ...  # make the saved copy current (collective when sharded)
-    def checkpoint(self, version: int, logger) -> None: ...
+    def checkpoint(self, version: int, logger, window: Optional[dict] = None) -> None: ...
     def save_final(self, final_dir: str, version: int) -> None: ...
     def summary(self, buffer_stats: dict) -> dict: ...
     def run_info(self) -> dict: ...  # what summary.json names first, besides the output directory
@@ -143,7 +144,8 @@ class LearnerLoop:
         self._join_workers(wiring)
         buffer = self._open_buffer(wiring)
         self._window = window_hook(cfg, wiring.admission, logger.message, self.num_workers, self.world_size)
-        start = saved_version = self.version
+        if self._window is not None:
+            self._window.restore(work.saved_window())  # a resumed run goes on at the window it had, not the start        start = saved_version = self.version
         self.written_version = start  # the checkpoint resumed from (nothing to write at version 0)
         t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
         work.begin(t_train0)
@@ -334,7 +336,8 @@ class LearnerLoop:
         from asyncppo.learner.checkpoint import CheckpointWriteError  # heavy: torch's checkpointing
 
         try:
-            self.workload.checkpoint(self.version, self._logger)
+            self.workload.checkpoint(self.version, self._logger,
+                                     window=self._window.state() if self._window is not None else None)
             self.written_version = self.version
         except CheckpointWriteError as exc:
             self.checkpoint_failures += 1

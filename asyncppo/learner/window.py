@@ -48,6 +48,28 @@ class WindowHook:
             self.say(f"window k {old[0]} -> {move.k}, j {old[1]} -> {move.j}: {move.reason}")
         metrics["tune/k"], metrics["tune/j"] = self.tuner.k, self.tuner.j
 
+    def state(self) -> dict:
+        """What a checkpoint keeps of the window: the ``(k, j)`` in force."""
+        return {"k": int(self.tuner.k), "j": int(self.tuner.j)}
+
+    def restore(self, state: Optional[dict]) -> None:
+        """A resumed run goes on at the checkpoint's window (its tunable knobs, within the cap and the rules), not at
+        the start one; a knob the launch pins keeps the launch's value. Like any move, later grants only."""
+        t = self.tuner
+        if not state:
+            return
+        k = min(int(state.get("k", t.k)), t.cap) if t.tune_k else t.k
+        j = k if t.tie_j else (int(state.get("j", t.j)) if t.tune_j else t.j)
+        if (k, j) == (t.k, t.j) or not t.allows(k, j):
+            return
+        old = (t.k, t.j)
+        self.admission.set_window(k, j)
+        t.k, t.j = k, j
+        t.k_range = [min(t.k_range[0], k), max(t.k_range[1], k)]
+        t.j_range = [min(t.j_range[0], j), max(t.j_range[1], j)]
+        self.j_min = min(self.j_min, j)
+        self.say(f"window k {old[0]} -> {k}, j {old[1]} -> {j}: restored from the checkpoint")
+
     def summary(self) -> dict:
         t = self.tuner
         return {"window": {"k_range": list(t.k_range), "j_range": list(t.j_range), "changes": self.changes,

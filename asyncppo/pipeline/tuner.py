@@ -97,6 +97,10 @@ class WindowTuner:
     def _valid(self, k: int, j: int) -> bool:
         return self._floor() <= j <= k <= self.cap and k >= self._floor()
 
+    def allows(self, k: int, j: int) -> bool:
+        """Whether ``(k, j)`` is a window this tuner may hold: ``sync_every - 1 <= j <= k <= cap``."""
+        return self._valid(k, j)
+
     def _neighbours(self) -> list[tuple[int, int]]:
         """Windows one step away that the auto knobs allow (``tie_j``: ``j`` follows ``k``, as an unset lookahead)."""
         k, j = self.k, self.j

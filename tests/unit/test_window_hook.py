@@ -69,3 +69,29 @@ def test_a_lowered_lookahead_is_what_a_coalesced_push_must_still_serve():
         hook.tuner.observe = lambda *_a, m=move: m  # the decision itself is test_window_tuner.py's
         hook.after_step({}, [])
         assert (adm.k, adm.j, hook.j_min) == (move.k, move.j, j_min)
+
+
+def test_a_resumed_run_goes_on_at_the_checkpoints_window_and_pinned_knobs_keep_the_launchs():
+    """The hook's state is what a checkpoint keeps (llm_workload.py: trainer state 'window'); restored, the window
+    moves to it for later grants, says so, and keeps every rule: a pinned lookahead stays, the cap holds, an old
+    checkpoint without a window changes nothing."""
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.rollout_batch_size=2", "rollout.max_staleness_cap=6"])
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append)
+    assert hook.state() == {"k": 1, "j": 1}
+    hook.restore(None)  # a checkpoint from before this field, or a fixed window's
+    assert (adm.k, adm.j) == (1, 1) and not said
+    hook.restore({"k": 4, "j": 4})
+    assert (adm.k, adm.j) == (4, 4) and hook.state() == {"k": 4, "j": 4}
+    assert said == ["window k 1 -> 4, j 1 -> 4: restored from the checkpoint"]
+    assert hook.summary()["window"]["k_range"] == [1, 4] and hook.j_min == 1
+    hook.restore({"k": 40, "j": 40})  # past the cap: held at it
+    assert (adm.k, adm.j) == (6, 6)
+
+    pinned = load_config(["rollout.max_staleness=auto", "rollout.admission_lookahead=1",
+                          "rollout.rollout_batch_size=2"])
+    adm2 = AdmissionController(2, pinned.rollout.max_staleness, lookahead=1)
+    hook2 = window_hook(pinned, adm2, said.append)
+    hook2.restore({"k": 5, "j": 3})
+    assert (adm2.k, adm2.j) == (5, 1)  # k was tuned and comes back; the pinned j stays the launch's
