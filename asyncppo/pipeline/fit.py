@@ -1,8 +1,11 @@
 """Fitting a straight line to logged timings: how ``asyncppo advise`` (report/rates.py) and the in-run window tuner
-(:mod:`asyncppo.pipeline.tuner`) both turn per-step metrics into the model's engine and learner speeds, so that the
-two never disagree about what a run measured."""
+(:mod:`asyncppo.pipeline.tuner`) both turn per-step metrics into the model's engine and learner speeds, and a
+multi-turn run's episodes into turns and time out of the engine (:func:`episode_rates`), so that the two never
+disagree about what a run measured."""
 
 from __future__ import annotations
+
+import statistics
 
 
 def fit_line(xs: list[float], ys: list[float], ws: list[float], what: str, notes: list[str]) -> tuple[float, float]:
@@ -78,3 +81,40 @@ def learner_speed(recs: list[dict], B: int, n: int, model_frac: float, notes: li
         raise ValueError(f"{where}: no learner timing logged (time/step_s, time/wait_s)")
     t_base, t_tok = fit_line(tokens_l, work, [1.0] * len(work), "learner step time vs response tokens", notes)
     return t_base, t_tok
+
+
+def episode_rates(recs: list[dict], samples_per_step: int, workers: int, notes: list[str]
+              ) -> tuple[float, float, float]:
+    """(turns per episode, seconds out of the engine per turn, decoded share of response tokens) of a multi-turn
+    run; (1, 0, 1) for a single-turn one (no ``episodes/turns_mean`` logged).
+
+    The seconds out of the engine are what the model needs, and more than the environment call itself: an answer
+    waits for the worker's next turn of its loop to re-enter the engine (~20 ms a turn on the 2-core box). Where
+    the run logged where its episodes were (``episodes/at_env_mean``, a mean per worker), they follow from
+    Little's law: the workers' episodes at their environment over the turns a second that reach it (samples a
+    second x turns); else the calls' own time (``episodes/env_s_per_step``). The environment's ``init`` is spread
+    over the turns (the model has no separate term for it)."""
+    eps = [r for r in recs if isinstance(r.get("episodes/turns_mean"), (int, float))]
+    if not eps:
+        return 1.0, 0.0, 1.0
+    turns = max(1.0, statistics.fmean(float(r["episodes/turns_mean"]) for r in eps))
+    # a step whose groups brought no new call logs 0 (the worker's counters are deltas since its last group)
+    per_call = [float(r["episodes/env_s_per_step"]) for r in eps
+                if isinstance(r.get("episodes/env_s_per_step"), (int, float)) and r["episodes/env_s_per_step"] > 0]
+    call_s = max(0.0, statistics.fmean(per_call)) if per_call else 0.0
+    spread = [r for r in eps if isinstance(r.get("episodes/at_env_mean"), (int, float))
+              and isinstance(r.get("time/step_s"), (int, float)) and r["time/step_s"] > 0]
+    wall = sum(float(r["time/step_s"]) for r in spread)
+    env_s, how = call_s, "per environment call"
+    if spread and wall > 0:
+        at_env = sum(float(r["episodes/at_env_mean"]) * float(r["time/step_s"]) for r in spread) / wall
+        out_s = at_env * max(1, workers) / (samples_per_step * len(spread) / wall * turns)
+        if out_s > call_s:
+            env_s, how = out_s, (f"out of the engine per turn ({call_s * 1e3:.0f} ms per call, the rest waiting to "
+                                 "re-enter the engine, and init)")
+    env_frac = [float(r["episodes/env_token_frac"]) for r in eps
+                if isinstance(r.get("episodes/env_token_frac"), (int, float))]
+    model_frac = min(1.0, max(0.01, 1.0 - statistics.fmean(env_frac))) if env_frac else 1.0
+    notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms {how}, "
+                 f"{model_frac:.0%} of response tokens decoded (the rest written by the environment)")
+    return turns, env_s, model_frac

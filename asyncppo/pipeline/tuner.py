@@ -35,7 +35,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncppo.pipeline.fit import engine_speed, learner_speed
+from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed
 from asyncppo.pipeline.lengths import EmpiricalGroups
 from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.pipeline.simulator import simulate
@@ -159,12 +159,14 @@ class WindowTuner:
             raise ValueError("too few steps measured")
         notes: list[str] = []
         base, per_seq = engine_speed(recs, self.B, self.n, self.max_num_seqs, notes)
-        t_base, t_tok = learner_speed(recs, self.B, self.n, 1.0, notes)
+        # multi-turn episodes: turns, time out of the engine per turn, decoded share (the advisor's own reading)
+        turns, env_s, model_frac = episode_rates(recs, self.B * self.n, self.engines, notes)
+        t_base, t_tok = learner_speed(recs, self.B, self.n, model_frac, notes)
         gen = EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs)
         train, lengths = TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups))
         runs = [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
                                max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
-                               steps=self.sim_steps, warmup_steps=min(8, self.sim_steps // 3), seed=seed),
+                               turns=turns, env_s=env_s, model_frac=model_frac, steps=self.sim_steps, warmup_steps=min(8, self.sim_steps // 3), seed=seed),
                          gen, train, lengths) for seed in range(self.seeds)]
         mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
         return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})

@@ -75,3 +75,24 @@ def test_noisy_rates_do_not_make_it_oscillate(seed):
             moves.append(m.k)
     flips = sum(1 for a, b, c in zip(moves, moves[1:], moves[2:]) if a == c != b)
     assert flips <= 1 and len(moves) <= 6, moves
+
+
+def test_a_multi_turn_run_is_predicted_with_its_time_at_the_tool():
+    """The tuner reads a multi-turn run's episodes as the advisor does (pipeline/fit.py: episode_rates): the same
+    engine and learner rates, once single-turn and once as 3-turn episodes whose turns spend 0.5 s out of the engine
+    each. Behind the tool a wider window keeps the engine fed and is predicted to pay; single-turn, the same
+    learner-bound run gains nothing from it."""
+    def fed(episodes: bool) -> WindowTuner:
+        rng, t = random.Random(7), _tuner(k=1, j=1, cap=8, every=1000)  # never decides: predictions only
+        for _ in range(12):
+            rec = _rec(rng, train_s=1.0, gen_s=0.00003)  # a fast engine: the learner is the slow side
+            if episodes:
+                rec.update({"episodes/turns_mean": 3.0, "episodes/env_s_per_step": 0.5,
+                            "episodes/env_token_frac": 0.2})
+            t.observe(rec, _groups(rng))
+        return t
+
+    flat, tool = fed(False), fed(True)
+    gain = lambda t: t.predict(4, 4).samples_per_s / t.predict(1, 1).samples_per_s  # noqa: E731
+    assert gain(flat) < 1.05 and gain(tool) > 1.5, (gain(flat), gain(tool))  # measured: 1.00 and 1.71
+    assert tool.predict(1, 1).samples_per_s < flat.predict(1, 1).samples_per_s  # the tool's time costs at k = 1
