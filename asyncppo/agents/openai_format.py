@@ -1,7 +1,7 @@
 """The Chat Completions wire format: a request checked field by field, and the reply built from a model turn.
 
 Why strict: an agent framework sends many optional fields, and a field the endpoint silently ignored (a logit bias,
-a JSON response format, a streamed reply) would make the agent behave differently in training than against the
+a JSON response format) would make the agent behave differently in training than against the
 model it was written for, with no trace. So every field is either honoured, accepted as a no-op that cannot change
 the reply (``model``, ``user``, ``metadata``, ``store``, ``parallel_tool_calls``, a ``temperature``/``top_p``/
 ``seed`` that the run's own sampling settings replace; docs/agents.md says why), or refused with a 400 that names
@@ -28,12 +28,12 @@ class RequestError(ValueError):
 
 
 #: Fields accepted and not acted on (they cannot change the reply of one model turn).
-NO_OP = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier", "stream_options",
-         "prompt_cache_key", "safety_identifier")
+NO_OP = ("model", "user", "metadata", "store", "parallel_tool_calls", "service_tier", "prompt_cache_key",
+         "safety_identifier")
 #: Fields honoured.
 HONOURED = ("messages", "tools", "tool_choice", "n", "max_tokens", "max_completion_tokens", "stop", "logprobs",
-            "top_logprobs", "stream", "temperature", "top_p", "seed", "frequency_penalty", "presence_penalty",
-            "logit_bias", "response_format")
+            "top_logprobs", "stream", "stream_options", "temperature", "top_p", "seed", "frequency_penalty",
+            "presence_penalty", "logit_bias", "response_format")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -48,6 +48,8 @@ class ChatRequest:
     stop: list = field(default_factory=list)
     logprobs: bool = False
     sampling: dict = field(default_factory=dict)  # temperature / top_p / seed as sent (replaced by the run's)
+    stream: bool = False  # the reply as server-sent events (stream_chunks)
+    stream_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
 
 def _text(content: Any, where: str) -> str:
@@ -118,8 +120,15 @@ def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int
     unknown = sorted(set(body) - set(NO_OP) - set(HONOURED))
     if unknown:
         raise RequestError(400, f"unsupported field {unknown[0]!r} (supported: {', '.join(HONOURED + NO_OP)})")
-    if body.get("stream"):
-        raise RequestError(400, "stream=true is not supported: ask for the whole reply (stream=false)")
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise RequestError(400, f"stream={str(stream)[:40]!r}: must be a bool")
+    options = body.get("stream_options")
+    if options is not None and (not stream or not isinstance(options, dict)
+                                or set(options) - {"include_usage", "include_obfuscation"}
+                                or not all(isinstance(v, bool) for v in options.values())):
+        raise RequestError(400, f"stream_options={str(options)[:80]}: an object of include_usage (and "
+                                "include_obfuscation, a no-op) booleans, with stream=true")
     msgs = body.get("messages")
     if not isinstance(msgs, list) or not msgs:
         raise RequestError(400, "messages must be a non-empty list")
@@ -165,7 +174,8 @@ def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int
         sampling["seed"] = body["seed"]
     return ChatRequest(messages=messages, tools=tools or None, parse_tools=choice != "none",
                        max_tokens=min(x for x in (a, b) if x is not None) if (a or b) else None,
-                       stop=stop_ids, logprobs=logprobs, sampling=sampling)
+                       stop=stop_ids, logprobs=logprobs, sampling=sampling, stream=stream,
+                       stream_usage=bool((options or {}).get("include_usage")))
 
 
 @dataclass
@@ -210,6 +220,26 @@ def completion_body(reply: Reply, *, call_id: str, model: str, created: int, pro
             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
                       "total_tokens": prompt_tokens + len(token_ids)},
             "asyncppo": {"token_ids": [int(t) for t in token_ids], "versions": [int(v) for v in versions]}}
+
+
+def stream_chunks(body: dict, include_usage: bool) -> list[dict]:
+    """A completion (:func:`completion_body`) as the chunks of a streamed reply: the whole turn in one delta (the
+    engine samples it before the call returns, so there is nothing to gain from splitting it, and one chunk keeps the
+    reply's text exactly the sampled ids' text), then the finish reason with the ``asyncppo`` extension, then the
+    usage when asked. Tool calls carry their ``index``, as streamed calls do."""
+    choice = body["choices"][0]
+    message = choice["message"]
+    delta: dict = {"role": "assistant", "content": message["content"]}
+    if message.get("tool_calls"):
+        delta["tool_calls"] = [{"index": j, **c} for j, c in enumerate(message["tool_calls"])]
+    head = {k: body[k] for k in ("id", "created", "model")}
+    chunk = {**head, "object": "chat.completion.chunk"}
+    out = [{**chunk, "choices": [{"index": 0, "delta": delta, "finish_reason": None, "logprobs": choice["logprobs"]}]},
+           {**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": choice["finish_reason"],
+                                  "logprobs": None}], "asyncppo": body["asyncppo"]}]
+    if include_usage:
+        out.append({**chunk, "choices": [], "usage": body["usage"]})
+    return out
 
 
 def error_body(err: RequestError) -> dict:

@@ -8,7 +8,8 @@ it), every route but the health of the process needs the run's bearer key (401),
 
 Routes (``{base}`` = ``/sessions/<id>/v1``, what the agent's client is given as ``base_url``):
 
-* ``POST {base}/chat/completions``: one model turn of the episode (:mod:`asyncppo.agents.session`);
+* ``POST {base}/chat/completions``: one model turn of the episode (:mod:`asyncppo.agents.session`), as one JSON
+  body or, with ``stream=true``, as server-sent events;
 * ``GET {base}/models`` and ``GET /v1/models``: the one model this endpoint serves;
 * ``POST /v1/chat/completions``: 404 naming the session URL (a call outside an episode has nowhere to train).
 
@@ -27,7 +28,7 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional
 
 from asyncppo.agents.host import AgentHost
-from asyncppo.agents.openai_format import RequestError, error_body, parse_chat_request
+from asyncppo.agents.openai_format import RequestError, error_body, parse_chat_request, stream_chunks
 from asyncppo.agents.session import Session
 
 #: Pending connections the listener queues: every episode's client may connect at once when a group starts (a full
@@ -177,4 +178,18 @@ class AgentServer:
         except RequestError as err:
             return self._refuse(err)
         self.calls += 1
+        if chat.stream:
+            return await self._stream(request, answer, chat.stream_usage)
         return web.json_response(answer)
+
+    async def _stream(self, request, answer: dict, include_usage: bool):
+        """``stream=true``: the turn as server-sent events (openai_format.stream_chunks), then ``[DONE]``."""
+        from aiohttp import web  # heavy: aiohttp
+
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in stream_chunks(answer, include_usage):
+            await response.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response

@@ -189,6 +189,42 @@ def test_trained_ids_are_the_sampled_ids_not_the_retokenized_text(rig, tmp_path)
     assert r.server.refusals == {} and r.server.calls == 6
 
 
+async def streamed_calls(client, row):
+    """Two calls with stream=true (and the usage chunk), the reply accumulated from the chunks as a streaming
+    client does; the second call sends the first reply back as text."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    calls = []
+    for k in range(2):
+        stream = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True,
+                                                      stream=True, stream_options={"include_usage": True})
+        content, ids, finish, usage = "", None, None, None
+        async for chunk in stream:
+            for choice in chunk.choices:
+                content += choice.delta.content or ""
+                finish = choice.finish_reason or finish
+            extra = (chunk.model_extra or {}).get("asyncppo")
+            ids = extra["token_ids"] if extra else ids
+            usage = chunk.usage or usage
+        calls.append({"content": content, "ids": ids, "finish": finish, "completion_tokens": usage.completion_tokens})
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"again {k}"}]
+    _log(row, {"calls": calls})
+    return 1.5
+
+
+def test_a_streaming_client_gets_the_turn_as_events_and_trains_the_ids_it_sampled(rig, tmp_path):
+    r = rig(streamed_calls)
+    (group,) = r.run_group("s0", {"prompt": "stream please", "log_dir": str(tmp_path)}, n=1)
+    (log,) = _logs(tmp_path)
+    (c,) = group.completions
+    ids = [int(t) for t in c.token_ids]
+    first, second = (call["ids"] for call in log["calls"])
+    assert ids[: len(first)] == first and ids[-len(second):] == second and c.reward == 1.5
+    for call in log["calls"]:
+        assert call["completion_tokens"] == len(call["ids"]) and call["finish"] in ("stop", "length")
+        stop = call["finish"] == "stop"  # the turn's stop token is not part of the reply's text (envs/episodes.py)
+        assert call["content"] == r.tok.decode(call["ids"][:-1] if stop else call["ids"], skip_special_tokens=False)
+
+
 # ------------------------------------------------------------------------------------------------ hostile
 async def hostile(client, row):
     """One admitted call, then every kind of bad call at its own session and the server; statuses logged."""
@@ -214,7 +250,7 @@ async def hostile(client, row):
         await post("no_session", base.split("/sessions/")[0] + "/v1/chat/completions", good)
         await post("malformed_json", chat, raw=b"{not json")
         await post("too_large", chat, raw=json.dumps({"messages": [{"role": "user", "content": "x" * 70000}]}))
-        await post("stream", chat, {**good, "stream": True})
+        await post("stream", chat, {**good, "stream": "yes"})
         await post("n", chat, {**good, "n": 3})
         await post("unknown_field", chat, {**good, "frobnicate": 1})
         await post("bad_role", chat, {**good, "messages": [{"role": "wizard", "content": "x"}]})
@@ -241,7 +277,7 @@ def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(ri
                 "injected_assistant": 409}
     concurrent = sorted(s.pop(k) for k in ("concurrent-a", "concurrent-b"))
     assert {k: v[0] for k, v in s.items()} == expected, s
-    assert "stream" in s["stream"][1] and "'frobnicate'" in s["unknown_field"][1] and "n=3" in s["n"][1]
+    assert "stream='yes'" in s["stream"][1] and "'frobnicate'" in s["unknown_field"][1] and "n=3" in s["n"][1]
     assert "do not extend" in s["rewritten"][1]
     assert concurrent[0][0] == 200 and concurrent[1][0] == 409 and "in flight" in concurrent[1][1], concurrent
     assert sum(r.server.refusals.values()) == len(expected) + 1

@@ -43,7 +43,9 @@ def test_a_plain_request_and_its_limits():
 
 
 @pytest.mark.parametrize("body, status, named", [
-    ({"messages": MSGS, "stream": True}, 400, "stream"),
+    ({"messages": MSGS, "stream": "yes"}, 400, "stream"),
+    ({"messages": MSGS, "stream_options": {"include_usage": True}}, 400, "stream_options"),
+    ({"messages": MSGS, "stream": True, "stream_options": {"bogus": True}}, 400, "stream_options"),
     ({"messages": MSGS, "n": 2}, 400, "n=2"),
     ({"messages": MSGS, "top_logprobs": 5}, 400, "top_logprobs"),
     ({"messages": MSGS, "stop": "END"}, 400, "stop='END'"),
@@ -168,3 +170,31 @@ def test_agent_options_are_checked():
         with pytest.raises(ConfigError) as e:
             load_config(overrides=overrides)
         assert named in str(e.value), str(e.value)
+
+
+def test_a_streamed_reply_reassembles_to_the_whole_completion():
+    """stream=true: the chunks a client accumulates (content and tool calls by index, the finish reason, the
+    extension, the usage when asked) give back exactly the non-streamed completion."""
+    from asyncppo.agents.openai_format import completion_body, make_reply, stream_chunks
+
+    req = parse({"messages": MSGS, "tools": TOOLS, "stream": True, "stream_options": {"include_usage": True}})
+    assert req.stream and req.stream_usage
+    text = 'sure <tool_call>{"name": "calc", "arguments": {"expr": "1+2"}}</tool_call>'
+    reply = make_reply(text, "stop", req, "call-1")
+    body = completion_body(reply, call_id="call-1", model="m", created=1, prompt_tokens=7, token_ids=[4, 5, 6],
+                           logprobs=None, token_texts=None, versions=[3, 3, 4])
+    chunks = stream_chunks(body, include_usage=True)
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == "call-1" for c in chunks)
+    content, calls, finish, extra, usage = "", {}, None, None, None
+    for c in chunks:
+        for ch in c["choices"]:
+            content += ch["delta"].get("content") or ""
+            for call in ch["delta"].get("tool_calls", []):
+                calls[call["index"]] = {k: v for k, v in call.items() if k != "index"}
+            finish = ch["finish_reason"] or finish
+        extra = c.get("asyncppo", extra)
+        usage = c.get("usage", usage)
+    message = body["choices"][0]["message"]
+    assert content == (message["content"] or "") and [calls[i] for i in sorted(calls)] == message["tool_calls"]
+    assert finish == "tool_calls" and extra == {"token_ids": [4, 5, 6], "versions": [3, 3, 4]}
+    assert usage == body["usage"] and len(stream_chunks(body, include_usage=False)) == 2
