@@ -107,7 +107,8 @@ class AlgorithmConfig:
     rejection_high: float = 2.0
     temperature: float = 1.0  # logits are divided by this when log-probs are recomputed
     # MoE policies (docs/moe.md): off | measure (the engine's experts travel, the learner counts where its own differ)
-    # | rollout (R3: the learner's actor forwards use the engine's experts)
+    # | rollout (R3: the learner's actor forwards use the engine's experts) | learner (the update's forwards replay
+    # the proximal pass's own routing)
     routing_replay: str = "off"
     # actor: policy loss, critic trained with its own optimiser | actor_critic: one loss, one backward (env runs)
     loss_type: str = "actor"

@@ -51,7 +51,8 @@ def attach_routing(cfg, actor: torch.nn.Module, model_path: str) -> None:
     mode = cfg.algorithm.routing_replay
     if mode == "off":
         return
-    if RoutingHooks.attach(actor, apply=mode == "rollout") is None:
+    # learner: the record is the learner's own (learner/forward.py: record_routing), not an engine's per version
+    if RoutingHooks.attach(actor, apply=mode in ("rollout", "learner"), by_version=mode != "learner") is None:
         raise ValueError(f"algorithm.routing_replay={mode}: model.path={model_path!r} has no mixture-of-experts "
                          "layers (no router with top_k and num_experts); set algorithm.routing_replay=off")
 

@@ -24,7 +24,7 @@ from torch import nn
 from asyncppo.algo import entropy_from_logits, logprobs_from_logits
 from asyncppo.learner.batch import TrainBatch
 from asyncppo.learner.packing import pack_rows, packed_slots, unpack
-from asyncppo.models.moe_routing import NO_EXPERT, hooks_of
+from asyncppo.models.moe_routing import NO_EXPERT, RoutingRecorder, hooks_of
 
 
 def used_columns(batch: TrainBatch) -> tuple[int, int]:
@@ -78,6 +78,30 @@ def _routing(model: nn.Module, batch: TrainBatch, layout):
     versions = _position_versions(batch)
     return hooks.replaying(layout(batch.routed_experts, NO_EXPERT),
                            None if versions is None else layout(versions, -1))
+
+
+@torch.no_grad()
+def record_routing(model: nn.Module, batch: TrainBatch, chunk_rows: int) -> torch.Tensor:
+    """The experts ``model``'s own routers choose at every position of ``batch``: int16 ``[B, P + T, layers, top_k]``
+    in the batch's layout, :data:`NO_EXPERT` on padding (``algorithm.routing_replay=learner``: the proximal
+    policy's routing, which the update's forwards then replay). Forwards of ``chunk_rows`` rows, each trimmed to its
+    columns, logits of the last position only (the record is all this pass is for)."""
+    recorder = RoutingRecorder(model)
+    L, K = recorder.shape.layers, recorder.shape.top_k
+    out = torch.full((*batch.input_ids.shape, L, K), NO_EXPERT, dtype=torch.int16, device=batch.input_ids.device)
+    try:
+        for start in range(0, batch.size, max(1, chunk_rows)):
+            rows = torch.arange(start, min(batch.size, start + max(1, chunk_rows)), device=batch.input_ids.device)
+            part = batch.select(rows)
+            lo, hi = used_columns(part)
+            model(input_ids=part.input_ids[:, lo:hi], attention_mask=part.attention_mask[:, lo:hi],
+                  position_ids=part.position_ids[:, lo:hi], use_cache=False, logits_to_keep=1)
+            chosen = recorder.take().view(rows.numel(), hi - lo, L, K).to(torch.int16)
+            real = part.attention_mask[:, lo:hi].bool()[..., None, None]
+            out[rows, lo:hi] = torch.where(real, chosen, torch.full_like(chosen, NO_EXPERT))
+    finally:
+        recorder.remove()
+    return out
 
 
 def _packed_outputs(model: nn.Module, batch: TrainBatch, temperature: float, hidden: bool):

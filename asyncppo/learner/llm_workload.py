@@ -135,7 +135,8 @@ class LLMWorkload:
         vocabulary and the configured lengths."""
         cl, ro, wiring = self.cfg.cluster, self.cfg.rollout, self.wiring
         vocab = int(getattr(getattr(self.plain_actor, "config", None), "vocab_size", 0) or len(self.tokenizer))
-        routing = hooks_of(self.actor)
+        # groups carry the engines' records in the modes that use them (learner: the learner records its own)
+        routing = hooks_of(self.actor) if self.cfg.algorithm.routing_replay in ("measure", "rollout") else None
         limits = ContentLimits(vocab_size=vocab, max_prompt_len=ro.prompt_length, max_response_len=ro.response_length,
                                max_samples=ro.num_return_sequences_in_group, num_workers=self.num_workers,
                                logprob_tolerance=cl.logprob_tolerance,

@@ -145,7 +145,8 @@ class LearnerLoop:
         buffer = self._open_buffer(wiring)
         self._window = window_hook(cfg, wiring.admission, logger.message, self.num_workers, self.world_size)
         if self._window is not None:
-            self._window.restore(work.saved_window())  # a resumed run goes on at the window it had, not the start        start = saved_version = self.version
+            self._window.restore(work.saved_window())  # a resumed run goes on at the window it had, not the start
+        start = saved_version = self.version
         self.written_version = start  # the checkpoint resumed from (nothing to write at version 0)
         t_train0 = time.perf_counter()  # time/wall_s: the x axis of the run report's wall-time panels
         work.begin(t_train0)

@@ -37,12 +37,12 @@ from asyncppo import algo
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.learner.batch import TrainBatch, micro_batch_rows, mini_batches
 from asyncppo.learner.forward import (
-    chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, response_logits,
-    value_forward,
+    chunked, forward_footprint, logits_token_budget, policy_forward, policy_value_forward, record_routing,
+    response_logits, value_forward,
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
-from asyncppo.learner.passes import fuses_proximal, single_pass, trained_rows
+from asyncppo.learner.passes import fuses_proximal, one_optimizer_step, single_pass, trained_rows
 from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import (
@@ -107,13 +107,19 @@ class PPOUpdate:
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         rows = max(self.alg.micro_batch_size, 64) if self.alg.micro_batch_size else 256
-        routing = hooks_of(self.actor)  # MoE routing replay: count disagreement at the step's starting weights
-        if routing is not None:
+        routing = hooks_of(self.actor)  # MoE routing replay (models/moe_routing.py, docs/moe.md)
+        learner_replay = routing is not None and self.alg.routing_replay == "learner"
+        if learner_replay:  # the proximal policy's own routing, replayed by the update's forwards
+            if not one_optimizer_step(self.alg, batch, self._has_dropout):  # (one step: they are the same forward)
+                batch.routed_experts = record_routing(self.actor, batch, rows)
+        elif routing is not None:  # count disagreement with the engine at the step's starting weights
             self._paired_replay_kl(routing, batch, rows, metrics)
             routing.counting = True
         batch, first_pass, fused = self._prepare(batch, rows, metrics)
         if routing is not None:
-            routing.counting = fused  # a fused step's proximal log-probs come from its training forwards
+            # a fused step's proximal log-probs come from its training forwards; the learner mode counts how far
+            # the update's own routing moves from the recorded one
+            routing.counting = fused or (learner_replay and batch.routed_experts is not None)
         token_rewards = outcome_token_rewards(
             self.alg, batch, self.cfg.rollout.response_length, self.reward_stats, metrics
         )

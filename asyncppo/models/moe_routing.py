@@ -86,8 +86,9 @@ class RoutingHooks:
     One per model. :meth:`attach` installs them once and keeps them on the model (``model.asyncppo_routing``), so
     the forward code finds them through :func:`hooks_of` and a model without them (the reference) ignores it."""
 
-    def __init__(self, model: nn.Module, shape: RoutingShape, apply: bool):
+    def __init__(self, model: nn.Module, shape: RoutingShape, apply: bool, by_version: bool = True):
         self.shape, self.apply = shape, bool(apply)
+        self.by_version = by_version  # split disagreement by the record's weights version (engine records)
         self.counting = False  # count disagreement (the step's first pass at its starting weights)
         self.current_version = -1  # the learner's weights version during counting: tokens of it are "fresh"
         self._replay: Optional[torch.Tensor] = None  # [N, layers, top_k] for the forward running now
@@ -98,12 +99,12 @@ class RoutingHooks:
         self._norm = [bool(getattr(r, "norm_topk_prob", True)) for r in moe_routers(model)]
 
     @classmethod
-    def attach(cls, model: nn.Module, apply: bool) -> Optional["RoutingHooks"]:
+    def attach(cls, model: nn.Module, apply: bool, by_version: bool = True) -> Optional["RoutingHooks"]:
         """Install the hooks on ``model`` (None for a dense model: nothing to hook)."""
         shape = routing_shape(model)
         if shape is None:
             return None
-        hooks = cls(model, shape, apply)
+        hooks = cls(model, shape, apply, by_version)
         model.asyncppo_routing = hooks
         return hooks
 
@@ -117,7 +118,8 @@ class RoutingHooks:
             raise ValueError(f"routing: a record of {tuple(experts.shape[-2:])} per token for a model of {L} MoE "
                              f"layers, top-{K}")
         self._replay = experts.reshape(-1, L, K)
-        self._fresh = None if versions is None else (versions.reshape(-1) == self.current_version)
+        self._fresh = None if versions is None or not self.by_version else \
+            (versions.reshape(-1) == self.current_version)
         self._fresh_known = self._fresh is not None
         try:
             yield

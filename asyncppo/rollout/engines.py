@@ -53,6 +53,6 @@ def worker_engine(cfg, model_path: str, worker_id: int, **extra) -> RolloutEngin
         enforce_eager=ro.enforce_eager, gpu_memory_utilization=ro.gpu_memory_utilization,
         num_threads=max(1, int(cfg.cluster.cpus_per_worker)), max_num_seqs=ro.max_num_seqs,
         **({"tensor_parallel_size": ro.tensor_parallel_size} if ro.tensor_parallel_size > 1 else {}),
-        **({"capture_routing": True} if cfg.algorithm.routing_replay != "off" else {}),
+        **({"capture_routing": True} if cfg.algorithm.routing_replay in ("measure", "rollout") else {}),
         **extra,
     )

@@ -152,7 +152,8 @@ def _batch(path):
     engine = HFEngine(path, max_model_len=64, seed=0, max_num_seqs=16, capture_routing=True)
     groups = []
     for i, (prompt, samples) in enumerate(zip(PROMPTS, _stream(engine))):
-        ss = [Sample(np.array(t, np.int32), np.array(lp, np.float32), 0.0, "length", 0, 0) for t, lp, _ in samples]
+        ss = [Sample(np.array(t, np.int32), np.array(lp, np.float32), float(j % 2), "length", 0, 0)  # GRPO: a spread
+              for j, (t, lp, _) in enumerate(samples)]
         col = RoutingColumn.from_samples([r for _, _, r in samples], 8)
         groups.append(decode_group(encode_group(TrajectoryGroup(f"0-{i}", 0, np.array(prompt, np.int32), ss,
                                                                  ticket=i, routing=col))))
@@ -213,3 +214,31 @@ def test_measure_scores_each_batch_with_and_without_the_engines_experts(moe_dir)
     assert m["moe/mismatch_kl_own"] == pytest.approx(m["actor/mismatch_kl"], rel=1e-4, abs=1e-7)
     assert m["moe/mismatch_kl_replay"] < 0.5 * m["moe/mismatch_kl_own"], m
     assert m["moe/routing_mismatch"] > 0.02
+
+
+def test_learner_mode_records_its_own_routing_and_the_update_replays_it(moe_dir):
+    """``learner``: the proximal pass's own routing, recorded over the batch's layout, equals what the engine
+    recorded at the same weights; the update's forwards replay it, and how far the learner's own routers move from
+    it within the step is counted: nothing at a zero learning rate, something at a large one."""
+    from asyncppo.learner.forward import record_routing
+    from asyncppo.learner.ppo import PPOUpdate
+    from tests.component.test_learner_distributed import _cfg
+
+    batch = _batch(moe_dir)
+    model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32).eval()
+    own = record_routing(model, batch, 4)
+    engine = batch.routed_experts
+    recorded = (engine >= 0).all(-1)
+    assert torch.equal(own[recorded].sort(-1).values, engine[recorded].long().sort(-1).values.to(torch.int16))
+    assert ((own >= 0).all(-1) == batch.attention_mask.bool()[..., None]).all()  # every real position, no padding
+    drift = {}
+    for lr in (0.0, 0.05):
+        model = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+        RoutingHooks.attach(model, apply=True, by_version=False)
+        cfg = _cfg(dict(adv_estimator="grpo", use_critic=False, ppo_epochs=2, routing_replay="learner", lr=lr))
+        b = _batch(moe_dir)
+        b.routed_experts = None  # learner mode: no engine record travels
+        m = PPOUpdate(cfg, model, None, None, torch.device("cpu")).step(b)
+        drift[lr] = m["moe/routing_mismatch"]
+        assert "moe/routing_mismatch_fresh" not in m and m["actor/optimizer_steps"] == 2
+    assert drift[0.0] == 0.0 and drift[0.05] > 0.0, drift
