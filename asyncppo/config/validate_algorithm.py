@@ -188,10 +188,6 @@ def _check_routing_replay(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("algorithm.routing_replay", mode, "is for mixture-of-experts language models; an embodied run has no "
                 "experts (set it to off)")
     engine_records = mode in ("measure", "rollout")  # learner: the learner's own routing, no engine record
-    if engine_records and (cfg.env.text_env is not None or cfg.env.agent):
-        c.error("algorithm.routing_replay", mode, "does not run with multi-turn episodes yet (a continued turn is a "
-                "new engine request whose record would need stitching to the earlier turns'); set it to off or "
-                "learner")
     if engine_records and cfg.rollout.tensor_parallel_size > 1:
         c.error("algorithm.routing_replay", mode, "needs rollout.tensor_parallel_size=1: a tensor-parallel engine's "
                 "routers run in other processes, where the capture cannot read them")

@@ -26,6 +26,9 @@ episode that runs out of budget ends there, counted in ``counters["truncated"]``
 
 Versions: every model token keeps the version the engine stamped on it (an update may land inside a turn or between
 two); an environment token takes the version of the model token before it (the convention of docs/environments.md).
+
+MoE routing records (``algorithm.routing_replay``): each turn's request records every position of its prefix; the
+episode keeps, for each position, the record of the turn that first computed it (:func:`_stitch_routing`).
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class _Episode:
     last_finish: str = "stop"
     model_stop_text: str = ""
     ended: Optional[str] = None
+    routing: Optional[np.ndarray] = None  # MoE engines recording experts: [prompt + ids, layers, top_k] (-1: none)
+    unrecorded: bool = False  # a turn came back without a record: the episode has none
 
     @property
     def request_key(self) -> str:
@@ -278,6 +283,7 @@ class EpisodeEngine:
         self.engine.add_group(key, ep.prompt_ids + ep.ids, spec)
 
     def _on_turn(self, ep: _Episode, c: Completion) -> None:
+        _stitch_routing(ep, c.routed_experts)
         ids = [int(t) for t in c.token_ids]
         if c.versions is not None:
             versions = [int(v) for v in c.versions]
@@ -340,10 +346,38 @@ class EpisodeEngine:
         return out
 
 
+def _stitch_routing(ep: _Episode, record: Optional[np.ndarray]) -> None:
+    """Fold one turn's record of experts (every position of its request: the whole prefix, then its own tokens)
+    into the episode's. A position an earlier turn recorded keeps that record: the choice made when the engine first
+    computed it, the one the tokens sampled after it attended to; the turn's request recomputed it (no prefix
+    caching while recording). The rest comes from this turn: the previous turn's last token and the environment's
+    tokens (computed by this turn's prefill, before it sampled anything) and its own tokens."""
+    if ep.unrecorded or record is None:
+        ep.unrecorded, ep.routing = True, None
+        return
+    if ep.routing is not None:
+        record = record.copy()
+        done = min(ep.routing.shape[0], record.shape[0])
+        kept = (ep.routing[:done] >= 0).all(axis=(1, 2))
+        record[:done][kept] = ep.routing[:done][kept]
+    ep.routing = record
+
+
+def _episode_routing(ep: _Episode) -> Optional[np.ndarray]:
+    """The episode's record over prompt + response (-1 where none: the last token, never run)."""
+    if ep.routing is None:
+        return None
+    rows = len(ep.prompt_ids) + len(ep.ids)
+    out = np.full((rows, *ep.routing.shape[1:]), -1, dtype=np.int16)
+    out[: min(rows, ep.routing.shape[0])] = ep.routing[:rows]
+    return out
+
+
 def _completion(ep: _Episode) -> EpisodeCompletion:
     finish = "length" if ep.ended == "truncated" else ep.last_finish
     return EpisodeCompletion(
         token_ids=np.asarray(ep.ids, dtype=np.int32), logprobs=np.asarray(ep.logprobs, dtype=np.float32),
         finish_reason=finish, versions=np.asarray(ep.versions, dtype=np.int64),
+        routed_experts=_episode_routing(ep),
         env_runs=np.asarray(ep.env_runs, dtype=np.int64).reshape(-1, 2),
         turn_rewards=np.asarray(ep.turn_rewards, dtype=np.float64), ended=ep.ended or "done")

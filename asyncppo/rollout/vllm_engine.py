@@ -164,9 +164,11 @@ class VLLMEngine(RolloutEngine):
             if int(tensor_parallel_size) > 1:
                 raise ValueError("vllm engine: routing capture runs on one rank only (the routers of a tensor-parallel "
                                  "engine run in other processes); set rollout.tensor_parallel_size=1")
-            # a cached prompt block is never computed, so its positions would carry no expert choice
-            kwargs["enable_prefix_caching"] = False
+            # a cached prompt block is never computed, so its positions would carry no expert choice (set below,
+            # after the caller's options)
         kwargs.update(llm_kwargs)
+        if capture_routing:  # over a caller's wish too (the episode worker asks for prefix caching)
+            kwargs["enable_prefix_caching"] = False
         if device == "cpu":
             _eager_rank_count()  # before the engine starts, so TP ranks it forks run it eagerly too
         try:

@@ -242,3 +242,77 @@ def test_learner_mode_records_its_own_routing_and_the_update_replays_it(moe_dir)
         drift[lr] = m["moe/routing_mismatch"]
         assert "moe/routing_mismatch_fresh" not in m and m["actor/optimizer_steps"] == 2
     assert drift[0.0] == 0.0 and drift[0.05] > 0.0, drift
+
+
+def test_a_multi_turn_episode_keeps_each_positions_record_from_the_turn_that_first_computed_it(tmp_path):
+    """Three turns of a scripted environment through the episode engine on a transformers-engine MoE; the routers
+    change between turn 1 and turn 2 (a weight push). The episode's record: the prompt and turn 1's tokens as the old
+    routers chose them (when they were sampled), the environment's tokens and later turns as the new ones did (the
+    next turn's prefill computed them first), the last token none; the whole record is as long as the sequence."""
+    import threading
+
+    from asyncppo.envs.chat import build_chat_tokenizer
+    from asyncppo.envs.env_runner import EnvRunner
+    from asyncppo.envs.episodes import EpisodeEngine
+    from asyncppo.rollout.hf_engine import HFEngine
+    from tests.component.test_episodes import PROMPT, ScriptedEnv, _run
+
+    tok = build_chat_tokenizer()
+    torch.manual_seed(0)
+    dense = Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                        tie_word_embeddings=False, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                        bos_token_id=tok.bos_token_id)
+    model = moe_model(dense, experts=8, top_k=2, expert_intermediate=32)
+    with torch.no_grad():
+        for r in moe_routers(model):
+            r.weight.normal_(0, 0.5)
+    path = str(tmp_path / "chat-moe")
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    engine = HFEngine(path, max_model_len=400, seed=0, max_num_seqs=4, capture_routing=True)
+    gate = threading.Event()
+    runner = EnvRunner(4, 30.0, "zero_reward")
+    try:
+        eps = EpisodeEngine(engine, tok, runner, max_turns=4, response_length=120, turn_max_tokens=8)
+        eps.add_group("g", None, SamplingSpec(n=1, max_tokens=8, seed=3), [ScriptedEnv(gate=gate)],
+                      prompt_messages=PROMPT)
+        while not runner_has_turned(eps):
+            eps.step()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        new = {n: (p + torch.randn(p.shape, generator=torch.Generator().manual_seed(9)) * 0.8 if ".gate." in n
+                   else p) for n, p in before.items()}
+        engine.update_weights(list(new.items()))  # between turn 1 and turn 2: the routers moved
+        gate.set()
+        (group,) = _run(eps, 1)
+    finally:
+        runner.shutdown()
+        engine.close()
+    (c,) = group.completions
+    prompt = list(group.prompt_ids)
+    seq = prompt + [int(t) for t in c.token_ids]
+    record = c.routed_experts
+    assert record.shape == (len(seq), 2, 2) and (record[-1] == -1).all() and (record[:-1] >= 0).all()
+    turn1_end = len(prompt) + int(c.env_runs[0][0])  # turn 1's tokens end where the first environment run starts
+
+    def own(weights):
+        m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        m.load_state_dict(weights, strict=False)
+        rec = RoutingRecorder(m)
+        with torch.no_grad():
+            m(input_ids=torch.tensor([seq]))
+        return np.sort(rec.take().numpy(), axis=-1)
+
+    old, now = own(before), own(new)
+    got = np.sort(record, axis=-1)
+    # positions turn 1 computed while sampling (its last token is first run by turn 2's prefill)
+    assert (got[: turn1_end - 1] == old[: turn1_end - 1]).all()
+    assert (got[turn1_end - 1 : -1] == now[turn1_end - 1 : -1]).all()
+    # the move changed choices on both sides of the boundary, so neither check above holds by accident
+    assert (old[: turn1_end - 1] != now[: turn1_end - 1]).any()
+    assert (old[turn1_end - 1 : -1] != now[turn1_end - 1 : -1]).any()
+
+
+def runner_has_turned(eps) -> bool:
+    """Turn 1 finished and its environment call is waiting on the gate."""
+    return eps.counters["turns"] >= 1 and eps.num_at_env() == 1
