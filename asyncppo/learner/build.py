@@ -20,7 +20,7 @@ from asyncppo.config.checks import uses_critic, uses_reference
 from asyncppo.learner.ppo import PPOUpdate
 from asyncppo.learner.sharding import ShardedPPOUpdate
 from asyncppo.learner.value_head import build_critic
-from asyncppo.models.moe_routing import RoutingHooks
+from asyncppo.models.moe_routing import RoutingHooks, check_replay
 
 
 @dataclasses.dataclass
@@ -52,9 +52,14 @@ def attach_routing(cfg, actor: torch.nn.Module, model_path: str) -> None:
     if mode == "off":
         return
     # learner: the record is the learner's own (learner/forward.py: record_routing), not an engine's per version
-    if RoutingHooks.attach(actor, apply=mode in ("rollout", "learner"), by_version=mode != "learner") is None:
+    hooks = RoutingHooks.attach(actor, apply=mode in ("rollout", "learner"), by_version=mode != "learner")
+    if hooks is None:
         raise ValueError(f"algorithm.routing_replay={mode}: model.path={model_path!r} has no mixture-of-experts "
                          "layers (no router with top_k and num_experts); set algorithm.routing_replay=off")
+    problem = check_replay(actor, hooks, int(getattr(actor.config, "vocab_size", 2) or 2))
+    if problem is not None:
+        raise ValueError(f"algorithm.routing_replay={mode}: model.path={model_path!r}: {problem}; set "
+                         "algorithm.routing_replay=off (docs/moe.md, which routers replay supports)")
 
 
 def build_models(cfg, model_path: str, resume, device: torch.device, rank: int, world_size: int) -> LearnerModels:

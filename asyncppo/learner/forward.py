@@ -81,17 +81,22 @@ def _routing(model: nn.Module, batch: TrainBatch, layout):
 
 
 @torch.no_grad()
-def record_routing(model: nn.Module, batch: TrainBatch, chunk_rows: int) -> torch.Tensor:
+def record_routing(model: nn.Module, batch: TrainBatch, chunk_rows: int, max_tokens: int = 0) -> torch.Tensor:
     """The experts ``model``'s own routers choose at every position of ``batch``: int16 ``[B, P + T, layers, top_k]``
     in the batch's layout, :data:`NO_EXPERT` on padding (``algorithm.routing_replay=learner``: the proximal
-    policy's routing, which the update's forwards then replay). Forwards of ``chunk_rows`` rows, each trimmed to its
-    columns, logits of the last position only (the record is all this pass is for)."""
+    policy's routing, which the update's forwards then replay). Forwards in eval mode over chunks of rows sorted by
+    length, at most ``chunk_rows`` rows and ``max_tokens`` tokens (rows x the chunk's longest) each, as the other
+    no-grad passes (:func:`chunked`), each trimmed to its columns, logits of the last position only."""
     recorder = RoutingRecorder(model)
     L, K = recorder.shape.layers, recorder.shape.top_k
     out = torch.full((*batch.input_ids.shape, L, K), NO_EXPERT, dtype=torch.int16, device=batch.input_ids.device)
+    order, lengths = _length_order(batch)
+    order = order.to(batch.input_ids.device)
+    was_training = model.training
+    model.eval()
     try:
-        for start in range(0, batch.size, max(1, chunk_rows)):
-            rows = torch.arange(start, min(batch.size, start + max(1, chunk_rows)), device=batch.input_ids.device)
+        for start, end in chunk_bounds(lengths, chunk_rows, max_tokens):
+            rows = order[start:end]
             part = batch.select(rows)
             lo, hi = used_columns(part)
             model(input_ids=part.input_ids[:, lo:hi], attention_mask=part.attention_mask[:, lo:hi],
@@ -101,6 +106,7 @@ def record_routing(model: nn.Module, batch: TrainBatch, chunk_rows: int) -> torc
             out[rows, lo:hi] = torch.where(real, chosen, torch.full_like(chosen, NO_EXPERT))
     finally:
         recorder.remove()
+        model.train(was_training)
     return out
 
 

@@ -27,7 +27,7 @@ from asyncppo.config.schema import AlgorithmConfig
 from asyncppo.learner.batch import TrainBatch
 
 
-def one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, has_dropout: bool) -> bool:
+def _one_optimizer_step(alg: AlgorithmConfig, batch: TrainBatch, has_dropout: bool) -> bool:
     """One epoch over one mini-batch, with no dropout (a forward with active dropout is a sample of the policy, not
     the policy)."""
     if alg.ppo_epochs != 1 or has_dropout:
@@ -40,7 +40,7 @@ def single_pass(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has_dr
     """True when this step makes exactly one optimizer step over one micro-batch on one rank: the training forward
     (run before the batch's targets) gives the proximal log-probs and the critic's old values. Several ranks keep
     the separate passes here: the batch's targets need every rank's rows, and their no-grad work is sharded."""
-    if world_size != 1 or not one_optimizer_step(alg, batch, has_dropout):
+    if world_size != 1 or not _one_optimizer_step(alg, batch, has_dropout):
         return False
     if alg.max_tokens_per_micro_batch > 0:
         return int(batch.attention_mask.sum()) <= alg.max_tokens_per_micro_batch
@@ -56,7 +56,7 @@ def fuses_proximal(alg: AlgorithmConfig, batch: TrainBatch, world_size: int, has
     (per-batch statistics; a rejection also changes the loss denominators). The correction's batch figures (its
     metrics) are computed after the micro-batches, from the log-probs they collected (gathered from every rank
     when the learner is sharded: ``ShardedPPOUpdate._update_mini_batch``)."""
-    if has_critic or not one_optimizer_step(alg, batch, has_dropout):
+    if has_critic or not _one_optimizer_step(alg, batch, has_dropout):
         return False
     if single_pass(alg, batch, world_size, has_dropout):
         return False

@@ -42,7 +42,7 @@ from asyncppo.learner.forward import (
 )
 from asyncppo.learner.metric_mean import MetricMean
 from asyncppo.learner.packing import pack_capacity, pad_fraction, uses_varlen_attention
-from asyncppo.learner.passes import fuses_proximal, one_optimizer_step, single_pass, trained_rows
+from asyncppo.learner.passes import fuses_proximal, single_pass, trained_rows
 from asyncppo.learner.optim_step import clip_and_step
 from asyncppo.learner.ppo_losses import LossNorms, actor_loss, critic_loss, loss_mask
 from asyncppo.learner.ppo_targets import (
@@ -110,8 +110,9 @@ class PPOUpdate:
         routing = hooks_of(self.actor)  # MoE routing replay (models/moe_routing.py, docs/moe.md)
         learner_replay = routing is not None and self.alg.routing_replay == "learner"
         if learner_replay:  # the proximal policy's own routing, replayed by the update's forwards
-            if not one_optimizer_step(self.alg, batch, self._has_dropout):  # (one step: they are the same forward)
-                batch.routed_experts = record_routing(self.actor, batch, rows)
+            # (not when the training forward gives the proximal log-probs itself: it is then that very forward)
+            if not (self._single_pass(batch) or self._fuses_proximal(batch)):
+                batch.routed_experts = record_routing(self.actor, batch, rows, self.no_grad_tokens)
         elif routing is not None:  # count disagreement with the engine at the step's starting weights
             self._paired_replay_kl(routing, batch, rows, metrics)
             routing.counting = True

@@ -67,6 +67,15 @@ def routing_shape(model: nn.Module) -> Optional[RoutingShape]:
     return RoutingShape(len(routers), k, e)
 
 
+def _router_output(module: nn.Module, output, top_k: int):
+    """``(logits, weights, indices)`` of a router call, or RuntimeError naming a router of another shape."""
+    if not (isinstance(output, tuple) and len(output) == 3) or output[2].dtype not in (torch.int64, torch.int32) \
+            or output[2].dim() != 2 or output[2].shape[-1] != top_k:
+        raise RuntimeError(f"router {type(module).__name__} does not return (logits, weights, indices [tokens, "
+                           f"top_k={top_k}])")
+    return output
+
+
 @dataclass
 class _Counts:
     """What the hooks counted since the last :meth:`RoutingHooks.take_metrics` (all tensors on the model's device,
@@ -130,7 +139,7 @@ class RoutingHooks:
         def hook(module: nn.Module, args, output):
             if self._replay is None:
                 return None
-            logits, scores, own = output
+            logits, scores, own = _router_output(module, output, self.shape.top_k)
             given = self._replay[:, layer].to(own.device)
             if given.shape[0] != own.shape[0]:
                 raise RuntimeError(f"routing: {given.shape[0]} recorded positions for a router call over "
@@ -195,6 +204,43 @@ class RoutingHooks:
         self._handles = []
 
 
+@torch.no_grad()
+def check_replay(model: nn.Module, hooks: RoutingHooks, vocab: int, device=None) -> Optional[str]:
+    """Why replay cannot serve ``model``, or None: one short forward whose own routing, recorded and replayed, must
+    give the same logits. The hooks assume a router that returns ``(logits, weights, indices)`` with the weights the
+    softmax of the logits at the chosen experts (renormalised or not, as ``norm_topk_prob`` says): Qwen2/3-MoE,
+    Mixtral, OLMoE, GPT-OSS are such. A router with another rule (sigmoid scores with a bias and expert groups as in
+    DeepSeek-V3 / GLM-4.5, or another output order as in Granite-MoE) would be replayed with wrong weights."""
+    device = device or next(model.parameters()).device
+    ids = torch.randint(1, max(2, vocab), (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
+    was_training = model.training
+    model.eval()
+    recorder = RoutingRecorder(model)
+    try:
+        plain = model(input_ids=ids, use_cache=False).logits.float()
+        own = recorder.take().view(2, 8, hooks.shape.layers, hooks.shape.top_k)
+        recorder.remove()
+        apply, counting = hooks.apply, hooks.counting
+        hooks.apply, hooks.counting = True, False
+        try:
+            with hooks.replaying(own):
+                replayed = model(input_ids=ids, use_cache=False).logits.float()
+        finally:
+            hooks.apply, hooks.counting = apply, counting
+            hooks.take_metrics()  # the check's counts are not the run's
+    except Exception as e:  # a router of another shape: named, not raised from deep inside a forward
+        return f"its routers cannot be replayed ({type(e).__name__}: {e})"
+    finally:
+        recorder.remove()
+        model.train(was_training)
+    scale = float(plain.abs().max()) or 1.0
+    off = float((replayed - plain).abs().max())
+    if off > 1e-3 * scale:
+        return (f"its routers cannot be replayed: replaying the model's own experts moved its logits by {off:.3g} (of "
+                f"{scale:.3g}), so they do not weight the chosen experts by the softmax of their logits")
+    return None
+
+
 def hooks_of(model: nn.Module) -> Optional[RoutingHooks]:
     """The :class:`RoutingHooks` attached to ``model`` (through FSDP or PEFT wrappers), or None."""
     for m in (model, getattr(model, "module", None), getattr(model, "base_model", None)):
@@ -218,7 +264,7 @@ class RoutingRecorder:
 
     def _hook(self, layer: int):
         def hook(module, args, output):
-            self._taken[layer] = output[2].detach()
+            self._taken[layer] = _router_output(module, output, self.shape.top_k)[2].detach()
         return hook
 
     def take(self) -> torch.Tensor:

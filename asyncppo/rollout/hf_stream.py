@@ -56,7 +56,7 @@ class _Seq:
     tokens: list = field(default_factory=list)
     logprobs: list = field(default_factory=list)
     versions: list = field(default_factory=list)
-    routing: Optional[np.ndarray] = None  # int16 [P + max_tokens, layers, top_k] (capture_routing), -1 unrecorded
+    routing: Optional[np.ndarray] = None  # int16 [positions so far (grown), layers, top_k] (capture_routing), -1 none
 
 
 def process_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -168,7 +168,7 @@ class HFStreamingMixin:
         if self._routing is not None:
             taken = self._routing.take().view(len(rows), width, *self._routing_shape())
             for s, r, chosen in zip(seqs, rows, taken):
-                self._routing_rows(s)[: len(r)] = chosen[width - len(r) :].cpu().numpy()
+                self._record(s, 0, chosen[width - len(r) :].cpu().numpy())
         return out.logits[:, -1, :].float(), (out.past_key_values if use_cache else None), attn
 
     @torch.no_grad()
@@ -189,22 +189,35 @@ class HFStreamingMixin:
         if self._routing is not None:
             taken = self._routing.take().cpu().numpy()
             for s, chosen in zip(seqs, taken):
-                self._routing_rows(s)[len(s.group.prompt) + len(s.tokens) - 1] = chosen
+                self._record(s, len(s.group.prompt) + len(s.tokens) - 1, chosen[None])
         return out.logits[:, -1, :].float()
 
     def _routing_shape(self) -> tuple[int, int]:
         return self._routing.shape.layers, self._routing.shape.top_k
 
-    def _routing_rows(self, s: _Seq) -> np.ndarray:
-        if s.routing is None:
-            s.routing = np.full((len(s.group.prompt) + s.group.spec.max_tokens, *self._routing_shape()), -1, np.int16)
-        return s.routing
+    def _record(self, s: _Seq, start: int, chosen: np.ndarray) -> None:
+        """Write a forward's choices for positions ``start...`` of ``s``: a position already recorded keeps its first
+        record (a re-prefill after a push, or every step with ``kv_cache=False``, computes it again; the first is the
+        one its next token was sampled from). The record grows by doubling, so a sequence costs its own length."""
+        end = start + chosen.shape[0]
+        if s.routing is None or s.routing.shape[0] < end:
+            size = max(end, 64, 0 if s.routing is None else 2 * s.routing.shape[0])
+            grown = np.full((size, *self._routing_shape()), -1, np.int16)
+            if s.routing is not None:
+                grown[: s.routing.shape[0]] = s.routing
+            s.routing = grown
+        seg = s.routing[start:end]
+        unrecorded = (seg < 0).all(axis=(1, 2))
+        seg[unrecorded] = chosen[unrecorded]
 
     def _routed(self, s: _Seq) -> Optional[np.ndarray]:
         """A finished sequence's record over prompt + response; its last token never ran through the model."""
         if self._routing is None:
             return None
-        rows = self._routing_rows(s)[: len(s.group.prompt) + len(s.tokens)].copy()
+        rows = np.full((len(s.group.prompt) + len(s.tokens), *self._routing_shape()), -1, np.int16)
+        if s.routing is not None:
+            kept = min(rows.shape[0], s.routing.shape[0])
+            rows[:kept] = s.routing[:kept]
         rows[-1] = -1
         return rows
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import gc
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterable, Optional
@@ -47,6 +48,9 @@ from .tp_load import EXTENSION, TPLoadBroken, TPLoadRejected, staged_reload
 from .vllm_cpu_moe import MoEPushUnsupported, split_experts
 from .vllm_cpu_reload import fast_load
 from .vllm_routing import install_on_worker
+
+
+log = logging.getLogger("asyncppo.rollout")
 
 
 def _configure_env(device: str, kv_cache_gib: float) -> None:
@@ -169,6 +173,10 @@ class VLLMEngine(RolloutEngine):
         kwargs.update(llm_kwargs)
         if capture_routing:  # over a caller's wish too (the episode worker asks for prefix caching)
             kwargs["enable_prefix_caching"] = False
+            # a CUDA graph replays kernels without the Python capture callbacks (records would stay empty)
+            kwargs["enforce_eager"] = True
+            if device != "cpu":
+                os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")  # the runner whose steps the capture reads
         if device == "cpu":
             _eager_rank_count()  # before the engine starts, so TP ranks it forks run it eagerly too
         try:
@@ -290,9 +298,13 @@ class VLLMEngine(RolloutEngine):
     def _attach_routing(self, key: str, completions: list[Completion]) -> None:
         """Each sample's record from the capture (vLLM names sample j of a request ``f"{j}_{id}"`` when n > 1)."""
         request_id, n, prompt_len = self._requests.pop(key)
+        before = self._routing.incomplete
         for j, c in enumerate(completions):
             c.routed_experts = self._routing.take(request_id if n == 1 else f"{j}_{request_id}",
                                                   prompt_len + c.num_tokens)
+        if self._routing.incomplete > before and str(self._routing.incomplete).rstrip("0") == "1":
+            log.warning("vllm engine: %d sample(s) so far came back with positions no forward recorded (their "
+                        "learner forwards route those positions themselves)", self._routing.incomplete)
 
     def num_unfinished_seqs(self) -> int:
         """Child sequences added and not finished (vLLM tracks each of a group's ``n`` samples separately)."""

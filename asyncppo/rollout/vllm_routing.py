@@ -9,9 +9,11 @@ any expert-parallel remapping), so this module installs one and does the bookkee
   batch order, how many positions each is computing and from which position (a request's rows are contiguous in
   the step's flattened tokens, in that order);
 * each router call writes its ``[tokens, top_k]`` ids into the step's ``[tokens, layers, top_k]`` buffer;
-* :meth:`RoutingCapture.flush` (after the engine step) scatters the buffer into each request's per-position array,
-  so a position computed again (a preempted request's recompute, ``recompute_inflight`` after a push) keeps the
-  choice of the weights that last computed it, the ones its later tokens attended to.
+* :meth:`RoutingCapture.flush` (after the engine step) scatters the buffer into each request's per-position array.
+  A position computed again (a preempted request's recompute, ``recompute_inflight`` after a push) keeps its first
+  record: the choice made when the token after it was sampled, whose behaviour log-prob the learner corrects, and
+  the version the learner labels it with (learner/forward.py ``_position_versions``). The tokens sampled after a
+  recompute attended to the recomputed states, whose routing no record holds: one record per position.
 
 Prefix caching is turned off while capturing: a cached prompt block is not computed, so its positions would have no
 record (``rollout/vllm_engine.py``). The last sampled token of a response is never run through the model, so its
@@ -38,6 +40,7 @@ class RoutingCapture:
         self._layout: Optional[tuple[list[str], np.ndarray, np.ndarray]] = None
         self._step: Optional[torch.Tensor] = None
         self._by_request: dict[str, np.ndarray] = {}
+        self.incomplete = 0  # finished requests with a position no forward recorded (a capture that missed a step)
 
     # ------------------------------------------------------------------ inside the forward
     def begin_step(self, req_ids: list[str], starts: np.ndarray, counts: np.ndarray) -> None:
@@ -54,7 +57,7 @@ class RoutingCapture:
         self._step[:, layer] = topk_ids[:n].to(torch.int16)
 
     def flush(self) -> None:
-        """Scatter the last step's buffer into the per-request records."""
+        """Scatter the last step's buffer into the per-request records (first record per position wins)."""
         layout, step = self._layout, self._step
         self._layout = self._step = None
         if layout is None or step is None:
@@ -64,7 +67,9 @@ class RoutingCapture:
         for req, start, count in zip(*layout):
             end = min(start + count, self.max_len)
             rec = self._room(req, end)
-            rec[start:end] = rows[offset : offset + (end - start)]
+            seg, new = rec[start:end], rows[offset : offset + (end - start)]
+            unrecorded = (seg < 0).all(axis=(1, 2))  # a position recomputed keeps its first record
+            seg[unrecorded] = new[unrecorded]
             offset += count
 
     def _room(self, req: str, end: int) -> np.ndarray:
@@ -90,7 +95,8 @@ class RoutingCapture:
         out = np.full((positions, self.layers, self.top_k), -1, np.int16)
         kept = min(positions, rec.shape[0])
         out[:kept] = rec[:kept]
-        out[positions - 1 :] = -1  # the last sampled token never ran through the model
+        out[positions - 1 :] = -1
+        self.incomplete += int((out[: positions - 1] < 0).all(axis=(1, 2)).any())  # the last sampled token never ran through the model
         return out
 
     def forget(self, prefix: str) -> None:
@@ -118,6 +124,10 @@ def install_on_worker(worker, max_len: int) -> Optional[RoutingCapture]:
     """Runs in the engine's worker (``collective_rpc``): bind a :class:`RoutingCapture` to every MoE router and
     wrap the runner's input preparation. None for a model without MoE layers."""
     runner = worker.model_runner
+    if not hasattr(runner, "_prepare_inputs") or not hasattr(getattr(runner, "input_batch", None),
+                                                             "num_computed_tokens_cpu"):
+        raise ValueError(f"vllm routing capture: the model runner {type(runner).__name__} does not lay out its steps "
+                         "as this capture reads them (it needs vLLM's V1 runner: VLLM_USE_V2_MODEL_RUNNER=0)")
     layers = _moe_layers(runner.model)
     if not layers:
         return None

@@ -316,3 +316,45 @@ def test_a_multi_turn_episode_keeps_each_positions_record_from_the_turn_that_fir
 def runner_has_turned(eps) -> bool:
     """Turn 1 finished and its environment call is waiting on the gate."""
     return eps.counters["turns"] >= 1 and eps.num_at_env() == 1
+
+
+@pytest.mark.parametrize("kv_cache", [True, False])
+def test_a_position_keeps_the_record_it_had_when_the_token_after_it_was_sampled(moe_dir, kv_cache):
+    """The routers move after 4 decode steps (a push). Without a KV cache every step re-runs the whole prefix under
+    the new routers; the positions that produced the 4 pre-push tokens must still hold the old routers' choices
+    (first record wins), which is what the learner labels them with (their tokens' version)."""
+    import copy
+
+    from asyncppo.rollout.hf_engine import HFEngine
+
+    engine = HFEngine(moe_dir, max_model_len=64, seed=0, max_num_seqs=4, capture_routing=True, kv_cache=kv_cache)
+    old = copy.deepcopy(engine.model)
+    prompt = [3, 5, 7, 9]
+    engine.add_group("g", prompt, SamplingSpec(n=1, max_tokens=8, seed=1, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    with torch.no_grad():
+        for r in moe_routers(engine.model):
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(2)))
+    engine.set_weight_version(1)
+    done = []
+    while engine.num_unfinished_seqs():
+        done += engine.step()
+    c = done[0].completions[0]
+    assert c.versions.tolist() == [0] * 4 + [1] * 4
+    seq = prompt + c.token_ids.tolist()
+    got = np.sort(c.routed_experts, axis=-1)
+
+    def own(m):
+        rec = RoutingRecorder(m)
+        with torch.no_grad():
+            m(input_ids=torch.tensor([seq]))
+        out = np.sort(rec.take().numpy(), axis=-1)
+        rec.remove()
+        return out
+
+    before, after = own(old), own(engine.model)
+    pre = slice(0, len(prompt) + 3)  # the prompt and the positions that produced tokens 1..3 (version 0)
+    assert (got[pre] == before[pre]).all()
+    assert (before[pre] != after[pre]).any()  # the move changed some of them: the check above is not vacuous
+    engine.close()

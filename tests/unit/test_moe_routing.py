@@ -125,3 +125,38 @@ def test_a_misaligned_or_misshapen_record_is_refused():
     with pytest.raises(RuntimeError, match="not aligned"):
         with torch.no_grad(), hooks.replaying(torch.zeros(3, 6, 2, 2, dtype=torch.long)):
             model(input_ids=ids)
+
+
+def _family(name: str):
+    """A tiny random model of a transformers MoE family (routers with real preferences)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(name, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, vocab_size=128, head_dim=16)
+    for k, v in dict(moe_intermediate_size=32, num_experts=8, num_local_experts=8, n_routed_experts=8,
+                     num_experts_per_tok=2, first_k_dense_replace=0, n_group=1, topk_group=1).items():
+        if hasattr(cfg, k):
+            setattr(cfg, k, v)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).float().eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("family, supported", [("qwen3_moe", True), ("mixtral", True), ("glm4_moe", False),
+                                               ("granitemoe", False)])
+def test_check_replay_accepts_softmax_routers_and_names_the_others(family, supported):
+    """A router found by its shape is replayed only if replaying the model's own choices leaves its logits alone:
+    GLM-4.5's sigmoid scores with a bias (DeepSeek-V3's rule) would be given softmax weights, and Granite-MoE's
+    router returns its outputs in another order; both are named, not trained wrongly."""
+    from asyncppo.models.moe_routing import check_replay
+
+    model = _family(family)
+    hooks = RoutingHooks.attach(model, apply=True)
+    assert hooks is not None
+    problem = check_replay(model, hooks, 128)
+    assert (problem is None) == supported, problem
+    if not supported:
+        assert problem.startswith("its routers cannot be replayed")
