@@ -7,7 +7,8 @@ differed from the engine's (``moe/routing_mismatch``, split fresh/stale), the be
 (``actor/mismatch_kl``), the clip fraction, the reward, and the held-out accuracy (sampled) after the run. Settings:
 the recipe's window (``k = 1``) and a stressed one (``k = 4`` and five times the learning rate), where the learner's
 routers move furthest from the engine's between a sample's making and its training. A collapse shows as the held-out
-accuracy falling below its start.
+accuracy falling below its start. ``moe-replay-long`` runs the same comparison on ``data=long`` with
+``builtin:tiny-long-moe`` (tiny-long's task with tiny-moe's experts) at the preset's window (``k = 12, j = 3``).
 
 Two runs take two paths, so their KLs differ by more than replay (a collapsing run's KL is its collapse). The
 ``measure`` runs therefore also score every batch both ways at the step's starting weights (``moe/mismatch_kl_own``,
@@ -24,9 +25,14 @@ import os
 from asyncppo.bench.launches import Launch, mean, run_once
 
 MODES = ("measure", "rollout")
+MOE = ["model.path=builtin:tiny-moe", "rollout.engine=vllm"]
 SETTINGS = {
-    "k1": dict(staleness=1, overrides=[]),
-    "k4-lr1e-3": dict(staleness=4, overrides=["trainer.lr=1e-3"]),
+    "k1": dict(staleness=1, preset=MOE, overrides=[]),
+    "k4-lr1e-3": dict(staleness=4, preset=MOE, overrides=["trainer.lr=1e-3"]),
+    # data=long on a mixture of experts at the preset's window (k = 12, j = 3): long, long-tailed answers, a deep lag
+    "long": dict(staleness=12, lookahead=3, mode="async-cont-lookahead",
+                 preset=["data=long", "model.path=builtin:tiny-long-moe", "trainer.sft_warmup_steps=1200"],
+                 overrides=[]),
 }
 METRICS = (("moe/routing_mismatch", "routing mismatch"), ("moe/routing_mismatch_stale", "routing mismatch stale"),
            ("actor/mismatch_kl", "mismatch_kl"), ("actor/clipfrac", "clipfrac"), ("moe/expert_load", "expert load"),
@@ -45,11 +51,11 @@ def run(opts: dict, seed: int, work: str) -> dict:
     for setting in opts["settings"]:
         spec = SETTINGS[setting]
         for mode in MODES:
-            launch = Launch(steps=opts["steps"], staleness=spec["staleness"], eval_at_start=True,
-                            preset=["model.path=builtin:tiny-moe", "rollout.engine=vllm"],
+            launch = Launch(steps=opts["steps"], staleness=spec["staleness"], lookahead=spec.get("lookahead", 1),
+                            eval_at_start=True, preset=spec["preset"],
                             overrides=[f"algorithm.routing_replay={mode}", *spec["overrides"], *opts["overrides"],
                                        f"trainer.seed={seed}"])
-            r = run_once(f"{setting}-{mode}", launch, work, mode="async-cont")
+            r = run_once(f"{setting}-{mode}", launch, work, mode=spec.get("mode", "async-cont"))
             r.update(_read(r["run_dir"]), setting=setting, replay=mode)
             launches.append(r)
             for name in [n for _, n in METRICS] + ["held-out"]:

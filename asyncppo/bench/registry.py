@@ -231,6 +231,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(settings=["k1", "k4-lr1e-3"], steps=40, overrides=[]),
         quick=dict(settings=["k4-lr1e-3"], steps=12), quick_expected="~3 min", tolerance=0.5),
     Benchmark(
+        "moe-replay-long", "MoE: routing replay on data=long",
+        "On long, long-tailed answers (data=long) from a mixture of experts (builtin:tiny-long-moe) at the preset's "
+        "window (k = 12, j = 3), how much does replaying the engine's experts cut the behaviour -> learner KL on the "
+        "same batches, and what does it do to clipping and held-out accuracy?",
+        "paired mismatch_kl replay / own long",
+        Target("paired mismatch_kl replay / own long", "<=", 0.95, min_seeds=3,
+               why="set before the first run (issue 51), after moe-replay showed the unpaired ratio dominated by "
+               "the runs' paths: replay must cut the KL on identical batches by a twentieth at least"),
+        "~25 min (3 seeds x 2 launches of 40 steps; the model's first build ~6 min)", "asyncppo.bench.moe_replay:run",
+        seeds=(0, 1, 2), options=dict(settings=["long"], steps=40, overrides=[])),
+    Benchmark(
         "advisor", "Advisor: predicted against measured",
         "How close is the advisor's predicted throughput to real runs, predicted from one calibration run?",
         "worst calibrated error",
