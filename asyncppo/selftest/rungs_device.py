@@ -38,25 +38,58 @@ def _synthetic_groups(groups: int, samples: int, prompt_len: int, response_len: 
     return out
 
 
+def learner_shape(ctx: Context) -> tuple[int, int, int, int]:
+    """(groups, samples, prompt length, response length) of a learner rung's synthetic batch."""
+    return (8, 4, 64, 192) if ctx.device == "cuda" else (4, 4, 8, 24)
+
+
+def learner_config(groups: int, samples: int, response_len: int, **algorithm):
+    """A learner rung's config: GRPO, micro-batches of 8, the batch shape; ``algorithm`` overrides on top."""
+    from asyncppo.config.schema import AsyncPPOConfig
+    from asyncppo.config.validate import resolve_derived
+
+    cfg = AsyncPPOConfig()
+    cfg.algorithm.adv_estimator = "grpo"
+    cfg.algorithm.micro_batch_size = 8
+    for key, value in algorithm.items():
+        setattr(cfg.algorithm, key, value)
+    cfg.rollout.response_length = response_len
+    cfg.rollout.num_return_sequences_in_group = samples
+    cfg.rollout.rollout_batch_size = groups
+    return resolve_derived(cfg)
+
+
+def timed_steps(update, actor, batch, device: str, steps: int) -> tuple[float, dict]:
+    """Seconds per :meth:`PPOUpdate.step` on ``batch`` over ``steps`` steps after one warm-up (allocator, kernels,
+    optimizer state), CUDA's peak memory counted from the warm-up on, and the last step's metrics; RuntimeError when
+    the update left a non-finite parameter."""
+    import torch  # heavy: torch
+
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    update.step(batch)
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        metrics = update.step(batch)
+    _sync(device)
+    seconds = (time.perf_counter() - t0) / steps
+    if not all(torch.isfinite(p).all() for p in actor.parameters()):
+        raise RuntimeError("non-finite parameters after the update")
+    return seconds, metrics
+
+
 def learner_step(ctx: Context) -> dict:
     """The project's PPO update (GRPO advantages, clipped policy loss, AdamW) on a synthetic batch."""
     import torch  # heavy: torch
 
-    from asyncppo.config.schema import AsyncPPOConfig
-    from asyncppo.config.validate import resolve_derived
     from asyncppo.learner.batch import collate_groups
     from asyncppo.learner.models import load_actor
     from asyncppo.learner.ppo import PPOUpdate
 
     cuda = ctx.device == "cuda"
-    groups, samples, prompt_len, response_len = (8, 4, 64, 192) if cuda else (4, 4, 8, 24)
-    cfg = AsyncPPOConfig()
-    cfg.algorithm.adv_estimator = "grpo"
-    cfg.algorithm.micro_batch_size = 8
-    cfg.rollout.response_length = response_len
-    cfg.rollout.num_return_sequences_in_group = samples
-    cfg.rollout.rollout_batch_size = groups
-    resolve_derived(cfg)
+    groups, samples, prompt_len, response_len = learner_shape(ctx)
+    cfg = learner_config(groups, samples, response_len)
     device = torch.device(ctx.device)
     dtype = torch.bfloat16 if cuda else torch.float32
     actor = load_actor(ctx.model_dir, dtype, device)
@@ -64,17 +97,7 @@ def learner_step(ctx: Context) -> dict:
     vocab = min(int(actor.config.vocab_size), 64)  # the character tokenizer's symbols
     batch = collate_groups(_synthetic_groups(groups, samples, prompt_len, response_len, vocab), 0)
     tokens = groups * samples * (prompt_len + response_len)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    update.step(batch)  # warm-up: allocator, kernels, optimizer state
-    _sync(ctx.device)
-    steps, t0 = 3, time.perf_counter()
-    for _ in range(steps):
-        metrics = update.step(batch)
-    _sync(ctx.device)
-    seconds = (time.perf_counter() - t0) / steps
-    if not all(torch.isfinite(p).all() for p in actor.parameters()):
-        raise RuntimeError("non-finite parameters after the update")
+    seconds, metrics = timed_steps(update, actor, batch, ctx.device, steps=3)
     figures = {"dtype": str(dtype).removeprefix("torch."), "tokens/step": tokens, "s/step": round(seconds, 3),
                "tokens/s": round(tokens / seconds, 1), "approx_kl": round(float(metrics["actor/approx_kl"]), 5)}
     if cuda:

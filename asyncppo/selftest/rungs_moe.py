@@ -80,45 +80,26 @@ def moe(ctx: Context) -> dict:
     """Learner step (routing replay on) and engine tokens/s with and without recording the experts."""
     import torch  # heavy: torch
 
-    from asyncppo.config.schema import AsyncPPOConfig
-    from asyncppo.config.validate import resolve_derived
     from asyncppo.learner.batch import collate_groups
     from asyncppo.learner.build import attach_routing
     from asyncppo.learner.models import load_actor
     from asyncppo.learner.ppo import PPOUpdate
     from asyncppo.models.moe_routing import hooks_of
     from asyncppo.rollout.engines import make_engine
-    from asyncppo.selftest.rungs_device import _sync
+    from asyncppo.selftest.rungs_device import learner_config, learner_shape, timed_steps
 
     cuda = ctx.device == "cuda"
     dtype = "bfloat16" if cuda else "float32"
     model_dir = build_moe_model(os.path.join(ctx.out_dir, f"moe-{ctx.size}"), ctx.size, dtype)
-    groups, samples, prompt_len, response_len = (8, 4, 64, 192) if cuda else (4, 4, 8, 24)
-    cfg = AsyncPPOConfig()
-    cfg.algorithm.adv_estimator = "grpo"
-    cfg.algorithm.micro_batch_size = 8
-    cfg.algorithm.routing_replay = "rollout"
-    cfg.rollout.response_length = response_len
-    cfg.rollout.num_return_sequences_in_group = samples
-    cfg.rollout.rollout_batch_size = groups
-    resolve_derived(cfg)
+    groups, samples, prompt_len, response_len = learner_shape(ctx)
+    cfg = learner_config(groups, samples, response_len, routing_replay="rollout")
     device = torch.device(ctx.device)
     actor = load_actor(model_dir, getattr(torch, dtype), device)
     attach_routing(cfg, actor, model_dir)
     update = PPOUpdate(cfg, actor, None, None, device)
     vocab = min(int(actor.config.vocab_size), 64)
     batch = collate_groups(_routed_groups(groups, samples, prompt_len, response_len, vocab, hooks_of(actor).shape), 0)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    update.step(batch)  # warm-up
-    _sync(ctx.device)
-    steps, t0 = 2, time.perf_counter()
-    for _ in range(steps):
-        metrics = update.step(batch)
-    _sync(ctx.device)
-    step_s = (time.perf_counter() - t0) / steps
-    if not all(torch.isfinite(p).all() for p in actor.parameters()):
-        raise RuntimeError("non-finite parameters after the update")
+    step_s, metrics = timed_steps(update, actor, batch, ctx.device, steps=2)
     figures = {"params (M)": round(parameter_count_moe(model_dir) / 1e6, 1), "learner s/step": round(step_s, 3),
                "learner tokens/s": round(groups * samples * (prompt_len + response_len) / step_s, 1),
                "expert load": round(float(metrics["moe/expert_load"]), 2)}

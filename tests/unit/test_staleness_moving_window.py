@@ -16,6 +16,7 @@ import random
 
 import pytest
 from test_staleness_lookahead import _drain, _group, _pair, worker_tick
+from test_staleness_regrants import _simulate as _simulate_regrants
 
 from asyncppo.staleness import AdmissionController, Ticket
 
@@ -151,75 +152,6 @@ def test_a_window_that_never_moved_trains_in_plain_ticket_order_even_after_regra
         assert c.window_changes == 0
 
 
-def _simulate_with_regrants(seed: int, *, cap: int, B: int, workers: int, s: int, slots: int | None) -> dict:
-    """test_staleness_regrants.py's run (dynamic-sampling skips release tickets that are granted again, pushes every
-    ``s`` versions) with the window moved at random ticks within the rules that ``s`` sets (``s - 1 <= j <= k``):
-    the interplay of re-grants with earliest-deadline order after a move."""
-    from asyncppo.staleness import StalenessBuffer
-
-    rng = random.Random(seed)
-    floor = s - 1
-    k = rng.randint(floor, cap)
-    j = rng.randint(floor, k)
-    ctrl = AdmissionController(B, cap, lookahead=j)
-    ctrl.set_window(k, j)
-    bounds: dict[int, int] = {}
-
-    class Grants(dict):  # every grant, re-grants included: the k its ticket carries
-        def __setitem__(self, index, deadline):
-            super().__setitem__(index, deadline)
-            bounds[index] = ctrl.bound_of(index)
-
-    skipped: set[int] = set()
-    budget = [2 * B]
-
-    def on_take(g):
-        if budget[0] > 0 and rng.random() < 0.3:
-            budget[0] -= 1
-            skipped.add(id(g))
-            ctrl.release(g.ticket)
-        else:
-            ctrl.consumed(g.ticket)
-
-    buf = StalenessBuffer(cap, capacity_groups=(cap + 2) * B + 64, order=ctrl, on_take=on_take,
-                          on_drop=lambda g: ctrl.release(g.ticket))
-    slots = (cap + 1) * B // workers + 2 if slots is None else slots
-    ws = [{"version": 0, "loads": [], "pending": collections.deque(), "flights": []} for _ in range(workers)]
-    grants = Grants()
-    v, busy, tick, kept, trained, moves = 0, 0, 0, [], 0, 0
-    while v < 30:
-        tick += 1
-        assert tick < 100_000, f"seed {seed}: stuck at version {v}, waiting for {buf.missing(B)}; {ctrl.stats()}"
-        if rng.random() < 0.03:
-            k = max(floor, min(cap, k + rng.choice([-1, 1, -cap, cap])))
-            j = rng.randint(floor, k)
-            ctrl.set_window(k, j)
-            moves += 1
-        if busy:
-            busy -= 1
-            if not busy:
-                v += 1
-                ctrl.set_version(v)
-                budget[0] = 2 * B
-                if v % s == 0:
-                    for w in ws:
-                        w["loads"].append((tick + rng.choice([0, 1, 2, 3, 8]), v))
-        else:
-            got = buf.take(B - len(kept), v, timeout_s=0)
-            for g in got:
-                if id(g) not in skipped:
-                    lag = max(v - int(x) for x in g.samples[0].token_versions())
-                    assert lag <= bounds[g.ticket] <= cap, f"seed {seed}: ticket {g.ticket} lag {lag}"
-                    kept.append(g)
-            skipped.clear()
-            if len(kept) == B:
-                trained += B
-                kept, busy = [], rng.randint(3, 10)
-        for w in ws:
-            worker_tick(w, tick, ctrl, buf, rng, slots, grants)
-    return {"trained": trained, "drops": buf.stats()["dropped_stale"], "moves": moves}
-
-
 @pytest.mark.parametrize("s", [1, 2, 3])
 def test_regrants_after_window_moves_never_stall_drop_or_pass_their_own_bound(s):
     moved = 0
@@ -227,7 +159,11 @@ def test_regrants_after_window_moves_never_stall_drop_or_pass_their_own_bound(s)
         r = random.Random(1000 + seed)
         cap, B, workers = r.randint(max(1, s - 1), 5), r.randint(1, 3), r.randint(1, 3)
         slots = r.choice([None, 1, 2])
-        out = _simulate_with_regrants(seed, cap=cap, B=B, workers=workers, s=s, slots=slots)
-        assert out["trained"] == 30 * B and out["drops"] == 0, (seed, out)
+        k = r.randint(s - 1, cap)
+        # test_staleness_regrants.py's run (skips released and granted again, pushes every s versions) with the
+        # window moved at random within s - 1 <= j <= k <= cap: re-grants and earliest-deadline order after a move
+        out = _simulate_regrants(seed, k=k, j=r.randint(s - 1, k), B=B, workers=workers, s=s, p_skip=0.3,
+                                 slots=slots, cap=cap, p_move=0.03)
+        assert out["trained"] == 30 * B and out["stats"]["dropped_stale"] == 0, (seed, out)
         moved += out["moves"] > 0
     assert moved > 30

@@ -48,11 +48,23 @@ def test_take_startable_takes_the_lowest_index_the_weights_allow():
 
 
 def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip: float, steps: int = 30,
-              slots: int | None = None) -> dict:
+              slots: int | None = None, cap: int | None = None, p_move: float = 0.0) -> dict:
+    """The run (module docstring). ``cap`` and ``p_move`` (tests/unit/test_staleness_moving_window.py): the buffer's
+    guard is ``cap`` and, at each tick with probability ``p_move``, the window moves within ``s - 1 <= j <= k <=
+    cap``; every group taken is checked against its own ticket's ``k`` (recorded at each grant, re-grants included)."""
     rng = random.Random(seed)
-    ctrl = AdmissionController(B, k, lookahead=j)
+    cap = k if cap is None else cap
+    ctrl = AdmissionController(B, cap, lookahead=j)
+    if cap != k:
+        ctrl.set_window(k, j)
     skipped: set[int] = set()
     budget = [0]  # skips left at this version (dynamic sampling gives up after a few rounds)
+    bounds: dict[int, int] = {}
+
+    class Grants(dict):  # every grant, re-grants included: the k its ticket carries
+        def __setitem__(self, index, deadline):
+            super().__setitem__(index, deadline)
+            bounds[index] = ctrl.bound_of(index)
 
     def on_take(g):
         if budget[0] > 0 and rng.random() < p_skip:
@@ -62,15 +74,21 @@ def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip
         else:
             ctrl.consumed(g.ticket)
 
-    buf = StalenessBuffer(k, capacity_groups=(k + 2) * B + 64, order=ctrl, on_take=on_take,
+    buf = StalenessBuffer(cap, capacity_groups=(cap + 2) * B + 64, order=ctrl, on_take=on_take,
                           on_drop=lambda g: ctrl.release(g.ticket))
-    slots = (k + 1) * B // workers + 2 if slots is None else slots  # default: engines hold the whole window
+    slots = (cap + 1) * B // workers + 2 if slots is None else slots  # default: engines hold the whole window
     ws = [{"version": 0, "loads": [], "pending": collections.deque(), "flights": []} for _ in range(workers)]
-    v, busy, tick, kept, lags, trained = 0, 0, 0, [], [], 0
+    grants = Grants()
+    v, busy, tick, kept, lags, trained, moves = 0, 0, 0, [], [], 0, 0
     budget[0] = 2 * B
     while v < steps:
         tick += 1
         assert tick < 100_000, f"seed {seed}: stuck at version {v}, waiting for tickets {buf.missing(B)}; {ctrl.stats()} {buf.stats()} kept {len(kept)}"
+        if p_move and rng.random() < p_move:
+            k = max(s - 1, min(cap, k + rng.choice([-1, 1, -cap, cap])))
+            j = rng.randint(s - 1, k)
+            ctrl.set_window(k, j)
+            moves += 1
         if busy:
             busy -= 1
             if not busy:
@@ -82,15 +100,19 @@ def _simulate(seed: int, *, k: int, j: int, B: int, workers: int, s: int, p_skip
                         w["loads"].append((tick + rng.choice([0, 1, 2, 3, 8]), v))
         else:
             got = buf.take(B - len(kept), v, timeout_s=0)
-            kept += [g for g in got if id(g) not in skipped]
+            for g in got:
+                if id(g) not in skipped:
+                    lag = max(v - int(x) for x in g.samples[0].token_versions())
+                    assert lag <= bounds[g.ticket] <= cap, f"seed {seed}: ticket {g.ticket} lag {lag}"
+                    kept.append(g)
             skipped.clear()  # ids of freed objects are reused
             if len(kept) == B:
                 lags += [v - g.version_min for g in kept]
                 trained += B
                 kept, busy = [], rng.randint(3, 10)
         for w in ws:
-            worker_tick(w, tick, ctrl, buf, rng, slots)
-    return {"lags": lags, "trained": trained, "stats": buf.stats()}
+            worker_tick(w, tick, ctrl, buf, rng, slots, grants)
+    return {"lags": lags, "trained": trained, "stats": buf.stats(), "moves": moves}
 
 
 SHAPES = [(4, 2, 1), (3, 4, 2), (2, 3, 3), (4, 1, 1)]  # (k, B, workers)
