@@ -44,6 +44,7 @@ from asyncppo.envs.chat import IM_END, turn_ids
 from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
 
 from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
+from asyncppo.rollout.routing_record import finished, record_first
 
 #: Turn ``k`` of episode ``j`` samples with seed ``spec.seed + j + k * TURN_SEED_STRIDE``: turn 0 follows the
 #: single-turn convention (sample ``j`` of a group: ``seed + j``), later turns stay clear of other groups' seeds.
@@ -355,22 +356,14 @@ def _stitch_routing(ep: _Episode, record: Optional[np.ndarray]) -> None:
     if ep.unrecorded or record is None:
         ep.unrecorded, ep.routing = True, None
         return
-    if ep.routing is not None:
-        record = record.copy()
-        done = min(ep.routing.shape[0], record.shape[0])
-        kept = (ep.routing[:done] >= 0).all(axis=(1, 2))
-        record[:done][kept] = ep.routing[:done][kept]
-    ep.routing = record
+    ep.routing = record_first(ep.routing, 0, record)  # the first record of a position wins (routing_record.py)
 
 
 def _episode_routing(ep: _Episode) -> Optional[np.ndarray]:
     """The episode's record over prompt + response (-1 where none: the last token, never run)."""
     if ep.routing is None:
         return None
-    rows = len(ep.prompt_ids) + len(ep.ids)
-    out = np.full((rows, *ep.routing.shape[1:]), -1, dtype=np.int16)
-    out[: min(rows, ep.routing.shape[0])] = ep.routing[:rows]
-    return out
+    return finished(ep.routing, len(ep.prompt_ids) + len(ep.ids), ep.routing.shape[1:])
 
 
 def _completion(ep: _Episode) -> EpisodeCompletion:

@@ -104,8 +104,9 @@ class RoutingHooks:
         self._fresh: Optional[torch.Tensor] = None  # [N] bool
         self._counts = _Counts()
         self._fresh_known = False  # the forwards counted knew each position's version (fresh/stale split)
-        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(moe_routers(model))]
-        self._norm = [bool(getattr(r, "norm_topk_prob", True)) for r in moe_routers(model)]
+        routers = moe_routers(model)
+        self._handles = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(routers)]
+        self._norm = [bool(getattr(r, "norm_topk_prob", True)) for r in routers]
 
     @classmethod
     def attach(cls, model: nn.Module, apply: bool, by_version: bool = True) -> Optional["RoutingHooks"]:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from asyncppo.models.moe_routing import RoutingRecorder
 
 from .engine import Completion, FinishedGroup, SamplingSpec, check_sampling_args
+from .routing_record import finished, record_first
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (as in vLLM); same constant as hf_engine
 
@@ -196,30 +197,14 @@ class HFStreamingMixin:
         return self._routing.shape.layers, self._routing.shape.top_k
 
     def _record(self, s: _Seq, start: int, chosen: np.ndarray) -> None:
-        """Write a forward's choices for positions ``start...`` of ``s``: a position already recorded keeps its first
-        record (a re-prefill after a push, or every step with ``kv_cache=False``, computes it again; the first is the
-        one its next token was sampled from). The record grows by doubling, so a sequence costs its own length."""
-        end = start + chosen.shape[0]
-        if s.routing is None or s.routing.shape[0] < end:
-            size = max(end, 64, 0 if s.routing is None else 2 * s.routing.shape[0])
-            grown = np.full((size, *self._routing_shape()), -1, np.int16)
-            if s.routing is not None:
-                grown[: s.routing.shape[0]] = s.routing
-            s.routing = grown
-        seg = s.routing[start:end]
-        unrecorded = (seg < 0).all(axis=(1, 2))
-        seg[unrecorded] = chosen[unrecorded]
+        """A forward's choices for positions ``start...`` of ``s`` (first record wins: rollout/routing_record.py)."""
+        s.routing = record_first(s.routing, start, chosen)
 
     def _routed(self, s: _Seq) -> Optional[np.ndarray]:
-        """A finished sequence's record over prompt + response; its last token never ran through the model."""
+        """A finished sequence's record over prompt + response."""
         if self._routing is None:
             return None
-        rows = np.full((len(s.group.prompt) + len(s.tokens), *self._routing_shape()), -1, np.int16)
-        if s.routing is not None:
-            kept = min(rows.shape[0], s.routing.shape[0])
-            rows[:kept] = s.routing[:kept]
-        rows[-1] = -1
-        return rows
+        return finished(s.routing, len(s.group.prompt) + len(s.tokens), self._routing_shape())
 
     def _merge_cache(self, cache, mask: torch.Tensor) -> None:
         """Append freshly prefilled rows to the cache, left-padding both to a common width."""

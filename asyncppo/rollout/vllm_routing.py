@@ -31,6 +31,8 @@ from typing import Optional
 import numpy as np
 import torch
 
+from .routing_record import finished, record_first
+
 
 class RoutingCapture:
     """The per-request routing records of one in-process vLLM engine (see the module docstring)."""
@@ -65,38 +67,16 @@ class RoutingCapture:
         rows = step.numpy()
         offset = 0
         for req, start, count in zip(*layout):
-            end = min(start + count, self.max_len)
-            rec = self._room(req, end)
-            seg, new = rec[start:end], rows[offset : offset + (end - start)]
-            unrecorded = (seg < 0).all(axis=(1, 2))  # a position recomputed keeps its first record
-            seg[unrecorded] = new[unrecorded]
+            self._by_request[req] = record_first(self._by_request.get(req), int(start),
+                                                 rows[offset : offset + count], limit=self.max_len)
             offset += count
-
-    def _room(self, req: str, end: int) -> np.ndarray:
-        """The request's record, grown (doubling, up to ``max_len``) to hold ``end`` positions: a request costs its
-        own length, not the engine's longest."""
-        rec = self._by_request.get(req)
-        if rec is not None and rec.shape[0] >= end:
-            return rec
-        size = min(self.max_len, max(end, 64, 0 if rec is None else 2 * rec.shape[0]))
-        grown = np.full((size, self.layers, self.top_k), -1, np.int16)
-        if rec is not None:
-            grown[: rec.shape[0]] = rec
-        self._by_request[req] = grown
-        return grown
 
     # ------------------------------------------------------------------ the engine's side
     def take(self, request_id: str, positions: int) -> np.ndarray:
         """int16 ``[positions, layers, top_k]`` of one finished request (-1 where no forward ran), forgotten here."""
         self.flush()
-        rec = self._by_request.pop(request_id, None)
-        if rec is None:
-            return np.full((positions, self.layers, self.top_k), -1, np.int16)
-        out = np.full((positions, self.layers, self.top_k), -1, np.int16)
-        kept = min(positions, rec.shape[0])
-        out[:kept] = rec[:kept]
-        out[positions - 1 :] = -1
-        self.incomplete += int((out[: positions - 1] < 0).all(axis=(1, 2)).any())  # the last sampled token never ran through the model
+        out = finished(self._by_request.pop(request_id, None), positions, (self.layers, self.top_k))
+        self.incomplete += int((out[: positions - 1] < 0).all(axis=(1, 2)).any())
         return out
 
     def forget(self, prefix: str) -> None:
