@@ -98,6 +98,27 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(LONG, steps=180, modes=["async-cont-lookahead"]),
         history=((DIARY, "A 180-step run: the run's drain amortised"),)),
     Benchmark(
+        "auto-window", "The self-tuning window against every fixed window on data=long",
+        "On data=long, does `rollout.max_staleness=auto` train the same samples within 5% of the learner time of the "
+        "best fixed window (k = 2, 4, 8, 12, 16), and how much faster than the worst?",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 4: within 5% of the best fixed window on every task (best of the seed's own "
+               "launches, so a lucky fixed run counts against auto)"),
+        "~100 min (3 seeds x 6 launches x ~5.5 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
+        options=dict(preset=["data=long"], steps=60, windows=[2, 4, 8, 12, 16], lookahead=3, rollout_cpus="1",
+                     learner_cpus="0", overrides=[])),
+    Benchmark(
+        "auto-window-reverse", "The self-tuning window against every fixed window on data=reverse",
+        "On data=reverse (learner-bound, pushes every 2 steps), does `rollout.max_staleness=auto` train the same "
+        "samples within 5% of the learner time of the best fixed window (k = 1, 2, 4, 8, 12)?",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 4: within 5% of the best fixed window on every task"),
+        "~35 min (3 seeds x 6 launches x ~2 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
+        options=dict(preset=["data=reverse"], steps=200, windows=[1, 2, 4, 8, 12], lookahead=3, rollout_cpus="1",
+                     learner_cpus="0", overrides=[*REVERSE, "rollout.sync_every=2"])),
+    Benchmark(
         "peer", "Against TRL's GRPOTrainer on data=long",
         "Does asyncppo reach held-out accuracy thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "
         "TRL's GRPOTrainer at equal training time on data=long?",

@@ -1,0 +1,91 @@
+"""``asyncppo bench auto-window`` (and ``auto-window-reverse``): the self-tuning window against every fixed window a
+user might pick, on the same work.
+
+One seed launches the task once per fixed window (``k`` from ``windows``, the lookahead ``j = min(lookahead, k)``)
+and once with ``rollout.max_staleness=auto rollout.admission_lookahead=auto`` (started where the launch's own
+config starts it: docs/staleness.md, "A window that moves"), all in the ``async-cont-lookahead`` schedule, pinned as
+every schedule benchmark is (asyncppo/bench/launches.py). The figures compare learner time to the same trained
+samples:
+
+* ``auto / best fixed``: auto's time over the fastest fixed window's, this seed (the target: at most 1.05);
+* ``worst fixed / auto``: how much a user who picked the slowest window of the sweep loses against auto;
+* each launch's time, occupancy, lag max and held-out accuracy after, and the range auto's window took.
+
+Why the comparison is per seed: the best fixed window is the best *of that seed's launches*, so a lucky fixed run
+counts against auto, never for it (the conservative side).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from asyncppo.bench.async_sync import print_table
+from asyncppo.bench.launches import Launch, run_once
+
+AUTO = "auto"
+
+
+def labels(windows: list[int], lookahead: int) -> list[tuple[str, str]]:
+    """(label, mode) of each launch: ``k<k>`` per fixed window, then ``auto``."""
+    fixed = [(f"k{k}", "async-cont-lookahead+rollout.max_staleness={k}+rollout.admission_lookahead={j}".format(
+        k=k, j=min(lookahead, k))) for k in windows]
+    return [*fixed, (AUTO, "async-cont-lookahead+rollout.max_staleness=auto+rollout.admission_lookahead=auto")]
+
+
+def window_range(run_dir: str) -> dict:
+    """The smallest and largest ``k`` and ``j`` an auto run trained under, and how many times the window moved."""
+    ks, js, moves = [], [], 0
+    with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
+        for line in f:
+            rec = json.loads(line)
+            if "tune/k" in rec:
+                ks.append(rec["tune/k"])
+                js.append(rec["tune/j"])
+            moves += "tune/reason" in rec
+    if not ks:
+        return {}
+    return {"k_min": min(ks), "k_max": max(ks), "k_last": ks[-1], "j_min": min(js), "j_max": max(js),
+            "moves": moves}
+
+
+def compare(results: list[dict]) -> tuple[dict, dict]:
+    """The sweep's figures from its launches (each with ``label`` and ``train_s``, ``occupancy``, ``lag_max``,
+    ``eval_after``): per launch, and auto against the best and the worst fixed window."""
+    figures, units = {}, {}
+
+    def put(name: str, value, unit: str) -> None:
+        figures[name], units[name] = value, unit
+
+    for r in results:
+        put(f"learner s {r['label']}", r["train_s"], "s")
+        put(f"occupancy {r['label']}", r["occupancy"], "fraction")
+        put(f"lag max {r['label']}", r["lag_max"], "versions")
+        put(f"held-out after {r['label']}", r["eval_after"], "accuracy")
+    auto = next(r for r in results if r["label"] == AUTO)
+    fixed = [r for r in results if r["label"] != AUTO]
+    best = min(fixed, key=lambda r: r["train_s"])
+    worst = max(fixed, key=lambda r: r["train_s"])
+    put("auto / best fixed", auto["train_s"] / best["train_s"], "ratio")
+    put("worst fixed / auto", worst["train_s"] / auto["train_s"], "x")
+    put("best fixed k", float(best["label"][1:]), "versions")
+    put("held-out auto - best fixed", auto["eval_after"] - best["eval_after"], "accuracy")
+    return figures, units
+
+
+def run(opts: dict, seed: int, work: str) -> dict:
+    launch = Launch(steps=opts["steps"], staleness=0, rollout_cpus=opts["rollout_cpus"],
+                    learner_cpus=opts["learner_cpus"], preset=list(opts["preset"]),
+                    overrides=[*opts["overrides"], f"trainer.seed={seed}"])
+    results = []
+    for label, mode in labels(opts["windows"], opts["lookahead"]):
+        r = run_once(label, launch, work, mode=mode)
+        if label == AUTO:
+            r["window"] = window_range(r["run_dir"])
+            print(f"[bench] auto's window: {json.dumps(r['window'])}", flush=True)
+        results.append(r)
+    print_table(results)
+    figures, units = compare(results)
+    for name in ("auto / best fixed", "worst fixed / auto", "best fixed k"):
+        print(f"[bench] {name}: {figures[name]:.3f}", flush=True)
+    return {"figures": figures, "units": units, "detail": {"launches": results}}
