@@ -75,9 +75,9 @@ class AgentEpisode:
 
     def step(self, action_text: str):
         kind, payload = self.session.next_event(self.wait_s)
-        if kind == "call":
+        if kind == "call":  # a branch: the rewritten conversation after the first messages (envs/episodes.py)
             self._call = payload
-            return _template_messages(payload.new_messages), 0.0, False, {}
+            return _template_messages(payload.new_messages), 0.0, False, {"branch": True} if payload.branch else {}
         if kind == "end":
             reward, info = agent_reward(payload, self.session.transcript, self.row, self.reward_fn)
             return [], reward, True, info
@@ -121,5 +121,6 @@ class AgentEpisode:
 
 
 def _template_messages(messages: list) -> list:
-    """What the chat template renders of a message: its role and text."""
-    return [{"role": m["role"], "content": m["content"]} for m in messages]
+    """What the chat template renders of a message: its role and text, and an assistant message's calls."""
+    return [{"role": m["role"], "content": m["content"], **({"tool_calls": m["tool_calls"]} if m.get("tool_calls")
+                                                             else {})} for m in messages]

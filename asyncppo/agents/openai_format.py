@@ -77,6 +77,24 @@ def _tool_call_ids(calls: Any, where: str) -> tuple:
     return tuple(str(c.get("id", "")) for c in calls)
 
 
+def template_tool_calls(calls: Any) -> list:
+    """An assistant message's calls as chat templates render them: ``{"type": "function", "function": {"name",
+    "arguments"}}`` with the arguments an object (OpenAI clients send a JSON string; templates write the object)."""
+    out = []
+    for c in calls or []:
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not fn.get("name"):
+            continue  # nothing a template could write
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                pass  # the text as sent: a template writes it as it is
+        out.append({"type": "function", "function": {"name": str(fn.get("name", "")), "arguments": args}})
+    return out
+
+
 def normalize_message(m: Any, i: int) -> dict:
     """``{"role", "content", ...}`` with text content; an assistant turn keeps its tool-call ids (how the session
     recognises its own replies), a tool turn its ``tool_call_id``."""
@@ -89,6 +107,7 @@ def normalize_message(m: Any, i: int) -> dict:
     out = {"role": "system" if role == "developer" else role, "content": _text(m.get("content"), where)}
     if role == "assistant":
         out["tool_call_ids"] = _tool_call_ids(m.get("tool_calls"), where)
+        out["tool_calls"] = template_tool_calls(m.get("tool_calls"))  # rendered when a branch re-renders the past
     if role == "tool":
         out["tool_call_id"] = str(m.get("tool_call_id", ""))
     return out

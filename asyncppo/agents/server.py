@@ -44,8 +44,9 @@ class AgentServer:
 
     def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0, key: Optional[str] = None,
                  max_body_bytes: int = 4 << 20, model_name: str = "policy", max_concurrency: int = 16,
-                 stop_token_id: Callable[[str], Optional[int]] = lambda s: None, client_timeout_s: float = 600.0):
-        self.host, self.port = host, port
+                 stop_token_id: Callable[[str], Optional[int]] = lambda s: None, client_timeout_s: float = 600.0,
+                 branches: str = "final"):
+        self.host, self.port, self.branches = host, port, branches
         self.agents = AgentHost(agent, self._agent_done, max_concurrency=max_concurrency,
                                 client_timeout_s=client_timeout_s)
         self.key = key or secrets.token_urlsafe(24)
@@ -102,7 +103,7 @@ class AgentServer:
     # ------------------------------------------------------------------------------------------------ sessions
     def open_session(self, row: dict) -> Session:
         """A new session and the agent's run on it (started at once; its calls wait for the episode)."""
-        session = Session(secrets.token_hex(16), self.loop)
+        session = Session(secrets.token_hex(16), self.loop, self.branches)
         self.sessions[session.sid] = session
         session.cancel = lambda sid=session.sid: self.agents.cancel(sid)
         self.agents.start(session.sid, self.base_url(session), self.key, row)

@@ -7,8 +7,13 @@ earlier messages unchanged, the model's last reply where it was (recognised by i
 only new non-assistant messages (tool results, user turns). Those new messages are all the episode renders
 (:func:`asyncppo.envs.chat.turn_ids`); the past assistant turns stay the sampled ids.
 
-A call that rewrites the past (an agent that truncates or summarises its context, edits a reply, changes its tools)
-is refused with 409 and counted: one session trains one conversation (docs/agents.md, "Limits").
+A call that rewrites the past (an agent that truncates or summarises its context, edits or inserts an assistant
+message) starts a new *branch* under ``env.agent_branches=final`` (the default): the episode's record keeps the first
+call's messages as its prompt, the rewritten conversation after them becomes masked environment text, and the model's
+turns from there on are what trains; the earlier branch's turns are dropped (counted). The rewrite must keep those
+first messages and go on with an assistant message (the prompt ends in the assistant header), and may not change the
+tools (part of the prompt). Under ``env.agent_branches=refuse`` every rewrite is refused with 409 (docs/agents.md,
+"Branches").
 
 Threads: :meth:`Session.accept` runs on the server's event loop, :meth:`Session.reply` on the rollout worker's
 thread, :meth:`Session.next_event` on an environment-call thread; a lock orders them.
@@ -22,7 +27,8 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from asyncppo.agents.openai_format import ChatRequest, Reply, RequestError
+from asyncppo.agents.openai_format import ChatRequest, Reply, RequestError, template_tool_calls
+from asyncppo.config.validate_text_env import AGENT_BRANCHES  # what env.agent_branches may be
 
 
 @dataclass
@@ -30,9 +36,10 @@ class Call:
     """A call admitted to the episode: the request, the messages it adds, and the reply's future (on the loop)."""
 
     request: ChatRequest
-    new_messages: list
+    new_messages: list  # a branch: the whole rewritten conversation after the episode's first messages
     future: asyncio.Future
     number: int
+    branch: bool = False  # the call rewrote the past: the episode's response restarts after its prompt
 
 
 def _same(sent: dict, kept: dict) -> bool:
@@ -44,13 +51,19 @@ def _same(sent: dict, kept: dict) -> bool:
     return sent["content"].strip() == kept["content"].strip()
 
 
+
+
 class Session:
     """The record of one episode's calls (module docstring). ``events`` yields ``("call", Call)``, ``("end",
     value)`` (the agent returned) or ``("error", detail)`` (it raised, or its process died)."""
 
-    def __init__(self, sid: str, loop: asyncio.AbstractEventLoop):
-        self.sid, self.loop = sid, loop
+    def __init__(self, sid: str, loop: asyncio.AbstractEventLoop, branches: str = "final"):
+        if branches not in AGENT_BRANCHES:
+            raise ValueError(f"env.agent_branches={branches!r}: allowed: {', '.join(AGENT_BRANCHES)}")
+        self.sid, self.loop, self.branch_policy = sid, loop, branches
         self.events: queue.Queue = queue.Queue()
+        self.first: Optional[list] = None  # the first call's messages: the episode's prompt, kept by every branch
+        self.branches = 0  # rewrites accepted, each the start of a new branch
         self.conversation: Optional[list] = None  # normalized messages so far, replies included
         self.tools: Optional[list] = None
         self.pending: Optional[Call] = None  # the call whose reply the model is writing
@@ -70,32 +83,52 @@ class Session:
             if self.pending is not None:
                 raise RequestError(409, "a call on this session is already in flight: an episode is one "
                                         "conversation, one call at a time", "concurrent_call")
-            new = self._extension(request)
+            new, branch = self._extension(request)
+            if self.first is None:
+                self.first = list(request.messages)
+            if branch:  # the model turns that train are the new branch's
+                self.branches += 1
+                self.replied = []
             self.conversation = list(request.messages)
             self.tools = request.tools
             self.calls += 1
-            self.pending = Call(request, new, future, self.calls)
+            self.pending = Call(request, new, future, self.calls, branch)
         self.events.put(("call", self.pending))
         return self.pending
 
-    def _extension(self, request: ChatRequest) -> list:
+    def _extension(self, request: ChatRequest) -> tuple[list, bool]:
+        """``(messages to render, branch)``: the new messages of a call that extends the conversation, or the
+        rewritten conversation after the first messages of one that starts a branch; 409 when it may do neither."""
         if self.conversation is None:
-            return list(request.messages)
+            return list(request.messages), False
         held, sent = self.conversation, request.messages
         if request.tools != self.tools:
             raise RequestError(409, "the call's tools differ from the session's first call (the tools are part of "
                                     "the rendered prompt, which is never re-rendered)", "history_rewritten")
-        if len(sent) < len(held) or not all(_same(a, b) for a, b in zip(sent, held)):
+        if len(sent) >= len(held) and all(_same(a, b) for a, b in zip(sent, held)):
+            new = sent[len(held):]
+            if not any(m["role"] == "assistant" for m in new):
+                return new, False
+            why = "a new assistant message that the model did not write: the session's assistant turns are the " \
+                  "model's own replies"
+        else:
             first = next((i for i, (a, b) in enumerate(zip(sent, held)) if not _same(a, b)), min(len(sent),
                                                                                                  len(held)))
-            raise RequestError(409, f"the messages do not extend the session's conversation (message {first} differs "
-                                    f"or is missing; {len(held)} held): a session trains one conversation, whose past "
-                                    "turns are the sampled tokens", "history_rewritten")
-        new = sent[len(held):]
-        if any(m["role"] == "assistant" for m in new):
-            raise RequestError(409, "a new assistant message that the model did not write: the session's assistant "
-                                    "turns are the model's own replies", "history_rewritten")
-        return new
+            why = f"the messages do not extend the session's conversation (message {first} differs or is missing; " \
+                  f"{len(held)} held)"
+        if self.branch_policy == "refuse":
+            raise RequestError(409, f"{why}: a session trains one conversation, whose past turns are the sampled "
+                                    "tokens (env.agent_branches=refuse)", "history_rewritten")
+        keep = len(self.first)
+        if len(sent) < keep or not all(_same(a, b) for a, b in zip(sent, self.first)):
+            raise RequestError(409, f"{why}, and a new branch must keep the episode's first {keep} message(s) "
+                                    "unchanged: they are the prompt of its trained record", "history_rewritten")
+        rest = sent[keep:]
+        if rest and rest[0]["role"] != "assistant":
+            raise RequestError(409, f"{why}, and a new branch must go on after the episode's first {keep} "
+                                    f"message(s) with an assistant message (got {rest[0]['role']!r}): the record's "
+                                    "prompt ends in the assistant header", "history_rewritten")
+        return rest, True
 
     # ------------------------------------------------------------------------------------------------ worker side
     def reply(self, reply: Reply, body: dict) -> None:
@@ -105,7 +138,8 @@ class Session:
             if call is None or self.closed is not None:
                 return
             self.conversation.append({"role": "assistant", "content": reply.content or "",
-                                      "tool_call_ids": reply.tool_call_ids})
+                                      "tool_call_ids": reply.tool_call_ids,
+                                      "tool_calls": template_tool_calls(reply.tool_calls)})
             self.replied.append(list(body.get("asyncppo", {}).get("token_ids", [])))
         self.loop.call_soon_threadsafe(_settle, call.future, body)
 

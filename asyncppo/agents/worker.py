@@ -49,7 +49,8 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
 
         self.server = AgentServer(e.agent, host=e.agent_host, port=e.agent_port, key=None,
                                   max_body_bytes=e.agent_max_body_bytes, model_name=str(self.cfg.model.path),
-                                  max_concurrency=e.max_concurrency, stop_token_id=stop_token_id).start()
+                                  max_concurrency=e.max_concurrency, stop_token_id=stop_token_id,
+                                  branches=e.agent_branches).start()
         self._closables.append(self.server)
         self.stats["agent_endpoint"] = self.server.url
 

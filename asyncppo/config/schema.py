@@ -354,6 +354,8 @@ class EnvConfig:
     agent_host: str = "127.0.0.1"  # the endpoint's address (a bearer key is always required)
     agent_port: int = 0  # 0: a free port per worker
     agent_max_body_bytes: int = 4194304  # larger request bodies are refused with 413
+    # a call that rewrites the agent's history: final (a new branch; the episode trains its last branch) | refuse (409)
+    agent_branches: str = "final"
 
 
 @dataclass

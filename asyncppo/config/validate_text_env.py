@@ -15,6 +15,9 @@ from asyncppo.config.schema import AsyncPPOConfig
 
 #: What ``env.on_error`` may be: ``drop`` the episode's group slot (regenerated), or end the episode with reward 0.
 ENV_ON_ERROR = ("drop", "zero_reward")
+#: What ``env.agent_branches`` may be: a call rewriting the agent's history starts a branch (the last one trains),
+#: or is refused with 409 (docs/agents.md, "Branches").
+AGENT_BRANCHES = ("final", "refuse")
 _DOTTED_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*$")
 
 
@@ -57,6 +60,7 @@ def _check_agent(cfg: AsyncPPOConfig, c: Checks) -> None:
     if not 0 <= int(e.agent_port) <= 65535:
         c.error("env.agent_port", e.agent_port, "must be 0 (a free port) or a port number")
     c.positive("env.agent_max_body_bytes", e.agent_max_body_bytes)
+    c.choice("env.agent_branches", e.agent_branches, AGENT_BRANCHES)
     if not isinstance(e.agent_host, str) or not e.agent_host:
         c.error("env.agent_host", e.agent_host, "must be an address such as 127.0.0.1")
 

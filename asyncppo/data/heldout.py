@@ -96,7 +96,9 @@ def task_probe(cfg) -> Optional[HeldOutProbe]:
     max_new = min(getattr(task, "max_response_tokens", 5), cfg.rollout.response_length)
     return HeldOutProbe(rows=task.splits().eval, temperature=cfg.rollout.sampling.temperature,
                         seed=cfg.trainer.seed, max_new_tokens=max_new,
-                        episodes=bool(getattr(task, "multi_turn", False) and cfg.env.text_env))
+                        # a run that plays episodes (an environment or an agent program) evaluates its held-out rows as
+                        # episodes too: the game seeded by an addition row (data=guess) is scored by its game
+                        episodes=bool(cfg.env.text_env or cfg.env.agent))
 
 
 def has_eval_sets(cfg) -> bool:

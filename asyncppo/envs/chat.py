@@ -48,6 +48,19 @@ def turn_text(tokenizer: Any, new_messages: list, *, tools: Optional[list] = Non
     return closing[len(model_stop_text):] + full[len(base):]
 
 
+def branch_text(tokenizer: Any, first_messages: list, rest: list, *, tools: Optional[list] = None) -> str:
+    """The text a new branch of an episode puts after its prompt: the conversation ``first_messages + rest``
+    rendered with the next assistant header, less the prompt's own rendering (``first_messages`` with the assistant
+    header). ``rest`` empty or beginning with an assistant message, so the prompt's header opens its first message.
+    ValueError when the template does not render the longer conversation as the prompt followed by more text."""
+    prompt = _render(tokenizer, list(first_messages), tools, True)
+    full = _render(tokenizer, list(first_messages) + list(rest), tools, True)
+    if not full.startswith(prompt):
+        raise ValueError("the rewritten conversation does not render as the episode's prompt followed by more text "
+                         "(its first messages changed, or it does not go on with an assistant message)")
+    return full[len(prompt):]
+
+
 def turn_ids(tokenizer: Any, new_messages: list, **kw) -> list:
     """The token ids of :func:`turn_text`: what an episode appends (loss mask 0) after a model turn."""
     return tokenizer.encode(turn_text(tokenizer, new_messages, **kw), add_special_tokens=False)

@@ -99,7 +99,8 @@ class EpisodeMeter(EngineMeter):
     def _totals(self) -> dict[str, float]:
         c, tools = self.episodes.counters, self.runner.tools.counts
         return {"episode_turns": c["turns"], "episodes_ended": c["episodes"], "episodes_truncated": c["truncated"],
-                "episodes_dropped": c["dropped_groups"], "tool_calls": tools["calls"],
+                "episodes_dropped": c["dropped_groups"], "episode_branches": c["branches"],
+                "branch_tokens_dropped": c["branch_tokens_dropped"], "tool_calls": tools["calls"],
                 "tool_errors": tools["malformed"] + tools["unknown"], "env_calls": self.runner.step_calls,
                 "env_s": self.runner.step_seconds, "env_faults": sum(self.runner.faults.values()),
                 "env_wait_s": self.episodes.env_wait_s,

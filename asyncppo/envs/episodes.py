@@ -24,6 +24,12 @@ Limits: ``max_turns`` model turns; a total budget of ``response_length`` tokens 
 environment tokens alike (each turn's ``max_tokens`` is what remains, capped by ``turn_max_tokens`` when set); an
 episode that runs out of budget ends there, counted in ``counters["truncated"]``.
 
+Branches (agent programs, docs/agents.md): a step whose info says ``branch`` carries a rewritten conversation (the
+messages after the episode's first ones). The episode's response restarts after its prompt: the model turns so far
+are dropped (``counters["branch_tokens_dropped"]``), the rewritten conversation becomes one environment segment
+(:func:`asyncppo.envs.chat.branch_text`), and the next model turn follows it. ``max_turns`` counts every turn of
+every branch.
+
 Versions: every model token keeps the version the engine stamped on it (an update may land inside a turn or between
 two); an environment token takes the version of the model token before it (the convention of docs/environments.md).
 
@@ -40,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from asyncppo.envs.chat import IM_END, turn_ids
+from asyncppo.envs.chat import IM_END, branch_text, turn_ids
 from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
 
 from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
@@ -51,7 +57,8 @@ from asyncppo.rollout.routing_record import finished, record_first
 TURN_SEED_STRIDE = 1_000_033
 
 #: Episode counters (``EpisodeEngine.counters``).
-COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens")
+COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens", "branches",
+            "branch_tokens_dropped")
 
 
 @dataclass
@@ -96,10 +103,17 @@ class _Episode:
     ended: Optional[str] = None
     routing: Optional[np.ndarray] = None  # MoE engines recording experts: [prompt + ids, layers, top_k] (-1: none)
     unrecorded: bool = False  # a turn came back without a record: the episode has none
+    first_messages: list = field(default_factory=list)  # what init returned: the prompt's messages (branches)
+    dropped_turns: int = 0  # model turns of earlier branches
+
+    @property
+    def turn_number(self) -> int:
+        """Model turns so far, every branch's."""
+        return self.dropped_turns + len(self.turn_rewards)
 
     @property
     def request_key(self) -> str:
-        return f"{self.group}|ep{self.index}|turn{len(self.turn_rewards)}"
+        return f"{self.group}|ep{self.index}|turn{self.turn_number}"
 
 
 class EpisodeEngine:
@@ -241,6 +255,7 @@ class EpisodeEngine:
                 return self._drop_group(ep.group, out.fault, out.detail)
             return self._end(ep, out.fault)
         if what == "init":
+            ep.first_messages = list(out.observations)
             if ep.prompt_ids is None:
                 text = self.tokenizer.apply_chat_template(out.observations, tools=getattr(ep.env, "tools", None)
                                                           or None, tokenize=False, add_generation_prompt=True)
@@ -254,8 +269,10 @@ class EpisodeEngine:
         ep.turn_rewards[-1] = float(out.reward)
         if out.done:
             return self._end(ep, "done")
-        if len(ep.turn_rewards) >= self.max_turns:
+        if ep.turn_number >= self.max_turns:
             return self._end(ep, "max_turns")
+        if out.info.get("branch"):
+            return self._branch(ep, out.observations)
         env_ids = turn_ids(self.tokenizer, out.observations, tools=getattr(ep.env, "tools", None),
                            model_stop_text=ep.model_stop_text)
         if len(ep.ids) + len(env_ids) >= self.response_length:  # no room left for one more model token
@@ -265,6 +282,37 @@ class EpisodeEngine:
         ep.logprobs += [0.0] * len(env_ids)
         ep.versions += [ep.versions[-1]] * len(env_ids)
         self.counters["env_tokens"] += len(env_ids)
+        self._generate(ep)
+
+    def _branch(self, ep: _Episode, rest: list) -> None:
+        """The agent rewrote its history (module docstring, "Branches"): restart the response after the prompt with
+        the rewritten conversation as one environment segment; the earlier branch's tokens are dropped."""
+        try:
+            env_ids = self.tokenizer.encode(branch_text(self.tokenizer, ep.first_messages, rest,
+                                                        tools=getattr(ep.env, "tools", None)),
+                                            add_special_tokens=False)
+        except ValueError as e:  # the session checks the messages first: this is a template that renders otherwise
+            self.runner.faults["malformed"] += 1
+            if self.runner.on_error == "drop":
+                return self._drop_group(ep.group, "malformed", f"branch: {e}")
+            ep.turn_rewards[-1] = 0.0
+            return self._end(ep, "malformed")
+        self.counters["branches"] += 1
+        self.counters["branch_tokens_dropped"] += len(ep.ids) - sum(n for _, n in ep.env_runs)  # model tokens
+        version = ep.versions[-1]  # the environment's tokens take the version of the last model token
+        ep.dropped_turns += len(ep.turn_rewards)
+        ep.ids, ep.logprobs, ep.versions, ep.env_runs, ep.turn_rewards = [], [], [], [], []
+        ep.model_stop_text = ""
+        if ep.routing is not None:  # the prompt's records stand; the rest is recomputed by the next turn's prefill
+            ep.routing = ep.routing[:len(ep.prompt_ids)].copy()
+        if len(env_ids) >= self.response_length:  # no room left for one model token
+            return self._end(ep, "truncated")
+        if env_ids:
+            ep.env_runs.append((0, len(env_ids)))
+            ep.ids += env_ids
+            ep.logprobs += [0.0] * len(env_ids)
+            ep.versions += [version] * len(env_ids)
+            self.counters["env_tokens"] += len(env_ids)
         self._generate(ep)
 
     def _generate(self, ep: _Episode) -> None:
@@ -278,7 +326,7 @@ class EpisodeEngine:
         spec = SamplingSpec(n=1, max_tokens=min(left, self.turn_max_tokens or left, asked or left),
                             temperature=ep.spec.temperature, top_p=ep.spec.top_p, top_k=ep.spec.top_k,
                             seed=None if ep.spec.seed is None else ep.spec.seed + ep.index
-                            + TURN_SEED_STRIDE * len(ep.turn_rewards), stop_token_ids=stops)
+                            + TURN_SEED_STRIDE * ep.turn_number, stop_token_ids=stops)
         key = ep.request_key
         self._requests[key] = ep
         self.engine.add_group(key, ep.prompt_ids + ep.ids, spec)

@@ -17,7 +17,8 @@ from asyncppo.stream.evals import EvalAggregator, EvalReceiver
 
 log = logging.getLogger("asyncppo.learner")
 
-TASK_SCORES = ("accuracy_sampled", "accuracy_greedy")  # the probe's numbers in summary.json's eval_before/after
+# the probe's numbers in summary.json's eval_before/after (success_*: a multi-turn task's episodes only)
+TASK_SCORES = ("accuracy_sampled", "accuracy_greedy", "success_sampled", "success_greedy")
 
 
 class EngineEvaluation:

@@ -47,6 +47,8 @@ _CONSOLE_FIELDS = [
     ("time/step_s", "step s", "{:.2f}"),
     ("eval/accuracy_sampled", "eval acc (T)", "{:.3f}"),
     ("eval/accuracy_greedy", "eval acc (greedy)", "{:.3f}"),
+    ("eval/success_sampled", "eval success (T)", "{:.3f}"),
+    ("eval/success_greedy", "eval success (greedy)", "{:.3f}"),
 ]
 
 

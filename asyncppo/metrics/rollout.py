@@ -79,6 +79,8 @@ def episode_metrics(groups: list) -> dict[str, float]:
         "episodes/env_s_per_step": total("env_s") / calls if calls else 0.0,
         "episodes/truncated": total("episodes_truncated"), "episodes/dropped_groups": total("episodes_dropped"),
         "episodes/env_faults": total("env_faults"),
+        # an agent's history rewrites: branches started, and the model tokens of the branches they dropped
+        "episodes/branches": total("episode_branches"), "episodes/branch_tokens_dropped": total("branch_tokens_dropped"),
         # by kind (raised, timeout, malformed, nonfinite_reward: the worker names them, envs/env_runner.py)
         **{f"episodes/{key}": total(key) for key in sorted({k for g in groups for k in g.timings
                                                              if k.startswith("env_faults_")})},

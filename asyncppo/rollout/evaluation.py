@@ -191,14 +191,18 @@ class EvalRunner:
         if held.episodes and getattr(done, "dropped", False):
             answers = [(0.0, 0)] * n
         for reward, tokens in answers:
+            solved = int(held.episodes and reward > 0)  # an episode's success: its task solved (reward > 0)
             if tag == "g":
                 scores.prompts += 1
                 scores.greedy_reward += float(reward)
+                scores.greedy_success += solved
             else:
                 scores.sampled += 1
                 scores.sampled_reward += float(reward)
+                scores.sampled_success += solved
             scores.tokens += tokens
             scores.answers += 1
+            scores.episodes += int(held.episodes)
         for c in done.completions:
             if c.versions is not None and len(c.versions):
                 r.version_max = max(r.version_max, int(max(c.versions)))

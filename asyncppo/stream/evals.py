@@ -39,6 +39,9 @@ _STAT_KEYS = {  # name -> type of every per-file sum
     "sampled_reward": float,  # sum of their rewards
     "tokens": int,  # response tokens over greedy and sampled answers
     "answers": int,  # answers counted in tokens (prompts + sampled)
+    "episodes": int,  # answers that were whole episodes (a multi-turn set: 0 or answers)
+    "greedy_success": int,  # greedy episodes whose reward is positive (the task solved)
+    "sampled_success": int,  # sampled episodes whose reward is positive
 }
 _MAX_VERSION = 1 << 40
 TASK_SET = "<task>"  # the built-in task's held-out split: logged without a file name (eval/accuracy_greedy, ...)
@@ -56,6 +59,9 @@ class FileScores:
     sampled_reward: float = 0.0
     tokens: int = 0
     answers: int = 0
+    episodes: int = 0
+    greedy_success: int = 0
+    sampled_success: int = 0
 
     def add(self, other: "FileScores") -> None:
         for key in _STAT_KEYS:
@@ -69,6 +75,11 @@ class FileScores:
             out["accuracy_sampled"] = self.sampled_reward / self.sampled
         if self.answers:
             out["length_mean"] = self.tokens / self.answers
+        if self.episodes:  # a multi-turn set: the share of episodes that solved their task (reward > 0)
+            if self.prompts:
+                out["success_greedy"] = self.greedy_success / self.prompts
+            if self.sampled:
+                out["success_sampled"] = self.sampled_success / self.sampled
         return out
 
 
@@ -138,6 +149,9 @@ def decode_report(frame: bytes, max_bytes: int = MAX_REPORT_BYTES, num_workers: 
         scores = FileScores(**values)
         if scores.answers != scores.prompts + scores.sampled:
             raise EvalReportError(f"{name}: answers != prompts + sampled")
+        if scores.episodes > scores.answers or scores.greedy_success > scores.prompts \
+                or scores.sampled_success > scores.sampled:
+            raise EvalReportError(f"{name}: more episodes or successes than answers")
         report.files[name] = scores
     return report
 

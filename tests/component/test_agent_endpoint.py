@@ -379,6 +379,54 @@ def model_runs(c) -> list:
     return out + [ids[pos:]]
 
 
+async def summarising_agent(client, row):
+    """Two calls, then the context "too long": the agent keeps its first two messages and a note of its own in place
+    of the exchange (a rewrite: a new branch), and makes two more calls on that conversation."""
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": row["prompt"]}]
+    log, messages = {"before": [], "after": []}, list(first)
+    for phase, opening in (("before", []), ("after", [{"role": "assistant", "content": "(a note)"},
+                                                      {"role": "user", "content": "go on"}])):
+        if opening:
+            messages = first + opening
+        for k in range(2):
+            resp = await client.chat.completions.create(model="tiny", messages=messages, max_tokens=6)
+            log[phase].append(_sampled(resp))
+            messages = messages + [{"role": "assistant", "content": resp.choices[0].message.content},
+                                   {"role": "user", "content": f"{phase} {k}"}]
+    _log(row, log)
+    return 1.0
+
+
+def test_an_agent_that_rewrites_its_history_trains_its_last_branch(rig, tmp_path):
+    """``env.agent_branches=final``: the episode's record is the prompt (the first call's messages), the rewritten
+    conversation after it as one masked segment (exactly the template's text between the prompt and the full
+    rendering), then the new branch's sampled ids; the first branch's turns are dropped and counted."""
+    from asyncppo.envs.chat import branch_text
+
+    r = rig(summarising_agent)
+    (group,) = r.run_group("br0", {"prompt": "tell me", "log_dir": str(tmp_path)}, n=2)
+    tok, logs = r.tok, _logs(tmp_path)
+    assert not group.dropped and len(group.completions) == 2 and len(logs) == 2
+    first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me"}]
+    opening = tok.encode(branch_text(tok, first, [{"role": "assistant", "content": "(a note)"},
+                                                  {"role": "user", "content": "go on"}]), add_special_tokens=False)
+    dropped = 0
+    for c, ep in zip(group.completions, r.last_episodes):
+        log = next(x for x in logs if [x["after"][0]["ids"], x["after"][1]["ids"]] == model_runs(c)[1:])
+        a0, a1 = log["after"][0]["ids"], log["after"][1]["ids"]
+        stop = "<|im_end|>" if a0 and a0[-1] == tok.convert_tokens_to_ids("<|im_end|>") else ""
+        between = turn_ids(tok, [{"role": "user", "content": "after 0"}], model_stop_text=stop)
+        assert [int(t) for t in c.token_ids] == opening + a0 + between + a1
+        assert [tuple(map(int, x)) for x in c.env_runs] == [(0, len(opening)), (len(opening) + len(a0), len(between))]
+        assert model_runs(c)[0] == [] and ep.session.replied == [a0, a1] and ep.session.branches == 1
+        assert list(c.turn_rewards) == [0.0, 1.0] and np.all(np.asarray(c.versions) == 0)
+        dropped += sum(len(x["ids"]) for x in log["before"])
+    assert group.prompt_ids == tok.encode(tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
+                                          add_special_tokens=False)
+    assert r.episodes.counters["branches"] == 2 and r.episodes.counters["branch_tokens_dropped"] == dropped
+    assert r.server.refusals == {} and r.server.calls == 8
+
+
 def blocking_agent(client, row):
     """A plain function: it gets a blocking client and runs on a thread of the agent process."""
     first = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5)

@@ -66,6 +66,9 @@ def test_report_round_trip_and_hand_computed_aggregate():
     lambda m: m["files"]["test.jsonl"].update(greedy_reward=-1.0),
     lambda m: m["files"]["test.jsonl"].update(prompts="4"),
     lambda m: m["files"]["test.jsonl"].update(answers=19),  # inconsistent with prompts + sampled
+    lambda m: m["files"]["test.jsonl"].update(greedy_success=5),  # more solved than the 4 greedy episodes
+    lambda m: m["files"]["test.jsonl"].update(sampled_success=17),
+    lambda m: m["files"]["test.jsonl"].update(episodes=21),  # more episodes than answers
     lambda m: m["files"].update({"": m["files"]["test.jsonl"]}),
     lambda m: m["files"].update({f"f{i}": m["files"]["test.jsonl"] for i in range(100)}),
 ])
@@ -255,6 +258,46 @@ def test_task_set_keeps_the_probes_metric_names_and_summary():
     evaluation.logged = {6: {**metrics, "eval/accuracy_greedy": 0.75}}  # eval_at_start=false: the end point only
     assert evaluation.task_before_after(with_before=False) == {
         "eval_after": {"accuracy_sampled": 0.5, "accuracy_greedy": 0.75}}
+
+
+def test_episode_sets_report_their_success_rate_beside_the_mean_reward():
+    """A multi-turn set's answers are episodes: ``success_*`` is the share whose reward is positive (the game
+    solved), ``accuracy_*`` stays the mean reward (which a game paying less for later solves keeps apart); a
+    single-turn set reports no success rate. Hand-computed over two workers' shards."""
+    from asyncppo.learner.evaluation import EngineEvaluation
+
+    def episodes(worker, **sums):
+        return EvalReport(point=0, worker_id=worker, version_min=0, version_max=0,
+                          files={TASK_SET: FileScores(**sums), "single.jsonl": FileScores(
+                              prompts=2, greedy_reward=1.0, sampled=8, sampled_reward=4.0, tokens=10, answers=10)})
+
+    agg = EvalAggregator(num_workers=2)
+    assert agg.add(decode_report(encode_report(episodes(
+        0, prompts=4, greedy_reward=2.5, sampled=16, sampled_reward=6.0, tokens=100, answers=20, episodes=20,
+        greedy_success=3, sampled_success=9)), num_workers=2)) is None
+    _, m = agg.add(decode_report(encode_report(episodes(
+        1, prompts=4, greedy_reward=1.0, sampled=16, sampled_reward=3.0, tokens=100, answers=20, episodes=20,
+        greedy_success=1, sampled_success=4)), num_workers=2))
+    assert m["eval/success_greedy"] == pytest.approx(4 / 8) and m["eval/success_sampled"] == pytest.approx(13 / 32)
+    assert m["eval/accuracy_greedy"] == pytest.approx(3.5 / 8) and m["eval/accuracy_sampled"] == pytest.approx(9 / 32)
+    assert not any(k.startswith("eval/single.jsonl/success") for k in m) and "eval/single.jsonl/accuracy_greedy" in m
+    evaluation = EngineEvaluation.__new__(EngineEvaluation)  # the sums only: no socket
+    evaluation.logged = {0: m, 4: {**m, "eval/success_sampled": 0.75}}
+    assert evaluation.task_before_after()["eval_after"] == {
+        "accuracy_sampled": m["eval/accuracy_sampled"], "accuracy_greedy": m["eval/accuracy_greedy"],
+        "success_sampled": 0.75, "success_greedy": 0.5}
+
+
+def test_a_run_that_plays_episodes_evaluates_its_task_rows_as_episodes():
+    """``data=guess`` seeds its games with the addition task's rows: its held-out rows are played as games (scored by
+    the game), as are ``data=calculator``'s and an agent's; a single-turn run keeps the exact-answer probe."""
+    from asyncppo.config import load_config
+    from asyncppo.data.heldout import has_eval_sets, task_probe
+
+    for preset in ("data=guess", "data=calculator", "data=calculator_agent"):
+        cfg = load_config([preset])
+        assert has_eval_sets(cfg) and task_probe(cfg).episodes and cfg.trainer.eval_every > 0, preset
+    assert not task_probe(load_config([])).episodes
 
 
 class _ScriptedEngine:

@@ -3,8 +3,8 @@ real vLLM engine (prefix caching), ZeroMQ stream, gloo weight sync and Ray.
 
 What it proves: the rollout worker runs episodes (several model turns with the environment's replies in between),
 the learner trains those records (environment tokens in the response, masked out of the loss), the per-token
-staleness bound holds across turns, the episode metrics reach metrics.jsonl and the console, the single-turn
-held-out evaluation still runs beside the episodes while a SkyRL-format eval file is evaluated as episodes,
+staleness bound holds across turns, the episode metrics reach metrics.jsonl and the console, the held-out rows are
+played as games at the start and the end (``eval/success_*``) while a SkyRL-format eval file is evaluated as episodes,
 environment faults of every kind are counted without losing a group, and `asyncppo report` reads the run.
 """
 
@@ -118,10 +118,12 @@ def test_guess_episodes_train_end_to_end_within_the_bound(episode_runs):
     assert all(r["episodes/tool_errors"] >= 0 and r["episodes/env_s_per_step"] >= 0 for r in train)
     assert max(r["staleness/max"] for r in train) <= k
     assert train[-1]["policy_version"] == steps
-    # the console shows the episode metrics; the single-turn held-out evaluation ran at start and end
+    # the console shows the episode metrics; the held-out rows were played as games at start and end (success: the
+    # share solved, among them the games whose init raises: 0)
     assert "turns " in proc.stdout and "envtok " in proc.stdout, proc.stdout[-3000:]
     summary = json.loads((out_dir / "summary.json").read_text())
-    assert "eval_before" in summary and "eval_after" in summary, sorted(summary)
+    for when in ("eval_before", "eval_after"):
+        assert 0.0 <= summary[when]["success_sampled"] <= 1.0 and "success_greedy" in summary[when], summary
     # the eval file's episodes: two free wins (1.0 each) and two games whose init raises (dropped: 0), greedy and
     # sampled, at the first point and the last
     for point in ("first", "last"):

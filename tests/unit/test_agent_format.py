@@ -74,7 +74,7 @@ def test_messages_are_normalized_to_text():
     assert m == {"role": "user", "content": "ab"}
     assert normalize_message({"role": "developer", "content": "s"}, 0)["role"] == "system"
     a = normalize_message({"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "function": {}}]}, 1)
-    assert a == {"role": "assistant", "content": "", "tool_call_ids": ("c1",)}
+    assert a == {"role": "assistant", "content": "", "tool_call_ids": ("c1",), "tool_calls": []}
     assert normalize_message({"role": "tool", "content": "4", "tool_call_id": "c1"}, 2)["tool_call_id"] == "c1"
 
 
@@ -99,13 +99,13 @@ def test_reply_reads_tool_calls_of_declared_tools_only():
     assert body["asyncppo"] == {"token_ids": [1, 2, 3], "versions": [4, 4, 5]}
 
 
-def _session():
+def _session(branches: str = "final"):
     loop = asyncio.new_event_loop()
-    return Session("s", loop), loop
+    return Session("s", loop, branches), loop
 
 
 def test_a_session_admits_extensions_and_refuses_rewrites():
-    s, loop = _session()
+    s, loop = _session("refuse")
     first = parse({"messages": MSGS, "tools": TOOLS})
     call = s.accept(first, loop.create_future())
     assert call.new_messages == [{"role": "user", "content": "hi"}]
@@ -144,6 +144,67 @@ def test_a_session_admits_extensions_and_refuses_rewrites():
     loop.close()
 
 
+def test_a_rewrite_starts_a_branch_that_keeps_the_first_messages():
+    """``env.agent_branches=final``: an agent that summarises its context starts a new branch (the rewritten
+    conversation after the first messages is what the episode renders; the trained turns start over), a branch goes
+    on by extension like any conversation, and rewrites a branch cannot carry are refused by name."""
+    s, loop = _session()
+    sys_user = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    c1 = s.accept(parse({"messages": sys_user, "tools": TOOLS}), loop.create_future())
+    s.reply(make_reply('<tool_call>{"name": "calc", "arguments": {"expr": "1"}}</tool_call>', "stop", c1.request,
+                       "c"), {"asyncppo": {"token_ids": [1, 2]}})
+    echoed = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c-0", "type": "function", "function": {"name": "calc", "arguments": '{"expr": "1"}'}}]}
+    tool = {"role": "tool", "content": "1", "tool_call_id": "c-0"}
+    c2 = s.accept(parse({"messages": sys_user + [echoed, tool], "tools": TOOLS}), loop.create_future())
+    assert not c2.branch and c2.new_messages == [{"role": "tool", "content": "1", "tool_call_id": "c-0"}]
+    s.reply(make_reply("it is 1", "stop", c2.request, "d"), {"asyncppo": {"token_ids": [3]}})
+    assert s.replied == [[1, 2], [3]] and s.branches == 0
+    # the agent replaces the tool exchange by a note of its own: a branch, rendered after the first messages
+    summary = sys_user + [{"role": "assistant", "content": "(calc(1) = 1)"}, {"role": "user", "content": "now 2?"}]
+    c3 = s.accept(parse({"messages": summary, "tools": TOOLS}), loop.create_future())
+    assert c3.branch and [(m["role"], m["content"]) for m in c3.new_messages] == [
+        ("assistant", "(calc(1) = 1)"), ("user", "now 2?")]
+    assert s.branches == 1 and s.replied == []
+    s.reply(make_reply("2", "stop", c3.request, "e"), {"asyncppo": {"token_ids": [4]}})
+    c4 = s.accept(parse({"messages": summary + [{"role": "assistant", "content": "2"}, {"role": "user",
+                                                                                        "content": "ok"}],
+                         "tools": TOOLS}), loop.create_future())
+    assert not c4.branch and c4.new_messages == [{"role": "user", "content": "ok"}] and s.replied == [[4]]
+    s.reply(make_reply("ok", "stop", c4.request, "f"), {"asyncppo": {"token_ids": [5]}})
+    # an assistant message the model did not write, appended: a branch too (the call's calls keep their arguments)
+    c5 = s.accept(parse({"messages": sys_user + [echoed], "tools": TOOLS}), loop.create_future())
+    assert c5.branch and c5.new_messages[0]["tool_calls"] == [
+        {"type": "function", "function": {"name": "calc", "arguments": {"expr": "1"}}}] and s.branches == 2
+    s.reply(make_reply("x", "stop", c5.request, "g"), {})
+    for bad, says in ((sys_user[:1] + [{"role": "user", "content": "HI"}], "first 2 message(s) unchanged"),
+                      (sys_user + [{"role": "user", "content": "again"}], "with an assistant message (got 'user')")):
+        with pytest.raises(RequestError) as e:
+            s.accept(parse({"messages": bad, "tools": TOOLS}), loop.create_future())
+        assert e.value.status == 409 and e.value.kind == "history_rewritten" and says in e.value.reason
+    with pytest.raises(RequestError) as tools:
+        s.accept(parse({"messages": sys_user}), loop.create_future())
+    assert "tools" in tools.value.reason and s.branches == 2
+    loop.close()
+
+
+def test_a_branch_renders_after_the_prompt_exactly():
+    """The text a branch appends is the full rendering less the prompt's: with the assistant header the prompt ends
+    in opening the rewritten conversation's first message; nothing when the agent starts over; refused otherwise."""
+    from asyncppo.envs.chat import branch_text, build_chat_tokenizer
+
+    tok = build_chat_tokenizer()
+    first = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    rest = [{"role": "assistant", "content": "note"}, {"role": "user", "content": "go"}]
+    assert branch_text(tok, first, rest) == "note<|im_end|>\n<|im_start|>user\ngo<|im_end|>\n<|im_start|>assistant\n"
+    assert branch_text(tok, first, []) == ""
+    prompt = tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True)
+    assert prompt + branch_text(tok, first, rest) == tok.apply_chat_template(first + rest, tokenize=False,
+                                                                              add_generation_prompt=True)
+    with pytest.raises(ValueError):
+        branch_text(tok, first, [{"role": "user", "content": "go"}])
+
+
 def test_the_agents_reward_forms():
     no_transcript = lambda: []  # noqa: E731
     assert agent_reward(1, no_transcript, {}, None) == (1.0, {})
@@ -166,7 +227,8 @@ def test_agent_options_are_checked():
                              (["env.reward_fn=a.b:c"], "env.reward_fn"),
                              (["data=calculator_agent", "env.agent=not a path"], "env.agent"),
                              (["data=calculator_agent", "env.agent_port=70000"], "env.agent_port"),
-                             (["data=calculator_agent", "env.agent_max_body_bytes=0"], "env.agent_max_body_bytes")):
+                             (["data=calculator_agent", "env.agent_max_body_bytes=0"], "env.agent_max_body_bytes"),
+                             (["data=calculator_agent", "env.agent_branches=all"], "env.agent_branches")):
         with pytest.raises(ConfigError) as e:
             load_config(overrides=overrides)
         assert named in str(e.value), str(e.value)
