@@ -34,23 +34,21 @@ Versions: every model token keeps the version the engine stamped on it (an updat
 two); an environment token takes the version of the model token before it (the convention of docs/environments.md).
 
 MoE routing records (``algorithm.routing_replay``): each turn's request records every position of its prefix; the
-episode keeps, for each position, the record of the turn that first computed it (:func:`_stitch_routing`).
+episode keeps, for each position, the record of the turn that first computed it (:func:`~asyncppo.envs.episode_state.stitch_routing`).
 """
 
 from __future__ import annotations
 
 import queue
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
-
-import numpy as np
 
 from asyncppo.envs.chat import IM_END, branch_text, turn_ids
 from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
+from asyncppo.envs.episode_state import EpisodeCompletion, EpisodeGroup, EpisodeState, completion_of, stitch_routing
 
-from asyncppo.rollout.engine import Completion, FinishedGroup, SamplingSpec
-from asyncppo.rollout.routing_record import finished, record_first
+__all__ = ["COUNTERS", "EpisodeCompletion", "EpisodeEngine", "EpisodeGroup", "TURN_SEED_STRIDE"]
+from asyncppo.rollout.engine import Completion, SamplingSpec
 
 #: Turn ``k`` of episode ``j`` samples with seed ``spec.seed + j + k * TURN_SEED_STRIDE``: turn 0 follows the
 #: single-turn convention (sample ``j`` of a group: ``seed + j``), later turns stay clear of other groups' seeds.
@@ -59,61 +57,6 @@ TURN_SEED_STRIDE = 1_000_033
 #: Episode counters (``EpisodeEngine.counters``).
 COUNTERS = ("episodes", "turns", "truncated", "max_turns", "dropped_groups", "env_tokens", "model_tokens", "branches",
             "branch_tokens_dropped")
-
-
-@dataclass
-class EpisodeCompletion(Completion):
-    """One finished episode: the response after the prompt (model and environment tokens), its mask as run-lengths
-    of environment segments (``env_runs``: int64 ``[E, 2]`` rows ``(start, length)``), one reward per model turn,
-    and why it ended (``done``, ``max_turns``, ``truncated`` or a fault kind)."""
-
-    env_runs: np.ndarray = field(default_factory=lambda: np.zeros((0, 2), np.int64))
-    turn_rewards: np.ndarray = field(default_factory=lambda: np.zeros(0, np.float64))
-    ended: str = "done"
-
-    @property
-    def reward(self) -> float:
-        return float(self.turn_rewards.sum())
-
-
-@dataclass
-class EpisodeGroup(FinishedGroup):
-    """A group whose ``n`` episodes all ended. ``dropped``: an environment fault under ``env.on_error=drop``
-    discarded it (the caller releases its admission slot and does not train it); ``detail`` says why."""
-
-    dropped: bool = False
-    detail: str = ""
-    prompt_ids: list = field(default_factory=list)  # the prompt the episodes rendered (the record's prompt)
-
-
-@dataclass
-class _Episode:
-    group: str
-    index: int
-    env: Any
-    prompt_ids: list
-    spec: SamplingSpec
-    ids: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
-    versions: list = field(default_factory=list)
-    env_runs: list = field(default_factory=list)
-    turn_rewards: list = field(default_factory=list)
-    last_finish: str = "stop"
-    model_stop_text: str = ""
-    ended: Optional[str] = None
-    routing: Optional[np.ndarray] = None  # MoE engines recording experts: [prompt + ids, layers, top_k] (-1: none)
-    unrecorded: bool = False  # a turn came back without a record: the episode has none
-    first_messages: list = field(default_factory=list)  # what init returned: the prompt's messages (branches)
-    dropped_turns: int = 0  # model turns of earlier branches
-
-    @property
-    def turn_number(self) -> int:
-        """Model turns so far, every branch's."""
-        return self.dropped_turns + len(self.turn_rewards)
-
-    @property
-    def request_key(self) -> str:
-        return f"{self.group}|ep{self.index}|turn{self.turn_number}"
 
 
 class EpisodeEngine:
@@ -135,9 +78,9 @@ class EpisodeEngine:
         stop_id = tokenizer.convert_tokens_to_ids(stop_text)
         self._stop_id = stop_id if isinstance(stop_id, int) and stop_id != tokenizer.unk_token_id else None
         self.counters = dict.fromkeys(COUNTERS, 0)
-        self._groups: dict[str, list[_Episode]] = {}
+        self._groups: dict[str, list[EpisodeState]] = {}
         self._dropped: dict[str, str] = {}
-        self._requests: dict[str, _Episode] = {}  # engine request key -> episode generating
+        self._requests: dict[str, EpisodeState] = {}  # engine request key -> episode generating
         self._at_env = 0  # episodes whose environment is working
         self.env_wait_s = 0.0  # seconds step() waited with the engine empty and episodes at their environments
         self.last_stepped = 0  # sequences in the wrapped engine at the last step (0: the step only waited)
@@ -160,7 +103,7 @@ class EpisodeEngine:
         if key in self._groups:
             raise ValueError(f"episodes: group key {key!r} is already in flight")
         ids = None if prompt_ids is None else [int(t) for t in prompt_ids]
-        self._groups[key] = [_Episode(key, j, env, ids, spec) for j, env in enumerate(envs)]
+        self._groups[key] = [EpisodeState(key, j, env, ids, spec) for j, env in enumerate(envs)]
         for ep in self._groups[key]:
             self._to_env(ep, "init", list(prompt_messages or []))
 
@@ -226,7 +169,7 @@ class EpisodeEngine:
         """Nothing of its own to stop: the environment calls run on the runner, which its owner shuts down."""
 
     # ------------------------------------------------------------------------------------------------ transitions
-    def _to_env(self, ep: _Episode, what: str, arg: Any) -> None:
+    def _to_env(self, ep: EpisodeState, what: str, arg: Any) -> None:
         self._at_env += 1
         fut = self.runner.start(ep.env, what, arg)  # settled by its deadline at the latest, on the runner's threads
         fut.add_done_callback(lambda f, ep=ep, what=what: self._results.put((ep, what, f)))
@@ -247,7 +190,7 @@ class EpisodeEngine:
             if ep.ended is None and ep.group in self._groups:
                 self._after_env(ep, what, outcome)
 
-    def _after_env(self, ep: _Episode, what: str, out: EnvOutcome) -> None:
+    def _after_env(self, ep: EpisodeState, what: str, out: EnvOutcome) -> None:
         if out.fault is not None:
             if what == "step":
                 ep.turn_rewards[-1] = 0.0
@@ -277,14 +220,11 @@ class EpisodeEngine:
                            model_stop_text=ep.model_stop_text)
         if len(ep.ids) + len(env_ids) >= self.response_length:  # no room left for one more model token
             return self._end(ep, "truncated")
-        ep.env_runs.append((len(ep.ids), len(env_ids)))
-        ep.ids += env_ids
-        ep.logprobs += [0.0] * len(env_ids)
-        ep.versions += [ep.versions[-1]] * len(env_ids)
+        ep.append_env(env_ids)
         self.counters["env_tokens"] += len(env_ids)
         self._generate(ep)
 
-    def _branch(self, ep: _Episode, rest: list) -> None:
+    def _branch(self, ep: EpisodeState, rest: list) -> None:
         """The agent rewrote its history (module docstring, "Branches"): restart the response after the prompt with
         the rewritten conversation as one environment segment; the earlier branch's tokens are dropped."""
         try:
@@ -298,24 +238,15 @@ class EpisodeEngine:
             ep.turn_rewards[-1] = 0.0
             return self._end(ep, "malformed")
         self.counters["branches"] += 1
-        self.counters["branch_tokens_dropped"] += len(ep.ids) - sum(n for _, n in ep.env_runs)  # model tokens
-        version = ep.versions[-1]  # the environment's tokens take the version of the last model token
-        ep.dropped_turns += len(ep.turn_rewards)
-        ep.ids, ep.logprobs, ep.versions, ep.env_runs, ep.turn_rewards = [], [], [], [], []
-        ep.model_stop_text = ""
-        if ep.routing is not None:  # the prompt's records stand; the rest is recomputed by the next turn's prefill
-            ep.routing = ep.routing[:len(ep.prompt_ids)].copy()
+        self.counters["branch_tokens_dropped"] += ep.restart()
         if len(env_ids) >= self.response_length:  # no room left for one model token
             return self._end(ep, "truncated")
         if env_ids:
-            ep.env_runs.append((0, len(env_ids)))
-            ep.ids += env_ids
-            ep.logprobs += [0.0] * len(env_ids)
-            ep.versions += [version] * len(env_ids)
+            ep.append_env(env_ids)
             self.counters["env_tokens"] += len(env_ids)
         self._generate(ep)
 
-    def _generate(self, ep: _Episode) -> None:
+    def _generate(self, ep: EpisodeState) -> None:
         """Re-enter the engine with the whole prefix as ids; this turn may use what the budget leaves."""
         left = self.response_length - len(ep.ids)
         # an environment may limit the turn about to start (an agent's call: its max_tokens and stop ids)
@@ -331,8 +262,8 @@ class EpisodeEngine:
         self._requests[key] = ep
         self.engine.add_group(key, ep.prompt_ids + ep.ids, spec)
 
-    def _on_turn(self, ep: _Episode, c: Completion) -> None:
-        _stitch_routing(ep, c.routed_experts)
+    def _on_turn(self, ep: EpisodeState, c: Completion) -> None:
+        stitch_routing(ep, c.routed_experts)
         ids = [int(t) for t in c.token_ids]
         if c.versions is not None:
             versions = [int(v) for v in c.versions]
@@ -363,7 +294,7 @@ class EpisodeEngine:
             return self._end(ep, "truncated")  # the budget is spent: no environment reply would fit
         self._to_env(ep, "step", action)
 
-    def _end(self, ep: _Episode, why: str) -> None:
+    def _end(self, ep: EpisodeState, why: str) -> None:
         ep.ended = why
         self.counters["episodes"] += 1
         if why in ("truncated", "max_turns"):
@@ -391,34 +322,5 @@ class EpisodeEngine:
                 out.append(EpisodeGroup(key, [], dropped=True, detail="its environments rendered different prompts "
                                         "(one record has one prompt: the n environments of a group must agree)"))
                 continue
-            out.append(EpisodeGroup(key, [_completion(ep) for ep in eps], prompt_ids=list(eps[0].prompt_ids)))
+            out.append(EpisodeGroup(key, [completion_of(ep) for ep in eps], prompt_ids=list(eps[0].prompt_ids)))
         return out
-
-
-def _stitch_routing(ep: _Episode, record: Optional[np.ndarray]) -> None:
-    """Fold one turn's record of experts (every position of its request: the whole prefix, then its own tokens)
-    into the episode's. A position an earlier turn recorded keeps that record: the choice made when the engine first
-    computed it, the one the tokens sampled after it attended to; the turn's request recomputed it (no prefix
-    caching while recording). The rest comes from this turn: the previous turn's last token and the environment's
-    tokens (computed by this turn's prefill, before it sampled anything) and its own tokens."""
-    if ep.unrecorded or record is None:
-        ep.unrecorded, ep.routing = True, None
-        return
-    ep.routing = record_first(ep.routing, 0, record)  # the first record of a position wins (routing_record.py)
-
-
-def _episode_routing(ep: _Episode) -> Optional[np.ndarray]:
-    """The episode's record over prompt + response (-1 where none: the last token, never run)."""
-    if ep.routing is None:
-        return None
-    return finished(ep.routing, len(ep.prompt_ids) + len(ep.ids), ep.routing.shape[1:])
-
-
-def _completion(ep: _Episode) -> EpisodeCompletion:
-    finish = "length" if ep.ended == "truncated" else ep.last_finish
-    return EpisodeCompletion(
-        token_ids=np.asarray(ep.ids, dtype=np.int32), logprobs=np.asarray(ep.logprobs, dtype=np.float32),
-        finish_reason=finish, versions=np.asarray(ep.versions, dtype=np.int64),
-        routed_experts=_episode_routing(ep),
-        env_runs=np.asarray(ep.env_runs, dtype=np.int64).reshape(-1, 2),
-        turn_rewards=np.asarray(ep.turn_rewards, dtype=np.float64), ended=ep.ended or "done")
