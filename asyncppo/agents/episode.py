@@ -77,7 +77,8 @@ class AgentEpisode:
         kind, payload = self.session.next_event(self.wait_s)
         if kind == "call":  # a branch: the rewritten conversation after the first messages (envs/episodes.py)
             self._call = payload
-            return _template_messages(payload.new_messages), 0.0, False, {"branch": True} if payload.branch else {}
+            info = {"branch": self.server.branches} if payload.branch else {}  # final | all: drop or keep the old
+            return _template_messages(payload.new_messages), 0.0, False, info
         if kind == "end":
             reward, info = agent_reward(payload, self.session.transcript, self.row, self.reward_fn)
             return [], reward, True, info

@@ -82,3 +82,11 @@ def uses_critic(cfg: AsyncPPOConfig) -> bool:
 def uses_reference(cfg: AsyncPPOConfig) -> bool:
     """Whether the run keeps a frozen reference policy: a KL term, in the loss or in the reward."""
     return bool(cfg.algorithm.use_kl_loss or cfg.algorithm.add_token_level_kl)
+
+
+def samples_per_group(cfg: AsyncPPOConfig) -> int:
+    """The most samples one group's record may hold: the ``n`` answers or episodes of a prompt, and under
+    ``env.agent_branches=all`` each episode's earlier branches too (a branch starts at a model call: at most
+    ``env.max_turns`` branches an episode)."""
+    n, e = cfg.rollout.num_return_sequences_in_group, cfg.env
+    return n * max(1, e.max_turns) if e.agent and e.agent_branches == "all" else n

@@ -15,9 +15,9 @@ from asyncppo.config.schema import AsyncPPOConfig
 
 #: What ``env.on_error`` may be: ``drop`` the episode's group slot (regenerated), or end the episode with reward 0.
 ENV_ON_ERROR = ("drop", "zero_reward")
-#: What ``env.agent_branches`` may be: a call rewriting the agent's history starts a branch (the last one trains),
-#: or is refused with 409 (docs/agents.md, "Branches").
-AGENT_BRANCHES = ("final", "refuse")
+#: What ``env.agent_branches`` may be: a call rewriting the agent's history starts a branch and the last one trains
+#: (``final``) or every one does (``all``), or it is refused with 409 (docs/agents.md, "Branches").
+AGENT_BRANCHES = ("final", "all", "refuse")
 _DOTTED_CLASS = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*[.:][A-Za-z_]\w*$")
 
 

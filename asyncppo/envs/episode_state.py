@@ -8,6 +8,7 @@ the engine hands back (the trajectory form of docs/environments.md).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,7 +62,8 @@ class EpisodeState:
     unrecorded: bool = False  # a turn came back without a record: the episode has none
     first_messages: list = field(default_factory=list)  # what init returned: the prompt's messages (branches)
     dropped_turns: int = 0  # model turns of earlier branches
-    branch_version: int = 0  # the last version an earlier branch held (a new branch's first segment takes it)
+    branch_version: int = 0  # the version a branch's opening segment carries (the engine's when the branch began)
+    earlier: list = field(default_factory=list)  # earlier branches kept as samples (env.agent_branches=all)
 
     @property
     def turn_number(self) -> int:
@@ -74,17 +76,20 @@ class EpisodeState:
 
     def append_env(self, env_ids: list) -> None:
         """An environment segment: masked, logprob 0, the version of the model token before it (the convention of
-        docs/environments.md; at the start of a branch, the last version the episode held)."""
+        docs/environments.md; a branch's opening segment, before any model token: ``branch_version``)."""
         self.env_runs.append((len(self.ids), len(env_ids)))
         self.ids += env_ids
         self.logprobs += [0.0] * len(env_ids)
         self.versions += [self.versions[-1] if self.versions else self.branch_version] * len(env_ids)
 
-    def restart(self) -> int:
-        """Start a new branch: the response so far is dropped (the prompt and its routing records stand; the rest
-        is recomputed by the next turn's prefill). Returns the model tokens dropped."""
+    def restart(self, keep: bool = False) -> int:
+        """Start a new branch: the response so far is set aside (the prompt and its routing records stand; the rest
+        is recomputed by the next turn's prefill), kept as a finished sample of its own with ``keep`` (trained with
+        the episode's reward, :func:`completions_of`), else dropped. Returns its model tokens."""
         dropped = len(self.ids) - sum(n for _, n in self.env_runs)
-        self.branch_version = self.versions[-1] if self.versions else self.branch_version
+        if keep and dropped:
+            self.earlier.append(completion_of(self, ended="branch"))
+        self.branch_version = self.versions[-1] if self.versions else self.branch_version  # the caller may raise it
         self.dropped_turns += len(self.turn_rewards)
         self.ids, self.logprobs, self.versions, self.env_runs, self.turn_rewards = [], [], [], [], []
         self.model_stop_text = ""
@@ -112,11 +117,26 @@ def _episode_routing(ep: EpisodeState) -> Optional[np.ndarray]:
     return finished(ep.routing, len(ep.prompt_ids) + len(ep.ids), ep.routing.shape[1:])
 
 
-def completion_of(ep: EpisodeState) -> EpisodeCompletion:
+def completion_of(ep: EpisodeState, ended: Optional[str] = None) -> EpisodeCompletion:
+    """The episode's response as it stands, as a finished sample (``ended``: why, by default the episode's own)."""
     finish = "length" if ep.ended == "truncated" else ep.last_finish
     return EpisodeCompletion(
         token_ids=np.asarray(ep.ids, dtype=np.int32), logprobs=np.asarray(ep.logprobs, dtype=np.float32),
         finish_reason=finish, versions=np.asarray(ep.versions, dtype=np.int64),
         routed_experts=_episode_routing(ep),
         env_runs=np.asarray(ep.env_runs, dtype=np.int64).reshape(-1, 2),
-        turn_rewards=np.asarray(ep.turn_rewards, dtype=np.float64), ended=ep.ended or "done")
+        turn_rewards=np.asarray(ep.turn_rewards, dtype=np.float64), ended=ended or ep.ended or "done")
+
+
+def completions_of(ep: EpisodeState) -> list[EpisodeCompletion]:
+    """The samples an ended episode trains: its earlier branches kept under ``env.agent_branches=all`` (``ended``
+    ``"branch"``; each paid the episode's reward at its last turn, the outcome its turns led to), then its final
+    branch."""
+    final = completion_of(ep)
+    earlier = []
+    for c in ep.earlier:
+        paid = np.zeros_like(c.turn_rewards)
+        if len(paid):
+            paid[-1] = final.reward
+        earlier.append(dataclasses.replace(c, turn_rewards=paid))
+    return earlier + [final]

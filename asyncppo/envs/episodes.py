@@ -26,7 +26,8 @@ episode that runs out of budget ends there, counted in ``counters["truncated"]``
 
 Branches (agent programs, docs/agents.md): a step whose info says ``branch`` carries a rewritten conversation (the
 messages after the episode's first ones). The episode's response restarts after its prompt: the model turns so far
-are dropped (``counters["branch_tokens_dropped"]``), the rewritten conversation becomes one environment segment
+are dropped (``counters["branch_tokens_dropped"]``; with ``branch == "all"`` kept as a sample of their own, which
+the group then carries beside the episode's last branch), the rewritten conversation becomes one environment segment
 (:func:`asyncppo.envs.chat.branch_text`), and the next model turn follows it. ``max_turns`` counts every turn of
 every branch.
 
@@ -45,7 +46,7 @@ from typing import Any, Optional, Sequence
 
 from asyncppo.envs.chat import IM_END, branch_text, turn_ids
 from asyncppo.envs.env_runner import EnvOutcome, EnvRunner
-from asyncppo.envs.episode_state import EpisodeCompletion, EpisodeGroup, EpisodeState, completion_of, stitch_routing
+from asyncppo.envs.episode_state import EpisodeCompletion, EpisodeGroup, EpisodeState, completions_of, stitch_routing
 
 __all__ = ["COUNTERS", "EpisodeCompletion", "EpisodeEngine", "EpisodeGroup", "TURN_SEED_STRIDE"]
 from asyncppo.rollout.engine import Completion, SamplingSpec
@@ -215,7 +216,7 @@ class EpisodeEngine:
         if ep.turn_number >= self.max_turns:
             return self._end(ep, "max_turns")
         if out.info.get("branch"):
-            return self._branch(ep, out.observations)
+            return self._branch(ep, out.observations, keep=out.info["branch"] == "all")
         env_ids = turn_ids(self.tokenizer, out.observations, tools=getattr(ep.env, "tools", None),
                            model_stop_text=ep.model_stop_text)
         if len(ep.ids) + len(env_ids) >= self.response_length:  # no room left for one more model token
@@ -224,9 +225,10 @@ class EpisodeEngine:
         self.counters["env_tokens"] += len(env_ids)
         self._generate(ep)
 
-    def _branch(self, ep: EpisodeState, rest: list) -> None:
+    def _branch(self, ep: EpisodeState, rest: list, keep: bool) -> None:
         """The agent rewrote its history (module docstring, "Branches"): restart the response after the prompt with
-        the rewritten conversation as one environment segment; the earlier branch's tokens are dropped."""
+        the rewritten conversation as one environment segment; the earlier branch's tokens are dropped, or kept as a
+        sample of their own (``keep``)."""
         try:
             env_ids = self.tokenizer.encode(branch_text(self.tokenizer, ep.first_messages, rest,
                                                         tools=getattr(ep.env, "tools", None)),
@@ -237,10 +239,14 @@ class EpisodeEngine:
                 return self._drop_group(ep.group, "malformed", f"branch: {e}")
             ep.turn_rewards[-1] = 0.0
             return self._end(ep, "malformed")
-        self.counters["branches"] += 1
-        self.counters["branch_tokens_dropped"] += ep.restart()
-        if len(env_ids) >= self.response_length:  # no room left for one model token
+        if len(env_ids) >= self.response_length:  # no room for one model token after it: the branch it had stands
             return self._end(ep, "truncated")
+        self.counters["branches"] += 1
+        set_aside = ep.restart(keep)
+        if not keep:
+            self.counters["branch_tokens_dropped"] += set_aside
+        # the opening's tokens carry the engine's version now: no later than the next model token's, and as fresh
+        ep.branch_version = max(ep.branch_version, int(getattr(self.engine, "version", 0)))
         if env_ids:
             ep.append_env(env_ids)
             self.counters["env_tokens"] += len(env_ids)
@@ -322,5 +328,5 @@ class EpisodeEngine:
                 out.append(EpisodeGroup(key, [], dropped=True, detail="its environments rendered different prompts "
                                         "(one record has one prompt: the n environments of a group must agree)"))
                 continue
-            out.append(EpisodeGroup(key, [completion_of(ep) for ep in eps], prompt_ids=list(eps[0].prompt_ids)))
+            out.append(EpisodeGroup(key, [c for ep in eps for c in completions_of(ep)], prompt_ids=list(eps[0].prompt_ids)))
         return out

@@ -21,7 +21,7 @@ from asyncppo.learner.batch import collate_groups
 from asyncppo.learner.build import build_models
 from asyncppo.learner.dynamic_sampling import GroupFilter
 from asyncppo.learner.lora import LoraExport, adapter_tensors, is_lora
-from asyncppo.config.checks import uses_critic
+from asyncppo.config.checks import samples_per_group, uses_critic
 from asyncppo.learner.push import WeightPusher
 from asyncppo.learner.step_metrics import StepMeters
 from asyncppo.learner.value_head import uses_shared_head
@@ -138,7 +138,7 @@ class LLMWorkload:
         # groups carry the engines' records in the modes that use them (learner: the learner records its own)
         routing = hooks_of(self.actor) if self.cfg.algorithm.routing_replay in ("measure", "rollout") else None
         limits = ContentLimits(vocab_size=vocab, max_prompt_len=ro.prompt_length, max_response_len=ro.response_length,
-                               max_samples=ro.num_return_sequences_in_group, num_workers=self.num_workers,
+                               max_samples=samples_per_group(self.cfg), num_workers=self.num_workers,
                                logprob_tolerance=cl.logprob_tolerance,
                                routing=None if routing is None else (routing.shape.layers, routing.shape.top_k,
                                                                      routing.shape.num_experts))

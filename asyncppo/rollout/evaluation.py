@@ -187,7 +187,9 @@ class EvalRunner:
         _, _point, rest = done.key.split(":", 2)
         name, _index, tag = rest.rsplit(":", 2)
         scores, held = r.scores[name], self.sets[name]
-        answers = [(self._reward(held, c, answer), len(c.token_ids)) for c in done.completions]
+        # an agent's earlier branches kept as samples (env.agent_branches=all) are not answers: each episode is one
+        answers = [(self._reward(held, c, answer), len(c.token_ids)) for c in done.completions
+                   if getattr(c, "ended", "") != "branch"]
         if held.episodes and getattr(done, "dropped", False):
             answers = [(0.0, 0)] * n
         for reward, tokens in answers:

@@ -13,7 +13,9 @@ the single-turn frame of before.
 
 The rules (:func:`check_turns`; the decoder and the learner's door both apply them)
 ------------------------------------------------------------------------------
-* ``start >= 1``: the first response token is a model token (a turn begins with the model speaking);
+* ``start >= 0``, and a sample with a response has at least one model token. A segment at ``start == 0`` opens the
+  response before the model speaks: an agent's branch (docs/agents.md), whose rewritten conversation follows the
+  prompt; it ends no model turn. Every other segment follows a model turn;
 * ``length >= 1`` and ``start + length <= T`` (the sample's response length);
 * segments are ordered with at least one model token between two of them (adjacent segments would be one);
 * ``turn_rewards`` has either 0 entries or one per *model turn* (maximal run of model tokens).
@@ -21,7 +23,8 @@ The rules (:func:`check_turns`; the decoder and the learner's door both apply th
 Conventions
 -----------
 * Environment tokens have behaviour log-prob exactly 0 and carry the policy version of the model token before them
-  (so no version span may start inside an environment segment; the door checks both). Versions are therefore
+  (so no version span may start inside an environment segment, except the sample's first span on an opening
+  segment, whose tokens carry a version no later than the model's first; the door checks both). Versions are therefore
   non-decreasing over the whole episode, and the per-token staleness bound covers environment tokens for free.
 * Turn ``k``'s reward belongs to the **last model token of turn k**. When a sample carries turn rewards, its scalar
   ``reward`` must equal their sum (the door checks it): the outcome-reward estimators (GRPO, RLOO, ...) read that
@@ -97,17 +100,24 @@ def _owners(turns: TurnColumns) -> np.ndarray:
     return np.repeat(np.arange(len(turns.run_offsets) - 1), turns.run_counts())
 
 
+def _closing_counts(turns: TurnColumns) -> np.ndarray:
+    """Per sample, the segments that end a model turn: all but an opening one (``start == 0``)."""
+    closing = turns.env_runs[:, 0] > 0
+    return np.bincount(_owners(turns)[closing], minlength=len(turns.run_offsets) - 1).astype(np.int64)
+
+
 def model_turn_counts(turns: TurnColumns, lengths: Sequence[int]) -> np.ndarray:
     """Number of model turns (maximal runs of model tokens) of every sample; assumes valid runs."""
     T = np.asarray(lengths, dtype=np.int64)
     counts = np.asarray(turns.run_counts(), dtype=np.int64)
+    closing = _closing_counts(turns) if counts.any() else counts
     trailing = T > 0  # a sample without segments is one turn (when it has tokens at all)
     has = counts > 0
     if has.any():
         last = np.asarray(turns.run_offsets[1:], dtype=np.int64)[has] - 1
         ends = turns.env_runs[last, 0] + turns.env_runs[last, 1]
         trailing[has] = ends < T[has]
-    return counts + trailing
+    return closing + trailing
 
 
 def check_turns(turns: TurnColumns, lengths: Sequence[int]) -> Optional[str]:
@@ -133,7 +143,7 @@ def check_turns(turns: TurnColumns, lengths: Sequence[int]) -> Optional[str]:
         past = length > T - start
         end = np.where(past, T, start + length)
         same = owner[1:] == owner[:-1]
-        for bad, what in ((start < 1, "starts at token {s}: the first response token must be a model token"),
+        for bad, what in ((start < 0, "starts at token {s}, before the first response token"),
                           (length < 1, "has length {l} < 1"),
                           (past, "ends at {e} past the response of {T} tokens"),
                           (np.concatenate(([False], same & (start[1:] <= end[:-1]))),
@@ -143,6 +153,10 @@ def check_turns(turns: TurnColumns, lengths: Sequence[int]) -> Optional[str]:
                 s, length_i = int(start[i]), int(length[i])
                 detail = what.format(s=s, l=length_i, e=s + length_i, T=int(T[i]))
                 return f"samples[{int(owner[i])}] environment segment {i - ro[int(owner[i])]} {detail}"
+        env_tokens = np.bincount(owner, weights=length, minlength=n)
+        empty = (env_tokens >= np.asarray(lengths, dtype=np.int64)) & (np.asarray(turns.run_counts()) > 0)
+        if empty.any():
+            return f"samples[{int(np.argmax(empty))}] has no model token (its environment segments cover its response)"
     want = model_turn_counts(turns, lengths)
     got = np.asarray(turns.reward_counts(), dtype=np.int64)
     bad = (got != 0) & (got != want)
@@ -177,11 +191,12 @@ def turn_reward_positions(turns: TurnColumns, offsets: Sequence[int]) -> np.ndar
     off = np.asarray(offsets, dtype=np.int64)
     lengths = np.diff(off)
     runs = turns.env_runs.astype(_I8, copy=False)
-    owner = _owners(turns)
-    before_env = off[:-1][owner] + runs[:, 0] - 1  # the model token just before each segment
+    closing = runs[:, 0] > 0  # an opening segment ends no model turn
+    owner = _owners(turns)[closing]
+    before_env = off[:-1][owner] + runs[closing, 0] - 1  # the model token just before each closing segment
     counts = model_turn_counts(turns, lengths)
-    n_runs = np.asarray(turns.run_counts(), dtype=np.int64)
-    trailing = np.flatnonzero(counts > n_runs)  # samples whose last turn is the model's
+    n_closing = _closing_counts(turns) if runs.shape[0] else np.zeros(len(lengths), np.int64)
+    trailing = np.flatnonzero(counts > n_closing)  # samples whose last turn is the model's
     ends = off[1:][trailing] - 1
     owners = np.concatenate((owner, trailing))
     positions = np.concatenate((before_env, ends))
@@ -201,7 +216,7 @@ def version_starts_in_env(env_positions: np.ndarray, spans: np.ndarray, span_off
     gstart = spans[:, 0] + np.repeat(np.asarray(offsets[:-1], dtype=np.int64), counts)
     env = np.zeros(int(offsets[-1]) + 1, dtype=bool)
     env[env_positions] = True
-    hit = env[gstart]
+    hit = env[gstart] & (spans[:, 0] > 0)  # a sample's first span may open on its opening segment
     if not hit.any():
         return None
     return int(np.repeat(np.arange(counts.shape[0]), counts)[int(np.argmax(hit))])

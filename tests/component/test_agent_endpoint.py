@@ -81,10 +81,10 @@ class Rig:
     """A server, a runner and the episode loop around the shared engine, torn down after each test."""
 
     def __init__(self, engine, tok, agent, *, step_timeout_s: float = 30.0, on_error: str = "zero_reward",
-                 max_body_bytes: int = 1 << 16):
+                 max_body_bytes: int = 1 << 16, branches: str = "final"):
         self.tok = tok
         self.server = AgentServer(f"{__name__}:{agent.__name__}", max_body_bytes=max_body_bytes, model_name="tiny",
-                                  stop_token_id=lambda s: None).start()
+                                  stop_token_id=lambda s: None, branches=branches).start()
         self.runner = EnvRunner(8, step_timeout_s, on_error)
         self.episodes = EpisodeEngine(engine, tok, self.runner, max_turns=4, response_length=RESPONSE_LENGTH,
                                       turn_max_tokens=12, max_prompt_tokens=MAX_MODEL_LEN - RESPONSE_LENGTH)
@@ -397,33 +397,49 @@ async def summarising_agent(client, row):
     return 1.0
 
 
-def test_an_agent_that_rewrites_its_history_trains_its_last_branch(rig, tmp_path):
-    """``env.agent_branches=final``: the episode's record is the prompt (the first call's messages), the rewritten
-    conversation after it as one masked segment (exactly the template's text between the prompt and the full
-    rendering), then the new branch's sampled ids; the first branch's turns are dropped and counted."""
+def _between(tok, sampled: list, text: str) -> list:
+    """The user message ``text`` rendered after a model turn that sampled ``sampled``."""
+    stop = "<|im_end|>" if sampled and sampled[-1] == tok.convert_tokens_to_ids("<|im_end|>") else ""
+    return turn_ids(tok, [{"role": "user", "content": text}], model_stop_text=stop)
+
+
+@pytest.mark.parametrize("branches", ["final", "all"])
+def test_an_agent_that_rewrites_its_history_trains_its_branches(rig, tmp_path, branches):
+    """A rewrite starts a branch. Its sample is the prompt (the first call's messages), the rewritten conversation
+    after it as one masked segment (exactly the template's text between the prompt and the full rendering), then
+    the new branch's sampled ids. ``final``: the first branch's turns are dropped and counted; ``all``: they are a
+    sample of their own (its sampled ids with the agent's message between them, ended ``branch``), paid the
+    episode's reward at its last turn."""
     from asyncppo.envs.chat import branch_text
 
-    r = rig(summarising_agent)
+    r = rig(summarising_agent, branches=branches)
     (group,) = r.run_group("br0", {"prompt": "tell me", "log_dir": str(tmp_path)}, n=2)
     tok, logs = r.tok, _logs(tmp_path)
-    assert not group.dropped and len(group.completions) == 2 and len(logs) == 2
+    finals = [c for c in group.completions if c.ended != "branch"]
+    kept = [c for c in group.completions if c.ended == "branch"]
+    assert not group.dropped and len(finals) == 2 and len(logs) == 2 and len(kept) == (2 if branches == "all" else 0)
     first = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "tell me"}]
     opening = tok.encode(branch_text(tok, first, [{"role": "assistant", "content": "(a note)"},
                                                   {"role": "user", "content": "go on"}]), add_special_tokens=False)
     dropped = 0
-    for c, ep in zip(group.completions, r.last_episodes):
+    for c, ep in zip(finals, r.last_episodes):
         log = next(x for x in logs if [x["after"][0]["ids"], x["after"][1]["ids"]] == model_runs(c)[1:])
         a0, a1 = log["after"][0]["ids"], log["after"][1]["ids"]
-        stop = "<|im_end|>" if a0 and a0[-1] == tok.convert_tokens_to_ids("<|im_end|>") else ""
-        between = turn_ids(tok, [{"role": "user", "content": "after 0"}], model_stop_text=stop)
+        between = _between(tok, a0, "after 0")
         assert [int(t) for t in c.token_ids] == opening + a0 + between + a1
         assert [tuple(map(int, x)) for x in c.env_runs] == [(0, len(opening)), (len(opening) + len(a0), len(between))]
         assert model_runs(c)[0] == [] and ep.session.replied == [a0, a1] and ep.session.branches == 1
         assert list(c.turn_rewards) == [0.0, 1.0] and np.all(np.asarray(c.versions) == 0)
         dropped += sum(len(x["ids"]) for x in log["before"])
+        if branches == "all":  # the first branch: its two calls' sampled ids, the agent's message between them
+            b0, b1 = log["before"][0]["ids"], log["before"][1]["ids"]
+            (old,) = [k for k in kept if model_runs(k) == [b0, b1]]
+            assert [int(t) for t in old.token_ids] == b0 + _between(tok, b0, "before 0") + b1
+            assert list(old.turn_rewards) == [0.0, 1.0] and old.reward == c.reward == 1.0
     assert group.prompt_ids == tok.encode(tok.apply_chat_template(first, tokenize=False, add_generation_prompt=True),
                                           add_special_tokens=False)
-    assert r.episodes.counters["branches"] == 2 and r.episodes.counters["branch_tokens_dropped"] == dropped
+    assert r.episodes.counters["branches"] == 2
+    assert r.episodes.counters["branch_tokens_dropped"] == (dropped if branches == "final" else 0)
     assert r.server.refusals == {} and r.server.calls == 8
 
 

@@ -99,7 +99,8 @@ def wire_attacks(valid: bytes, rng, fresh):
     b = bytearray(valid)
     b[t + 28 * N] = 7  # flags: undefined bits
     out.append(bytes(b))
-    # a multi-turn group whose environment segment starts at the first response token (a model token must)
+    # a multi-turn group whose environment segment moved to the first response token: an opening segment ends no
+    # model turn, so its two turn rewards no longer match its one model turn
     b = bytearray(fresh(e=as_episode()))
     struct.pack_into("<q", b, len(b) - 16 - 16, 0)  # the one (start, length) row, before 2 float64 turn rewards
     out.append(bytes(b))

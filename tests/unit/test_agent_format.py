@@ -188,6 +188,43 @@ def test_a_rewrite_starts_a_branch_that_keeps_the_first_messages():
     loop.close()
 
 
+def test_a_group_may_carry_an_agents_kept_branches():
+    """The door's bound on a group's samples: ``n``, and under ``env.agent_branches=all`` each episode's earlier
+    branches too (one per model call at most)."""
+    from asyncppo.config.checks import samples_per_group
+
+    base = ["data=calculator_agent", "rollout.num_return_sequences_in_group=4", "env.max_turns=3"]
+    assert samples_per_group(load_config(overrides=base)) == 4
+    assert samples_per_group(load_config(overrides=[*base, "env.agent_branches=all"])) == 12
+    assert samples_per_group(load_config(overrides=["data=calculator", "env.agent_branches=all"])) == \
+        load_config(overrides=["data=calculator"]).rollout.num_return_sequences_in_group  # no agent, no branches
+
+
+def test_kept_branches_are_samples_paid_the_episodes_reward():
+    """``EpisodeState.restart(keep=True)`` sets the branch aside as a finished sample (ended ``branch``, its own ids,
+    masks and versions); the ended episode's samples are its kept branches, each paid the final branch's reward at
+    its last turn, then the final branch. ``keep=False`` drops it and returns its model tokens."""
+    import numpy as np
+
+    from asyncppo.envs.episode_state import EpisodeState, completions_of
+    from asyncppo.rollout.engine import SamplingSpec
+
+    ep = EpisodeState("g", 0, None, [1, 2], SamplingSpec(n=1, max_tokens=8))
+    ep.ids, ep.logprobs, ep.versions, ep.turn_rewards = [5, 6], [-0.5, -0.25], [3, 3], [0.0]
+    ep.append_env([7])
+    ep.ids, ep.logprobs, ep.versions, ep.turn_rewards = ep.ids + [8], ep.logprobs + [-1.0], ep.versions + [4], [0.0, 0.0]
+    assert ep.restart(keep=True) == 3 and ep.ids == [] and ep.dropped_turns == 2
+    ep.append_env([9, 9])  # the new branch's opening takes the last version held
+    ep.ids, ep.logprobs, ep.versions, ep.turn_rewards = ep.ids + [10], ep.logprobs + [-2.0], ep.versions + [5], [0.75]
+    assert ep.versions == [4, 4, 5] and ep.turn_number == 3
+    old, final = completions_of(ep)
+    assert old.ended == "branch" and list(old.token_ids) == [5, 6, 7, 8] and old.env_runs.tolist() == [[2, 1]]
+    assert list(old.versions) == [3, 3, 3, 4] and np.allclose(old.logprobs, [-0.5, -0.25, 0.0, -1.0])
+    assert list(old.turn_rewards) == [0.0, 0.75] and final.reward == old.reward == 0.75
+    assert list(final.token_ids) == [9, 9, 10] and final.env_runs.tolist() == [[0, 2]]
+    assert ep.restart(keep=False) == 1 and len(ep.earlier) == 1  # dropped: one model token
+
+
 def test_a_branch_renders_after_the_prompt_exactly():
     """The text a branch appends is the full rendering less the prompt's: with the assistant header the prompt ends
     in opening the rewritten conversation's first message; nothing when the agent starts over; refused otherwise."""
@@ -228,7 +265,7 @@ def test_agent_options_are_checked():
                              (["data=calculator_agent", "env.agent=not a path"], "env.agent"),
                              (["data=calculator_agent", "env.agent_port=70000"], "env.agent_port"),
                              (["data=calculator_agent", "env.agent_max_body_bytes=0"], "env.agent_max_body_bytes"),
-                             (["data=calculator_agent", "env.agent_branches=all"], "env.agent_branches")):
+                             (["data=calculator_agent", "env.agent_branches=every"], "env.agent_branches")):
         with pytest.raises(ConfigError) as e:
             load_config(overrides=overrides)
         assert named in str(e.value), str(e.value)

@@ -76,6 +76,31 @@ def test_a_three_turn_episode_round_trips_exactly_and_single_turn_frames_are_unc
     assert GroupValidator(LIMITS, lambda: 5).check(d) is None
 
 
+def test_a_response_may_open_with_an_environment_segment_and_needs_a_model_token():
+    """An agent's branch: the rewritten conversation opens the response (tokens 0-2, the version the engine held,
+    4), then model turns at versions 4 and 5. The opening ends no model turn (two turns, two rewards, on the last
+    token of each), the sample's first span may start on it, and the door accepts it; a later span starting on an
+    environment token, and a sample that is all environment tokens, are refused."""
+    from asyncppo.stream.turns import TurnColumns, check_turns
+
+    lps = np.array([0, 0, 0, -0.5, -0.25, 0, 0, -1.0, -0.75], np.float32)
+    opened = Sample(np.arange(20, 29, dtype=np.int32), lps, 1.5, "stop", 4, 5,
+                    version_spans=np.array([[0, 4], [7, 5]], dtype=np.int64),
+                    env_runs=np.array([[0, 3], [5, 2]], dtype=np.int64), turn_rewards=np.array([0.5, 1.0]))
+    d = decode_group(encode_group(group([opened, single()])))
+    turns = d.columns.turns
+    assert np.flatnonzero(~model_token_mask(turns, d.columns.offsets)).tolist() == [0, 1, 2, 5, 6]
+    assert turn_reward_positions(turns, d.columns.offsets).tolist() == [4, 8]
+    assert d.samples[0].token_versions().tolist() == [4] * 7 + [5] * 2
+    assert GroupValidator(LIMITS, lambda: 5).check(d) is None
+    inside = Sample(**{**vars(opened), "version_spans": np.array([[0, 4], [5, 5]], dtype=np.int64)})
+    problem = GroupValidator(LIMITS, lambda: 5).check(group([inside]))
+    assert problem is not None and "version span starts on an environment token" in str(problem)
+    all_env = TurnColumns(np.array([[0, 4]], np.int64), [0, 1], np.zeros(0), [0, 0])
+    assert "has no model token" in check_turns(all_env, [4])
+    assert check_turns(TurnColumns(np.array([[0, 3]], np.int64), [0, 1], np.zeros(0), [0, 0]), [4]) is None
+
+
 def test_the_header_field_is_only_there_when_a_sample_has_turn_data():
     only_rewards = group([episode(env_runs=None, turn_rewards=np.array([1.5]))])
     d = decode_group(encode_group(only_rewards))
@@ -92,13 +117,13 @@ def _frame_with_runs(runs, rewards=(0.0, 0.5, 1.0)) -> bytes:
 
 
 @pytest.mark.parametrize("runs, words", [
-    ([[0, 2], [7, 3]], "first response token must be a model token"),
+    ([[0, 2], [7, 3]], "3 turn rewards for 2 model turns"),  # an opening segment ends no model turn
     ([[3, 0], [7, 3]], "length 0"),
     ([[3, 2], [10, 3]], "past the response"),
     ([[3, 2], [5, 3]], "overlaps or touches"),
     ([[3, 5], [7, 3]], "overlaps or touches"),
     ([[3, 2], [7, 5]], "2 model turns"),  # ends at the end: two model turns, three rewards
-    ([[-1, 2], [7, 3]], "first response token"),
+    ([[-1, 2], [7, 3]], "before the first response token"),
 ])
 def test_the_decoder_refuses_broken_segments_by_name(runs, words):
     with pytest.raises(WireError) as e:
