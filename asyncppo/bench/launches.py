@@ -30,8 +30,8 @@ class Launch:
     """What a schedule benchmark launches: the options every launch shares (``run_once`` reads exactly these)."""
 
     steps: int
-    staleness: int
-    lookahead: int = 1
+    staleness: int | str  # a number, or "auto" (the run tunes it)
+    lookahead: int | str = 1
     eval_at_start: bool = False
     replay: bool = False
     rollout_cpus: str = "1"

@@ -119,6 +119,29 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(preset=["data=reverse"], steps=200, windows=[1, 2, 4, 8, 12], lookahead=3, rollout_cpus="1",
                      learner_cpus="0", overrides=[*REVERSE, "rollout.sync_every=2"])),
     Benchmark(
+        "auto-window-default", "The self-tuning window against every fixed window on the default task",
+        "On the built-in default task (learner-bound), does `rollout.max_staleness=auto` train the same samples "
+        "within 5% of the learner time of the best fixed window (k = 1, 2, 4, 8)?",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 4: within 5% of the best fixed window on every task"),
+        "~15 min (3 seeds x 5 launches x ~1 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
+        options=dict(preset=[], steps=100, windows=[1, 2, 4, 8], lookahead=8, rollout_cpus="1", learner_cpus="0",
+                     overrides=[])),
+    Benchmark(
+        "auto-window-guess", "The self-tuning window against every fixed window behind a 200 ms tool",
+        "On the guess game behind a tool that takes 200 ms every turn, does `rollout.max_staleness=auto` train the "
+        "same samples within 5% of the learner time of the best fixed window (k = 2, 4, 8, 16)?",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 4: within 5% of the best fixed window on every task"),
+        "~45 min (3 seeds x 5 launches x ~3 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
+        options=dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
+                             "+env.text_env_config.latency_s=0.2"], chat_model=True, steps=60,
+                     windows=[2, 4, 8, 16], lookahead=16, rollout_cpus="1", learner_cpus="0",
+                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
+                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
+    Benchmark(
         "peer", "Against TRL's GRPOTrainer on data=long",
         "Does asyncppo reach held-out accuracy thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "
         "TRL's GRPOTrainer at equal training time on data=long?",

@@ -1,7 +1,8 @@
 """``asyncppo bench auto-window`` (and ``auto-window-reverse``): the self-tuning window against every fixed window a
 user might pick, on the same work.
 
-One seed launches the task once per fixed window (``k`` from ``windows``, the lookahead ``j = min(lookahead, k)``)
+One seed launches the task once per fixed window (``k`` from ``windows``, the lookahead ``j = min(lookahead, k)``;
+``chat_model``: on a random chat model built for the seed, as the tool-latency benchmark plays the guess game)
 and once with ``rollout.max_staleness=auto rollout.admission_lookahead=auto`` (started where the launch's own
 config starts it: docs/staleness.md, "A window that moves"), all in the ``async-cont-lookahead`` schedule, pinned as
 every schedule benchmark is (asyncppo/bench/launches.py). The figures compare learner time to the same trained
@@ -26,11 +27,12 @@ from asyncppo.bench.launches import Launch, run_once
 AUTO = "auto"
 
 
-def labels(windows: list[int], lookahead: int) -> list[tuple[str, str]]:
-    """(label, mode) of each launch: ``k<k>`` per fixed window, then ``auto``."""
-    fixed = [(f"k{k}", "async-cont-lookahead+rollout.max_staleness={k}+rollout.admission_lookahead={j}".format(
-        k=k, j=min(lookahead, k))) for k in windows]
-    return [*fixed, (AUTO, "async-cont-lookahead+rollout.max_staleness=auto+rollout.admission_lookahead=auto")]
+def labels(windows: list[int], lookahead: int) -> list[tuple[str, int | str, int | str]]:
+    """(label, k, j) of each launch: ``k<k>`` per fixed window, then ``auto`` (both knobs ``auto``: the schedule
+    then says ``auto`` where it says a number for a fixed window, so the run starts where a user's launch with
+    ``rollout.max_staleness=auto rollout.admission_lookahead=auto`` starts, at the preset's own window; a number
+    before the ``auto`` would be taken as that start)."""
+    return [*((f"k{k}", k, min(lookahead, k)) for k in windows), (AUTO, AUTO, AUTO)]
 
 
 def window_range(run_dir: str) -> dict:
@@ -74,12 +76,17 @@ def compare(results: list[dict]) -> tuple[dict, dict]:
 
 
 def run(opts: dict, seed: int, work: str) -> dict:
-    launch = Launch(steps=opts["steps"], staleness=0, rollout_cpus=opts["rollout_cpus"],
-                    learner_cpus=opts["learner_cpus"], preset=list(opts["preset"]),
-                    overrides=[*opts["overrides"], f"trainer.seed={seed}"])
+    preset = list(opts["preset"])
+    if opts.get("chat_model"):  # the multi-turn game on a random chat model, as ``asyncppo bench tool-latency``
+        from asyncppo.envs.examples import build_chat_model  # heavy: torch, transformers
+
+        preset.append(f"model.path={build_chat_model(os.path.join(work, 'chat-model'))}")
     results = []
-    for label, mode in labels(opts["windows"], opts["lookahead"]):
-        r = run_once(label, launch, work, mode=mode)
+    for label, k, j in labels(opts["windows"], opts["lookahead"]):
+        launch = Launch(steps=opts["steps"], staleness=k, lookahead=j, rollout_cpus=opts["rollout_cpus"],
+                        learner_cpus=opts["learner_cpus"], preset=preset,
+                        overrides=[*opts["overrides"], f"trainer.seed={seed}"])
+        r = run_once(label, launch, work, mode="async-cont-lookahead")
         if label == AUTO:
             r["window"] = window_range(r["run_dir"])
             print(f"[bench] auto's window: {json.dumps(r['window'])}", flush=True)

@@ -190,6 +190,9 @@ class ModelConfig:
     # peft target_modules: module name suffixes, or ["all-linear"] (every linear layer but the output layer)
     lora_target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
     lora_dropout: float = 0.0  # on the adapters' input in training forwards (> 0: no single-pass steps)
+    # peft target_parameters: parameters adapted whole, e.g. a mixture of experts' fused expert tensors
+    # [mlp.experts.gate_up_proj, mlp.experts.down_proj] (docs/moe.md); a push sends their merged update
+    lora_target_parameters: list[str] = field(default_factory=list)
     # --- embodied runs (env.id set): the MLP actor-critic of asyncppo.models.actor_critic -----------------------------
     shared_backbone: bool = False  # one trunk with policy and value heads (needs algorithm.loss_type=actor_critic)
     hidden_sizes: list[int] = field(default_factory=lambda: [64, 64])

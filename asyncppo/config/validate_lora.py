@@ -38,6 +38,13 @@ def check_lora(cfg: AsyncPPOConfig, c: Checks) -> None:
         if bad:
             c.error("model.lora_target_modules", targets, f"linear projections of the decoder layers only, not "
                     f"{bad} (embeddings and the output layer are trained whole or not at all under LoRA)")
+    params = list(m.lora_target_parameters or [])
+    if any(not isinstance(t, str) or not t.strip() for t in params):
+        c.error("model.lora_target_parameters", params, "a list of parameter names (e.g. [mlp.experts.gate_up_proj, "
+                "mlp.experts.down_proj]) or []")
+    elif params and m.lora_dropout:
+        c.error("model.lora_dropout", m.lora_dropout, "0 with model.lora_target_parameters (peft's parameter "
+                "adapters cannot apply dropout to their input)")
     if cfg.env.id is not None:
         c.error("model.lora_rank", m.lora_rank, "0 for embodied runs (env.id is set): LoRA adapts language models")
     if learner_ranks(cfg) > 1:  # separate pools (cluster.train_gpus) or shared devices (--gpus N): one rank each

@@ -7,7 +7,9 @@ Why each piece (docs/lora.md):
 * :class:`AdaptersOff` is the reference policy: the same module run inside peft's ``disable_adapter()``, i.e. the
   base weights, which LoRA never changes, so no second copy of the model is loaded.
 * :func:`adapter_tensors` is what a weight push sends: ``<module>.lora_A.weight`` / ``.lora_B.weight`` under the
-  checkpoint's module names (sync/adapter.py merges them on the engine side).
+  checkpoint's module names, and for a parameter adapted whole (``model.lora_target_parameters``: peft's
+  ``ParamWrapper``, e.g. fused experts) ``<parameter>.lora_delta``, its update as peft computes it
+  (sync/adapter.py merges both on the engine side).
 * :class:`LoraExport` writes what checkpoints and ``final/`` hold: the merged model in Hugging Face format (what
   engines and users load as ``model.path``) and the adapter itself in ``adapter/`` (peft format, what a resume
   loads onto the base), so a resumed run continues from the exact adapter, not from a rounded merge.
@@ -16,13 +18,14 @@ Why each piece (docs/lora.md):
 from __future__ import annotations
 
 import os
+import re
 from typing import Optional
 
 import torch
 from torch import nn
 
 from asyncppo.models.moe_routing import moe_routers
-from asyncppo.sync.adapter import adapter_names, merged_weight
+from asyncppo.sync.adapter import LORA_DELTA, adapter_names, merged_weight
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint's actor/ (and final/): the peft adapter a resume loads
 _PEFT_PREFIX = "base_model.model."
@@ -34,9 +37,11 @@ def lora_config(model_cfg, base: Optional[nn.Module] = None):
     targets = list(model_cfg.lora_target_modules)
     if targets == ["all-linear"] and base is not None and moe_routers(base):
         targets = linear_targets(base)
+    params = list(getattr(model_cfg, "lora_target_parameters", None) or [])
     return LoraConfig(r=int(model_cfg.lora_rank), lora_alpha=float(model_cfg.lora_alpha),
                       lora_dropout=float(model_cfg.lora_dropout), bias="none",
-                      target_modules="all-linear" if targets == ["all-linear"] else targets)
+                      target_modules="all-linear" if targets == ["all-linear"] else targets,
+                      target_parameters=params or None)
 
 
 def linear_targets(base: nn.Module) -> list[str]:
@@ -49,15 +54,36 @@ def linear_targets(base: nn.Module) -> list[str]:
     return sorted(names - {"lm_head"})
 
 
+def _plain_name(name: str) -> str:
+    """A module's name in the base model's checkpoint: without peft's prefix and its ``base_layer`` levels (nested
+    parameter wrappers add one each)."""
+    name = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+    return re.sub(r"(\.base_layer)+(?=\.|$)", "", name)
+
+
+def _param_adapters(model: nn.Module):
+    """``(checkpoint parameter name, wrapper)`` of every parameter adapted whole (peft's ``ParamWrapper``)."""
+    for name, module in model.named_modules():
+        if type(module).__name__ == "ParamWrapper" and "default" in getattr(module, "lora_A", {}):
+            yield f"{_plain_name(name)}.{module.parameter_name}", module
+
+
 def _refuse_parameter_adapters(model: nn.Module, model_cfg) -> None:
-    """Adapters on parameters (peft's ``ParamWrapper``: fused experts, routers) cannot be pushed or exported yet."""
-    wrapped = sorted(name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
-                     for name, m in model.named_modules() if type(m).__name__ == "ParamWrapper")
-    if wrapped:
+    """Parameter adapters the push and the export apply are the ones asked for by ``model.lora_target_parameters``;
+    one on a router is refused (routing replay and the engines' expert capture read the router as it is)."""
+    routers = {id(r.weight) for r in moe_routers(model)}
+    wrapped = sorted(name for name, w in _param_adapters(model))
+    on_routers = sorted(name for name, w in _param_adapters(model) if id(w.get_param()) in routers)
+    if wrapped and not list(getattr(model_cfg, "lora_target_parameters", None) or []):
         raise ValueError(f"model.lora_target_modules={list(model_cfg.lora_target_modules)}: peft adapts "
-                         f"{wrapped[:2]} ({len(wrapped)} in all) as parameters (fused experts or routers), whose "
-                         "adapters the weight push and the merged export cannot apply yet; target the linear layers "
-                         "(e.g. q_proj, k_proj, v_proj, o_proj; all-linear does so on a mixture of experts)")
+                         f"{wrapped[:2]} ({len(wrapped)} in all) as parameters (fused experts or routers); name "
+                         "parameters in model.lora_target_parameters (e.g. [mlp.experts.gate_up_proj, "
+                         "mlp.experts.down_proj]) and linear layers in model.lora_target_modules (all-linear does "
+                         "so on a mixture of experts)")
+    if on_routers:
+        raise ValueError(f"model.lora_target_parameters={list(model_cfg.lora_target_parameters)}: {on_routers[:2]} "
+                         "are routers; adapters there are not supported (routing replay and the engines' capture of "
+                         "the experts read the router itself): adapt the experts or the attention instead")
 
 
 def lora_actor(base: nn.Module, model_cfg, adapter_dir: Optional[str] = None) -> nn.Module:
@@ -110,17 +136,22 @@ def _lora_layers(model: nn.Module):
     from peft.tuners.lora import LoraLayer  # heavy: peft
 
     for name, module in model.named_modules():
-        if isinstance(module, LoraLayer) and "default" in getattr(module, "lora_A", {}):
+        if isinstance(module, LoraLayer) and "default" in getattr(module, "lora_A", {}) \
+                and type(module).__name__ != "ParamWrapper":  # parameter adapters: _param_adapters
             plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
             yield plain, module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The push: each adapted layer's A and B (detached, live storage: the fan-out snapshots them)."""
+    """The push: each adapted layer's A and B (detached, live storage: the fan-out snapshots them), and each
+    parameter adapted whole as its update (computed now, in the parameter's layout: sync/adapter.py)."""
     out: dict[str, torch.Tensor] = {}
     for module, a, b, _ in _lora_layers(model):
         name_a, name_b = adapter_names(module)
         out[name_a], out[name_b] = a.detach(), b.detach()
+    with torch.no_grad():
+        for name, wrapper in _param_adapters(model):
+            out[name + LORA_DELTA] = wrapper.get_delta_weight("default").detach()
     return out
 
 
@@ -133,14 +164,17 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict under its own names with every adapter merged (sync/adapter.py's formula,
     the one the engines apply), computed aside: the live weights are not touched."""
     deltas = {module + ".weight": (a, b, scale) for module, a, b, scale in _lora_layers(model)}
+    updates = {name: wrapper.get_delta_weight("default") for name, wrapper in _param_adapters(model)}
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.get_base_model().state_dict().items():
         if ".lora_" in name:
             continue
-        plain = name.replace(".base_layer.", ".")
+        plain = _plain_name(name)
         if plain in deltas:
             a, b, scale = deltas[plain]
             tensor = merged_weight(tensor, a, b, scale)
+        elif plain in updates:  # the receiver's formula (sync/adapter.py): W0 + update, added in float32
+            tensor = (tensor.to(torch.float32) + updates[plain].to(torch.float32)).to(tensor.dtype)
         out[plain] = tensor.detach()
     return out
 

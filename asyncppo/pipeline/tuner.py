@@ -102,13 +102,17 @@ class WindowTuner:
         return self._valid(k, j)
 
     def _neighbours(self) -> list[tuple[int, int]]:
-        """Windows one step away that the auto knobs allow (``tie_j``: ``j`` follows ``k``, as an unset lookahead)."""
+        """Windows one step away that the auto knobs allow (``tie_j``: ``j`` follows ``k``, as an unset lookahead).
+        With both knobs free, one step also moves both together: from ``k = j`` a wider window needs both (``j`` may
+        not pass ``k``, and a wider ``k`` alone admits nothing sooner), so without the diagonal a run started at
+        ``(0, 0)`` never left it (measured on data=long: 60 steps at k = 0, 2.2x the best fixed window's time)."""
         k, j = self.k, self.j
         if self.tie_j:
             out = [(k + 1, k + 1), (k - 1, k - 1)] if self.tune_k else []
         else:
             out = [(k + 1, j), (k - 1, j)] if self.tune_k else []
             out += [(k, j + 1), (k, j - 1)] if self.tune_j else []
+            out += [(k + 1, j + 1), (k - 1, j - 1)] if self.tune_k and self.tune_j else []
         return [c for c in dict.fromkeys(out) if self._valid(*c) and c != (k, j)]
 
     def drift(self) -> Optional[float]:

@@ -22,6 +22,8 @@ from typing import Iterable, Optional
 import numpy as np
 import torch
 
+from asyncppo.sync.expert_names import to_model_names
+
 from .engine import Completion, RolloutEngine
 from .hf_stream import GREEDY_EPS, HFStreamingMixin  # noqa: F401  (GREEDY_EPS: temperatures below it are greedy)
 
@@ -161,7 +163,8 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         All names and shapes are checked before anything is copied, so a bad update leaves the model untouched.
         """
         state = self.model.state_dict()  # shares storage with the parameters
-        items = list(named_tensors)
+        # a mixture of experts: per-expert checkpoint names (a LoRA merge hands those) into the fused parameters
+        items = to_model_names(named_tensors, state)
         for name, t in items:
             if name not in state:
                 raise KeyError(f"hf engine: unknown parameter {name!r}; e.g. {sorted(state)[:3]}")

@@ -13,6 +13,13 @@ keeps the base weights ``W0`` of the layer groups it adapts (read once from the 
 engine ``W = W0 + scale * B @ A`` for each adapted layer, plus the group's untouched base tensors, because vLLM
 reloads a layer group only when it receives all of it (sync/engine_load.py). Every push merges onto ``W0``, never
 onto the previous merge, so no error accumulates. ``scale = lora_alpha / lora_rank``, the same on both sides.
+
+Parameters adapted whole (``model.lora_target_parameters``: peft's parameter adapters, e.g. a mixture of experts'
+fused expert tensors ``[experts, out, in]``) travel as their update: ``<parameter>.lora_delta``, the tensor peft's
+own ``get_delta_weight`` computes, the size of the parameter (the experts' low-rank factors are laid out per expert
+inside peft, so the learner sends the product it defines rather than a second copy of that layout). The receiver
+renames a fused expert update into the checkpoint's per-expert names where the checkpoint has those
+(sync/expert_names.py) and hands ``W0 + delta`` for each.
 """
 
 from __future__ import annotations
@@ -23,8 +30,10 @@ from pathlib import Path
 import torch
 
 from asyncppo.sync.engine_load import WeightLoadingEngine, layer_group
+from asyncppo.sync.expert_names import to_checkpoint_names
 
 LORA_A, LORA_B = ".lora_A.weight", ".lora_B.weight"
+LORA_DELTA = ".lora_delta"  # a parameter adapted whole: its update, the parameter's shape
 
 
 def adapter_names(module: str) -> tuple[str, str]:
@@ -52,15 +61,21 @@ def adapter_numel(shapes: dict[str, tuple[int, ...]], rank: int, modules: Iterab
     return sum(rank * (shapes[m + ".weight"][0] + shapes[m + ".weight"][1]) for m in modules)
 
 
-def _pairs(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, dict[str, torch.Tensor]]:
+def _split_push(named_tensors: Iterable[tuple[str, torch.Tensor]]
+                ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """``(A/B pairs by module, updates by parameter)`` of a push."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
+    deltas: dict[str, torch.Tensor] = {}
     for name, t in named_tensors:
+        if name.endswith(LORA_DELTA) and len(name) > len(LORA_DELTA):
+            deltas[name[: -len(LORA_DELTA)]] = t
+            continue
         module, which = split_adapter_name(name)
         pairs.setdefault(module, {})[which] = t
     lone = sorted(m for m, p in pairs.items() if len(p) != 2)
     if lone:
         raise ValueError(f"LoRA push: {lone[:3]} came with only one of lora_A / lora_B ({len(lone)} in all)")
-    return pairs
+    return pairs, deltas
 
 
 class AdapterMerger:
@@ -106,20 +121,29 @@ class AdapterMerger:
         return members
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        pairs = _pairs(named_tensors)
-        if not pairs:
+        pairs, deltas = _split_push(named_tensors)
+        if not pairs and not deltas:
             return
         if not self._names:
             self._index()
-        unknown = sorted(m for m in pairs if m + ".weight" not in self._names)
+        deltas = dict(to_checkpoint_names(deltas.items(), self._names))  # fused experts: per expert, as stored
+        unknown = sorted([m for m in pairs if m + ".weight" not in self._names]
+                         + [n for n in deltas if n not in self._names])
         if unknown:
             raise KeyError(f"LoRA push: no base weight for {unknown[:3]} in {self.base_path!r}")
-        members = self._base_groups({layer_group(m + ".weight") for m in pairs})
+        members = self._base_groups({layer_group(m + ".weight") for m in pairs} | {layer_group(n) for n in deltas})
         out: list[tuple[str, torch.Tensor]] = []
         for names in members.values():
             for n in names:
                 module = n[: -len(".weight")] if n.endswith(".weight") else None
-                if module in pairs:
+                if n in deltas:
+                    w0, delta = self._base[n], deltas[n]
+                    if tuple(delta.shape) != tuple(w0.shape):
+                        raise ValueError(f"LoRA push: the update of {n} has shape {tuple(delta.shape)}, the base "
+                                         f"weight {tuple(w0.shape)}")
+                    dtype = torch.promote_types(w0.dtype, torch.float32)
+                    out.append((n, (w0.to(torch.float32) + delta.to(torch.float32)).to(dtype)))
+                elif module in pairs:
                     a, b = pairs[module]["A"], pairs[module]["B"]
                     w0 = self._base[n]
                     if a.dim() != 2 or b.dim() != 2 or (b.shape[0], a.shape[1]) != tuple(w0.shape) \

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+import re
+
 import torch
 
 FUSED_GATE_UP = "experts.gate_up_proj"
@@ -51,6 +53,33 @@ def to_checkpoint_names(named_tensors: Iterable[tuple[str, torch.Tensor]], known
             yield name, t
         else:
             yield from pieces
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.+\.experts\.)(?P<e>\d+)\.(?P<part>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def to_model_names(named_tensors: Iterable[tuple[str, torch.Tensor]], model_names
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """The inverse of :func:`to_checkpoint_names` for a model that keeps fused experts (``model_names``: its state
+    dict's names): per-expert checkpoint pieces gathered into the model's fused tensors (gate rows first, then up),
+    every other pair unchanged. ValueError naming a fused tensor whose pieces are not all there."""
+    out, pieces = [], {}
+    for name, t in named_tensors:
+        m = None if name in model_names else _PER_EXPERT.match(name)
+        fused = m and m["prefix"] + ("down_proj" if m["part"] == "down_proj" else "gate_up_proj")
+        if not m or fused not in model_names:
+            out.append((name, t))
+            continue
+        pieces.setdefault(fused, {})[(int(m["e"]), m["part"])] = t
+    for fused, got in pieces.items():
+        parts = ("down_proj",) if fused.endswith("down_proj") else ("gate_proj", "up_proj")
+        n = max(e for e, _ in got) + 1
+        missing = [f"{e}.{p}" for e in range(n) for p in parts if (e, p) not in got]
+        if missing:
+            raise ValueError(f"{fused}: the per-expert pieces are incomplete, missing {missing[:3]} "
+                             f"({len(missing)} in all)")
+        out.append((fused, torch.stack([torch.cat([got[(e, p)] for p in parts]) for e in range(n)])))
+    return out
 
 
 def is_moe_config(config) -> bool:

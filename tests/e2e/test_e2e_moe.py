@@ -51,15 +51,17 @@ def test_tiny_moe_trains_on_vllm_with_expert_pushes(tmp_path):
 def test_routing_replay_with_lora_runs_end_to_end_and_reports_the_routers(tmp_path):
     """``algorithm.routing_replay=rollout`` at a window of 2, on a LoRA actor: every group carries the engine's
     experts (none refused at the door), the learner's forwards replay them, every step logs how often its own routers
-    disagreed and how the load spreads over the experts, and the pushed adapters (on attention: ``all-linear`` on a
-    mixture of experts, learner/lora.py) merge into the engine's weights, so the behaviour -> learner KL stays small
-    (before, the first adapter push stopped the engine: 'no base weight for model.layers.0.mlp.experts')."""
+    disagreed and how the load spreads over the experts, and the pushed adapters merge into the engine's weights, so
+    the behaviour -> learner KL stays small: on attention (``all-linear`` on a mixture of experts, learner/lora.py)
+    and on the fused experts (``model.lora_target_parameters``: each push carries their update, which the engine
+    side renames into the checkpoint's per-expert weights and vLLM repacks)."""
     run = tmp_path / "run"
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     proc = subprocess.run(
         [sys.executable, "-m", "asyncppo", "launch", "model.path=builtin:tiny-moe", "rollout.engine=vllm",
          "algorithm.routing_replay=rollout", "rollout.max_staleness=2", f"trainer.total_steps={STEPS}",
          "model.lora_rank=8", "model.lora_alpha=16", "trainer.lr=2e-3",
+         "model.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
          "trainer.eval_every=0", f"trainer.output_dir={run}", "trainer.logger.wandb=false"],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -54,11 +54,13 @@ def _flat(tensors) -> torch.Tensor:
     ("model.lora_target_modules=[q_proj,embed_tokens]", "model.lora_target_modules"),
     ("model.lora_target_modules=[all-linear,q_proj]", "model.lora_target_modules"),
     ("cluster.train_gpus=2", "model.lora_rank"),
+    ("model.lora_target_parameters=['']", "model.lora_target_parameters"),
+    ("model.lora_target_parameters=[mlp.experts.down_proj] model.lora_dropout=0.1", "model.lora_dropout"),
 ])
 def test_lora_options_are_validated_by_name(override, key):
     base = [] if override.startswith("model.lora_rank") else ["model.lora_rank=8"]
     with pytest.raises(ConfigError) as info:
-        load_config([*base, override])
+        load_config([*base, *override.split(" ")])
     assert key in str(info.value)
 
 
@@ -276,8 +278,9 @@ def test_all_linear_on_a_mixture_of_experts_adapts_attention_and_the_push_merges
 
 
 def test_lora_on_fused_experts_is_refused_by_name():
-    """Adapters on parameters (what peft's own all-linear makes of fused experts and routers) are refused by name;
-    naming the experts as a target module peft refuses itself."""
+    """Adapters on parameters that were not asked for (what peft's own all-linear makes of fused experts and
+    routers) are refused by name, as are adapters on a router; naming the experts as a target module peft refuses
+    itself."""
     from peft import LoraConfig, get_peft_model
 
     from asyncppo.learner.lora import _refuse_parameter_adapters, lora_actor
@@ -288,3 +291,69 @@ def test_lora_on_fused_experts_is_refused_by_name():
         _refuse_parameter_adapters(wrapped, cfg.model)
     with pytest.raises(ValueError, match="not supported"):
         lora_actor(_moe(), _lora_cfg(lora_target_modules=["q_proj", "experts"]).model)
+    with pytest.raises(ValueError, match="mlp.gate.weight.*are routers"):
+        lora_actor(_moe(), _lora_cfg(lora_target_modules=["q_proj"], lora_target_parameters=["mlp.gate.weight"]).model)
+
+
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def test_adapters_on_the_fused_experts_push_their_update_and_engines_merge_it_exactly(tmp_path):
+    """``model.lora_target_parameters``: peft adapts the fused expert tensors; the push carries each one's update
+    (``<parameter>.lora_delta``, peft's own ``get_delta_weight``), the merger renames it into the checkpoint's
+    per-expert names and hands ``W0 + update`` for whole layers, and a real transformers engine started from the
+    saved base then computes the adapted actor's logits; the merged export does too. Only the adapters train."""
+    from asyncppo.learner.lora import lora_actor, merged_state_dict
+    from asyncppo.rollout.hf_engine import HFEngine
+    from asyncppo.sync.adapter import AdapterMerger
+
+    base = _moe()
+    base.save_pretrained(tmp_path / "moe")
+    cfg = _lora_cfg(lora_target_modules=["q_proj", "v_proj"], lora_target_parameters=EXPERTS)
+    actor = lora_actor(base, cfg.model)
+    assert all("lora_" in n for n, p in actor.named_parameters() if p.requires_grad)
+    with torch.no_grad():
+        for n, p in actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)  # adapters that do something
+    pushed = adapter_tensors(actor)
+    updates = sorted(n for n in pushed if n.endswith(".lora_delta"))
+    assert updates == [f"model.layers.{i}.mlp.experts.{p}.lora_delta" for i in range(2)
+                       for p in ("down_proj", "gate_up_proj")]
+    fused = dict(_moe().named_parameters())
+    assert all(pushed[n].shape == fused[n[: -len(".lora_delta")]].shape for n in updates)
+    assert {n.rsplit(".lora_", 1)[0].rsplit(".", 1)[-1] for n in pushed if n not in updates} == {"q_proj", "v_proj"}
+    ids = torch.randint(1, 32, (2, 6))
+    with torch.no_grad():
+        adapted = actor(input_ids=ids).logits
+        plain = _moe()
+        plain.load_state_dict(merged_state_dict(actor))
+        assert torch.allclose(plain(input_ids=ids).logits, adapted, atol=1e-5)
+    engine = HFEngine(str(tmp_path / "moe"), max_model_len=64)
+    try:
+        merger = AdapterMerger(engine, str(tmp_path / "moe"), scale=cfg.model.lora_alpha / cfg.model.lora_rank)
+        with torch.no_grad():
+            before = engine.model(input_ids=ids).logits
+            merger.update_weights(pushed.items())
+            after = engine.model(input_ids=ids).logits
+        assert not torch.allclose(before, adapted, atol=1e-3) and torch.allclose(after, adapted, atol=1e-5)
+    finally:
+        engine.close()
+
+
+def test_per_expert_checkpoint_names_gather_back_into_the_fused_parameters():
+    """The transformers engine keeps fused experts; a merge hands the checkpoint's per-expert names: gathered back,
+    exactly the fused tensors (gate rows, then up), and an incomplete set is refused by name."""
+    from asyncppo.sync.expert_names import to_checkpoint_names, to_model_names
+
+    model = _moe()
+    state = model.state_dict()
+    known = {n for n, _ in to_checkpoint_names(state.items(), {f"model.layers.{i}.mlp.experts.0.{p}.weight"
+                                                                for i in range(2)
+                                                                for p in ("gate_proj", "up_proj", "down_proj")})}
+    pieces = list(to_checkpoint_names(state.items(), known))
+    assert "model.layers.1.mlp.experts.3.up_proj.weight" in dict(pieces)
+    back = dict(to_model_names(pieces, state))
+    assert set(back) == set(state) and all(torch.equal(back[n], state[n]) for n in state)
+    with pytest.raises(ValueError, match="experts.gate_up_proj.*missing.*2.up_proj"):
+        to_model_names([p for p in pieces if p[0] != "model.layers.0.mlp.experts.2.up_proj.weight"], state)

@@ -61,6 +61,21 @@ def test_a_generation_bound_run_widens_one_step_at_a_time_up_to_the_cap():
     assert ks[-1] > 0 and max(ks) <= 3
 
 
+def test_both_knobs_free_leave_the_synchronous_corner():
+    """``k`` and ``j`` both auto from ``(0, 0)`` on a generation-bound run: ``j`` may not pass ``k`` and a wider ``k``
+    alone admits nothing sooner, so only a step of both is a wider window; the tuner takes it (before, it stayed at
+    ``(0, 0)`` for a whole run), and every move changes each knob by at most one."""
+    rng = random.Random(2)
+    t = _tuner(k=0, j=0, cap=4, tie_j=False, tune_j=True)
+    window = [(0, 0)]
+    for _ in range(120):
+        m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+        if m:
+            assert abs(m.k - window[-1][0]) <= 1 and abs(m.j - window[-1][1]) <= 1 and m.j <= m.k, (m, window)
+            window.append((m.k, m.j))
+    assert min(k for k, _ in window[1:]) >= 1 and max(j for _, j in window) >= 1, window
+
+
 @pytest.mark.parametrize("seed", [3, 4, 5])
 def test_noisy_rates_do_not_make_it_oscillate(seed):
     """Stationary rates with 30% noise and a heavy-tailed reservoir: the window climbs and stays (once fixed by
