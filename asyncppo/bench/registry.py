@@ -48,6 +48,21 @@ REVERSE = ["algorithm=grpo", "algorithm.use_kl_loss=false", "rollout.rollout_bat
 ISSUE21 = "issue 21 item 2, on data=long and data=reverse"
 SECTION_LIMIT = (DIARY, "The lookahead in the advisor: occupancy predicted against measured on `data=long`")
 
+def _window_sweep(name: str, task: str, where: str, expected: str, options: dict, more: str = "") -> Benchmark:
+    """One task's sweep of ``asyncppo bench auto-window*``: the self-tuning window against each fixed window."""
+    ks = ", ".join(map(str, options["windows"]))
+    return Benchmark(
+        name, f"The self-tuning window against every fixed window on {task}",
+        f"{where}, does `rollout.max_staleness=auto` train the same samples within 5% of the learner time of the "
+        f"best fixed window (k = {ks}){', ' + more if more else '?'}",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 4: within 5% of the best fixed window on every task"
+               + (" (best of the seed's own launches, so a lucky fixed run counts against auto)" if more else "")),
+        expected, "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
+        options={"rollout_cpus": "1", "learner_cpus": "0", "overrides": [], **options})
+
+
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "async-vs-sync", "Async against sync on data=long",
@@ -97,50 +112,25 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "~30 min (3 seeds x ~10 min)", "asyncppo.bench.async_sync:run", seeds=(0, 1, 2),
         options=dict(LONG, steps=180, modes=["async-cont-lookahead"]),
         history=((DIARY, "A 180-step run: the run's drain amortised"),)),
-    Benchmark(
-        "auto-window", "The self-tuning window against every fixed window on data=long",
-        "On data=long, does `rollout.max_staleness=auto` train the same samples within 5% of the learner time of the "
-        "best fixed window (k = 2, 4, 8, 12), and how much faster than the worst?",
-        "auto / best fixed",
-        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
-               why="issue 50 item 4: within 5% of the best fixed window on every task (best of the seed's own "
-               "launches, so a lucky fixed run counts against auto)"),
-        "~80 min (3 seeds x 5 launches x ~5.5 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
-        options=dict(preset=["data=long"], steps=60, windows=[2, 4, 8, 12], lookahead=3, rollout_cpus="1",
-                     learner_cpus="0", overrides=[])),
-    Benchmark(
-        "auto-window-reverse", "The self-tuning window against every fixed window on data=reverse",
-        "On data=reverse (learner-bound, pushes every 2 steps), does `rollout.max_staleness=auto` train the same "
-        "samples within 5% of the learner time of the best fixed window (k = 1, 2, 4, 8, 12)?",
-        "auto / best fixed",
-        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
-               why="issue 50 item 4: within 5% of the best fixed window on every task"),
-        "~17 min (3 seeds x 6 launches x ~1 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
-        options=dict(preset=["data=reverse"], steps=200, windows=[1, 2, 4, 8, 12], lookahead=3, rollout_cpus="1",
-                     learner_cpus="0", overrides=[*REVERSE, "rollout.sync_every=2"])),
-    Benchmark(
-        "auto-window-default", "The self-tuning window against every fixed window on the default task",
-        "On the built-in default task (learner-bound), does `rollout.max_staleness=auto` train the same samples "
-        "within 5% of the learner time of the best fixed window (k = 1, 2, 4, 8)?",
-        "auto / best fixed",
-        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
-               why="issue 50 item 4: within 5% of the best fixed window on every task"),
-        "~15 min (3 seeds x 5 launches x ~1 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
-        options=dict(preset=[], steps=100, windows=[1, 2, 4, 8], lookahead=8, rollout_cpus="1", learner_cpus="0",
-                     overrides=[])),
-    Benchmark(
-        "auto-window-guess", "The self-tuning window against every fixed window behind a 200 ms tool",
-        "On the guess game behind a tool that takes 200 ms every turn, does `rollout.max_staleness=auto` train the "
-        "same samples within 5% of the learner time of the best fixed window (k = 2, 4, 8, 16)?",
-        "auto / best fixed",
-        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
-               why="issue 50 item 4: within 5% of the best fixed window on every task"),
-        "~45 min (3 seeds x 5 launches x ~3 min)", "asyncppo.bench.window_sweep:run", seeds=(0, 1, 2),
-        options=dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
-                             "+env.text_env_config.latency_s=0.2"], chat_model=True, steps=60,
-                     windows=[2, 4, 8, 16], lookahead=16, rollout_cpus="1", learner_cpus="0",
-                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
+    _window_sweep("auto-window", "data=long", "On data=long",
+                  "~30 min (3 seeds x 5 launches x ~2 min)", dict(preset=["data=long"], steps=60,
+                                                                  windows=[2, 4, 8, 12], lookahead=3),
+                  "and how much faster than the worst?"),
+    _window_sweep("auto-window-reverse", "data=reverse", "On data=reverse (learner-bound, pushes every 2 steps)",
+                  "~18 min (3 seeds x 6 launches x ~1 min)",
+                  dict(preset=["data=reverse"], steps=200, windows=[1, 2, 4, 8, 12], lookahead=3,
+                       overrides=[*REVERSE, "rollout.sync_every=2"])),
+    _window_sweep("auto-window-default", "the default task", "On the built-in default task (learner-bound)",
+                  "~15 min (3 seeds x 5 launches x ~1 min)",
+                  dict(preset=[], steps=100, windows=[1, 2, 4, 8], lookahead=8)),
+    _window_sweep("auto-window-guess", "the guess game behind a 200 ms tool",
+                  "On the guess game behind a tool that takes 200 ms every turn",
+                  "~45 min (3 seeds x 5 launches x ~3 min)",
+                  dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
+                               "+env.text_env_config.latency_s=0.2"], chat_model=True, steps=60,
+                       windows=[2, 4, 8, 16], lookahead=16,
+                       overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
+                                  "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
     Benchmark(
         "peer", "Against TRL's GRPOTrainer on data=long",
         "Does asyncppo reach held-out accuracy thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "
