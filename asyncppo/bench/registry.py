@@ -123,14 +123,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     _window_sweep("auto-window-default", "the default task", "On the built-in default task (learner-bound)",
                   "~15 min (3 seeds x 5 launches x ~1 min)",
                   dict(preset=[], steps=100, windows=[1, 2, 4, 8], lookahead=8)),
-    _window_sweep("auto-window-guess", "the guess game behind a 200 ms tool",
-                  "On the guess game behind a tool that takes 200 ms every turn",
-                  "~45 min (3 seeds x 5 launches x ~3 min)",
-                  dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
-                               "+env.text_env_config.latency_s=0.2"], chat_model=True, steps=60,
-                       windows=[2, 4, 8, 16], lookahead=16,
-                       overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                  "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
     Benchmark(
         "peer", "Against TRL's GRPOTrainer on data=long",
         "Does asyncppo reach held-out accuracy thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "

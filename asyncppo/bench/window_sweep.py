@@ -1,8 +1,7 @@
 """``asyncppo bench auto-window`` (and ``auto-window-reverse``): the self-tuning window against every fixed window a
 user might pick, on the same work.
 
-One seed launches the task once per fixed window (``k`` from ``windows``, the lookahead ``j = min(lookahead, k)``;
-``chat_model``: on a random chat model built for the seed, as the tool-latency benchmark plays the guess game)
+One seed launches the task once per fixed window (``k`` from ``windows``, the lookahead ``j = min(lookahead, k)``)
 and once with ``rollout.max_staleness=auto rollout.admission_lookahead=auto`` (started where the launch's own
 config starts it: docs/staleness.md, "A window that moves"), all in the ``async-cont-lookahead`` schedule, pinned as
 every schedule benchmark is (asyncppo/bench/launches.py). The figures compare learner time to the same trained
@@ -77,10 +76,6 @@ def compare(results: list[dict]) -> tuple[dict, dict]:
 
 def run(opts: dict, seed: int, work: str) -> dict:
     preset = list(opts["preset"])
-    if opts.get("chat_model"):  # the multi-turn game on a random chat model, as ``asyncppo bench tool-latency``
-        from asyncppo.envs.examples import build_chat_model  # heavy: torch, transformers
-
-        preset.append(f"model.path={build_chat_model(os.path.join(work, 'chat-model'))}")
     results = []
     for label, k, j in labels(opts["windows"], opts["lookahead"]):
         launch = Launch(steps=opts["steps"], staleness=k, lookahead=j, rollout_cpus=opts["rollout_cpus"],
