@@ -7,8 +7,9 @@ on loopback, the real ``openai`` client, the episode loop of envs/episodes.py.
   tokenizes *differently* (the tokenizer has multi-character tokens that encoding never produces; the random model
   samples them): what training on the agent's text would have got wrong.
 * Hostile calls made by an agent during its own episode (a wrong key, an unknown session, malformed JSON, a body
-  over the limit, unsupported fields, a concurrent call, a rewritten history): each is refused with its status and
-  counted, and the episode's record is still exactly its admitted calls. A late call after the episode: 410.
+  over the limit, unsupported fields, a concurrent call, a rewritten history under ``env.agent_branches=refuse``):
+  each is refused with its status and counted, and the episode's record is still exactly its admitted calls. A late
+  call after the episode: 410. (Under the default, a rewrite starts a branch: its own test below.)
 * Agents that raise, never call, or hang between calls end their own episodes as faults (``env.on_error``); the
   other episode of the group still trains.
 
@@ -268,7 +269,9 @@ async def hostile(client, row):
 
 
 def test_hostile_calls_are_refused_with_a_status_and_the_episode_still_trains(rig, tmp_path):
-    r = rig(hostile, max_body_bytes=1 << 16)
+    # env.agent_branches=refuse: an appended assistant message is then refused (under the default it starts a branch,
+    # which test_an_agent_that_rewrites_its_history_trains_its_branches covers)
+    r = rig(hostile, max_body_bytes=1 << 16, branches="refuse")
     (group,) = r.run_group("h0", {"log_dir": str(tmp_path)}, n=1)
     (log,) = _logs(tmp_path)
     s = log["statuses"]
