@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from asyncppo.models.moe_routing import moe_routers
-from asyncppo.sync.adapter import LORA_DELTA, adapter_names, merged_weight
+from asyncppo.sync.adapter import LORA_DELTA, adapter_names, merged_weight, updated_weight
 
 ADAPTER_DIR = "adapter"  # inside a checkpoint's actor/ (and final/): the peft adapter a resume loads
 _PEFT_PREFIX = "base_model.model."
@@ -138,7 +138,7 @@ def _lora_layers(model: nn.Module):
     for name, module in model.named_modules():
         if isinstance(module, LoraLayer) and "default" in getattr(module, "lora_A", {}) \
                 and type(module).__name__ != "ParamWrapper":  # parameter adapters: _param_adapters
-            plain = name[len(_PEFT_PREFIX):] if name.startswith(_PEFT_PREFIX) else name
+            plain = _plain_name(name)
             yield plain, module.lora_A["default"].weight, module.lora_B["default"].weight, module.scaling["default"]
 
 
@@ -173,8 +173,8 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if plain in deltas:
             a, b, scale = deltas[plain]
             tensor = merged_weight(tensor, a, b, scale)
-        elif plain in updates:  # the receiver's formula (sync/adapter.py): W0 + update, added in float32
-            tensor = (tensor.to(torch.float32) + updates[plain].to(torch.float32)).to(tensor.dtype)
+        elif plain in updates:  # the receiver's formula (sync/adapter.py)
+            tensor = updated_weight(tensor, updates[plain])
         out[plain] = tensor.detach()
     return out
 

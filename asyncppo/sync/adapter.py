@@ -56,6 +56,11 @@ def merged_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: f
     return (base.to(torch.float32) + delta).to(dtype or base.dtype)
 
 
+def updated_weight(base: torch.Tensor, update: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``W0 + update`` (a parameter adapted whole) in ``dtype`` (default ``W0``'s), added in float32."""
+    return (base.to(torch.float32) + update.to(torch.float32)).to(dtype or base.dtype)
+
+
 def adapter_numel(shapes: dict[str, tuple[int, ...]], rank: int, modules: Iterable[str]) -> int:
     """Parameters of rank-``rank`` adapters on ``modules`` given the base weights' ``shapes``: r * (in + out) each."""
     return sum(rank * (shapes[m + ".weight"][0] + shapes[m + ".weight"][1]) for m in modules)
@@ -141,8 +146,7 @@ class AdapterMerger:
                     if tuple(delta.shape) != tuple(w0.shape):
                         raise ValueError(f"LoRA push: the update of {n} has shape {tuple(delta.shape)}, the base "
                                          f"weight {tuple(w0.shape)}")
-                    dtype = torch.promote_types(w0.dtype, torch.float32)
-                    out.append((n, (w0.to(torch.float32) + delta.to(torch.float32)).to(dtype)))
+                    out.append((n, updated_weight(w0, delta, torch.promote_types(w0.dtype, torch.float32))))
                 elif module in pairs:
                     a, b = pairs[module]["A"], pairs[module]["B"]
                     w0 = self._base[n]
