@@ -33,6 +33,13 @@ SETTINGS = {
     "long": dict(staleness=12, lookahead=3, mode="async-cont-lookahead",
                  preset=["data=long", "model.path=builtin:tiny-long-moe", "trainer.sft_warmup_steps=1200"],
                  overrides=[]),
+    # k = 0 (synchronous): engine and learner at the same weights, so only numerics can flip a routing choice. A
+    # float32 CPU engine agrees with the learner on every choice (tests/component/test_moe_routing_replay.py), so
+    # the engine runs in bfloat16 against the float32 learner: the precision gap a GPU engine has
+    "k0-bf16": dict(staleness=0, mode="sync", preset=[*MOE, "rollout.dtype=bfloat16"], overrides=[]),
+    "long-k0-bf16": dict(staleness=0, mode="sync",
+                         preset=["data=long", "model.path=builtin:tiny-long-moe", "trainer.sft_warmup_steps=1200",
+                                 "rollout.dtype=bfloat16"], overrides=[]),
 }
 METRICS = (("moe/routing_mismatch", "routing mismatch"), ("moe/routing_mismatch_stale", "routing mismatch stale"),
            ("actor/mismatch_kl", "mismatch_kl"), ("actor/clipfrac", "clipfrac"), ("moe/expert_load", "expert load"),

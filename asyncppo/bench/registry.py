@@ -268,6 +268,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "~25 min (3 seeds x 2 launches of 40 steps; the model's first build ~6 min)", "asyncppo.bench.moe_replay:run",
         seeds=(0, 1, 2), options=dict(settings=["long"], steps=40, overrides=[])),
     Benchmark(
+        "moe-replay-k0", "MoE: routing replay at k = 0, a bfloat16 engine",
+        "At k = 0 (synchronous: engine and learner at the same weights), with a bfloat16 engine against the float32 "
+        "learner, how much does replaying the engine's experts cut the behaviour -> learner KL on the same batches, "
+        "on the built-in task and on data=long, and what does it do to clipping and held-out accuracy?",
+        "paired mismatch_kl replay / own long-k0-bf16",
+        Target("paired mismatch_kl replay / own long-k0-bf16", "<=", 0.95, min_seeds=3,
+               why="set before the first run (issue 51, replay at k = 0): the bar moe-replay-long met at k = 12; at "
+               "k = 0 only precision flips a choice, so this asks whether those flips alone are worth replaying"),
+        "~45 min (3 seeds x 4 synchronous launches of 40 steps)", "asyncppo.bench.moe_replay:run", seeds=(0, 1, 2),
+        options=dict(settings=["k0-bf16", "long-k0-bf16"], steps=40, overrides=[])),
+    Benchmark(
         "advisor", "Advisor: predicted against measured",
         "How close is the advisor's predicted throughput to real runs, predicted from one calibration run?",
         "worst calibrated error",
