@@ -165,6 +165,19 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         history=((DIARY, "One event loop for every coroutine call"),
                  (DIARY, "Latency hiding: multi-turn episodes behind a slow tool"))),
     Benchmark(
+        "agent-latency", "Agents: an agent program behind a slow tool",
+        "Does an agent program played through the OpenAI-compatible endpoint keep its throughput when it awaits "
+        "200 ms between its calls (data=guess as an agent, examples/agents/guess_latency.py, the preset's window)?",
+        "kept async-cont 200 ms",
+        Target("kept async-cont 200 ms", ">=", 0.85, min_seeds=3,
+               why="issue 49, item 4: an agent slow to call back keeps >= 0.85 of its 0 ms throughput at the "
+               "preset's window"),
+        "~15 min (3 seeds x 2 launches of ~2.5 min)", "asyncppo.bench.tool_latency:run", seeds=(0, 1, 2),
+        options=dict(steps=60, staleness=16, lookahead=1, modes=["async-cont"], latencies_ms=[0, 200],
+                     model="", agent=True, rollout_cpus="1", learner_cpus="0",
+                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
+                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
+    Benchmark(
         "agent-overhead", "Agents: the endpoint's cost against the in-process episode loop",
         "What does playing an agent program through the OpenAI-compatible endpoint cost, per call and in episodes "
         "per second, against the same episodes played by an in-process environment (data=calculator)?",
