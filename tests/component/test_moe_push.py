@@ -24,6 +24,7 @@ import time
 import traceback
 from pathlib import Path
 
+import pytest
 import torch
 
 from asyncppo.sync.engine_load import layer_group
@@ -86,19 +87,21 @@ def _engine_experts(engine) -> tuple[dict[str, torch.Tensor], str]:
     return out
 
 
-def _vllm_child(path: str, prompts: list[list[int]], state: dict, q) -> None:
+def _vllm_child(path: str, prompts: list[list[int]], state: dict, q, tp: int = 1) -> None:
     """In a fresh process: a vLLM engine over ``path`` samples ``prompts``, takes ``state`` (numpy arrays, learner
-    names) in layer groups, and samples again; reports the samples, the push's group count and its packed experts."""
+    names) in layer groups, and samples again; reports the samples, the push's group count and (one rank: the
+    experts live in this process) its packed experts."""
     try:
         os.environ.update(VLLM_ENV)
         from asyncppo.rollout.vllm_engine import VLLMEngine
 
-        engine = VLLMEngine(path, max_model_len=64, seed=0)
+        engine = VLLMEngine(path, max_model_len=64, seed=0, tensor_parallel_size=tp)
         try:
             res = {"before": _sample(engine, prompts)}
             res["groups"] = _push_in_layer_groups(engine, {n: torch.from_numpy(a) for n, a in state.items()})
-            experts, res["isa"] = _engine_experts(engine)
-            res["experts"] = {n: t.numpy() for n, t in experts.items()}
+            if tp == 1:
+                experts, res["isa"] = _engine_experts(engine)
+                res["experts"] = {n: t.numpy() for n, t in experts.items()}
             res["after"] = _sample(engine, prompts)
         finally:
             engine.close()
@@ -107,11 +110,12 @@ def _vllm_child(path: str, prompts: list[list[int]], state: dict, q) -> None:
     q.put(res)
 
 
-def _in_child_engine(path: str, prompts: list[list[int]], state: dict, timeout_s: float = 600.0) -> dict:
+def _in_child_engine(path: str, prompts: list[list[int]], state: dict, timeout_s: float = 600.0, tp: int = 1) -> dict:
     """Run :func:`_vllm_child` in a spawned process; its report, or a failure naming why none came."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    proc = ctx.Process(target=_vllm_child, args=(path, prompts, {n: t.detach().numpy() for n, t in state.items()}, q))
+    proc = ctx.Process(target=_vllm_child,
+                       args=(path, prompts, {n: t.detach().numpy() for n, t in state.items()}, q, tp))
     proc.start()
     try:
         deadline = time.monotonic() + timeout_s
@@ -188,6 +192,28 @@ def test_expert_push_reaches_vllm_packed_experts_and_the_hf_engine(tmp_path):
         assert all(torch.equal(t, mine[n]) for n, t in hf.model.state_dict().items())
     finally:
         hf.close()
+
+
+@pytest.mark.slow
+def test_expert_push_reaches_every_rank_of_a_tensor_parallel_vllm_engine(tmp_path):
+    """TP = 2: each rank holds half of every expert's intermediate dimension, cut by vLLM's fused-MoE weight loader
+    and repacked for the CPU kernel at each push (rollout/tp_load.py). A rank left with stale experts would put the
+    engine's log-probs ~0.1 nats off the pushed model's (measured at one rank before the repack existed)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncppo.data.tiny import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "moe"), seed=0, moe=MOE)
+    tok = AutoTokenizer.from_pretrained(path)
+    prompts = _prompts(tok)
+    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    learner = copy.deepcopy(start)
+    _perturb(learner, seed=3)
+    res = _in_child_engine(path, prompts, learner.state_dict(), tp=2)
+    assert _lp_error(res["before"], prompts, start) < 1e-4
+    assert res["groups"] == 5
+    assert _lp_error(res["after"], prompts, learner) < 1e-4  # both ranks sample with the pushed experts
+    assert _lp_error(res["after"], prompts, start) > 1e-2  # and the push changed what they sample with
 
 
 def test_a_save_pretrained_moe_directory_loads_in_learner_and_both_engines(tmp_path):
