@@ -80,7 +80,10 @@ def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
         summary = json.load(f)
     train = [r for r in records if "reward/mean" in r]
     steady = train[len(train) // 4 :]  # skip start-up (engine load, first batches)
-    train_s = sum(r["time/step_s"] for r in train)
+    # the learner's time: its steps, and what an auto window's hook held its thread for between them (time/tune_s;
+    # a decision made there once fell outside every step's time: pipeline/tuner_host.py)
+    tune_s = sum(r.get("time/tune_s", 0.0) for r in train)
+    train_s = sum(r["time/step_s"] for r in train) + tune_s
     ro = summary.get("rollout", {})
     nan = float("nan")
     return {
@@ -90,6 +93,7 @@ def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
         "wall_s": wall,
         "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # others' work slows a run
         "train_s": train_s,
+        "tune_s": tune_s,  # of train_s: the window hook on the learner's thread (0 for a fixed window)
         "update_s": sum(r.get("time/update_s", 0.0) for r in train),  # the PPO update itself
         "wait_s": sum(r.get("time/wait_s", 0.0) for r in train),  # waiting for the batch's groups
         "samples": train[-1]["samples_trained"],

@@ -412,6 +412,8 @@ class LearnerLoop:
             attempt("leave learner group", D.destroy)
         if self.rank == 0 and wiring is not None:
             time.sleep(1.0)  # keep the stop visible a moment (it is re-sent) for workers busy in an engine call
+        if self._window is not None:
+            attempt("stop the window tuner's process", self._window.close)
         if self._feeder is not None:
             attempt("close Feeder", self._feeder.close)
         if wiring is not None:

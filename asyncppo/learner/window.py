@@ -13,15 +13,18 @@ changes later grants only. A pinned knob is passed to the tuner as not tunable a
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Optional
 
 from asyncppo.pipeline.tuner import WindowTuner
+from asyncppo.pipeline.tuner_host import DecisionHost
 
 
 class WindowHook:
     """One per run when ``rollout.window_auto`` is set (:func:`window_hook` returns None otherwise)."""
 
-    def __init__(self, cfg, admission, say: Callable[[str], None], engines: int = 1, train_ranks: int = 1):
+    def __init__(self, cfg, admission, say: Callable[[str], None], engines: int = 1, train_ranks: int = 1,
+                 background: bool = True):
         r = cfg.rollout
         self.admission, self.say = admission, say
         self.tuner = WindowTuner(
@@ -33,13 +36,17 @@ class WindowHook:
             budget=cfg.algorithm.offpolicy_budget, every=r.tune_every)
         self.j_min = r.admission_lookahead  # the smallest j ever in force (what a coalesced push must still serve)
         self.changes = 0
+        # decisions in a process of their own (pipeline/tuner_host.py); None: on this thread
+        self.host = DecisionHost() if background else None
 
     def after_step(self, metrics: dict, records: list) -> None:
         """Feed one step; on a move set the window, say why on the console and in this step's record. Every
-        record gets ``tune/k`` and ``tune/j`` (the window in force for the grants after this step)."""
+        record gets ``tune/k`` and ``tune/j`` (the window in force for the grants after this step) and
+        ``time/tune_s``, the time this hook held the learner's thread (a benchmark adds it to the steps' time)."""
+        t0 = time.perf_counter()
         lengths = [list(r.sample_lengths()) for r in records if hasattr(r, "sample_lengths")]
         old = (self.tuner.k, self.tuner.j)
-        move = self.tuner.observe(metrics, lengths)
+        move = self._step(metrics, lengths)
         if move is not None:
             self.admission.set_window(move.k, move.j)
             self.j_min = min(self.j_min, move.j)
@@ -47,6 +54,31 @@ class WindowHook:
             metrics["tune/reason"] = move.reason
             self.say(f"window k {old[0]} -> {move.k}, j {old[1]} -> {move.j}: {move.reason}")
         metrics["tune/k"], metrics["tune/j"] = self.tuner.k, self.tuner.j
+        metrics["time/tune_s"] = time.perf_counter() - t0
+
+    def _step(self, metrics: dict, lengths: list):
+        """The move this step puts in force, if any: decided here, or the decision process's latest reply."""
+        if self.host is None:
+            return self.tuner.observe(metrics, lengths)
+        due = self.tuner.record(metrics, lengths)
+        reply, move = self.host.poll(), None
+        if reply is not None and "error" not in reply:
+            metrics["tune/decide_s"] = reply["decide_s"]
+            move = self.tuner.take(reply)
+        elif reply is not None:
+            self.say(f"window tuner: {self.host.failed}; deciding on the learner's thread from here on")
+            self.host.close()
+            self.host = None
+            return self.tuner.apply(self.tuner.decide()) if due else None
+        if due and self.host.ready():
+            self.host.submit(self.tuner.state())
+        return move
+
+    def close(self) -> None:
+        """Stop the decision process (the run ended)."""
+        if self.host is not None:
+            self.host.close()
+            self.host = None
 
     def state(self) -> dict:
         """What a checkpoint keeps of the window: the ``(k, j)`` in force."""
@@ -76,9 +108,11 @@ class WindowHook:
                           "k_final": t.k, "j_final": t.j}}
 
 
-def window_hook(cfg, admission, say, engines: int = 1, train_ranks: int = 1) -> Optional[WindowHook]:
-    """The hook for an auto window, None for a fixed one (nothing is measured or logged then)."""
-    return WindowHook(cfg, admission, say, engines, train_ranks) if cfg.rollout.window_auto else None
+def window_hook(cfg, admission, say, engines: int = 1, train_ranks: int = 1,
+                background: bool = True) -> Optional[WindowHook]:
+    """The hook for an auto window, None for a fixed one (nothing is measured or logged then). ``background``:
+    decide in a process of its own (the run's way); False decides on the caller's thread, step for step."""
+    return WindowHook(cfg, admission, say, engines, train_ranks, background) if cfg.rollout.window_auto else None
 
 
 def buffer_bound(cfg) -> int:

@@ -58,6 +58,7 @@ class WindowTuner:
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3):
+        self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
         self.B, self.n, self.sync_every = batch_groups, group_size, sync_every
@@ -75,13 +76,27 @@ class WindowTuner:
         self.j_range = [j, j]
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
-        """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes."""
-        self.records.append(record)
+        """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
+        on the caller's thread (the learner's hook decides in a process of its own: :meth:`record`, :meth:`state`,
+        :meth:`take`)."""
+        if not self.record(record, group_lengths):
+            return None
+        return self.apply(self.decide())
+
+    def record(self, record: dict, group_lengths: list[list[int]]) -> bool:
+        """Take one step's metrics and its groups' response lengths; True when a decision is due (every ``every``
+        steps, with a knob to tune)."""
+        self.records.append({k: v for k, v in record.items() if isinstance(v, (int, float))})
         self.groups.extend(tuple(g) for g in group_lengths if g)
         self.steps += 1
-        if self.steps % self.every or not (self.tune_k or self.tune_j):
-            return None
-        move = self._decide()
+        return not self.steps % self.every and (self.tune_k or self.tune_j)
+
+    def decide(self) -> Optional[Move]:
+        """The rule of the module docstring at the current window; moves nothing (:meth:`apply` does)."""
+        return self._decide()
+
+    def apply(self, move: Optional[Move]) -> Optional[Move]:
+        """Put ``move`` in force (the direction it went, the range the window took); ``move`` back."""
         if move is not None:
             self._last = None if move.reason.startswith("drift") else move.k + move.j > self.k + self.j
             self._gain, self._evals = {}, 0
@@ -89,6 +104,24 @@ class WindowTuner:
             self.k_range = [min(self.k_range[0], move.k), max(self.k_range[1], move.k)]
             self.j_range = [min(self.j_range[0], move.j), max(self.j_range[1], move.j)]
         return move
+
+    # ------------------------------------------------------------------------------ deciding in another process
+    def state(self) -> dict:
+        """What a decision reads, as JSON values: the settings, the window, the recent steps and the smoothed gains
+        (:func:`decide_on` rebuilds the tuner from it in the decision process)."""
+        return {"init": self._init, "k": self.k, "j": self.j, "last": self._last, "steps": self.steps,
+                "records": list(self.records), "groups": [list(g) for g in self.groups],
+                "gain": [[k, j, g] for (k, j), g in self._gain.items()], "evals": self._evals}
+
+    def take(self, reply: dict) -> Optional[Move]:
+        """A decision made on :meth:`state` elsewhere (:func:`decide_on`'s reply): its smoothed gains and count,
+        and its move, put in force; ignored when the window moved since (a restore), the state it judged."""
+        if tuple(reply["at"]) != (self.k, self.j):
+            return None
+        self._gain = {(int(k), int(j)): float(g) for k, j, g in reply["gain"]}
+        self._evals = int(reply["evals"])
+        move = reply.get("move")
+        return self.apply(Move(int(move[0]), int(move[1]), str(move[2])) if move else None)
 
     # ------------------------------------------------------------------------------------------------------------
     def _floor(self) -> int:
@@ -174,3 +207,17 @@ class WindowTuner:
                          gen, train, lengths) for seed in range(self.seeds)]
         mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
         return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})
+
+
+def decide_on(state: dict) -> dict:
+    """One decision on a tuner's :meth:`~WindowTuner.state`: the reply :meth:`~WindowTuner.take` reads (the window
+    it judged, the move or None, the smoothed gains and the evaluation count after it)."""
+    tuner = WindowTuner(**state["init"])
+    tuner.k, tuner.j, tuner._last, tuner.steps = int(state["k"]), int(state["j"]), state["last"], int(state["steps"])
+    tuner.records.extend(state["records"])
+    tuner.groups.extend(tuple(g) for g in state["groups"])
+    tuner._gain = {(int(k), int(j)): float(g) for k, j, g in state["gain"]}
+    tuner._evals = int(state["evals"])
+    move = tuner.decide()
+    return {"at": [int(state["k"]), int(state["j"])], "move": [move.k, move.j, move.reason] if move else None,
+            "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals}

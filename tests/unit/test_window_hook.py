@@ -1,15 +1,18 @@
 """The learner's window hook (asyncppo/learner/window.py) on a real admission controller: every step's record
 carries the window, a move reaches the controller and the console with its reason, a fixed window has no hook, and
-the summary table gives the range the window took (launch/console.py)."""
+the summary table gives the range the window took (launch/console.py). Most tests decide on the test's thread
+(``background=False``: step for step); the decision process is tested at the end (pipeline/tuner_host.py)."""
 
 from __future__ import annotations
 
+import copy
 import random
+import time
 
 from asyncppo.config.loader import load_config
 from asyncppo.launch.console import window_row
 from asyncppo.learner.window import buffer_bound, window_hook
-from asyncppo.pipeline.tuner import Move
+from asyncppo.pipeline.tuner import Move, decide_on
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -36,7 +39,7 @@ def test_moves_reach_the_controller_the_console_and_every_record():
                        "rollout.max_num_seqs=64"])
     adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
     said: list[str] = []
-    hook = window_hook(cfg, adm, said.append)
+    hook = window_hook(cfg, adm, said.append, background=False)
     rng, records = random.Random(0), []
     for _ in range(60):
         metrics, groups = _step(rng)
@@ -64,7 +67,7 @@ def test_a_lowered_lookahead_is_what_a_coalesced_push_must_still_serve():
     older, lower j still holds for tickets granted before it (j_min never rises)."""
     cfg = load_config(["rollout.max_staleness=auto", "rollout.max_staleness_cap=6"])
     adm = AdmissionController(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness)
-    hook = window_hook(cfg, adm, lambda _line: None)
+    hook = window_hook(cfg, adm, lambda _line: None, background=False)
     for move, j_min in ((Move(3, 3, "up"), 1), (Move(0, 0, "down"), 0), (Move(2, 2, "up"), 0)):
         hook.tuner.observe = lambda *_a, m=move: m  # the decision itself is test_window_tuner.py's
         hook.after_step({}, [])
@@ -78,7 +81,7 @@ def test_a_resumed_run_goes_on_at_the_checkpoints_window_and_pinned_knobs_keep_t
     cfg = load_config(["rollout.max_staleness=auto", "rollout.rollout_batch_size=2", "rollout.max_staleness_cap=6"])
     adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
     said: list[str] = []
-    hook = window_hook(cfg, adm, said.append)
+    hook = window_hook(cfg, adm, said.append, background=False)
     assert hook.state() == {"k": 1, "j": 1}
     hook.restore(None)  # a checkpoint from before this field, or a fixed window's
     assert (adm.k, adm.j) == (1, 1) and not said
@@ -92,6 +95,97 @@ def test_a_resumed_run_goes_on_at_the_checkpoints_window_and_pinned_knobs_keep_t
     pinned = load_config(["rollout.max_staleness=auto", "rollout.admission_lookahead=1",
                           "rollout.rollout_batch_size=2"])
     adm2 = AdmissionController(2, pinned.rollout.max_staleness, lookahead=1)
-    hook2 = window_hook(pinned, adm2, said.append)
+    hook2 = window_hook(pinned, adm2, said.append, background=False)
     hook2.restore({"k": 5, "j": 3})
     assert (adm2.k, adm2.j) == (5, 1)  # k was tuned and comes back; the pinned j stays the launch's
+
+
+def _auto_cfg():
+    return load_config(["rollout.max_staleness=auto", "rollout.tune_every=3", "rollout.rollout_batch_size=2",
+                        "rollout.num_return_sequences_in_group=4", "rollout.max_staleness_cap=4",
+                        "rollout.max_num_seqs=64"])
+
+
+def test_a_decision_made_from_the_state_equals_the_one_made_in_place():
+    """What the decision process does (decide_on over the tuner's JSON state) is the tuner's own decision: the same
+    move, smoothed gains and count, at several windows and histories; a reply for a window no longer in force is
+    ignored."""
+    import json
+
+    cfg = _auto_cfg()
+    hook = window_hook(cfg, AdmissionController(2, cfg.rollout.max_staleness, lookahead=None), lambda _l: None,
+                       background=False)
+    rng, compared, moves = random.Random(1), 0, 0
+    for _ in range(45):
+        metrics, groups = _step(rng)
+        tuner = hook.tuner
+        if tuner.record(metrics, [g.sample_lengths() for g in groups]):
+            here = copy.deepcopy(tuner)
+            reply = decide_on(json.loads(json.dumps(tuner.state())))  # through JSON, as on the pipe
+            move = here.decide()
+            assert reply["move"] == ([move.k, move.j, move.reason] if move else None)
+            assert {(k, j): g for k, j, g in reply["gain"]} == here._gain and reply["evals"] == here._evals
+            compared, moves = compared + 1, moves + (move is not None)
+            tuner.take(reply)
+            here.apply(move)
+            assert (tuner.k, tuner.j, tuner._evals, tuner._gain, tuner._last) == \
+                (here.k, here.j, here._evals, here._gain, here._last)
+    assert compared == 15 and moves >= 1
+    stale = decide_on(hook.tuner.state())
+    hook.tuner.apply(Move(hook.tuner.k - 1, hook.tuner.k - 1, "test"))
+    assert hook.tuner.take(stale) is None  # judged another window: not put in force
+
+
+def test_the_decision_process_moves_the_window_without_holding_the_learners_thread():
+    """With the hook's own decision process: moves arrive within a few steps of being due and reach the controller,
+    each step records how long the hook held the thread (``time/tune_s``), which is a small share of a decision's
+    cost (``tune/decide_s``, measured in the child), while deciding in place holds the thread for the whole
+    decision on the steps where one is due."""
+    cfg = _auto_cfg()
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append)
+    rng, records = random.Random(0), []
+    try:
+        for _ in range(400):
+            metrics, groups = _step(rng)
+            hook.after_step(metrics, groups)
+            assert (metrics["tune/k"], metrics["tune/j"]) == (adm.k, adm.j)
+            records.append(metrics)
+            if adm.k >= 3:
+                break
+            time.sleep(0.02)
+        assert hook.host is not None and hook.host.decisions >= 1, said  # never fell back
+    finally:
+        hook.close()
+    assert adm.k >= 3 and hook.changes >= 2 and said and all(line.startswith("window k ") for line in said), said
+    decided = [r["tune/decide_s"] for r in records if "tune/decide_s" in r]
+    held = [r["time/tune_s"] for r in records]
+    assert decided and max(held) < min(decided), (max(held), min(decided))
+    inline = window_hook(cfg, AdmissionController(2, 1, lookahead=None), lambda _l: None, background=False)
+    rng, due_held = random.Random(0), []
+    for i in range(1, 10):
+        metrics, groups = _step(rng)
+        inline.after_step(metrics, groups)
+        if i % 3 == 0:
+            due_held.append(metrics["time/tune_s"])
+    assert min(due_held[1:]) > max(held), (due_held, max(held))  # in place, a due step holds the whole decision
+
+
+def test_a_decision_process_that_dies_leaves_the_hook_deciding_in_place_and_saying_so():
+    cfg = _auto_cfg()
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append)
+    hook.host.proc.kill()
+    rng = random.Random(0)
+    deadline = time.monotonic() + 30
+    while hook.host is not None and time.monotonic() < deadline:
+        metrics, groups = _step(rng)
+        hook.after_step(metrics, groups)
+        time.sleep(0.01)
+    assert hook.host is None and any("deciding on the learner's thread" in line for line in said), said
+    for _ in range(30):  # and goes on tuning, step for step
+        metrics, groups = _step(rng)
+        hook.after_step(metrics, groups)
+    assert adm.k > 1

@@ -1,0 +1,115 @@
+"""The window tuner's decisions, made in a process of their own (``rollout.max_staleness=auto``).
+
+Why not on the learner's thread: a decision simulates the current window and each neighbour over several seeds
+(:mod:`asyncppo.pipeline.tuner`), ~0.1 s of pure Python per window on data=long's batch (2-core box), ~0.5-1 s a
+decision. Made between two steps it stalled the learner, and that stall fell outside the step's own time
+(``time/step_s``), while the engine went on filling the buffer: on data=reverse (0.06 s steps, a decision every 5)
+an auto run's learner-thread time was ~45% above what its steps recorded, and the window benchmark, which adds the
+steps, did not see it (docs/staleness.md, "What a decision costs"). Here the learner hands the tuner's state over a
+pipe and goes on; the reply is put in force at the first step after it arrives.
+
+Why a fresh interpreter (``python -m asyncppo.pipeline.tuner_host``) and JSON lines: the learner may be a Ray actor
+(multiprocessing's spawn would re-run its main module), and nothing on a pipe is unpickled. The child inherits the
+learner's CPU pinning, so on a shared core its work shows up as slower learner steps, where it is counted.
+
+How much it may cost: the child is kept busy at most :data:`SHARE` of the wall time. After a decision that took
+``c`` seconds the next is not sent before ``c * (1 / SHARE - 1)`` seconds; a decision that falls due earlier is
+skipped (the next due step tries again), so a run with very short steps decides less often rather than paying more.
+A child that dies or answers with an error leaves the hook deciding on the learner's thread again, said once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+from typing import Optional
+
+#: The largest share of wall time the decision process may be busy (module docstring).
+SHARE = 0.1
+
+
+class DecisionHost:
+    """The learner's end: :meth:`submit` a tuner state when :meth:`ready`, :meth:`poll` for the reply."""
+
+    def __init__(self, share: float = SHARE):
+        self.share = share
+        self.proc = subprocess.Popen([sys.executable, "-m", "asyncppo.pipeline.tuner_host"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, cwd=os.getcwd())
+        self.replies: queue.Queue = queue.Queue()
+        self.busy = False
+        self.not_before = 0.0
+        self.failed: Optional[str] = None
+        self.decisions = 0
+        self._reader = threading.Thread(target=self._read, name="tuner-host-reader", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            try:
+                self.replies.put(json.loads(line))
+            except ValueError:
+                self.replies.put({"error": f"not JSON: {line[:80]!r}"})
+        self.replies.put({"error": f"the decision process exited (code {self.proc.wait()})"})
+
+    def ready(self) -> bool:
+        """Nothing in flight, the cool-down over, the child alive."""
+        return self.failed is None and not self.busy and time.monotonic() >= self.not_before
+
+    def submit(self, state: dict) -> None:
+        try:
+            self.proc.stdin.write(json.dumps({"tuner": state}) + "\n")
+            self.proc.stdin.flush()
+            self.busy = True
+        except (OSError, ValueError) as exc:
+            self.failed = f"cannot write to the decision process ({exc})"
+
+    def poll(self) -> Optional[dict]:
+        """The reply to the decision in flight, once it came (``error``: the host failed, :attr:`failed` says why)."""
+        try:
+            reply = self.replies.get_nowait()
+        except queue.Empty:
+            return None
+        self.busy = False
+        if "error" in reply:
+            self.failed = str(reply["error"])
+            return reply
+        self.decisions += 1
+        cost = float(reply.get("decide_s", 0.0))
+        self.not_before = time.monotonic() + cost * (1.0 / self.share - 1.0)
+        return reply
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def main() -> None:
+    """The child: one JSON state in per line, one JSON reply out (:func:`asyncppo.pipeline.tuner.decide_on`)."""
+    from asyncppo.pipeline.tuner import decide_on
+
+    out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    sys.stdout = sys.stderr  # anything printed by the simulation stays out of the replies
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        try:
+            reply = decide_on(json.loads(line)["tuner"])
+        except Exception as exc:  # one bad decision is the learner's to handle: it decides itself from then on
+            reply = {"error": f"{type(exc).__name__}: {exc}"}
+        reply["decide_s"] = time.perf_counter() - t0
+        out.write(json.dumps(reply) + "\n")
+
+
+if __name__ == "__main__":
+    main()
