@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from asyncppo.agents.openai_format import completion_body, make_reply
+from asyncppo.agents.openai_format import Reply, completion_body, make_reply, text_completion_body
 from asyncppo.agents.server import AgentServer
 from asyncppo.envs.text_env import MalformedStep, check_reward
 
@@ -70,11 +70,16 @@ class AgentEpisode:
         if kind == "call":
             self._call = payload
             self.tools = payload.request.tools
+            if payload.raw is not None:  # /v1/completions: the prompt is the call's own text (or ids), no template
+                return [], {"prompt_ids": self._ids(payload.raw)}
             return _template_messages(payload.new_messages), {}
         raise self._failure(kind, payload, "before its first model call")
 
     def step(self, action_text: str):
         kind, payload = self.session.next_event(self.wait_s)
+        if kind == "call" and payload.raw is not None:  # /v1/completions: what the prompt adds, as it tokenizes
+            self._call = payload
+            return [], 0.0, False, {"env_ids": self._ids(payload.raw)}
         if kind == "call":  # a branch: the rewritten conversation after the first messages (envs/episodes.py)
             self._call = payload
             info = {"branch": self.server.branches} if payload.branch else {}  # final | all: drop or keep the old
@@ -103,14 +108,27 @@ class AgentEpisode:
         if call is None or self.session is None:
             return
         request = call.request
+        texts = [self.tokenizer.decode([t]) for t in token_ids] if request.logprobs else None
+        if call.raw is not None:
+            call_id = f"cmpl-{self.session.sid[:12]}-{call.number}"
+            body = text_completion_body(text, finish_reason, call_id=call_id, model=self.server.model_name,
+                                        created=int(time.time()), prompt_tokens=prompt_tokens, token_ids=token_ids,
+                                        logprobs=logprobs if request.logprobs else None, token_texts=texts,
+                                        versions=versions)
+            self.session.reply(Reply(text, [], finish_reason), body)
+            return
         call_id = f"chatcmpl-{self.session.sid[:12]}-{call.number}"
         reply = make_reply(text, finish_reason, request, call_id)
-        texts = [self.tokenizer.decode([t]) for t in token_ids] if request.logprobs else None
         body = completion_body(reply, call_id=call_id, model=self.server.model_name, created=int(time.time()),
                                prompt_tokens=prompt_tokens, token_ids=token_ids,
                                logprobs=logprobs if request.logprobs else None, token_texts=texts,
                                versions=versions)
         self.session.reply(reply, body)
+
+    def _ids(self, raw: dict) -> list:
+        """A text call's addition as token ids: as sent, or its text tokenized alone (never with what came before:
+        the past stays the ids it was)."""
+        return list(raw["ids"]) if "ids" in raw else self.tokenizer.encode(raw["text"], add_special_tokens=False)
 
     # ---------------------------------------------------------------------------------------------------------
     def _failure(self, kind: str, payload: Any, when: str) -> Exception:

@@ -131,6 +131,38 @@ def _number(body: dict, key: str) -> Optional[float]:
     return float(v)
 
 
+def _refuse_off_policy(body: dict) -> None:
+    """400 for the fields that would make the sampled tokens differ from the policy's distribution."""
+    for key in ("frequency_penalty", "presence_penalty"):
+        if _number(body, key) not in (None, 0.0):
+            raise RequestError(400, f"{key}={body[key]!r}: penalties are not supported (they would make the "
+                                    "sampled tokens' log-probs differ from the policy's)")
+    if body.get("logit_bias"):
+        raise RequestError(400, "logit_bias is not supported (it would make the sampled tokens off-policy)")
+
+
+def _stop_ids(body: dict, stop_token_id: Callable[[str], Optional[int]]) -> list:
+    """``stop`` as token ids: up to 4 strings, each one token of the vocabulary (the engine stops on ids)."""
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(x, str) for x in stop) or len(stop) > 4:
+        raise RequestError(400, "stop must be a string or a list of at most 4 strings")
+    ids = [stop_token_id(x) for x in stop]
+    for x, tid in zip(stop, ids):
+        if tid is None:
+            raise RequestError(400, f"stop={x!r}: only stop strings that are one token of the model's vocabulary "
+                                    "are supported (the engine stops on token ids)")
+    return ids
+
+
+def _sampling(body: dict) -> dict:
+    """``temperature`` / ``top_p`` / ``seed`` as sent (checked; the run's own sampling replaces them)."""
+    sampling = {k: _number(body, k) for k in ("temperature", "top_p") if body.get(k) is not None}
+    if body.get("seed") is not None:
+        sampling["seed"] = body["seed"]
+    return sampling
+
+
 def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int]]) -> ChatRequest:
     """A :class:`ChatRequest`, or :class:`RequestError` (400) naming the first field it cannot honour.
     ``stop_token_id``: the token id of a stop string that is one token of the vocabulary, else None."""
@@ -156,12 +188,7 @@ def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int
     if n not in (None, 1):
         raise RequestError(400, f"n={n!r}: a session is one episode, one reply per call (the run's "
                                 "rollout.num_return_sequences_in_group makes the group of episodes)")
-    for key in ("frequency_penalty", "presence_penalty"):
-        if _number(body, key) not in (None, 0.0):
-            raise RequestError(400, f"{key}={body[key]!r}: penalties are not supported (they would make the "
-                                    "sampled tokens' log-probs differ from the policy's)")
-    if body.get("logit_bias"):
-        raise RequestError(400, "logit_bias is not supported (it would make the sampled tokens off-policy)")
+    _refuse_off_policy(body)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError(400, f"response_format={str(fmt)[:80]}: only {{'type': 'text'}} is supported")
@@ -179,22 +206,87 @@ def parse_chat_request(body: Any, *, stop_token_id: Callable[[str], Optional[int
         raise RequestError(400, f"tool_choice={str(choice)[:80]}: only 'auto' and 'none' are supported (the engine "
                                 "does not constrain what the model writes)")
     a, b = _positive_int(body, "max_tokens"), _positive_int(body, "max_completion_tokens")
-    stop = body.get("stop")
-    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > 4:
-        raise RequestError(400, "stop must be a string or a list of at most 4 strings")
-    stop_ids = [stop_token_id(s) for s in stop]
-    for s, tid in zip(stop, stop_ids):
-        if tid is None:
-            raise RequestError(400, f"stop={s!r}: only stop strings that are one token of the model's vocabulary "
-                                    "are supported (the engine stops on token ids)")
-    sampling = {k: _number(body, k) for k in ("temperature", "top_p") if body.get(k) is not None}
-    if body.get("seed") is not None:
-        sampling["seed"] = body["seed"]
+    stop_ids, sampling = _stop_ids(body, stop_token_id), _sampling(body)
     return ChatRequest(messages=messages, tools=tools or None, parse_tools=choice != "none",
                        max_tokens=min(x for x in (a, b) if x is not None) if (a or b) else None,
                        stop=stop_ids, logprobs=logprobs, sampling=sampling, stream=stream,
                        stream_usage=bool((options or {}).get("include_usage")))
+
+
+#: ``/v1/completions`` fields honoured (the rest of :data:`NO_OP` too); anything else is refused by name.
+TEXT_HONOURED = ("prompt", "max_tokens", "stop", "logprobs", "temperature", "top_p", "seed", "n", "stream", "echo",
+                 "best_of", "frequency_penalty", "presence_penalty", "logit_bias", "suffix")
+
+
+@dataclass
+class TextRequest:
+    """One checked ``/v1/completions`` call: the prompt as text or as token ids, and the per-call limits. A session
+    of these continues its text (or its ids) the way a chat session continues its messages (agents/session.py)."""
+
+    prompt_text: Optional[str]
+    prompt_ids: Optional[list]
+    max_tokens: Optional[int] = None
+    stop: list = field(default_factory=list)
+    logprobs: bool = False
+    sampling: dict = field(default_factory=dict)
+    tools: Optional[list] = None  # a completion has none: the same shape as ChatRequest for the episode
+    parse_tools: bool = False
+    stream: bool = False
+
+
+def parse_completion_request(body: Any, *, stop_token_id: Callable[[str], Optional[int]],
+                             vocab_size: int) -> TextRequest:
+    """A :class:`TextRequest`, or :class:`RequestError` (400) naming the first field it cannot honour. ``prompt``:
+    one string, or one list of token ids (each below ``vocab_size``); ``logprobs`` 0 or 1 (the sampled tokens')."""
+    if not isinstance(body, dict):
+        raise RequestError(400, "the body must be a JSON object")
+    unknown = sorted(set(body) - set(NO_OP) - set(TEXT_HONOURED))
+    if unknown:
+        raise RequestError(400, f"unsupported field {unknown[0]!r} (supported: {', '.join(TEXT_HONOURED + NO_OP)})")
+    prompt = body.get("prompt")
+    text = ids = None
+    if isinstance(prompt, str) and prompt:
+        text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise RequestError(400, f"prompt: token ids must be in 0..{vocab_size - 1}")
+        ids = list(prompt)
+    else:
+        raise RequestError(400, "prompt must be one non-empty string or one non-empty list of token ids (a session is "
+                                "one episode: no batch of prompts)")
+    if body.get("stream"):
+        raise RequestError(400, "stream=true is not supported on /v1/completions (it is on /v1/chat/completions)")
+    for key, ok in (("echo", False), ("suffix", None)):
+        if body.get(key) not in (None, ok):
+            raise RequestError(400, f"{key}={str(body[key])[:40]!r} is not supported")
+    for key in ("n", "best_of"):
+        if body.get(key) not in (None, 1):
+            raise RequestError(400, f"{key}={body[key]!r}: a session is one episode, one completion per call")
+    _refuse_off_policy(body)
+    lp = body.get("logprobs")
+    if lp not in (None, 0, 1) or isinstance(lp, bool):
+        raise RequestError(400, f"logprobs={lp!r}: 0 or 1 (only the sampled tokens' log-probs are returned)")
+    return TextRequest(prompt_text=text, prompt_ids=ids, max_tokens=_positive_int(body, "max_tokens"),
+                       stop=_stop_ids(body, stop_token_id), logprobs=lp == 1, sampling=_sampling(body))
+
+
+def text_completion_body(text: str, finish: str, *, call_id: str, model: str, created: int, prompt_tokens: int,
+                         token_ids: list, logprobs: Optional[list], token_texts: Optional[list],
+                         versions: list) -> dict:
+    """The JSON of a text completion, with the same ``asyncppo`` extension as a chat completion's."""
+    lp = None
+    if logprobs is not None:
+        offsets, at = [], 0
+        for t in token_texts or []:
+            offsets.append(at)
+            at += len(t)
+        lp = {"tokens": list(token_texts or []), "token_logprobs": [float(x) for x in logprobs],
+              "top_logprobs": None, "text_offset": offsets}
+    return {"id": call_id, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "finish_reason": finish, "logprobs": lp}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+                      "total_tokens": prompt_tokens + len(token_ids)},
+            "asyncppo": {"token_ids": [int(t) for t in token_ids], "versions": [int(v) for v in versions]}}
 
 
 @dataclass

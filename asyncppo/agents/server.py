@@ -10,8 +10,11 @@ Routes (``{base}`` = ``/sessions/<id>/v1``, what the agent's client is given as 
 
 * ``POST {base}/chat/completions``: one model turn of the episode (:mod:`asyncppo.agents.session`), as one JSON
   body or, with ``stream=true``, as server-sent events;
+* ``POST {base}/completions``: one model turn of an episode played as text (a prompt string, or token ids, that
+  extends the episode so far; no chat template);
 * ``GET {base}/models`` and ``GET /v1/models``: the one model this endpoint serves;
-* ``POST /v1/chat/completions``: 404 naming the session URL (a call outside an episode has nowhere to train).
+* ``POST /v1/chat/completions``, ``POST /v1/completions``: 404 naming the session URL (a call outside an episode has
+  nowhere to train).
 
 The agent programs run in a child process (:mod:`asyncppo.agents.host`) and call this server over loopback like
 any client; each run's end or error comes back to its session's events.
@@ -28,7 +31,8 @@ from collections import Counter, OrderedDict
 from typing import Any, Callable, Optional
 
 from asyncppo.agents.host import AgentHost
-from asyncppo.agents.openai_format import RequestError, error_body, parse_chat_request, stream_chunks
+from asyncppo.agents.openai_format import (RequestError, error_body, parse_chat_request, parse_completion_request,
+                                           stream_chunks)
 from asyncppo.agents.session import Session
 
 #: Pending connections the listener queues: every episode's client may connect at once when a group starts (a full
@@ -45,13 +49,13 @@ class AgentServer:
     def __init__(self, agent: str, *, host: str = "127.0.0.1", port: int = 0, key: Optional[str] = None,
                  max_body_bytes: int = 4 << 20, model_name: str = "policy", max_concurrency: int = 16,
                  stop_token_id: Callable[[str], Optional[int]] = lambda s: None, client_timeout_s: float = 600.0,
-                 branches: str = "final"):
+                 branches: str = "final", vocab_size: int = 1 << 31):
         self.host, self.port, self.branches = host, port, branches
         self.agents = AgentHost(agent, self._agent_done, max_concurrency=max_concurrency,
                                 client_timeout_s=client_timeout_s)
         self.key = key or secrets.token_urlsafe(24)
         self.max_body_bytes, self.model_name = max_body_bytes, model_name
-        self.stop_token_id = stop_token_id
+        self.stop_token_id, self.vocab_size = stop_token_id, vocab_size
         self.sessions: dict[str, Session] = {}
         self._closed: OrderedDict[str, str] = OrderedDict()
         self.refusals: Counter = Counter()
@@ -74,7 +78,9 @@ class AgentServer:
         app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
         app.router.add_get("/sessions/{sid}/v1/models", self._models)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/sessions/{sid}/v1/completions", self._text)
         app.router.add_post("/v1/chat/completions", self._no_session)
+        app.router.add_post("/v1/completions", self._no_session)
         self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=BACKLOG)
@@ -159,6 +165,14 @@ class AgentServer:
             raise RequestError(400, f"the body is not JSON ({type(e).__name__})", "malformed_json") from None
 
     async def _chat(self, request):
+        return await self._turn(request, lambda body: parse_chat_request(body, stop_token_id=self.stop_token_id))
+
+    async def _text(self, request):
+        return await self._turn(request, lambda body: parse_completion_request(
+            body, stop_token_id=self.stop_token_id, vocab_size=self.vocab_size))
+
+    async def _turn(self, request, parse):
+        """One model turn of a session: checked (``parse``), admitted, answered when the engine has written it."""
         from aiohttp import web  # heavy: aiohttp
 
         try:
@@ -172,7 +186,7 @@ class AgentServer:
                                        "session_closed")
                 raise RequestError(404, "unknown session", "unknown_session")
             body = await self._body(request)
-            chat = parse_chat_request(body, stop_token_id=self.stop_token_id)
+            chat = parse(body)
             future = self.loop.create_future()
             session.accept(chat, future)
             answer = await future  # the model's turn, or a RequestError when the episode ended first

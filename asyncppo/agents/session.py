@@ -27,7 +27,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from asyncppo.agents.openai_format import ChatRequest, Reply, RequestError, template_tool_calls
+from asyncppo.agents.openai_format import ChatRequest, Reply, RequestError, TextRequest, template_tool_calls
 from asyncppo.config.validate_text_env import AGENT_BRANCHES  # what env.agent_branches may be
 
 
@@ -40,6 +40,7 @@ class Call:
     future: asyncio.Future
     number: int
     branch: bool = False  # the call rewrote the past: the episode's response restarts after its prompt
+    raw: Optional[dict] = None  # /v1/completions: {"text": str} or {"ids": list}, what the call adds to the episode
 
 
 def _same(sent: dict, kept: dict) -> bool:
@@ -71,6 +72,8 @@ class Session:
         self.calls = 0
         self.replied: list = []  # the token ids of each reply, in order (what the episode trains as model turns)
         self.cancel: Optional[Callable[[], None]] = None  # stops the agent's run (the agent host's cancel)
+        self.api: Optional[str] = None  # "chat" or "text" (/v1/completions): the first call's; never mixed
+        self.held: Any = None  # text calls: the episode so far as the agent sees it, a str or a list of token ids
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------------ server side
@@ -83,6 +86,16 @@ class Session:
             if self.pending is not None:
                 raise RequestError(409, "a call on this session is already in flight: an episode is one "
                                         "conversation, one call at a time", "concurrent_call")
+            api = "text" if isinstance(request, TextRequest) else "chat"
+            if self.api not in (None, api):
+                raise RequestError(409, f"this session's calls are {self.api} completions: an episode is one "
+                                        "conversation through one API", "mixed_api")
+            self.api = api
+            if api == "text":
+                self.calls += 1
+                self.pending = Call(request, [], future, self.calls, raw=self._text_extension(request))
+                self.events.put(("call", self.pending))
+                return self.pending
             new, branch = self._extension(request)
             if self.first is None:
                 self.first = list(request.messages)
@@ -130,12 +143,39 @@ class Session:
                                     "prompt ends in the assistant header", "history_rewritten")
         return rest, True
 
+    def _text_extension(self, request: TextRequest) -> dict:
+        """What a ``/v1/completions`` call adds: the first call's whole prompt, then what a prompt adds after the
+        episode so far (the earlier prompts and the model's completions, exactly as returned); 409 when it does not
+        extend it. A session keeps to the prompt form of its first call (text, or token ids)."""
+        prompt = request.prompt_ids if request.prompt_ids is not None else request.prompt_text
+        kind = "ids" if request.prompt_ids is not None else "text"
+        if self.held is None:
+            self.held = prompt
+            return {kind: prompt}
+        held_kind = "ids" if isinstance(self.held, list) else "text"
+        if kind != held_kind:
+            raise RequestError(409, f"this session's prompts are {held_kind}: a session keeps to its first call's "
+                                    "prompt form", "history_rewritten")
+        if len(prompt) < len(self.held) or prompt[:len(self.held)] != self.held:
+            unit = "token ids" if kind == "ids" else "characters"
+            raise RequestError(409, f"the prompt does not extend the episode so far (its first {len(self.held)} "
+                                    f"{unit}: the earlier prompt and the completions as returned): a session trains "
+                                    "one text, whose past completions are the sampled tokens", "history_rewritten")
+        rest, self.held = prompt[len(self.held):], prompt
+        return {kind: rest}
+
     # ------------------------------------------------------------------------------------------------ worker side
     def reply(self, reply: Reply, body: dict) -> None:
         """The model's turn for the pending call: kept in the conversation, then handed to the waiting request."""
         with self._lock:
             call, self.pending = self.pending, None
             if call is None or self.closed is not None:
+                return
+            if call.raw is not None:  # a text completion: the episode so far grows by what the agent was given
+                ids = list(body.get("asyncppo", {}).get("token_ids", []))
+                self.held = self.held + ids if isinstance(self.held, list) else self.held + reply.content
+                self.replied.append(ids)
+                self.loop.call_soon_threadsafe(_settle, call.future, body)
                 return
             self.conversation.append({"role": "assistant", "content": reply.content or "",
                                       "tool_call_ids": reply.tool_call_ids,
@@ -167,6 +207,8 @@ class Session:
     def transcript(self) -> list:
         """The conversation as chat messages (what ``env.reward_fn`` scores)."""
         with self._lock:
+            if self.api == "text":  # the whole text (ids: as the agent sent and was given them)
+                return [{"role": "completion", "content": self.held if isinstance(self.held, str) else ""}]
             return [{"role": m["role"], "content": m["content"]} for m in self.conversation or []]
 
 

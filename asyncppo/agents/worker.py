@@ -50,14 +50,14 @@ class AgentRolloutWorker(EpisodeRolloutWorker):
         self.server = AgentServer(e.agent, host=e.agent_host, port=e.agent_port, key=None,
                                   max_body_bytes=e.agent_max_body_bytes, model_name=str(self.cfg.model.path),
                                   max_concurrency=e.max_concurrency, stop_token_id=stop_token_id,
-                                  branches=e.agent_branches).start()
+                                  vocab_size=len(tokenizer), branches=e.agent_branches).start()
         self._closables.append(self.server)
         self.stats["agent_endpoint"] = self.server.url
 
     def _announce(self, num_prompts: int) -> None:
         super()._announce(num_prompts)
         print(f"[asyncppo] rollout worker {self.worker_id}: agent {self.cfg.env.agent} served at "
-              f"{self.server.url}/sessions/<id>/v1 (OpenAI Chat Completions; a bearer key per run)", flush=True)
+              f"{self.server.url}/sessions/<id>/v1 (OpenAI Chat Completions and Completions; a bearer key per run)", flush=True)
 
     def _start_episodes(self, key: str, row, spec: SamplingSpec) -> None:
         e = self.cfg.env

@@ -200,6 +200,8 @@ class EpisodeEngine:
             return self._end(ep, out.fault)
         if what == "init":
             ep.first_messages = list(out.observations)
+            if ep.prompt_ids is None and out.info.get("prompt_ids") is not None:  # an agent's text call (no template)
+                ep.prompt_ids = [int(t) for t in out.info["prompt_ids"]]
             if ep.prompt_ids is None:
                 text = self.tokenizer.apply_chat_template(out.observations, tools=getattr(ep.env, "tools", None)
                                                           or None, tokenize=False, add_generation_prompt=True)
@@ -217,12 +219,16 @@ class EpisodeEngine:
             return self._end(ep, "max_turns")
         if out.info.get("branch"):
             return self._branch(ep, out.observations, keep=out.info["branch"] == "all")
-        env_ids = turn_ids(self.tokenizer, out.observations, tools=getattr(ep.env, "tools", None),
-                           model_stop_text=ep.model_stop_text)
+        if out.info.get("env_ids") is not None:  # an agent's text call: the ids its prompt added, as they are
+            env_ids = [int(t) for t in out.info["env_ids"]]
+        else:
+            env_ids = turn_ids(self.tokenizer, out.observations, tools=getattr(ep.env, "tools", None),
+                               model_stop_text=ep.model_stop_text)
         if len(ep.ids) + len(env_ids) >= self.response_length:  # no room left for one more model token
             return self._end(ep, "truncated")
-        ep.append_env(env_ids)
-        self.counters["env_tokens"] += len(env_ids)
+        if env_ids:
+            ep.append_env(env_ids)
+            self.counters["env_tokens"] += len(env_ids)
         self._generate(ep)
 
     def _branch(self, ep: EpisodeState, rest: list, keep: bool) -> None:

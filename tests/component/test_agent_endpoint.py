@@ -491,3 +491,100 @@ def test_an_agents_sdk_agent_trains_the_ids_it_sampled(rig):
     for c, ep in zip(group.completions, r.last_episodes):
         assert model_runs(c) == ep.session.replied and ep.session.replied
     assert r.server.refusals == {}
+
+
+# ------------------------------------------------------------------------------------------------ /v1/completions
+def _text_sampled(resp) -> dict:
+    extra = resp.model_extra["asyncppo"]
+    lp = resp.choices[0].logprobs
+    return {"ids": extra["token_ids"], "logprobs": lp.token_logprobs if lp else None, "text": resp.choices[0].text}
+
+
+async def text_agent(client, row):
+    """Three text completions, the prompt each time the whole text so far (the completions as returned) plus a
+    question; between them the calls a text session refuses. The replies and refusals are logged for the test."""
+    import openai
+
+    text, calls, refused = row["prompt"], [], {}
+
+    async def refusal(name, **kw):
+        try:
+            await client.completions.create(model="tiny", **kw)
+        except openai.APIStatusError as e:
+            refused[name] = e.status_code
+
+    for k in range(3):
+        resp = await client.completions.create(model="tiny", prompt=text, max_tokens=8, logprobs=1)
+        calls.append(_text_sampled(resp))
+        text += resp.choices[0].text + f" and {k}?"
+        if k == 0:
+            await refusal("rewritten", prompt="something else entirely", max_tokens=4)
+            await refusal("stream", prompt=text, max_tokens=4, stream=True)
+            await refusal("batch", prompt=[text, text], max_tokens=4)
+            await refusal("n", prompt=text, max_tokens=4, n=2)
+            try:
+                await client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}])
+            except openai.APIStatusError as e:
+                refused["mixed"] = e.status_code
+    _log(row, {"calls": calls, "refused": refused, "text": text})
+    return 1.0
+
+
+async def ids_agent(client, row):
+    """Token ids in, token ids out: each prompt is the ids so far, the sampled ids as returned, and ids of its own."""
+    ids, calls = list(row["prompt_ids"]), []
+    for k in range(2):
+        resp = await client.completions.create(model="tiny", prompt=ids, max_tokens=6)
+        calls.append(_text_sampled(resp))
+        ids = ids + calls[-1]["ids"] + list(row["extra_ids"])
+    _log(row, {"calls": calls})
+    return 1.0
+
+
+def test_text_completions_train_the_sampled_ids_with_only_the_added_text_tokenized(rig, tmp_path):
+    """/v1/completions: a text agent's episode is its first prompt, then each completion's sampled ids and the text
+    its next prompt added, tokenized alone; re-tokenizing the agent's final text gives other ids (the model samples
+    multi-character tokens encoding never produces). A prompt that does not extend the text, a stream, a batch of
+    prompts, n = 2, and a chat call on a text session are refused (409, 400, 400, 400, 409) and train nothing."""
+    r = rig(text_agent)
+    row = {"prompt": "say something:", "log_dir": str(tmp_path)}
+    (group,) = r.run_group("t0", row, n=2)
+    tok, differs = r.tok, 0
+    extra_ids = set(tok.convert_tokens_to_ids(EXTRA))
+    prompt_ids = tok.encode(row["prompt"], add_special_tokens=False)
+    for c, log in zip(sorted(group.completions, key=lambda c: list(c.token_ids)),
+                      sorted(_logs(tmp_path), key=lambda x: x["calls"][0]["ids"])):
+        assert log["refused"] == {"rewritten": 409, "stream": 400, "batch": 400, "n": 400, "mixed": 409}, log
+        assert [int(t) for t in group.prompt_ids] == prompt_ids
+        expected, lps, pos = [], [], []
+        for k, call in enumerate(log["calls"]):
+            pos += range(len(expected), len(expected) + len(call["ids"]))
+            expected += call["ids"]
+            lps += call["logprobs"]
+            if k < 2:
+                expected += tok.encode(f" and {k}?", add_special_tokens=False)
+        ids = [int(t) for t in c.token_ids]
+        assert ids == expected
+        np.testing.assert_allclose(np.asarray(c.logprobs)[pos], lps, rtol=0, atol=1e-6)
+        assert len(c.env_runs) == 2 and c.reward == 1.0
+        if tok.encode(log["text"], add_special_tokens=False)[len(prompt_ids):] != ids:
+            differs += 1
+        assert extra_ids & set(ids), "the model sampled none of the multi-character tokens (seeded: it does)"
+    assert differs == 2
+    assert r.server.calls == 6 and sum(r.server.refusals.values()) == 10, r.server.refusals
+
+
+def test_token_id_prompts_train_exactly_the_ids_sent_and_sampled(rig, tmp_path):
+    r = rig(ids_agent)
+    tok = r.tok
+    row = {"prompt_ids": tok.encode("count:", add_special_tokens=False),
+           "extra_ids": tok.encode(" more", add_special_tokens=False), "log_dir": str(tmp_path)}
+    (group,) = r.run_group("i0", row, n=2)
+    logs = _logs(tmp_path)
+    for c in group.completions:
+        ids = [int(t) for t in c.token_ids]
+        log = next(x for x in logs if x["calls"][0]["ids"] == ids[:len(x["calls"][0]["ids"])])
+        first, second = (call["ids"] for call in log["calls"])
+        assert [int(t) for t in group.prompt_ids] == row["prompt_ids"]
+        assert ids == first + row["extra_ids"] + second
+    assert r.server.calls == 4 and not r.server.refusals

@@ -9,7 +9,8 @@ import json
 import pytest
 
 from asyncppo.agents.episode import agent_reward
-from asyncppo.agents.openai_format import (RequestError, completion_body, make_reply, normalize_message,
+from asyncppo.agents.openai_format import (Reply, RequestError, completion_body, make_reply, normalize_message,
+                                           parse_completion_request, text_completion_body,
                                            parse_chat_request)
 from asyncppo.agents.session import Session
 from asyncppo.config import ConfigError, load_config
@@ -297,3 +298,57 @@ def test_a_streamed_reply_reassembles_to_the_whole_completion():
     assert content == (message["content"] or "") and [calls[i] for i in sorted(calls)] == message["tool_calls"]
     assert finish == "tool_calls" and extra == {"token_ids": [4, 5, 6], "versions": [3, 3, 4]}
     assert usage == body["usage"] and len(stream_chunks(body, include_usage=False)) == 2
+
+
+def _text(body: dict):
+    return parse_completion_request(body, stop_token_id=lambda x: 7 if x == "\n" else None, vocab_size=100)
+
+
+@pytest.mark.parametrize("body, named", [
+    ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": ""}, "prompt"), ({"prompt": [1, 100]}, "0..99"),
+    ({"prompt": [1, True]}, "prompt"), ({"prompt": "a", "stream": True}, "stream"), ({"prompt": "a", "echo": True},
+    "echo"), ({"prompt": "a", "suffix": "z"}, "suffix"), ({"prompt": "a", "n": 2}, "n=2"),
+    ({"prompt": "a", "best_of": 3}, "best_of"), ({"prompt": "a", "logprobs": 5}, "logprobs"),
+    ({"prompt": "a", "logit_bias": {"1": 5}}, "logit_bias"), ({"prompt": "a", "stop": "ab"}, "stop"),
+    ({"prompt": "a", "max_tokens": 0}, "max_tokens"), ({"prompt": "a", "guided_json": {}}, "guided_json")])
+def test_a_text_completion_that_cannot_be_honoured_is_refused_naming_the_field(body, named):
+    with pytest.raises(RequestError) as e:
+        _text(body)
+    assert e.value.status == 400 and named in e.value.reason, e.value.reason
+
+
+def test_a_text_completion_request_and_its_reply():
+    r = _text({"prompt": "2+2=", "max_tokens": 4, "stop": "\n", "logprobs": 1, "temperature": 0.7, "model": "m"})
+    assert (r.prompt_text, r.prompt_ids, r.max_tokens, r.stop, r.logprobs) == ("2+2=", None, 4, [7], True)
+    assert _text({"prompt": [3, 4]}).prompt_ids == [3, 4] and not _text({"prompt": "x", "logprobs": 0}).logprobs
+    body = text_completion_body("4\n", "stop", call_id="c", model="m", created=1, prompt_tokens=4, token_ids=[9, 7],
+                                logprobs=[-0.5, -1.5], token_texts=["4", "\n"], versions=[3, 3])
+    choice = body["choices"][0]
+    assert body["object"] == "text_completion" and choice["text"] == "4\n" and choice["finish_reason"] == "stop"
+    assert choice["logprobs"] == {"tokens": ["4", "\n"], "token_logprobs": [-0.5, -1.5], "top_logprobs": None,
+                                  "text_offset": [0, 1]}
+    assert body["usage"]["total_tokens"] == 6 and body["asyncppo"] == {"token_ids": [9, 7], "versions": [3, 3]}
+
+
+def test_a_text_session_adds_what_each_prompt_extends_and_refuses_the_rest():
+    s, loop = _session()
+    call = s.accept(_text({"prompt": "count: "}), loop.create_future())
+    assert call.raw == {"text": "count: "}
+    s.reply(Reply("1 2", [], "stop"), {"asyncppo": {"token_ids": [5, 6, 7]}})
+    for bad, kind in (({"prompt": "count: 1 3, go"}, "history_rewritten"),  # the completion edited
+                      ({"prompt": [1, 2]}, "history_rewritten")):  # another prompt form
+        with pytest.raises(RequestError) as e:
+            s.accept(_text(bad), loop.create_future())
+        assert e.value.status == 409 and e.value.kind == kind
+    with pytest.raises(RequestError) as mixed:
+        s.accept(parse({"messages": MSGS}), loop.create_future())
+    assert mixed.value.status == 409 and mixed.value.kind == "mixed_api"
+    nxt = s.accept(_text({"prompt": "count: 1 2, go on"}), loop.create_future())
+    assert nxt.raw == {"text": ", go on"} and s.replied == [[5, 6, 7]]
+    assert s.transcript() == [{"role": "completion", "content": "count: 1 2, go on"}]
+    ids, loop2 = _session()
+    ids.accept(_text({"prompt": [1, 2]}), loop2.create_future())
+    ids.reply(Reply("x", [], "stop"), {"asyncppo": {"token_ids": [9, 7]}})
+    assert ids.accept(_text({"prompt": [1, 2, 9, 7, 4]}), loop2.create_future()).raw == {"ids": [4]}
+    loop.close()
+    loop2.close()
