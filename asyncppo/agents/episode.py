@@ -71,7 +71,7 @@ class AgentEpisode:
             self._call = payload
             self.tools = payload.request.tools
             if payload.raw is not None:  # /v1/completions: the prompt is the call's own text (or ids), no template
-                return [], {"prompt_ids": self._ids(payload.raw)}
+                return [], {"prompt_ids": self._ids(payload.raw, first=True)}
             return _template_messages(payload.new_messages), {}
         raise self._failure(kind, payload, "before its first model call")
 
@@ -85,7 +85,8 @@ class AgentEpisode:
             info = {"branch": self.server.branches} if payload.branch else {}  # final | all: drop or keep the old
             return _template_messages(payload.new_messages), 0.0, False, info
         if kind == "end":
-            reward, info = agent_reward(payload, self.session.transcript, self.row, self.reward_fn)
+            reward, info = agent_reward(payload, lambda: self.session.transcript(self.tokenizer.decode), self.row,
+                                        self.reward_fn)
             return [], reward, True, info
         if kind == "closed":  # the episode already ended (its outcome is not read): nothing to count
             return [], 0.0, True, {"closed": payload}
@@ -111,10 +112,11 @@ class AgentEpisode:
         texts = [self.tokenizer.decode([t]) for t in token_ids] if request.logprobs else None
         if call.raw is not None:
             call_id = f"cmpl-{self.session.sid[:12]}-{call.number}"
+            held = self.session.held
             body = text_completion_body(text, finish_reason, call_id=call_id, model=self.server.model_name,
                                         created=int(time.time()), prompt_tokens=prompt_tokens, token_ids=token_ids,
                                         logprobs=logprobs if request.logprobs else None, token_texts=texts,
-                                        versions=versions)
+                                        versions=versions, text_offset=len(held) if isinstance(held, str) else 0)
             self.session.reply(Reply(text, [], finish_reason), body)
             return
         call_id = f"chatcmpl-{self.session.sid[:12]}-{call.number}"
@@ -125,10 +127,11 @@ class AgentEpisode:
                                versions=versions)
         self.session.reply(reply, body)
 
-    def _ids(self, raw: dict) -> list:
+    def _ids(self, raw: dict, first: bool = False) -> list:
         """A text call's addition as token ids: as sent, or its text tokenized alone (never with what came before:
-        the past stays the ids it was)."""
-        return list(raw["ids"]) if "ids" in raw else self.tokenizer.encode(raw["text"], add_special_tokens=False)
+        the past stays the ids it was). The first prompt gets the tokenizer's special tokens (a BOS where the model
+        has one), as vLLM's own ``/v1/completions`` tokenizes a prompt; additions get none."""
+        return list(raw["ids"]) if "ids" in raw else self.tokenizer.encode(raw["text"], add_special_tokens=first)
 
     # ---------------------------------------------------------------------------------------------------------
     def _failure(self, kind: str, payload: Any, when: str) -> Exception:

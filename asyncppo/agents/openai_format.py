@@ -237,7 +237,8 @@ class TextRequest:
 def parse_completion_request(body: Any, *, stop_token_id: Callable[[str], Optional[int]],
                              vocab_size: int) -> TextRequest:
     """A :class:`TextRequest`, or :class:`RequestError` (400) naming the first field it cannot honour. ``prompt``:
-    one string, or one list of token ids (each below ``vocab_size``); ``logprobs`` 0 or 1 (the sampled tokens')."""
+    one string, or one list of token ids (each below ``vocab_size``); ``logprobs`` 0 or 1: the sampled tokens'
+    log-probs (1 would add the most likely alternative, which is not returned: ``top_logprobs`` is null)."""
     if not isinstance(body, dict):
         raise RequestError(400, "the body must be a JSON object")
     unknown = sorted(set(body) - set(NO_OP) - set(TEXT_HONOURED))
@@ -267,16 +268,18 @@ def parse_completion_request(body: Any, *, stop_token_id: Callable[[str], Option
     if lp not in (None, 0, 1) or isinstance(lp, bool):
         raise RequestError(400, f"logprobs={lp!r}: 0 or 1 (only the sampled tokens' log-probs are returned)")
     return TextRequest(prompt_text=text, prompt_ids=ids, max_tokens=_positive_int(body, "max_tokens"),
-                       stop=_stop_ids(body, stop_token_id), logprobs=lp == 1, sampling=_sampling(body))
+                       stop=_stop_ids(body, stop_token_id), logprobs=lp is not None, sampling=_sampling(body))
 
 
 def text_completion_body(text: str, finish: str, *, call_id: str, model: str, created: int, prompt_tokens: int,
                          token_ids: list, logprobs: Optional[list], token_texts: Optional[list],
-                         versions: list) -> dict:
-    """The JSON of a text completion, with the same ``asyncppo`` extension as a chat completion's."""
+                         versions: list, text_offset: int = 0) -> dict:
+    """The JSON of a text completion, with the same ``asyncppo`` extension as a chat completion's. ``text_offset``:
+    where the completion starts in prompt + completion (the log-probs' ``text_offset`` count from the prompt's start,
+    as OpenAI's do)."""
     lp = None
     if logprobs is not None:
-        offsets, at = [], 0
+        offsets, at = [], text_offset
         for t in token_texts or []:
             offsets.append(at)
             at += len(t)

@@ -92,8 +92,9 @@ class Session:
                                         "conversation through one API", "mixed_api")
             self.api = api
             if api == "text":
+                raw = self._text_extension(request)
                 self.calls += 1
-                self.pending = Call(request, [], future, self.calls, raw=self._text_extension(request))
+                self.pending = Call(request, [], future, self.calls, raw=raw)
                 self.events.put(("call", self.pending))
                 return self.pending
             new, branch = self._extension(request)
@@ -204,11 +205,13 @@ class Session:
         except queue.Empty:
             raise TimeoutError(f"the agent neither called the model nor returned within {timeout_s:g} s") from None
 
-    def transcript(self) -> list:
-        """The conversation as chat messages (what ``env.reward_fn`` scores)."""
+    def transcript(self, decode: Optional[Callable[[list], str]] = None) -> list:
+        """The conversation as chat messages (what ``env.reward_fn`` scores); a text session's is one message, its
+        whole text (an ids session's decoded with ``decode``)."""
         with self._lock:
-            if self.api == "text":  # the whole text (ids: as the agent sent and was given them)
-                return [{"role": "completion", "content": self.held if isinstance(self.held, str) else ""}]
+            if self.api == "text":
+                held = self.held if isinstance(self.held, str) else decode(self.held) if decode else ""
+                return [{"role": "completion", "content": held}]
             return [{"role": m["role"], "content": m["content"]} for m in self.conversation or []]
 
 

@@ -37,7 +37,12 @@ class WindowHook:
         self.j_min = r.admission_lookahead  # the smallest j ever in force (what a coalesced push must still serve)
         self.changes = 0
         # decisions in a process of their own (pipeline/tuner_host.py); None: on this thread
-        self.host = DecisionHost() if background else None
+        self.host = None
+        if background:
+            try:
+                self.host = DecisionHost()
+            except OSError as exc:  # no process to be had: the run still tunes, on this thread
+                say(f"window tuner: cannot start its decision process ({exc}); deciding on the learner's thread")
 
     def after_step(self, metrics: dict, records: list) -> None:
         """Feed one step; on a move set the window, say why on the console and in this step's record. Every
@@ -61,6 +66,8 @@ class WindowHook:
         if self.host is None:
             return self.tuner.observe(metrics, lengths)
         due = self.tuner.record(metrics, lengths)
+        if due and self.tuner.over_budget():  # the budget acts at once, not after a decision in flight (which,
+            return self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
         reply, move = self.host.poll(), None
         if reply is not None and "error" not in reply:
             metrics["tune/decide_s"] = reply["decide_s"]

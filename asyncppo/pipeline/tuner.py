@@ -153,14 +153,25 @@ class WindowTuner:
               if isinstance(r.get("actor/mismatch_kl"), (int, float))]
         return sum(xs) / len(xs) if xs else None
 
+    def over_budget(self) -> bool:
+        """Whether the measured drift is over ``budget`` (the one rule that acts without simulating)."""
+        drift = self.drift()
+        return self.budget is not None and drift is not None and drift > self.budget
+
+    def drift_move(self) -> Optional[Move]:
+        """Over the budget: one step narrower (``k`` first, else ``j``), whatever the throughput; None when the
+        window can narrow no further. Cheap: the learner's hook applies it at once, never waiting on a decision."""
+        drift = self.drift()
+        for c in ((self.k - 1, self.k - 1 if self.tie_j else self.j) if self.tune_k else None,
+                  (self.k, self.j - 1) if self.tune_j and not self.tie_j else None):
+            if c is not None and self._valid(*c):
+                return Move(*c, f"drift over budget (mismatch_kl {drift:.3g} > {self.budget:.3g})")
+        return None
+
     def _decide(self) -> Optional[Move]:
         drift = self.drift()
-        if self.budget is not None and drift is not None and drift > self.budget:
-            for c in ((self.k - 1, self.k - 1 if self.tie_j else self.j) if self.tune_k else None,
-                      (self.k, self.j - 1) if self.tune_j and not self.tie_j else None):
-                if c is not None and self._valid(*c):
-                    return Move(*c, f"drift over budget (mismatch_kl {drift:.3g} > {self.budget:.3g})")
-            return None
+        if self.over_budget():
+            return self.drift_move()
         try:
             base = self.predict(self.k, self.j)
         except ValueError:  # not enough measured yet

@@ -15,7 +15,10 @@ learner's CPU pinning, so on a shared core its work shows up as slower learner s
 How much it may cost: the child is kept busy at most :data:`SHARE` of the wall time. After a decision that took
 ``c`` seconds the next is not sent before ``c * (1 / SHARE - 1)`` seconds; a decision that falls due earlier is
 skipped (the next due step tries again), so a run with very short steps decides less often rather than paying more.
-A child that dies or answers with an error leaves the hook deciding on the learner's thread again, said once.
+A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
+said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
+learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
+at the old window, is then ignored.
 """
 
 from __future__ import annotations
@@ -38,8 +41,10 @@ class DecisionHost:
 
     def __init__(self, share: float = SHARE):
         self.share = share
+        # the learner's own import path: the child imports the same asyncppo (a worktree, a Ray actor's code path)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         self.proc = subprocess.Popen([sys.executable, "-m", "asyncppo.pipeline.tuner_host"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, bufsize=1, cwd=os.getcwd())
+                                     stdout=subprocess.PIPE, text=True, bufsize=1, env=env)
         self.replies: queue.Queue = queue.Queue()
         self.busy = False
         self.not_before = 0.0

@@ -50,7 +50,7 @@ from typing import Any, Iterable, Sequence
 import torch
 from safetensors.torch import load_file, save_file
 
-from asyncppo.rollout.vllm_cpu_moe import cpu_experts, load_experts, split_experts
+from asyncppo.rollout.vllm_cpu_moe import cpu_experts, load_experts, refusal, split_experts
 from asyncppo.sync.reload_quiet import quiet_reload
 
 
@@ -97,6 +97,9 @@ class StagedWeightsExtension:
                 loaded = load_file(path)
                 named = [(n, loaded.pop(n)) for n, _, _ in manifest if n in loaded]
             why = check_staged(named, manifest)
+            model = self.model_runner.model
+            if not why and cpu_experts(model):  # a MoE kernel this push cannot repack: refused before any load
+                why = refusal(model, named)
             if why:
                 return {"rank": rank, "ok": False, "error": why}
             self._asyncppo_staged = list(named)

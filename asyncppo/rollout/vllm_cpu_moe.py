@@ -63,6 +63,17 @@ def cpu_experts(model: torch.nn.Module) -> bool:
     return any(name.endswith("w13_weight") and p.device.type == "cpu" for name, p in model.named_parameters())
 
 
+def refusal(model: torch.nn.Module, named: list[tuple[str, torch.Tensor]]) -> str:
+    """Why ``model`` cannot take the experts in ``named`` here (empty: it can, or there are none): checked before
+    anything loads, so a tensor-parallel push is refused on every rank rather than broken half-way."""
+    for layer in split_experts(named)[1]:
+        try:
+            _fused_experts(model, layer)
+        except MoEPushUnsupported as exc:
+            return str(exc)
+    return ""
+
+
 #: The checkpoint's per-expert projections as vLLM's fused-MoE weight loader names its shards.
 _SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 

@@ -551,7 +551,7 @@ def test_text_completions_train_the_sampled_ids_with_only_the_added_text_tokeniz
     (group,) = r.run_group("t0", row, n=2)
     tok, differs = r.tok, 0
     extra_ids = set(tok.convert_tokens_to_ids(EXTRA))
-    prompt_ids = tok.encode(row["prompt"], add_special_tokens=False)
+    prompt_ids = tok.encode(row["prompt"], add_special_tokens=True)  # the first prompt: as vLLM's endpoint does
     for c, log in zip(sorted(group.completions, key=lambda c: list(c.token_ids)),
                       sorted(_logs(tmp_path), key=lambda x: x["calls"][0]["ids"])):
         assert log["refused"] == {"rewritten": 409, "stream": 400, "batch": 400, "n": 400, "mixed": 409}, log
@@ -567,7 +567,7 @@ def test_text_completions_train_the_sampled_ids_with_only_the_added_text_tokeniz
         assert ids == expected
         np.testing.assert_allclose(np.asarray(c.logprobs)[pos], lps, rtol=0, atol=1e-6)
         assert len(c.env_runs) == 2 and c.reward == 1.0
-        if tok.encode(log["text"], add_special_tokens=False)[len(prompt_ids):] != ids:
+        if tok.encode(log["text"], add_special_tokens=True)[len(prompt_ids):] != ids:
             differs += 1
         assert extra_ids & set(ids), "the model sampled none of the multi-character tokens (seeded: it does)"
     assert differs == 2

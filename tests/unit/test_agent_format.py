@@ -320,7 +320,8 @@ def test_a_text_completion_that_cannot_be_honoured_is_refused_naming_the_field(b
 def test_a_text_completion_request_and_its_reply():
     r = _text({"prompt": "2+2=", "max_tokens": 4, "stop": "\n", "logprobs": 1, "temperature": 0.7, "model": "m"})
     assert (r.prompt_text, r.prompt_ids, r.max_tokens, r.stop, r.logprobs) == ("2+2=", None, 4, [7], True)
-    assert _text({"prompt": [3, 4]}).prompt_ids == [3, 4] and not _text({"prompt": "x", "logprobs": 0}).logprobs
+    assert _text({"prompt": [3, 4]}).prompt_ids == [3, 4] and not _text({"prompt": "x"}).logprobs
+    assert _text({"prompt": "x", "logprobs": 0}).logprobs  # 0: the sampled tokens' log-probs (OpenAI's meaning)
     body = text_completion_body("4\n", "stop", call_id="c", model="m", created=1, prompt_tokens=4, token_ids=[9, 7],
                                 logprobs=[-0.5, -1.5], token_texts=["4", "\n"], versions=[3, 3])
     choice = body["choices"][0]
@@ -328,6 +329,9 @@ def test_a_text_completion_request_and_its_reply():
     assert choice["logprobs"] == {"tokens": ["4", "\n"], "token_logprobs": [-0.5, -1.5], "top_logprobs": None,
                                   "text_offset": [0, 1]}
     assert body["usage"]["total_tokens"] == 6 and body["asyncppo"] == {"token_ids": [9, 7], "versions": [3, 3]}
+    later = text_completion_body("4\n", "stop", call_id="c", model="m", created=1, prompt_tokens=4, token_ids=[9, 7],
+                                 logprobs=[-0.5, -1.5], token_texts=["4", "\n"], versions=[3, 3], text_offset=4)
+    assert later["choices"][0]["logprobs"]["text_offset"] == [4, 5]  # counted from the prompt's start
 
 
 def test_a_text_session_adds_what_each_prompt_extends_and_refuses_the_rest():

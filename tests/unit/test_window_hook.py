@@ -189,3 +189,26 @@ def test_a_decision_process_that_dies_leaves_the_hook_deciding_in_place_and_sayi
         metrics, groups = _step(rng)
         hook.after_step(metrics, groups)
     assert adm.k > 1
+
+
+def test_drift_over_the_budget_narrows_at_once_with_a_decision_process():
+    """The budget is the learner's own check (a mean over the last records), not a decision to wait for: on the due
+    step itself the window narrows, whatever the decision process is doing."""
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.tune_every=3", "rollout.rollout_batch_size=2",
+                       "rollout.max_staleness_cap=6", "algorithm.offpolicy_budget=0.01"])
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append)
+    try:
+        assert hook.host is not None
+        hook.restore({"k": 4, "j": 4})
+        rng = random.Random(0)
+        for i in range(1, 7):
+            metrics, groups = _step(rng)
+            metrics["actor/mismatch_kl"] = 0.5
+            hook.after_step(metrics, groups)
+            assert adm.k == 4 - i // 3, (i, adm.k)  # steps 3 and 6: one step narrower, on that step
+            assert (metrics.get("tune/reason") or "drift").startswith("drift")
+    finally:
+        hook.close()
+    assert said[-1].startswith("window k 3 -> 2") and "drift over budget" in said[-1]
