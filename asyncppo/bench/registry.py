@@ -48,6 +48,16 @@ REVERSE = ["algorithm=grpo", "algorithm.use_kl_loss=false", "rollout.rollout_bat
 ISSUE21 = "issue 21 item 2, on data=long and data=reverse"
 SECTION_LIMIT = (DIARY, "The lookahead in the advisor: occupancy predicted against measured on `data=long`")
 
+def _tool_latency(**changes) -> dict:
+    """The guess game behind a slow tool (tool-latency; ``agent=True``: as an agent program, agent-latency), a fresh
+    dict each call (no list shared between two benchmarks' options)."""
+    base = dict(steps=60, staleness=16, lookahead=1, modes=["async-cont", "sync"], latencies_ms=[0, 200], model="",
+                agent=False, rollout_cpus="1", learner_cpus="0",
+                overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64", "algorithm.use_kl_loss=false",
+                           "env.max_concurrency=128"])
+    return {**base, **changes}
+
+
 def _window_sweep(name: str, task: str, where: str, expected: str, options: dict, more: str = "") -> Benchmark:
     """One task's sweep of ``asyncppo bench auto-window*``: the self-tuning window against each fixed window."""
     ks = ", ".join(map(str, options["windows"]))
@@ -158,10 +168,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         Target("kept async-cont 200 ms", ">=", 0.9, min_seeds=3,
                why="keep >= 0.9 of the 0 ms rate at 200 ms (diary, 'Latency hiding')"),
         "~40 min (3 seeds x 4 launches of ~3 min)", "asyncppo.bench.tool_latency:run", seeds=(0, 1, 2),
-        options=dict(steps=60, staleness=16, lookahead=1, modes=["async-cont", "sync"], latencies_ms=[0, 200],
-                     model="", agent=False, rollout_cpus="1", learner_cpus="0",
-                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
+        options=_tool_latency(),
         history=((DIARY, "One event loop for every coroutine call"),
                  (DIARY, "Latency hiding: multi-turn episodes behind a slow tool"))),
     Benchmark(
@@ -173,10 +180,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                why="issue 49, item 4: an agent slow to call back keeps >= 0.85 of its 0 ms throughput at the "
                "preset's window"),
         "~15 min (3 seeds x 2 launches of ~2.5 min)", "asyncppo.bench.tool_latency:run", seeds=(0, 1, 2),
-        options=dict(steps=60, staleness=16, lookahead=1, modes=["async-cont"], latencies_ms=[0, 200],
-                     model="", agent=True, rollout_cpus="1", learner_cpus="0",
-                     overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                "algorithm.use_kl_loss=false", "env.max_concurrency=128"])),
+        options=_tool_latency(modes=["async-cont"], agent=True)),
     Benchmark(
         "agent-overhead", "Agents: the endpoint's cost against the in-process episode loop",
         "What does playing an agent program through the OpenAI-compatible endpoint cost, per call and in episodes "

@@ -135,6 +135,19 @@ def _in_child_engine(path: str, prompts: list[list[int]], state: dict, timeout_s
     return res
 
 
+def _perturbed_moe(tmp_path):
+    """A fresh tiny MoE checkpoint, its prompts, the model as saved and a perturbed copy (the learner to push)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from asyncppo.data.tiny import build_tiny_model
+
+    path = build_tiny_model(str(tmp_path / "moe"), seed=0, moe=MOE)
+    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    learner = copy.deepcopy(start)
+    _perturb(learner, seed=3)
+    return path, _prompts(AutoTokenizer.from_pretrained(path)), start, learner
+
+
 def test_tiny_moe_builtin_is_a_top2_of_8_mixture_and_its_warm_start_beats_chance(tmp_path):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -162,18 +175,11 @@ def test_tiny_moe_builtin_is_a_top2_of_8_mixture_and_its_warm_start_beats_chance
 
 
 def test_expert_push_reaches_vllm_packed_experts_and_the_hf_engine(tmp_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from vllm._custom_ops import cpu_prepack_moe_weight
 
-    from asyncppo.data.tiny import build_tiny_model
     from asyncppo.rollout.hf_engine import HFEngine
 
-    path = build_tiny_model(str(tmp_path / "moe"), seed=0, moe=MOE)
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = _prompts(tok)
-    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    learner = copy.deepcopy(start)
-    _perturb(learner, seed=3)
+    path, prompts, start, learner = _perturbed_moe(tmp_path)
     res = _in_child_engine(path, prompts, learner.state_dict())
     assert _lp_error(res["before"], prompts, start) < 1e-4
     assert res["groups"] == 5  # embedding, 2 layers (experts inside), norm, head
@@ -199,16 +205,7 @@ def test_expert_push_reaches_every_rank_of_a_tensor_parallel_vllm_engine(tmp_pat
     """TP = 2: each rank holds half of every expert's intermediate dimension, cut by vLLM's fused-MoE weight loader
     and repacked for the CPU kernel at each push (rollout/tp_load.py). A rank left with stale experts would put the
     engine's log-probs ~0.1 nats off the pushed model's (measured at one rank before the repack existed)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from asyncppo.data.tiny import build_tiny_model
-
-    path = build_tiny_model(str(tmp_path / "moe"), seed=0, moe=MOE)
-    tok = AutoTokenizer.from_pretrained(path)
-    prompts = _prompts(tok)
-    start = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    learner = copy.deepcopy(start)
-    _perturb(learner, seed=3)
+    path, prompts, start, learner = _perturbed_moe(tmp_path)
     res = _in_child_engine(path, prompts, learner.state_dict(), tp=2)
     assert _lp_error(res["before"], prompts, start) < 1e-4
     assert res["groups"] == 5
