@@ -21,6 +21,7 @@ per trained sample, beside the reference loop's update). The long-generation com
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -90,14 +91,37 @@ def run_reference(model_dir: str, seconds: float, rows_train: list[dict]) -> dic
 
 
 # ---------------------------------------------------------------------------------------------- TRL
+TRL_GENERATORS = {"generate": {}, "cb": {"use_transformers_continuous_batching": True},
+                  "vllm": {"use_vllm": True, "vllm_mode": "colocate"}}
+
+
+def trl_mode(text: str) -> dict:
+    """A TRL setup named ``spg<N>[-cb|-vllm][-ckpt]``: ``steps_per_generation`` N (one generation of N batches, then
+    N optimizer updates, each sample used once), the generator (``transformers.generate`` by default,
+    ``cb`` transformers continuous batching, ``vllm`` TRL's vLLM colocate mode) and gradient checkpointing (off
+    unless ``-ckpt``: TRL's default is on, asyncppo's learner does not checkpoint)."""
+    head, *flags = text.split("-")
+    if not head.startswith("spg") or not head[3:].isdigit() or int(head[3:]) < 1:
+        raise ValueError(f"TRL mode {text!r}: expected spg<N>[-cb|-vllm][-ckpt], e.g. spg4-cb")
+    generators = [f for f in flags if f in TRL_GENERATORS]
+    unknown = [f for f in flags if f not in TRL_GENERATORS and f != "ckpt"]
+    if unknown or len(generators) > 1:
+        raise ValueError(f"TRL mode {text!r}: unknown or repeated parts {unknown or generators}")
+    return {"steps_per_generation": int(head[3:]), "gradient_checkpointing": "ckpt" in flags,
+            "generator": generators[0] if generators else "generate"}
+
+
 def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_completion: int, callbacks: list,
-                logging_steps: int = 50, mask_truncated: bool = False, beta: float = 0.0):
-    """TRL's ``GRPOTrainer`` set up as asyncppo's preset trains: 16 prompts x 8 samples per step, one optimizer
-    update per batch, constant learning rate ``LR`` without warm-up, ``beta`` (KL to the reference in the loss, k3,
+                logging_steps: int = 50, mask_truncated: bool = False, beta: float = 0.0, mode: str = "spg1"):
+    """TRL's ``GRPOTrainer`` set up as asyncppo's preset trains: 16 prompts x 8 samples per optimizer update, each
+    sample used once, constant learning rate ``LR`` without warm-up, ``beta`` (KL to the reference in the loss, k3,
     asyncppo's ``use_kl_loss`` with ``kl_penalty=low_var_kl``: 0 = none, the default), grad clip 1, T=1, exact
     match; ``loss_type="dapo"`` (TRL's default, stated): token-mean over the batch's active tokens, which with one
     process and no accumulation is asyncppo's ``loss_agg_mode=token-mean``; ``mask_truncated``: TRL's
-    ``mask_truncated_completions``, asyncppo's ``algorithm.mask_truncated``. None (with a message) without trl."""
+    ``mask_truncated_completions``, asyncppo's ``algorithm.mask_truncated``. ``mode`` (:func:`trl_mode`) is how a
+    TRL user would speed it up: more batches per generation, another generator, no gradient checkpointing. None
+    (with a message) without trl."""
+    setup = trl_mode(mode)
     try:
         from datasets import Dataset
         from trl import GRPOConfig, GRPOTrainer
@@ -115,6 +139,8 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=logging_steps,
         loss_type="dapo", report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, mask_truncated_completions=mask_truncated,
+        steps_per_generation=setup["steps_per_generation"], gradient_checkpointing=setup["gradient_checkpointing"],
+        **TRL_GENERATORS[setup["generator"]],
     )
     trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tok,
                           train_dataset=Dataset.from_list(rows_train), callbacks=callbacks)

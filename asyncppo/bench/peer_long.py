@@ -39,8 +39,8 @@ import time
 import torch
 
 from asyncppo.bench.curves import peer_figures
-from asyncppo.bench.inproc import GROUP, PROMPTS, load
-from asyncppo.bench.peer import trl_trainer
+from asyncppo.bench.inproc import load
+from asyncppo.bench.peer import trl_mode, trl_trainer
 from asyncppo.config import load_config
 from asyncppo.data.heldout import SAMPLES_PER_PROMPT, is_exact_answer
 from asyncppo.data.tasks import get_task
@@ -181,9 +181,11 @@ def run_asyncppo_long(overrides: list[str], root: str, marks: list[float]) -> di
 
 # ---------------------------------------------------------------------------------------------- TRL
 def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
-                 mask_truncated: bool, beta: float) -> dict:
-    """TRL's ``GRPOTrainer`` as peer.py's ``trl_trainer`` sets it up (as the preset trains, truncated answers masked
-    as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``), saving a point at each mark."""
+                 mask_truncated: bool, beta: float, mode: str, name: str) -> dict:
+    """TRL's ``GRPOTrainer`` as peer.py's ``trl_trainer`` sets it up in ``mode`` (as the preset trains, truncated
+    answers masked as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``), saving a point at
+    each mark. With ``steps_per_generation`` N the clock is read after every optimizer step, so a point can land
+    inside a generation's N updates, as a TRL user stopping there would see it."""
     from transformers import TrainerCallback
 
     class TimedPoints(TrainerCallback):
@@ -200,7 +202,7 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
             self.step_s.append(now - self.last)
             clock = now - self.t0 - self.excluded
             if clock >= marks[len(self.points)]:
-                path = os.path.join(root, "trl_points", f"step_{state.global_step}")
+                path = os.path.join(root, f"{name}_points", f"step_{state.global_step}")
                 model.save_pretrained(path)
                 self.tok.save_pretrained(path)
                 self.points.append({"step": state.global_step, "train_s": clock, "path": path})
@@ -212,14 +214,14 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
             self.logs.append(dict(logs or {}))
 
     timed = TimedPoints()
-    built = trl_trainer(model_dir, rows_train, root, max_completion=max_new, callbacks=[timed], logging_steps=1,
-                  mask_truncated=mask_truncated, beta=beta)
+    built = trl_trainer(model_dir, rows_train, os.path.join(root, name), max_completion=max_new, callbacks=[timed],
+                        logging_steps=1, mask_truncated=mask_truncated, beta=beta, mode=mode)
     if built is None:
         return {}
     trainer, timed.tok = built
     generate_s, original = [], trainer._generate_single_turn
 
-    def timed_generate(*a, **kw):  # transformers generate of one step's 128 answers
+    def timed_generate(*a, **kw):  # one generation: N steps' answers (128 each), by the mode's generator
         t = time.perf_counter()
         try:
             return original(*a, **kw)
@@ -227,14 +229,34 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
             generate_s.append(time.perf_counter() - t)
 
     trainer._generate_single_turn = timed_generate
-    print(f"[bench] trl: up to {marks[-1]:.0f} s of training (load {os.getloadavg()[0]:.1f})", flush=True)
+    print(f"[bench] {name} ({mode}: {trl_mode(mode)}): up to {marks[-1]:.0f} s of training "
+          f"(load {os.getloadavg()[0]:.1f})", flush=True)
     trainer.train()
     logs = [g for g in timed.logs if "completions/max_length" in g]
     n = len(timed.step_s)
-    return {"name": "trl", "points": timed.points, "steps": n, "step_s": sum(timed.step_s) / n,
-            "generate_s": sum(generate_s[:n]) / n, "update_s": (sum(timed.step_s) - sum(generate_s[:n])) / n,
+    generations = len(generate_s)
+    return {"name": name, "mode": mode, "points": timed.points, "steps": n, "step_s": sum(timed.step_s) / n,
+            "generations": generations, "generate_s": sum(generate_s) / max(1, generations),
+            "update_s": (sum(timed.step_s) - sum(generate_s)) / n,
             "length_mean": sum(g["completions/mean_length"] for g in logs) / max(1, len(logs)),
             "length_max_mean": sum(g["completions/max_length"] for g in logs) / max(1, len(logs))}
+
+
+def seed_figures(doc: dict) -> dict:
+    """One seed's figures (curves.py: :func:`peer_figures`) against each TRL setup run, and each contender's mean
+    sampled accuracy over its scored points (the pilot's choice of TRL's best setup: the highest mean, fixed before
+    the pilot ran). With one TRL setup the names are the plain ones the target reads; with several, each ratio
+    names the setup it was measured against."""
+    trls = [r["name"] for r in doc["results"] if r["name"].startswith("trl")]
+    figures = peer_figures(doc, slow=trls[0] if len(trls) == 1 else "trl")
+    for name in trls if len(trls) > 1 else []:
+        for key, value in peer_figures(doc, slow=name).items():
+            if "speedup" in key:
+                figures[f"{key} vs {name}"] = value
+    for r in doc["results"]:
+        if r["points"]:
+            figures[f"mean sampled {r['name']}"] = sum(p["sampled"] for p in r["points"]) / len(r["points"])
+    return figures
 
 
 def run(opts: dict, seed: int, work: str) -> dict:
@@ -253,10 +275,14 @@ def run(opts: dict, seed: int, work: str) -> dict:
     results = []
     if "asyncppo" not in opts["skip"]:
         results.append(run_asyncppo_long(overrides, work, marks))
-    if "trl" not in opts["skip"]:
+    modes = [] if "trl" in opts["skip"] else opts["trl"]
+    for mode in modes:
+        trl_mode(mode)  # a misspelt mode fails here, before any training
+    for mode in modes:
         r = run_trl_long(os.path.abspath(model_dir), splits.train, work, marks, cfg.rollout.response_length,
                          cfg.algorithm.mask_truncated,
-                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0)
+                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
+                         mode=mode, name="trl" if len(modes) == 1 else f"trl:{mode}")
         results += [r] if r else []
     start = probe(*load(model_dir), splits.eval, seed=cfg.trainer.seed, max_new=max_new)
     for r in results:
@@ -270,7 +296,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
     from asyncppo.bench.plot_peer import plot  # matplotlib
 
     plot(doc, os.path.join(work, "bench_peer_long.png"), title=f"data=long, seed {seed}")
-    figures = peer_figures(doc)
+    figures = seed_figures(doc)
     for name, value in figures.items():
         print(f"[peer] {name}: {'undefined' if value is None else f'{value:.3f}'}", flush=True)
     units = {k: ("accuracy" if "sampled" in k else "x") for k in figures}

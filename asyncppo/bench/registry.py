@@ -141,7 +141,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         Target("conservative speedup, worst threshold", ">=", 2.0, over="every seed", min_seeds=3,
                why="issue 48 item 3: >= 2x sooner at the conservative bound, at both thresholds, on all 3 seeds"),
         "~75 min (3 seeds x ~25 min; trl must be importable)", "asyncppo.bench.peer_long:run", seeds=(0, 1, 2),
-        options=dict(seconds=600.0, points=6, threads=2, skip=[], overrides=[]),
+        options=dict(seconds=600.0, points=6, threads=2, skip=[], trl=["spg1"], overrides=[]),
         history=((DIARY, "`data=long` against TRL's GRPOTrainer: accuracy against time (issue #21 item 5)"),)),
     Benchmark(
         "peer-default", "Against TRL and a plain loop on the embedded default",
