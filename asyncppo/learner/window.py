@@ -71,6 +71,8 @@ class WindowHook:
         reply, move = self.host.poll(), None
         if reply is not None and "error" not in reply:
             metrics["tune/decide_s"] = reply["decide_s"]
+            for side, gain in reply.get("outlook", {}).items():  # what the model predicted one step either way
+                metrics[f"tune/gain_{side}"] = gain
             move = self.tuner.take(reply)
         elif reply is not None:
             self.say(f"window tuner: {self.host.failed}; deciding on the learner's thread from here on")

@@ -10,7 +10,16 @@ The rule, every ``every`` steps: measured drift (``actor/mismatch_kl``, mean ove
 (``k +- 1``, ``j +- 1`` for the knobs that are auto, within ``[sync_every - 1, cap]``) is simulated on the rates of
 the last ``history`` steps; a raise must predict more than ``margin`` more samples/s, a lowering at most
 ``margin / 4`` fewer (staleness is never free), and no throughput move is made before ``patience`` evaluations at
-the current window. Pinned knobs never move.
+the current window, unless its gain clears the need by ``sure`` margins (a clear case: a run started far from its
+best window climbs one step per evaluation, not one per ``patience``; measured on ``data=reverse``, where decisions
+are rationed by the decision process's share of the wall time, the old rule climbed 1 -> 4 in 200 steps while the
+best window was 8-12). Every move is still one step. Pinned knobs never move.
+
+What a decision costs (it shares the box with the run; tuner_host.py rations it to a tenth of the wall time): the
+current window over ``seeds`` seeds, then each neighbour over the first ``quick_seeds`` of them, completed to all
+``seeds`` only when the quick gain lies within ``sure`` margins of its need; and a wider neighbour is not simulated at
+all when the current window's predicted learner share ``b`` leaves no room for the gain it needs
+(``1 / b - 1 <= need``: no window makes the learner busier than always).
 
 Why it does not oscillate on noisy rates (tests/unit/test_window_tuner.py). Two sources of noise, two remedies:
 - the simulator samples lengths from a heavy-tailed reservoir, so one seed's prediction moves by several percent
@@ -57,7 +66,7 @@ class WindowTuner:
                  sync_every: int = 1, engines: int = 1, train_ranks: int = 1, max_num_seqs: int = 256,
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
-                 smooth: float = 0.3):
+                 smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0):
         self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
@@ -65,6 +74,9 @@ class WindowTuner:
         self.engines, self.ranks, self.max_num_seqs, self.unit = engines, train_ranks, max_num_seqs, admission_unit
         self.every, self.margin, self.patience, self.sim_steps = every, margin, patience, sim_steps
         self.seeds = max(1, seeds)
+        self.quick_seeds = min(max(1, quick_seeds), self.seeds)
+        self.sure = sure  # a gain this many margins past its need is clear: no second seed pass, no patience
+        self.sims = 0  # simulator runs so far (what a decision costs: tests read it)
         self._last: Optional[bool] = None  # whether the last throughput move widened (reversing needs a wider band)
         self.records: collections.deque = collections.deque(maxlen=history)
         self.groups: collections.deque = collections.deque(maxlen=256)  # recent whole groups' lengths
@@ -74,6 +86,7 @@ class WindowTuner:
         self._evals = 0  # evaluations since the window last moved
         self.k_range = [k, k]
         self.j_range = [j, j]
+        self.outlook: dict[str, float] = {}  # the last evaluation's best smoothed gain wider ("up") and narrower
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
@@ -173,35 +186,61 @@ class WindowTuner:
         if self.over_budget():
             return self.drift_move()
         try:
-            base = self.predict(self.k, self.j)
+            base = self._runs(self.k, self.j, self.seeds)
         except ValueError:  # not enough measured yet
             return None
-        best, best_gain = None, 0.0
+        base_rate = [r.samples_per_s for r in base]
+        train_busy = sum(r.train_busy for r in base) / len(base)
+        best, best_gain, best_need = None, 0.0, 0.0
         self._evals += 1
+        self.outlook = {}
         for c in self._neighbours():
-            if self.budget is not None and drift is not None and drift > 0.8 * self.budget and c[0] > self.k:
-                continue  # close to the budget: never widen
-            raw = self.predict(*c).samples_per_s / max(base.samples_per_s, 1e-12) - 1.0
-            gain = self._gain[c] = raw if c not in self._gain else \
-                self.smooth * raw + (1 - self.smooth) * self._gain[c]  # smoothed over evaluations at this window
             wider = c[0] + c[1] > self.k + self.j
+            if wider and self.budget is not None and drift is not None and drift > 0.8 * self.budget:
+                continue  # close to the budget: never widen
             undo = self._last is not None and wider != self._last  # against the last move: the wider band
             need = (2 * self.margin if undo else self.margin) if wider else (0.0 if undo else -self.margin / 4)
+            if wider and 1.0 / max(train_busy, 1e-9) - 1.0 <= need:
+                continue  # the learner is busy enough that no window can gain ``need``: not worth simulating
+            raw = self._gain_of(c, base_rate, need)
+            gain = self._gain[c] = raw if c not in self._gain else \
+                self.smooth * raw + (1 - self.smooth) * self._gain[c]  # smoothed over evaluations at this window
+            side = "up" if wider else "down"
+            self.outlook[side] = max(gain, self.outlook.get(side, -1.0))
             if gain > need and (best is None or gain > best_gain):
-                best, best_gain = c, gain
-        if best is None or self._evals < self.patience:
+                best, best_gain, best_need = c, gain, need
+        sure = best is not None and best_gain > best_need + self.sure * self.margin
+        if best is None or (self._evals < self.patience and not sure):
             return None
+        mean = lambda f: sum(getattr(r, f) for r in base) / len(base)  # noqa: E731
         if best[0] + best[1] < self.k + self.j:
             why = f"no predicted loss narrower ({best_gain:+.1%})"
-        elif base.occupancy < 0.9:
-            why = f"engine idle (occupancy {base.occupancy:.2f}, {best_gain:+.1%} predicted)"
+        elif mean("occupancy") < 0.9:
+            why = f"engine idle (occupancy {mean('occupancy'):.2f}, {best_gain:+.1%} predicted)"
         else:
-            why = f"learner waiting (train busy {base.train_busy:.2f}, {best_gain:+.1%} predicted)"
+            why = f"learner waiting (train busy {train_busy:.2f}, {best_gain:+.1%} predicted)"
         return Move(best[0], best[1], why)
+
+    def _gain_of(self, c: tuple[int, int], base_rate: list[float], need: float) -> float:
+        """Window ``c``'s predicted samples/s over the current window's, minus one, on common seeds: the first
+        ``quick_seeds`` alone when they already put it ``sure`` margins from ``need`` either way (a clear case
+        costs a fraction of the simulations), else all ``seeds``."""
+        rates = [r.samples_per_s for r in self._runs(*c, self.quick_seeds)]
+        gain = sum(rates) / max(sum(base_rate[:len(rates)]), 1e-12) - 1.0
+        if abs(gain - need) > self.sure * self.margin or len(rates) == self.seeds:
+            return gain
+        rates += [r.samples_per_s for r in self._runs(*c, self.seeds, first=len(rates))]
+        return sum(rates) / max(sum(base_rate), 1e-12) - 1.0
 
     def predict(self, k: int, j: int) -> Result:
         """The model's result for window ``(k, j)`` on the rates of the recent steps, averaged over ``seeds``
         simulator seeds (the same seeds for every window: module docstring); ValueError: too few steps measured."""
+        runs = self._runs(k, j, self.seeds)
+        mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
+        return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})
+
+    def _runs(self, k: int, j: int, seeds: int, first: int = 0) -> list[Result]:
+        """One simulation of window ``(k, j)`` per seed ``first .. seeds - 1`` on the rates of the recent steps."""
         recs = list(self.records)
         if len(recs) < 3 or not self.groups:
             raise ValueError("too few steps measured")
@@ -212,12 +251,12 @@ class WindowTuner:
         t_base, t_tok = learner_speed(recs, self.B, self.n, model_frac, notes)
         gen = EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs)
         train, lengths = TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups))
-        runs = [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
+        self.sims += seeds - first
+        return [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
                                max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
-                               turns=turns, env_s=env_s, model_frac=model_frac, steps=self.sim_steps, warmup_steps=min(8, self.sim_steps // 3), seed=seed),
-                         gen, train, lengths) for seed in range(self.seeds)]
-        mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
-        return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})
+                               turns=turns, env_s=env_s, model_frac=model_frac, steps=self.sim_steps,
+                               warmup_steps=min(8, self.sim_steps // 3), seed=seed),
+                         gen, train, lengths) for seed in range(first, seeds)]
 
 
 def decide_on(state: dict) -> dict:
@@ -231,4 +270,5 @@ def decide_on(state: dict) -> dict:
     tuner._evals = int(state["evals"])
     move = tuner.decide()
     return {"at": [int(state["k"]), int(state["j"])], "move": [move.k, move.j, move.reason] if move else None,
-            "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals}
+            "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals,
+            "outlook": tuner.outlook}

@@ -111,3 +111,50 @@ def test_a_multi_turn_run_is_predicted_with_its_time_at_the_tool():
     gain = lambda t: t.predict(4, 4).samples_per_s / t.predict(1, 1).samples_per_s  # noqa: E731
     assert gain(flat) < 1.05 and gain(tool) > 1.5, (gain(flat), gain(tool))  # measured: 1.00 and 1.71
     assert tool.predict(1, 1).samples_per_s < flat.predict(1, 1).samples_per_s  # the tool's time costs at k = 1
+
+
+def test_a_sure_gain_moves_at_the_first_evaluation_and_still_one_step():
+    """Far from its best window (a generation-bound run at k = 0, the learner idle most of the time), the predicted
+    gain of one step wider clears its need by far: once the rates are fitted (the first evaluation, on 3 steps,
+    predicts +0.6%; the second +79%), the tuner moves at every evaluation instead of waiting ``patience``
+    evaluations at each window, one step per move. With 'sure' out of reach it waits, as before."""
+    def moves(sure: float) -> list[tuple[int, int]]:
+        rng = random.Random(2)
+        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure)
+        out = []
+        for step in range(1, 19):
+            m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+            if m:
+                out.append((step, m.k))
+        return out
+
+    assert moves(3.0) == [(6, 1), (9, 2), (12, 3)]
+    assert moves(float("inf"))[:2] == [(6, 1), (12, 2)]
+
+
+def test_a_learner_bound_run_does_not_simulate_wider_windows():
+    """The learner busy all the time: no window can gain, so a decision simulates the current window and the
+    narrower one only (a wider neighbour is never predicted), and it costs fewer simulator runs than one that
+    simulates both sides."""
+    rng = random.Random(5)
+    busy, fed = _tuner(k=2, j=2, every=3), _tuner(k=2, j=2, every=3)
+    for _ in range(3):
+        busy.observe(_rec(rng, train_s=1.0, gen_s=0.00003), _groups(rng))
+        fed.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+    assert set(busy._gain) == {(1, 1)} and busy.outlook.keys() == {"down"}, busy._gain
+    assert (3, 3) in fed._gain and busy.sims < fed.sims, (busy.sims, fed.sims)
+
+
+def test_a_clear_neighbour_is_judged_on_the_quick_seeds_alone():
+    """Each neighbour is first simulated on ``quick_seeds`` of the common seeds; only a gain within ``sure`` margins
+    of its need is completed to all ``seeds``. With the threshold for 'clear' at infinity every neighbour costs all
+    seeds; at its default the clear cases of a generation-bound run cost less."""
+    def sims(sure: float) -> int:
+        rng = random.Random(2)  # the rates of the first test: +0.6% at the first evaluation, +79% at the second
+        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure)
+        for _ in range(6):  # two evaluations
+            t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+        return t.sims
+
+    assert sims(float("inf")) == 2 * (5 + 5)  # the window and its one neighbour (1, 1), 5 seeds each, twice
+    assert sims(3.0) == 2 * (5 + 5) - 3  # the second evaluation's +79% is clear on 2 seeds
