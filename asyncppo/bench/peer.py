@@ -96,16 +96,17 @@ TRL_GENERATORS = {"generate": {}, "cb": {"use_transformers_continuous_batching":
 
 
 def trl_mode(text: str) -> dict:
-    """A TRL setup named ``spg<N>[-cb|-vllm][-ckpt]``: ``steps_per_generation`` N (one generation of N batches, then
-    N optimizer updates, each sample used once), the generator (``transformers.generate`` by default,
-    ``cb`` transformers continuous batching, ``vllm`` TRL's vLLM colocate mode) and gradient checkpointing (off
-    unless ``-ckpt``: TRL's default is on, asyncppo's learner does not checkpoint)."""
+    """A TRL setup named ``spg<N>[-cb|-vllm][-ckpt]``: ``steps_per_generation`` N (one generation of N x 128
+    answers, shuffled, then N optimizer updates of 128 each: each sample used once, the later updates on answers
+    1 to N - 1 versions old), the generator (``transformers.generate`` by default, ``cb`` transformers continuous
+    batching, ``vllm`` TRL's vLLM colocate mode, which also turns on TRL's importance-sampling correction) and
+    gradient checkpointing (off unless ``-ckpt``: TRL's default is on, asyncppo's learner does not checkpoint)."""
     head, *flags = text.split("-")
     if not head.startswith("spg") or not head[3:].isdigit() or int(head[3:]) < 1:
         raise ValueError(f"TRL mode {text!r}: expected spg<N>[-cb|-vllm][-ckpt], e.g. spg4-cb")
     generators = [f for f in flags if f in TRL_GENERATORS]
     unknown = [f for f in flags if f not in TRL_GENERATORS and f != "ckpt"]
-    if unknown or len(generators) > 1:
+    if unknown or len(generators) > 1 or len(set(flags)) < len(flags):
         raise ValueError(f"TRL mode {text!r}: unknown or repeated parts {unknown or generators}")
     return {"steps_per_generation": int(head[3:]), "gradient_checkpointing": "ckpt" in flags,
             "generator": generators[0] if generators else "generate"}
@@ -117,7 +118,8 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
     sample used once, constant learning rate ``LR`` without warm-up, ``beta`` (KL to the reference in the loss, k3,
     asyncppo's ``use_kl_loss`` with ``kl_penalty=low_var_kl``: 0 = none, the default), grad clip 1, T=1, exact
     match; ``loss_type="dapo"`` (TRL's default, stated): token-mean over the batch's active tokens, which with one
-    process and no accumulation is asyncppo's ``loss_agg_mode=token-mean``; ``mask_truncated``: TRL's
+    process, no accumulation and one batch per generation is asyncppo's ``loss_agg_mode=token-mean`` (with N
+    batches a generation TRL divides by the generation's active tokens over N); ``mask_truncated``: TRL's
     ``mask_truncated_completions``, asyncppo's ``algorithm.mask_truncated``. ``mode`` (:func:`trl_mode`) is how a
     TRL user would speed it up: more batches per generation, another generator, no gradient checkpointing. None
     (with a message) without trl."""

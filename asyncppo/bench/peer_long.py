@@ -9,9 +9,12 @@ tokens, exact match of the whole working.
   ``SAVE_EVERY`` steps and with no engine-side evaluation (it would compete with training for the two cores); its
   clock is the learner's ``time/wall_s``. Stopped (SIGTERM: the launch stops its actors as on Ctrl-C) once a
   checkpoint at or past ``S`` exists.
-* TRL: ``GRPOTrainer`` in this process (``transformers`` ``generate``: a batch of 128 runs until its longest answer
-  ends); a callback saves the weights when the training clock passes each point, the time spent saving left out
-  of the clock.
+* TRL: ``GRPOTrainer`` in this process, in each setup of ``trl`` (peer.py: :func:`trl_mode`; issue #48 asked for
+  TRL at its best: ``steps_per_generation`` 1 or 4, ``transformers.generate`` (a batch runs until its longest answer
+  ends) or continuous batching, vLLM colocate where it runs, gradient checkpointing off); a callback saves the
+  weights when the training clock passes each point, the time spent saving left out of the clock. The pilot picks
+  the setup: the highest mean sampled accuracy over its points (``mean sampled <name>``), fixed before it ran.
+  Generation is timed around ``_generate_single_turn`` (for vLLM that includes TRL's weight sync).
 
 The points are ``S/P, 2S/P, ..., S`` (``points=P``): for each, the first checkpoint at or past it. Every point, and
 the start (shared, at 0 s), is scored after both have trained (so scoring never competes with training) by one
@@ -250,7 +253,8 @@ def seed_figures(doc: dict) -> dict:
     trls = [r["name"] for r in doc["results"] if r["name"].startswith("trl")]
     figures = peer_figures(doc, slow=trls[0] if len(trls) == 1 else "trl")
     for name in trls if len(trls) > 1 else []:
-        for key, value in peer_figures(doc, slow=name).items():
+        pair = {**doc, "results": [r for r in doc["results"] if r["name"] in ("asyncppo", name)]}
+        for key, value in peer_figures(pair, slow=name).items():
             if "speedup" in key:
                 figures[f"{key} vs {name}"] = value
     for r in doc["results"]:
@@ -278,6 +282,8 @@ def run(opts: dict, seed: int, work: str) -> dict:
     modes = [] if "trl" in opts["skip"] else opts["trl"]
     for mode in modes:
         trl_mode(mode)  # a misspelt mode fails here, before any training
+    if len(set(modes)) < len(modes):
+        raise ValueError(f"trl={','.join(modes)}: a setup named twice")
     for mode in modes:
         r = run_trl_long(os.path.abspath(model_dir), splits.train, work, marks, cfg.rollout.response_length,
                          cfg.algorithm.mask_truncated,

@@ -20,7 +20,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from asyncppo.bench.curves import compare, curves_of, first_scored  # noqa: E402
 
-COLORS = {"asyncppo": "tab:blue", "trl": "tab:orange"}
+COLORS = {"asyncppo": "tab:blue", "trl": "tab:orange", "trl:spg1": "tab:orange", "trl:spg4": "tab:red",
+          "trl:spg1-cb": "tab:green", "trl:spg4-cb": "tab:purple"}  # the pilot's TRL setups each a colour
 
 
 def plot(doc: dict, path: str, title: Optional[str] = None) -> dict:

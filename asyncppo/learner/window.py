@@ -64,23 +64,34 @@ class WindowHook:
     def _step(self, metrics: dict, lengths: list):
         """The move this step puts in force, if any: decided here, or the decision process's latest reply."""
         if self.host is None:
-            return self.tuner.observe(metrics, lengths)
+            self.tuner.outlook = {}  # filled again only by a decision this step
+            move = self.tuner.observe(metrics, lengths)
+            _outlook(metrics, self.tuner.outlook)
+            return move
         due = self.tuner.record(metrics, lengths)
         if due and self.tuner.over_budget():  # the budget acts at once, not after a decision in flight (which,
             return self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
         reply, move = self.host.poll(), None
         if reply is not None and "error" not in reply:
             metrics["tune/decide_s"] = reply["decide_s"]
-            for side, gain in reply.get("outlook", {}).items():  # what the model predicted one step either way
-                metrics[f"tune/gain_{side}"] = gain
+            if tuple(reply["at"]) == (self.tuner.k, self.tuner.j):  # a reply on the window in force, not a stale one
+                _outlook(metrics, reply.get("outlook", {}))
             move = self.tuner.take(reply)
         elif reply is not None:
             self.say(f"window tuner: {self.host.failed}; deciding on the learner's thread from here on")
             self.host.close()
             self.host = None
-            return self.tuner.apply(self.tuner.decide()) if due else None
+            return self._decide_here(metrics, due)
         if due and self.host.ready():
             self.host.submit(self.tuner.state())
+        return move
+
+    def _decide_here(self, metrics: dict, due: bool):
+        """A decision on this thread when one is due (after the decision process failed): its move."""
+        if not due:
+            return None
+        move = self.tuner.apply(self.tuner.decide())
+        _outlook(metrics, self.tuner.outlook)
         return move
 
     def close(self) -> None:
@@ -115,6 +126,13 @@ class WindowHook:
         t = self.tuner
         return {"window": {"k_range": list(t.k_range), "j_range": list(t.j_range), "changes": self.changes,
                           "k_final": t.k, "j_final": t.j}}
+
+
+def _outlook(metrics: dict, outlook: dict) -> None:
+    """A decision's predicted gains into the step's record: ``tune/gain_up`` (one step wider), ``tune/gain_far``
+    (the doubled window), ``tune/gain_down`` (one step narrower); a window the decision did not predict is absent."""
+    for side, gain in outlook.items():
+        metrics[f"tune/gain_{side}"] = gain
 
 
 def window_hook(cfg, admission, say, engines: int = 1, train_ranks: int = 1,

@@ -151,10 +151,30 @@ def test_a_clear_neighbour_is_judged_on_the_quick_seeds_alone():
     seeds; at its default the clear cases of a generation-bound run cost less."""
     def sims(sure: float) -> int:
         rng = random.Random(2)  # the rates of the first test: +0.6% at the first evaluation, +79% at the second
-        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure)
+        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure, far=False)  # neighbours only: the counts below
         for _ in range(6):  # two evaluations
             t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
         return t.sims
 
     assert sims(float("inf")) == 2 * (5 + 5)  # the window and its one neighbour (1, 1), 5 seeds each, twice
     assert sims(3.0) == 2 * (5 + 5) - 3  # the second evaluation's +79% is clear on 2 seeds
+
+
+def test_a_gentle_slope_is_climbed_by_looking_twice_as_far():
+    """Rates on which, past k = 7, one step wider predicts less than the 10% margin (+6% to +9%) while the window
+    twice as wide predicts +34% to +54%: judging neighbours alone the climb stops at 7; looking twice as far it goes
+    on, still one step per move, each move naming the window it looked at."""
+    def climb(far: bool) -> list:
+        rng = random.Random(2)
+        t = _tuner(k=4, j=4, cap=16, every=3, margin=0.1, far=far)
+        moves = []
+        for _ in range(30):
+            m = t.observe(_rec(rng, train_s=2.0, gen_s=0.004), _groups(rng))
+            if m:
+                moves.append(m)
+        return moves
+
+    assert [m.k for m in climb(False)] == [5, 6, 7]
+    moves = climb(True)
+    assert [m.k for m in moves] == list(range(5, 5 + len(moves))) and moves[-1].k >= 10, moves
+    assert all(" at k = " in m.reason for m in moves), moves
