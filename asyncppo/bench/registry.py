@@ -140,7 +140,8 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "conservative speedup, worst threshold",
         Target("conservative speedup, worst threshold", ">=", 2.0, over="every seed", min_seeds=3,
                why="issue 48 item 3: >= 2x sooner at the conservative bound, at both thresholds, on all 3 seeds"),
-        "~75 min (3 seeds x ~25 min; trl must be importable)", "asyncppo.bench.peer_long:run", seeds=(0, 1, 2),
+        "~70 min (3 seeds x ~23 min, measured; trl 1.16 must be importable)", "asyncppo.bench.peer_long:run",
+        seeds=(0, 1, 2),  # trl: the pilot's pick (seed 3, 300 s; prose.md), `trl=spg1,spg4,spg1-cb,spg4-cb` reruns it
         options=dict(seconds=600.0, points=6, threads=2, skip=[], trl=["spg1"], overrides=[]),
         history=((DIARY, "`data=long` against TRL's GRPOTrainer: accuracy against time (issue #21 item 5)"),)),
     Benchmark(

@@ -31,6 +31,7 @@ from asyncppo.rollout.engines import worker_engine
 from asyncppo.rollout.groups import GroupBuilder, InFlight, group_spec
 from asyncppo.rollout.meter import EngineMeter
 from asyncppo.staleness.controller import Ticket
+from asyncppo.stream.group_ids import group_key
 
 
 @dataclass
