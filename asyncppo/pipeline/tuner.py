@@ -95,7 +95,7 @@ class WindowTuner:
         self._evals = 0  # evaluations since the window last moved
         self.k_range = [k, k]
         self.j_range = [j, j]
-        self.outlook: dict[str, float] = {}  # the last evaluation's best smoothed gain wider ("up") and narrower
+        self.outlook: dict[str, float] = {}  # the last evaluation's best smoothed gain: "up", "far", "down"
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
@@ -211,9 +211,10 @@ class WindowTuner:
         if self.over_budget():
             return self.drift_move()
         try:
-            base = self._runs(self.k, self.j, self.seeds)
+            fit = self._fit()
         except ValueError:  # not enough measured yet
             return None
+        base = self._runs(self.k, self.j, self.seeds, fit=fit)
         base_rate = [r.samples_per_s for r in base]
         train_busy = sum(r.train_busy for r in base) / len(base)
         best, best_gain, best_need, via = None, 0.0, 0.0, None
@@ -229,7 +230,7 @@ class WindowTuner:
             if wider and 1.0 / max(train_busy, 1e-9) - 1.0 <= need:
                 self._gain.pop(c, None)  # not predicted this time: no stale gain to average in later
                 continue  # the learner is busy enough that no window can gain ``need``: not worth simulating
-            raw = self._gain_of(c, base_rate, need)
+            raw = self._gain_of(c, base_rate, need, fit)
             gain = self._gain[c] = raw if c not in self._gain else \
                 self.smooth * raw + (1 - self.smooth) * self._gain[c]  # smoothed over evaluations at this window
             side = "far" if c == far else "up" if wider else "down"
@@ -257,15 +258,15 @@ class WindowTuner:
             why = f"learner waiting (train busy {train_busy:.2f}, {best_gain:+.1%} predicted{at})"
         return Move(best[0], best[1], why)
 
-    def _gain_of(self, c: tuple[int, int], base_rate: list[float], need: float) -> float:
+    def _gain_of(self, c: tuple[int, int], base_rate: list[float], need: float, fit: tuple) -> float:
         """Window ``c``'s predicted samples/s over the current window's, minus one, on common seeds: the first
         ``quick_seeds`` alone when they already put it ``sure`` margins from ``need`` either way (a clear case
         costs a fraction of the simulations), else all ``seeds``."""
-        rates = [r.samples_per_s for r in self._runs(*c, self.quick_seeds)]
+        rates = [r.samples_per_s for r in self._runs(*c, self.quick_seeds, fit=fit)]
         gain = sum(rates) / max(sum(base_rate[:len(rates)]), 1e-12) - 1.0
         if abs(gain - need) > self.sure * self.margin or len(rates) == self.seeds:
             return gain
-        rates += [r.samples_per_s for r in self._runs(*c, self.seeds, first=len(rates))]
+        rates += [r.samples_per_s for r in self._runs(*c, self.seeds, first=len(rates), fit=fit)]
         return sum(rates) / max(sum(base_rate), 1e-12) - 1.0
 
     def predict(self, k: int, j: int) -> Result:
@@ -275,8 +276,10 @@ class WindowTuner:
         mean = lambda f: sum(getattr(r, f) for r in runs) / len(runs)  # noqa: E731
         return dataclasses.replace(runs[0], **{f: mean(f) for f in _AVERAGED})
 
-    def _runs(self, k: int, j: int, seeds: int, first: int = 0) -> list[Result]:
-        """One simulation of window ``(k, j)`` per seed ``first .. seeds - 1`` on the rates of the recent steps."""
+    def _fit(self) -> tuple:
+        """The rates of the recent steps, fitted as the advisor fits them: the engine, the learner, the length
+        reservoir and the episodes' turns; ValueError: too few steps measured. Once per decision: every window it
+        simulates reads the same fit."""
         recs = list(self.records)
         if len(recs) < 3 or not self.groups:
             raise ValueError("too few steps measured")
@@ -287,6 +290,12 @@ class WindowTuner:
         t_base, t_tok = learner_speed(recs, self.B, self.n, model_frac, notes)
         gen = EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs)
         train, lengths = TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups))
+        return gen, train, lengths, turns, env_s, model_frac
+
+    def _runs(self, k: int, j: int, seeds: int, first: int = 0, fit: Optional[tuple] = None) -> list[Result]:
+        """One simulation of window ``(k, j)`` per seed ``first .. seeds - 1`` on ``fit`` (:meth:`_fit`, fitted
+        here when not given)."""
+        gen, train, lengths, turns, env_s, model_frac = fit or self._fit()
         self.sims += seeds - first
         return [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
                                max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
