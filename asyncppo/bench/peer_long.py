@@ -38,6 +38,7 @@ import signal
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -54,9 +55,10 @@ from asyncppo.learner.checkpoint import _complete_steps, checkpoints_root
 SAVE_EVERY = 4  # asyncppo steps between checkpoints: a point lands at most this many steps past its mark
 
 
-def preset(overrides: list[str]):
-    """The ``data=long`` config (with the user's overrides): the model, lengths and held-out set both use."""
-    return load_config(["data=long", *overrides])
+def preset(overrides: list[str], name: str = "data=long"):
+    """The ``data=long`` (or ``name``) config with the user's overrides: the model, lengths and held-out set both
+    use."""
+    return load_config([name, *overrides])
 
 
 # ---------------------------------------------------------------------------------------------- the probe
@@ -145,12 +147,14 @@ def _stop_when_trained(proc, out: str, seconds: float, log_path: str) -> None:
                              f"past it by the deadline (last step, wall: {last}); see {log_path}")
 
 
-def run_asyncppo_long(overrides: list[str], root: str, marks: list[float]) -> dict:
-    """``asyncppo launch data=long`` until a checkpoint past the last mark; the first checkpoint past each mark."""
+def run_asyncppo_long(overrides: list[str], root: str, marks: list[float], preset: str = "data=long") -> dict:
+    """``asyncppo launch data=long`` (or another ``preset``) until a checkpoint past the last mark; the first
+    checkpoint past each mark."""
     out = os.path.join(root, "asyncppo")
-    cmd = [sys.executable, "-m", "asyncppo", "launch", "data=long", f"trainer.output_dir={out}",
+    cmd = [sys.executable, "-m", "asyncppo", "launch", preset, f"trainer.output_dir={out}",
            "trainer.total_steps=100000", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=100000",
-           "trainer.eval_every=0", "data.num_eval_prompts=0", "trainer.logger.wandb=false", *overrides]
+           "trainer.eval_every=0", "trainer.eval_at_start=false", "data.num_eval_prompts=0",
+           "trainer.logger.wandb=false", *overrides]
     print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
     log_path = os.path.join(root, "asyncppo.log")
     t0 = time.perf_counter()
@@ -184,7 +188,8 @@ def run_asyncppo_long(overrides: list[str], root: str, marks: list[float]) -> di
 
 # ---------------------------------------------------------------------------------------------- TRL
 def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[float], max_new: int,
-                 mask_truncated: bool, beta: float, mode: str, name: str) -> dict:
+                 mask_truncated: bool, beta: float, mode: str, name: str, trainer_kwargs: Optional[dict] = None
+                 ) -> dict:
     """TRL's ``GRPOTrainer`` as peer.py's ``trl_trainer`` sets it up in ``mode`` (as the preset trains, truncated
     answers masked as the preset's ``algorithm.mask_truncated`` says, its KL anchor as ``beta``), saving a point at
     each mark. With ``steps_per_generation`` N the clock is read after every optimizer step, so a point can land
@@ -218,7 +223,8 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
 
     timed = TimedPoints()
     built = trl_trainer(model_dir, rows_train, os.path.join(root, name), max_completion=max_new, callbacks=[timed],
-                        logging_steps=1, mask_truncated=mask_truncated, beta=beta, mode=mode)
+                        logging_steps=1, mask_truncated=mask_truncated, beta=beta, mode=mode,
+                        **(trainer_kwargs or {}))
     if built is None:
         return {}
     trainer, timed.tok = built
@@ -297,13 +303,18 @@ def run(opts: dict, seed: int, work: str) -> dict:
             print(f"[peer]   {r['name']} step {point['step']} ({point['train_s']:.0f} s): sampled "
                   f"{point['sampled']:.3f} greedy {point['greedy']:.3f}", flush=True)
     doc = {"start": start, "results": results, "seconds": seconds}
-    with open(os.path.join(work, "bench_peer_long.json"), "w") as f:
+    return report(doc, work, "bench_peer_long", f"data=long, seed {seed}", "peer")
+
+
+def report(doc: dict, work: str, stem: str, title: str, tag: str) -> dict:
+    """One seed's record written (``stem``.json, its plot ``stem``.png), its figures printed, and the runner's result."""
+    with open(os.path.join(work, f"{stem}.json"), "w") as f:
         json.dump(doc, f, indent=1)
     from asyncppo.bench.plot_peer import plot  # matplotlib
 
-    plot(doc, os.path.join(work, "bench_peer_long.png"), title=f"data=long, seed {seed}")
+    plot(doc, os.path.join(work, f"{stem}.png"), title=title)
     figures = seed_figures(doc)
     for name, value in figures.items():
-        print(f"[peer] {name}: {'undefined' if value is None else f'{value:.3f}'}", flush=True)
+        print(f"[{tag}] {name}: {'undefined' if value is None else f'{value:.3f}'}", flush=True)
     units = {k: ("accuracy" if "sampled" in k else "x") for k in figures}
     return {"figures": figures, "units": units, "detail": doc}

@@ -145,6 +145,17 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(seconds=600.0, points=6, threads=2, skip=[], trl=["spg1"], overrides=[]),
         history=((DIARY, "`data=long` against TRL's GRPOTrainer: accuracy against time (issue #21 item 5)"),)),
     Benchmark(
+        "peer-calculator", "Against TRL's multi-turn GRPOTrainer on data=calculator",
+        "Does asyncppo reach held-out success thresholds fixed in advance (start + 0.05, start + 0.10) sooner than "
+        "TRL's GRPOTrainer playing the same tool-calling episodes (its tools= loop) at equal training time?",
+        "conservative speedup, worst threshold",
+        Target("conservative speedup, worst threshold", ">=", 2.0, over="every seed", min_seeds=3,
+               why="issue 48 item 4: the multi-turn peer, held to item 3's bar (>= 2x sooner at the conservative "
+                   "bound, both thresholds, all 3 seeds), fixed before the first run"),
+        "~45 min (3 seeds x ~15 min, estimate; trl 1.16 must be importable)", "asyncppo.bench.peer_calc:run",
+        seeds=(0, 1, 2),
+        options=dict(seconds=300.0, points=6, rows=100, threads=2, skip=[], trl=["spg1"], overrides=[])),
+    Benchmark(
         "peer-default", "Against TRL and a plain loop on the embedded default",
         "On the embedded default task at equal training time, does asyncppo's held-out accuracy match TRL's "
         "GRPOTrainer's (and a plain single-process loop's)?",
