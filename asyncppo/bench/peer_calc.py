@@ -138,7 +138,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     results = []
     if "asyncppo" not in opts["skip"]:
-        results.append(run_asyncppo_long(overrides, work, marks, preset=PRESET))
+        results.append(run_asyncppo_long(overrides, work, marks, preset=PRESET, save_every=opts["save_every"]))
     modes = [] if "trl" in opts["skip"] else opts["trl"]
     for mode in modes:
         trl_mode(mode)  # a misspelt mode fails here, before any training

@@ -147,12 +147,13 @@ def _stop_when_trained(proc, out: str, seconds: float, log_path: str) -> None:
                              f"past it by the deadline (last step, wall: {last}); see {log_path}")
 
 
-def run_asyncppo_long(overrides: list[str], root: str, marks: list[float], preset: str = "data=long") -> dict:
+def run_asyncppo_long(overrides: list[str], root: str, marks: list[float], preset: str = "data=long",
+                      save_every: int = SAVE_EVERY) -> dict:
     """``asyncppo launch data=long`` (or another ``preset``) until a checkpoint past the last mark; the first
-    checkpoint past each mark."""
+    checkpoint past each mark (a checkpoint every ``save_every`` steps)."""
     out = os.path.join(root, "asyncppo")
     cmd = [sys.executable, "-m", "asyncppo", "launch", preset, f"trainer.output_dir={out}",
-           "trainer.total_steps=100000", f"trainer.save_every={SAVE_EVERY}", "trainer.keep_checkpoints=100000",
+           "trainer.total_steps=100000", f"trainer.save_every={save_every}", "trainer.keep_checkpoints=100000",
            "trainer.eval_every=0", "trainer.eval_at_start=false", "data.num_eval_prompts=0",
            "trainer.logger.wandb=false", *overrides]
     print(f"[bench] asyncppo: {' '.join(cmd[3:])}", flush=True)
