@@ -165,7 +165,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         "sampled asyncppo - trl",
         Target("sampled asyncppo - trl", ">=", -0.03,
                why="issue 9: 'accuracy at equal time on par with TRL' (two standard errors of the probe, ~0.015)"),
-        "~6 min (estimate: 100 s launch, then 2 x its training time)", "asyncppo.bench.peer:run",
+        "~9 min (measured: the launch, 140 s, then 2 x its 124 s of training, and the probes)", "asyncppo.bench.peer:run",
         options=dict(seconds=0.0, threads=2, skip=[], profile=False, overrides=[]),
         history=((DIARY, "Side by side at equal training time"),
                  (DIARY, "Against the peers: where the time goes, TRL's GRPOTrainer and a plain loop"))),
