@@ -152,7 +152,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         Target("conservative speedup, worst threshold", ">=", 2.0, over="every seed", min_seeds=3,
                why="issue 48 item 4: the multi-turn peer, held to item 3's bar (>= 2x sooner at the conservative "
                    "bound, both thresholds, all 3 seeds), fixed before the first run"),
-        "~30 min (3 seeds x ~10 min, estimate; trl 1.16 must be importable)", "asyncppo.bench.peer_calc:run",
+        "~23 min (3 seeds x ~8 min, measured; trl 1.16 must be importable: scripts/install.sh)", "asyncppo.bench.peer_calc:run",
         seeds=(0, 1, 2),
         # 12 points 10 s apart: the first protocol (6 points 50 s apart) saw both sides cross both thresholds before
         # their first point on 2 of 3 seeds, where the conservative bound cannot tell them apart (prose.md)
