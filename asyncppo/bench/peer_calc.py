@@ -10,7 +10,8 @@ a synchronous trainer: every turn of the whole batch waits for the batch's slowe
 Same task on both sides, from the same model (``builtin:tiny-calculator``, the preset's warm start at the run's
 seed): the preset's rows, 16 prompts x 8 episodes per update, lr 1e-4, GRPO without KL, each sample used once, at
 most 3 model turns (a call, the answer after its result, one spare: ``max_tool_calling_iterations=2``), 192
-completion tokens in all, reward 1 for a final turn without a call whose text is exactly the product.
+completion tokens in all and 64 a turn (TRL's ``generation_kwargs.max_new_tokens``), and the environment's reward
+(:func:`final_answer_reward`: the last turn, read from the generated ids, stepped through ``CalculatorEnv``).
 
 What TRL needs of the tokenizer, and what :func:`trl_tokenizer` gives it without changing one token the model sees:
 
@@ -25,14 +26,19 @@ What TRL needs of the tokenizer, and what :func:`trl_tokenizer` gives it without
 * **``<|im_end|>`` as eos**: TRL stops a turn at eos and cuts the tool suffix after it; the model ends its turns
   with ``<|im_end|>`` (its ``<eos>`` stays a stop token too).
 
-tests/component/test_peer_calculator_trl.py holds TRL to this: the prompt, the tool turn TRL appends and the call it
-parses are token for token what asyncppo's episode loop uses. Known differences, TRL's by design: a malformed call
-ends TRL's episode as a (wrong) final answer, where asyncppo answers it with an error turn; a TRL turn may run to the
-whole 192-token budget, where asyncppo's stops at 64.
+tests/component/test_peer_calculator_trl.py holds TRL to this on the path a well-formed episode takes: the prompt,
+the tool turn TRL appends after a call, the call it parses and the reward are token for token what asyncppo's
+episode loop uses. Off that path TRL differs by its design:
+
+* a malformed call ends TRL's episode (scored 0 here, as the environment scores the turn), where asyncppo answers it
+  with an error turn and the episode goes on;
+* a call of an unknown tool or with wrong arguments gets TRL's ``{'error': ...}`` reply, not the environment's.
 
 Both sides' points are scored after both trained, by one probe (:func:`score`): the run's own held-out evaluation
-of the calculator task (asyncppo/envs/calculator_eval.py: 200 held-out rows, one greedy and 4 sampled episodes
-each, on a vLLM engine, played by the environment). The clocks and thresholds are peer_long.py's.
+of the calculator task (asyncppo/envs/calculator_eval.py: ``rows`` held-out rows, 100 by default, one greedy and 4
+sampled episodes each, on a vLLM engine, played by the environment, every row's sampling seeded alike for every
+model). The clocks and thresholds are peer_long.py's; asyncppo's clock (its learner's) includes its checkpoint writes
+(~0.02 s each), TRL's leaves its saves out. TRL's own seed stays 0 (peer.py); the seed sets the warm start both use.
 """
 
 from __future__ import annotations
@@ -45,9 +51,10 @@ import torch
 from asyncppo.bench.peer import trl_mode
 from asyncppo.bench.peer_long import preset, report, run_asyncppo_long, run_trl_long
 from asyncppo.data.calculator import CALC_TOOL, evaluate_expression
-from asyncppo.data.chat_tokenizer import IM_END, IM_START, TINY_TOOLS_TEMPLATE
+from asyncppo.data.chat_tokenizer import EOS, IM_END, IM_START, TINY_TOOLS_TEMPLATE
 from asyncppo.data.tasks import get_task
 from asyncppo.data.tiny import resolve_model_path
+from asyncppo.envs.calculator import CalculatorEnv
 
 PRESET = "data=calculator"
 _TOOLS_LOOP = "{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
@@ -99,15 +106,30 @@ def calc(expr: str) -> str:
         return f"error: {e}"
 
 
-def final_answer_reward(prompts, completions, answer, **kw) -> list[float]:
-    """TRL's reward signature over whole episodes (lists of messages): 1 when the last message is a model turn
-    without a call whose text is exactly the product, as ``CalculatorEnv`` scores a final answer."""
-    out = []
-    for messages, truth in zip(completions, answer):
-        last = messages[-1] if messages else {}
-        final = last.get("role") == "assistant" and not last.get("tool_calls")
-        out.append(float(final and (last.get("content") or "").strip() == str(truth).strip()))
-    return out
+def final_answer_reward(tokenizer):
+    """TRL's reward function (its signature) scoring an episode as ``CalculatorEnv`` scores it: the episode's last
+    model turn, read from the ids TRL generated (``completion_ids``: every turn and tool turn after the prompt),
+    decoded with its special tokens as asyncppo's episode loop decodes a turn (its stop token left out), and stepped
+    through the environment: 1 for a turn without a call whose text is exactly the product, 0 for a wrong answer, a
+    call (the turn limit reached) or a malformed call.
+
+    Why not TRL's parsed messages: where its parser fails (``<tool_call>29842</tool_call>``) it falls back to the
+    text without special tokens, which would read a malformed call as the answer ``29842``."""
+    header = tokenizer.encode(IM_START + "assistant\n", add_special_tokens=False)
+    stops = {tokenizer.convert_tokens_to_ids(IM_END), tokenizer.convert_tokens_to_ids(EOS)}
+
+    def reward(prompts, completions, answer, completion_ids, **kw) -> list[float]:
+        out = []
+        for ids, truth in zip(completion_ids, answer):
+            ids = list(ids)
+            starts = [i + len(header) for i in range(len(ids) - len(header) + 1) if ids[i:i + len(header)] == header]
+            turn = ids[starts[-1]:] if starts else ids
+            turn = turn[:-1] if turn and turn[-1] in stops else turn
+            env = CalculatorEnv(extras={"answer": truth})
+            out.append(float(env.step(tokenizer.decode(turn, skip_special_tokens=False))[1]))
+        return out
+
+    return reward
 
 
 def trl_rows(rows: list[dict]) -> list[dict]:
@@ -142,9 +164,14 @@ def run(opts: dict, seed: int, work: str) -> dict:
     modes = [] if "trl" in opts["skip"] else opts["trl"]
     for mode in modes:
         trl_mode(mode)  # a misspelt mode fails here, before any training
+    if len(set(modes)) < len(modes):
+        raise ValueError(f"trl={','.join(modes)}: a setup named twice")
     for mode in modes:
-        kwargs = {"reward": final_answer_reward, "tools": [calc], "tokenizer": trl_tokenizer(model_dir),
-                  "config": {"max_tool_calling_iterations": cfg.env.max_turns - 1}}
+        tok = trl_tokenizer(model_dir)
+        kwargs = {"reward": final_answer_reward(tok), "tools": [calc], "tokenizer": tok,
+                  "config": {"max_tool_calling_iterations": cfg.env.max_turns - 1,
+                             # every turn, the first and those after a tool turn, capped as asyncppo caps it
+                             "generation_kwargs": {"max_new_tokens": cfg.env.max_tokens_per_turn}}}
         r = run_trl_long(model_dir, trl_rows(train), work, marks, cfg.rollout.response_length,
                          cfg.algorithm.mask_truncated,
                          cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,

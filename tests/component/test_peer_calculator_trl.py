@@ -82,16 +82,26 @@ def test_trl_parses_the_models_call_and_answer_as_the_environment_reads_them(tok
     assert env.step("29842")[1:3] == (1.0, True)
 
 
-def test_the_reward_pays_a_final_exact_answer_only():
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "calc", "arguments": {"expr": "347*86"}}}]}
-    tool = {"role": "tool", "name": "calc", "content": "29842"}
-    episodes = [
-        [call, tool, {"role": "assistant", "content": "29842"}],  # the tool path
-        [{"role": "assistant", "content": " 29842 "}],  # in the head, spaces stripped as the environment does
-        [call, tool, {"role": "assistant", "content": "29843"}],  # wrong
-        [call, tool, call, tool, call],  # still calling at the turn limit
-        [],
-    ]
-    assert final_answer_reward(None, episodes, ["29842"] * 5) == [1.0, 1.0, 0.0, 0.0, 0.0]
+def test_the_reward_scores_the_last_turn_of_the_generated_ids_as_the_environment_does(toks):
+    """From the ids TRL generated (every turn and tool turn after the prompt): a final exact answer pays, and a
+    malformed call pays nothing, though TRL's parser (falling back to the text without special tokens) reads it as
+    the answer."""
+    from trl.chat_template_utils import parse_response
+
+    ours, theirs = toks
+    enc = lambda text: ours.encode(text, add_special_tokens=False)  # noqa: E731
+    call = enc(tool_call_text("347*86") + IM_END)
+    tool = turn_ids(ours, [tool_message("29842")], tools=[CALC_TOOL], model_stop_text=IM_END)
+    malformed = enc("<tool_call>29842</tool_call>" + IM_END)
+    episodes = {
+        "the tool path": (call + tool + enc("29842" + IM_END), 1.0),
+        "in the head": (enc("29842" + IM_END), 1.0),
+        "a wrong answer": (call + tool + enc("29843" + IM_END), 0.0),
+        "still calling at the turn limit": (call + tool + call + tool + call, 0.0),
+        "a malformed call": (malformed, 0.0),
+        "cut short, no stop token": (call + tool + enc("298"), 0.0),
+    }
+    got = final_answer_reward(theirs)(None, None, ["29842"] * len(episodes), [ids for ids, _ in episodes.values()])
+    assert dict(zip(episodes, got)) == {name: want for name, (_, want) in episodes.items()}
+    assert parse_response(theirs, malformed).get("content") == "29842"  # what the parsed messages would have paid
     assert calc("2+3*4") == "14" and calc("__import__('os')").startswith("error: unexpected character")
