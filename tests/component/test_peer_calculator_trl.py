@@ -5,6 +5,7 @@ checked here against asyncppo's own chat rendering (envs/chat.py) and environmen
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -17,7 +18,14 @@ from asyncppo.envs.chat import turn_ids
 from asyncppo.envs.tools import tool_message
 
 pytestmark = pytest.mark.component
+_VLLM_LEVEL = os.environ.get("VLLM_LOGGING_LEVEL")
 trl = pytest.importorskip("trl", reason="the peer benchmarks' TRL (scripts/install.sh installs trl 1.16)")
+# importing TRL sets VLLM_LOGGING_LEVEL=ERROR in this process's environment (trl/_compat.py): undone, so that no later
+# test's vLLM inherits it from a test it does not know about
+if _VLLM_LEVEL is None:
+    os.environ.pop("VLLM_LOGGING_LEVEL", None)
+else:
+    os.environ["VLLM_LOGGING_LEVEL"] = _VLLM_LEVEL
 
 USER = [{"role": "user", "content": "What is 347*86?"}]
 

@@ -9,6 +9,26 @@ import threading
 from asyncppo.sync.reload_quiet import RELOAD_LOGGERS, quiet_reload
 
 
+def _pinned(name: str) -> tuple[logging.Logger, tuple]:
+    """The logger with its own level at DEBUG, enabled, and no process-wide ``logging.disable`` (returned: what to
+    restore). What the filter does is the question here; the process's logging state is whatever earlier tests and
+    imports left (vLLM's logging config reads ``VLLM_LOGGING_LEVEL``, which importing TRL sets to ERROR), and at
+    ERROR the warnings this test counts never reach the handler, quiet block or not (seen in a full-suite run)."""
+    log = logging.getLogger(name)
+    saved = (log.level, log.disabled, logging.root.manager.disable)
+    log.setLevel(logging.DEBUG)
+    log.disabled = False
+    logging.disable(logging.NOTSET)
+    return log, saved
+
+
+def _restore(log: logging.Logger, saved: tuple) -> None:
+    level, disabled, disable = saved
+    log.setLevel(level)
+    log.disabled = disabled
+    logging.disable(disable)
+
+
 class _Collect(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -19,7 +39,7 @@ class _Collect(logging.Handler):
 
 
 def test_warnings_are_dropped_inside_the_block_only_for_its_thread_and_errors_pass():
-    log = logging.getLogger(RELOAD_LOGGERS[0])
+    log, restore = _pinned(RELOAD_LOGGERS[0])
     handler, level = _Collect(), log.level
     log.addHandler(handler)
     try:
@@ -36,11 +56,12 @@ def test_warnings_are_dropped_inside_the_block_only_for_its_thread_and_errors_pa
             log.warning("not quiet")
     finally:
         log.removeHandler(handler)
+        _restore(log, restore)
     assert handler.messages == ["before", "a real error", "another thread", "after", "not quiet"]
 
 
 def test_nested_blocks_restore_the_outer_state():
-    log = logging.getLogger(RELOAD_LOGGERS[1])
+    log, restore = _pinned(RELOAD_LOGGERS[1])
     handler = _Collect()
     log.addHandler(handler)
     try:
@@ -51,4 +72,5 @@ def test_nested_blocks_restore_the_outer_state():
         log.warning("outside")
     finally:
         log.removeHandler(handler)
+        _restore(log, restore)
     assert handler.messages == ["outside"]
