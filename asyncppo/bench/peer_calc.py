@@ -48,8 +48,7 @@ import os
 
 import torch
 
-from asyncppo.bench.peer import trl_mode
-from asyncppo.bench.peer_long import preset, report, run_asyncppo_long, run_trl_long
+from asyncppo.bench.peer_long import preset, report, run_asyncppo_long, run_trl_setups
 from asyncppo.data.calculator import CALC_TOOL, evaluate_expression
 from asyncppo.data.chat_tokenizer import EOS, IM_END, IM_START, TINY_TOOLS_TEMPLATE
 from asyncppo.data.tasks import get_task
@@ -161,22 +160,15 @@ def run(opts: dict, seed: int, work: str) -> dict:
     results = []
     if "asyncppo" not in opts["skip"]:
         results.append(run_asyncppo_long(overrides, work, marks, preset=PRESET, save_every=opts["save_every"]))
-    modes = [] if "trl" in opts["skip"] else opts["trl"]
-    for mode in modes:
-        trl_mode(mode)  # a misspelt mode fails here, before any training
-    if len(set(modes)) < len(modes):
-        raise ValueError(f"trl={','.join(modes)}: a setup named twice")
-    for mode in modes:
+
+    def trainer_kwargs() -> dict:
         tok = trl_tokenizer(model_dir)
-        kwargs = {"reward": final_answer_reward(tok), "tools": [calc], "tokenizer": tok,
-                  "config": {"max_tool_calling_iterations": cfg.env.max_turns - 1,
-                             # every turn, the first and those after a tool turn, capped as asyncppo caps it
-                             "generation_kwargs": {"max_new_tokens": cfg.env.max_tokens_per_turn}}}
-        r = run_trl_long(model_dir, trl_rows(train), work, marks, cfg.rollout.response_length,
-                         cfg.algorithm.mask_truncated,
-                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
-                         mode=mode, name="trl" if len(modes) == 1 else f"trl:{mode}", trainer_kwargs=kwargs)
-        results += [r] if r else []
+        return {"reward": final_answer_reward(tok), "tools": [calc], "tokenizer": tok,
+                "config": {"max_tool_calling_iterations": cfg.env.max_turns - 1,
+                           # every turn, the first and those after a tool turn, capped as asyncppo caps it
+                           "generation_kwargs": {"max_new_tokens": cfg.env.max_tokens_per_turn}}}
+
+    results += run_trl_setups(opts, cfg, model_dir, trl_rows(train), work, marks, trainer_kwargs)
     start = score(model_dir, rows=opts["rows"], seed=cfg.trainer.seed)
     for r in results:
         for point in r["points"]:

@@ -252,6 +252,27 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
             "length_max_mean": sum(g["completions/max_length"] for g in logs) / max(1, len(logs))}
 
 
+def run_trl_setups(opts: dict, cfg, model_dir: str, rows_train: list[dict], work: str, marks: list[float],
+                   trainer_kwargs=None) -> list[dict]:
+    """:func:`run_trl_long` for each TRL setup of ``opts["trl"]`` (none under ``skip=trl``), every name checked
+    before any training; each with the preset's completion length, truncation mask and KL anchor, and
+    ``trainer_kwargs()`` (a fresh dict per setup: a multi-turn task's reward, tools and tokenizer). Named ``trl``
+    alone, ``trl:<mode>`` among several."""
+    modes = [] if "trl" in opts["skip"] else opts["trl"]
+    for mode in modes:
+        trl_mode(mode)  # a misspelt mode fails here, before any training
+    if len(set(modes)) < len(modes):
+        raise ValueError(f"trl={','.join(modes)}: a setup named twice")
+    results = []
+    for mode in modes:
+        r = run_trl_long(model_dir, rows_train, work, marks, cfg.rollout.response_length, cfg.algorithm.mask_truncated,
+                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
+                         mode=mode, name="trl" if len(modes) == 1 else f"trl:{mode}",
+                         trainer_kwargs=trainer_kwargs() if trainer_kwargs else None)
+        results += [r] if r else []
+    return results
+
+
 def seed_figures(doc: dict) -> dict:
     """One seed's figures (curves.py: :func:`peer_figures`) against each TRL setup run, and each contender's mean
     sampled accuracy over its scored points (the pilot's choice of TRL's best setup: the highest mean, fixed before
@@ -286,17 +307,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
     results = []
     if "asyncppo" not in opts["skip"]:
         results.append(run_asyncppo_long(overrides, work, marks))
-    modes = [] if "trl" in opts["skip"] else opts["trl"]
-    for mode in modes:
-        trl_mode(mode)  # a misspelt mode fails here, before any training
-    if len(set(modes)) < len(modes):
-        raise ValueError(f"trl={','.join(modes)}: a setup named twice")
-    for mode in modes:
-        r = run_trl_long(os.path.abspath(model_dir), splits.train, work, marks, cfg.rollout.response_length,
-                         cfg.algorithm.mask_truncated,
-                         cfg.algorithm.kl_loss_coef if cfg.algorithm.use_kl_loss else 0.0,
-                         mode=mode, name="trl" if len(modes) == 1 else f"trl:{mode}")
-        results += [r] if r else []
+    results += run_trl_setups(opts, cfg, os.path.abspath(model_dir), splits.train, work, marks)
     start = probe(*load(model_dir), splits.eval, seed=cfg.trainer.seed, max_new=max_new)
     for r in results:
         for point in r["points"]:
