@@ -168,7 +168,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
                            # every turn, the first and those after a tool turn, capped as asyncppo caps it
                            "generation_kwargs": {"max_new_tokens": cfg.env.max_tokens_per_turn}}}
 
-    results += run_trl_setups(opts, cfg, model_dir, trl_rows(train), work, marks, trainer_kwargs)
+    results += run_trl_setups(opts["trl"], opts["skip"], cfg, model_dir, trl_rows(train), work, marks, trainer_kwargs)
     start = score(model_dir, rows=opts["rows"], seed=cfg.trainer.seed)
     for r in results:
         for point in r["points"]:

@@ -252,13 +252,13 @@ def run_trl_long(model_dir: str, rows_train: list[dict], root: str, marks: list[
             "length_max_mean": sum(g["completions/max_length"] for g in logs) / max(1, len(logs))}
 
 
-def run_trl_setups(opts: dict, cfg, model_dir: str, rows_train: list[dict], work: str, marks: list[float],
-                   trainer_kwargs=None) -> list[dict]:
-    """:func:`run_trl_long` for each TRL setup of ``opts["trl"]`` (none under ``skip=trl``), every name checked
-    before any training; each with the preset's completion length, truncation mask and KL anchor, and
+def run_trl_setups(setups: list[str], skip: list[str], cfg, model_dir: str, rows_train: list[dict], work: str,
+                   marks: list[float], trainer_kwargs=None) -> list[dict]:
+    """:func:`run_trl_long` for each TRL setup named in ``setups`` (none when ``skip`` names ``trl``), every name
+    checked before any training; each with the preset's completion length, truncation mask and KL anchor, and
     ``trainer_kwargs()`` (a fresh dict per setup: a multi-turn task's reward, tools and tokenizer). Named ``trl``
     alone, ``trl:<mode>`` among several."""
-    modes = [] if "trl" in opts["skip"] else opts["trl"]
+    modes = [] if "trl" in skip else list(setups)
     for mode in modes:
         trl_mode(mode)  # a misspelt mode fails here, before any training
     if len(set(modes)) < len(modes):
@@ -307,7 +307,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
     results = []
     if "asyncppo" not in opts["skip"]:
         results.append(run_asyncppo_long(overrides, work, marks))
-    results += run_trl_setups(opts, cfg, os.path.abspath(model_dir), splits.train, work, marks)
+    results += run_trl_setups(opts["trl"], opts["skip"], cfg, os.path.abspath(model_dir), splits.train, work, marks)
     start = probe(*load(model_dir), splits.eval, seed=cfg.trainer.seed, max_new=max_new)
     for r in results:
         for point in r["points"]:
