@@ -100,6 +100,9 @@ class _RunState:
     snap: dict = field(default_factory=lambda: {"t": 0.0, "busy": [0.0], "steps": [0.0], "run": [0.0], "train": 0.0,
                                                 "lags": 0, "tlags": 0})
     seq_ids: int = 0
+    # the state of the last step the buffer's rule found no batch for: the rule is a pure function of the version,
+    # the delivered groups and the tickets granted and trained, so until one of them changes it finds none again
+    not_ready: Optional[tuple] = None
 
     @property
     def version(self) -> int:
@@ -258,8 +261,14 @@ class Simulator:
         B, n = s.batch_groups, s.group_size
         if r.learner_busy_until is not None or r.version >= s.steps:
             return
+        # a sequence finishes far more often than a group is delivered or a ticket granted: most calls would
+        # recompute the same "not ready" (half of a decision's time in the window tuner on long-tailed runs)
+        state = (r.version, len(r.delivered), r.tickets.granted, r.tickets.consumed_count)
+        if state == r.not_ready:
+            return
         pick = next_batch(r.tickets, r.delivered, B, r.version)
         if pick is None:
+            r.not_ready = state
             return
         batch = pick[0]
         for t in batch:

@@ -27,7 +27,10 @@ What a decision costs (it shares the box with the run; tuner_host.py rations it 
 current window over ``seeds`` seeds, then each neighbour and the far window over the first ``quick_seeds`` of them,
 completed to all ``seeds`` only when the quick gain lies within ``sure`` margins of its need; and a wider window is
 not simulated at all when the current window's predicted learner share ``b`` leaves no room for the gain it needs
-(``1 / b - 1 <= need``: no window makes the learner busier than always).
+(``1 / b - 1 <= need``: no window makes the learner busier than always). A simulation runs ``sim_steps`` steps, 8
+of them warm-up, but measures at most ``sim_groups`` groups beyond that (never fewer than 8 steps): a prediction's
+noise comes from the groups it samples, not the steps, and a large batch (the default task's 128 prompts) would
+otherwise simulate 30 steps of 1,024 sequences, which made its decisions cost 7-8.5 s on 2 cores.
 
 Why it does not oscillate on noisy rates (tests/unit/test_window_tuner.py). Two sources of noise, two remedies:
 - the simulator samples lengths from a heavy-tailed reservoir, so one seed's prediction moves by several percent
@@ -74,13 +77,17 @@ class WindowTuner:
                  sync_every: int = 1, engines: int = 1, train_ranks: int = 1, max_num_seqs: int = 256,
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
-                 smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True):
+                 smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
+                 sim_groups: int = 352):
         self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
         self.B, self.n, self.sync_every = batch_groups, group_size, sync_every
         self.engines, self.ranks, self.max_num_seqs, self.unit = engines, train_ranks, max_num_seqs, admission_unit
-        self.every, self.margin, self.patience, self.sim_steps = every, margin, patience, sim_steps
+        self.every, self.margin, self.patience = every, margin, patience
+        # steps one simulation runs and warms up for (module docstring: large batches measure fewer steps)
+        self.sim_warmup = min(8, sim_steps // 3)
+        self.sim_steps = self.sim_warmup + min(sim_steps - self.sim_warmup, max(8, -(-sim_groups // batch_groups)))
         self.seeds = max(1, seeds)
         self.quick_seeds = min(max(1, quick_seeds), self.seeds)
         self.sure = sure  # a gain this many margins past its need is clear: no second seed pass, no patience
@@ -300,7 +307,7 @@ class WindowTuner:
         return [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
                                max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
                                turns=turns, env_s=env_s, model_frac=model_frac, steps=self.sim_steps,
-                               warmup_steps=min(8, self.sim_steps // 3), seed=seed),
+                               warmup_steps=self.sim_warmup, seed=seed),
                          gen, train, lengths) for seed in range(first, seeds)]
 
 
