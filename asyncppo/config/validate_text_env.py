@@ -78,7 +78,8 @@ AUTO_ENV_CONCURRENCY_MAX = 256
 
 def resolve_env_concurrency(cfg: AsyncPPOConfig) -> None:
     """``env.max_concurrency=0``: as many environment calls at once as the episodes one worker may hold, the
-    staleness window ``(j + 1) * B`` groups of ``n`` episodes, at most :data:`AUTO_ENV_CONCURRENCY_MAX`.
+    staleness window ``(j + 1) * B`` groups of ``n`` episodes (under an auto lookahead the widest it may reach, ``j``
+    at ``rollout.max_staleness_cap``), at most :data:`AUTO_ENV_CONCURRENCY_MAX`.
 
     Why not a small fixed pool: behind a slow tool most episodes in flight are at their environment (behind 200 ms
     ~80% of them, docs/benchmarks.md, "Latency hiding"), and a pool of 16 capped such a worker at 16 calls at once,
@@ -86,5 +87,7 @@ def resolve_env_concurrency(cfg: AsyncPPOConfig) -> None:
     threads, and threads start only when calls need them."""
     if cfg.env.max_concurrency == 0:
         r = cfg.rollout
-        episodes = (r.admission_lookahead + 1) * r.rollout_batch_size * r.num_return_sequences_in_group
+        # an auto lookahead may widen to the staleness cap during the run, and the pool is sized once, at the start
+        j = r.max_staleness_cap if "j" in r.window_auto else r.admission_lookahead
+        episodes = (j + 1) * r.rollout_batch_size * r.num_return_sequences_in_group
         cfg.env.max_concurrency = max(1, min(AUTO_ENV_CONCURRENCY_MAX, episodes))

@@ -13,7 +13,7 @@ from asyncppo.data.heldout import has_eval_sets
 from asyncppo.learner.evaluation import EngineEvaluation
 from asyncppo.rollout.evaluation import eval_points
 from asyncppo.staleness import AdmissionController, AdmissionServer
-from asyncppo.staleness.fairness import auto_ticket_cap
+from asyncppo.staleness.fairness import auto_ticket_cap, widest_window
 from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
 from asyncppo.stream.endpoints import Endpoints, bind_endpoint, connect_endpoint
 from asyncppo.sync.fanout import WeightFanout
@@ -45,7 +45,9 @@ class LearnerSockets:
                                              * ro.rollout_batch_size)  # nothing past the last step
         cap = cl.max_tickets_per_worker or auto_ticket_cap(
             ro.max_num_seqs, ro.num_return_sequences_in_group, ro.prompts_per_call,
-            window=self.admission.window(), episodes=bool(cfg.env.text_env))
+            window=widest_window(self.admission.window(), ro.window_auto, ro.max_staleness_cap,
+                                 ro.rollout_batch_size),
+            episodes=bool(cfg.env.text_env))
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
             max_tickets_per_peer=cap, fair_tickets=cl.fair_tickets,

@@ -231,3 +231,12 @@ def test_env_concurrency_auto_is_the_episodes_a_worker_may_hold():
                        "rollout.num_return_sequences_in_group=8"])
     assert cfg.env.max_concurrency == 256  # at most AUTO_ENV_CONCURRENCY_MAX
     assert load_config(["data=guess", "env.max_concurrency=12"]).env.max_concurrency == 12  # set by hand: kept
+    # an auto lookahead starts at j = 1 here but may widen to the staleness cap (6): the pool is sized for that
+    cfg = load_config(["data=guess", "rollout.max_staleness=auto", "rollout.admission_lookahead=auto",
+                       "rollout.max_staleness_cap=6", "rollout.rollout_batch_size=4",
+                       "rollout.num_return_sequences_in_group=4"])
+    assert cfg.rollout.admission_lookahead == 1 and cfg.env.max_concurrency == (6 + 1) * 4 * 4
+    cfg = load_config(["data=guess", "rollout.max_staleness=auto", "rollout.admission_lookahead=1",
+                       "rollout.max_staleness_cap=6", "rollout.rollout_batch_size=4",
+                       "rollout.num_return_sequences_in_group=4"])  # j pinned: the window it pins
+    assert cfg.env.max_concurrency == (1 + 1) * 4 * 4
