@@ -70,6 +70,7 @@ class Move:
     k: int
     j: int
     reason: str
+    gain: float = 0.0  # the predicted gain in samples/s that justified it (0 for a drift move)
 
 
 class WindowTuner:
@@ -150,7 +151,7 @@ class WindowTuner:
         self._gain = {(int(k), int(j)): float(g) for k, j, g in reply["gain"]}
         self._evals = int(reply["evals"])
         move = reply.get("move")
-        return self.apply(Move(int(move[0]), int(move[1]), str(move[2])) if move else None)
+        return self.apply(Move(int(move[0]), int(move[1]), str(move[2]), float(move[3])) if move else None)
 
     # ------------------------------------------------------------------------------------------------------------
     def _floor(self) -> int:
@@ -263,7 +264,7 @@ class WindowTuner:
             why = f"engine idle (occupancy {mean('occupancy'):.2f}, {best_gain:+.1%} predicted{at})"
         else:
             why = f"learner waiting (train busy {train_busy:.2f}, {best_gain:+.1%} predicted{at})"
-        return Move(best[0], best[1], why)
+        return Move(best[0], best[1], why, best_gain)
 
     def _gain_of(self, c: tuple[int, int], base_rate: list[float], need: float, fit: tuple) -> float:
         """Window ``c``'s predicted samples/s over the current window's, minus one, on common seeds: the first
@@ -321,6 +322,7 @@ def decide_on(state: dict) -> dict:
     tuner._gain = {(int(k), int(j)): float(g) for k, j, g in state["gain"]}
     tuner._evals = int(state["evals"])
     move = tuner.decide()
-    return {"at": [int(state["k"]), int(state["j"])], "move": [move.k, move.j, move.reason] if move else None,
+    return {"at": [int(state["k"]), int(state["j"])],
+            "move": [move.k, move.j, move.reason, move.gain] if move else None,
             "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals,
             "outlook": tuner.outlook}

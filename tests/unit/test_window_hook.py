@@ -123,7 +123,8 @@ def test_a_decision_made_from_the_state_equals_the_one_made_in_place():
             here = copy.deepcopy(tuner)
             reply = decide_on(json.loads(json.dumps(tuner.state())))  # through JSON, as on the pipe
             move = here.decide()
-            assert reply["move"] == ([move.k, move.j, move.reason] if move else None)
+            assert reply["move"] == ([move.k, move.j, move.reason, move.gain] if move else None)
+            assert move is None or move.reason.startswith("drift") or move.gain > 0
             assert {(k, j): g for k, j, g in reply["gain"]} == here._gain and reply["evals"] == here._evals
             compared, moves = compared + 1, moves + (move is not None)
             tuner.take(reply)
@@ -134,6 +135,19 @@ def test_a_decision_made_from_the_state_equals_the_one_made_in_place():
     stale = decide_on(hook.tuner.state())
     hook.tuner.apply(Move(hook.tuner.k - 1, hook.tuner.k - 1, "test"))
     assert hook.tuner.take(stale) is None  # judged another window: not put in force
+
+
+def test_the_decision_process_may_decide_sooner_while_the_window_climbs_on_a_large_predicted_gain():
+    """The cool-down after a decision (tuner_host.py): a tenth of the wall time, except after a widening on a
+    predicted gain of at least 25%, which allows half; a narrowing, a small gain or no move keep the tenth."""
+    from asyncppo.pipeline.tuner_host import share_after
+
+    assert share_after({"at": [2, 2], "move": [3, 3, "engine idle", 0.87]}) == 0.5  # cool-down = the decision's cost
+    assert share_after({"at": [2, 2], "move": [3, 2, "engine idle", 0.25]}) == 0.5
+    assert share_after({"at": [2, 2], "move": [3, 3, "learner waiting", 0.12]}) == 0.1
+    assert share_after({"at": [4, 4], "move": [3, 3, "no predicted loss narrower", 0.4]}) == 0.1
+    assert share_after({"at": [2, 2], "move": None}) == 0.1
+    assert share_after({"at": [2, 2], "move": [3, 3, "engine idle", 0.9]}, share=0.6) == 0.6  # never below the base
 
 
 def test_the_decision_process_moves_the_window_without_holding_the_learners_thread():
