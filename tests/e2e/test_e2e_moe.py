@@ -5,6 +5,9 @@ Why vLLM: it is the engine whose expert weights are packed by a kernel of its ow
 a push that left them stale would show as a growing gap between the behaviour and learner log-probs. Measured
 (2 shared cores, 20 steps): 62 s, reward logged every step, policy_version 1..20, ~7k generated tok/s, pushes
 ~0.03 s, eval greedy 0.16 -> 0.26 (docs/moe.md).
+
+The two launches run side by side (:func:`moe_runs`: two local Ray clusters): what each checks (versions, rewards in
+range, the behaviour -> learner KL, the routers) does not depend on how fast the other runs.
 """
 
 from __future__ import annotations
@@ -18,23 +21,41 @@ from pathlib import Path
 import pytest
 
 from process_tags import TAG_VAR, assert_no_leftovers, new_tag
+from test_e2e_launch import _launch_side_by_side
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
 TAG = new_tag("e2e-moe")
 STEPS = 12
+MOE = ("model.path=builtin:tiny-moe", "rollout.engine=vllm", f"trainer.total_steps={STEPS}", "trainer.eval_every=0")
+LAUNCHES = {
+    "pushes": MOE,
+    "replay": (*MOE, "algorithm.routing_replay=rollout", "rollout.max_staleness=2", "model.lora_rank=8",
+               "model.lora_alpha=16", "trainer.lr=2e-3",
+               "model.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"),
+}
 
 
-def test_tiny_moe_trains_on_vllm_with_expert_pushes(tmp_path):
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> dict:
+    """Both launches at once (test_e2e_launch.py: :func:`_launch_side_by_side`, one deadline, output in files):
+    name -> (run directory, return code, output)."""
+    from asyncppo.config.loader import load_config
+    from asyncppo.data.tiny import resolve_model_path
+
+    cfg = load_config(list(MOE))  # the model both launches resolve, built (or found cached) once, before them
+    resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncppo", "launch", "model.path=builtin:tiny-moe", "rollout.engine=vllm",
-         f"trainer.total_steps={STEPS}", "trainer.eval_every=0", f"trainer.output_dir={run}",
-         "trainer.logger.wandb=false"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    runs = _launch_side_by_side({name: (tmp_path_factory.mktemp(f"moe-{name}"), args)
+                                 for name, args in LAUNCHES.items()}, timeout=900, engine=None, env=env)
+    return {name: (out_dir, done.returncode, done.stdout[-3000:] + done.stderr[-5000:])
+            for name, (done, _, out_dir) in runs.items()}
+
+
+def test_tiny_moe_trains_on_vllm_with_expert_pushes(moe_runs):
+    run, code, output = moe_runs["pushes"]
+    assert code == 0, output
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("reward/mean") is not None]
     assert [r["policy_version"] for r in train] == list(range(1, STEPS + 1))  # the version advances every step
@@ -48,23 +69,15 @@ def test_tiny_moe_trains_on_vllm_with_expert_pushes(tmp_path):
     assert_no_leftovers(TAG)
 
 
-def test_routing_replay_with_lora_runs_end_to_end_and_reports_the_routers(tmp_path):
+def test_routing_replay_with_lora_runs_end_to_end_and_reports_the_routers(moe_runs):
     """``algorithm.routing_replay=rollout`` at a window of 2, on a LoRA actor: every group carries the engine's
     experts (none refused at the door), the learner's forwards replay them, every step logs how often its own routers
     disagreed and how the load spreads over the experts, and the pushed adapters merge into the engine's weights, so
     the behaviour -> learner KL stays small: on attention (``all-linear`` on a mixture of experts, learner/lora.py)
     and on the fused experts (``model.lora_target_parameters``: each push carries their update, which the engine
     side renames into the checkpoint's per-expert weights and vLLM repacks)."""
-    run = tmp_path / "run"
-    env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
-    proc = subprocess.run(
-        [sys.executable, "-m", "asyncppo", "launch", "model.path=builtin:tiny-moe", "rollout.engine=vllm",
-         "algorithm.routing_replay=rollout", "rollout.max_staleness=2", f"trainer.total_steps={STEPS}",
-         "model.lora_rank=8", "model.lora_alpha=16", "trainer.lr=2e-3",
-         "model.lora_target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]",
-         "trainer.eval_every=0", f"trainer.output_dir={run}", "trainer.logger.wandb=false"],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    run, code, output = moe_runs["replay"]
+    assert code == 0, output
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [r for r in records if r.get("reward/mean") is not None]
     assert [r["policy_version"] for r in train] == list(range(1, STEPS + 1))
