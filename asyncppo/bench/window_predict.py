@@ -32,7 +32,10 @@ from asyncppo.staleness.controller import AdmissionController
 
 
 def _read(run_dir: str) -> tuple:
-    """A run's config, its training step records, its trained groups' lengths per step and its summary."""
+    """A run's config, its training step records and its trained groups' lengths per step. ``summary.json`` keeps
+    every trained group's lengths in step order up to 512 groups, then a reservoir sample of the run's groups
+    (metrics/rollout.py): then the sample is handed with the last step (the tuner keeps the newest 256), a run-wide
+    draw where the hook would have fed the last steps' groups."""
     with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
         cfg = config_from_yaml(f.read())
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
@@ -41,6 +44,8 @@ def _read(run_dir: str) -> tuple:
         summary = json.load(f)
     groups = [[int(x) for x in g.split()] for g in summary["rollout"]["group_lengths"]]
     B = cfg.rollout.rollout_batch_size
+    if len(groups) != len(train) * B:  # a reservoir sample, not the run's groups in order
+        return cfg, train, [[] for _ in train[:-1]] + [groups]
     return cfg, train, [groups[i * B:(i + 1) * B] for i in range(len(train))]
 
 
@@ -48,6 +53,8 @@ def measured(run_dir: str, warmup: int) -> float:
     """Trained samples per second of learner time past the first ``warmup`` steps (the simulation's warm-up)."""
     cfg, train, _ = _read(run_dir)
     steady = train[warmup:]
+    if not steady:
+        raise ValueError(f"{run_dir}: {len(train)} steps, none past the {warmup} warm-up steps")
     r = cfg.rollout
     return len(steady) * r.rollout_batch_size * r.num_return_sequences_in_group / sum(x["time/step_s"] for x in steady)
 
@@ -57,7 +64,7 @@ def predictions(run_dir: str, windows: list[int], lookahead: int) -> dict[int, f
     cfg, train, groups = _read(run_dir)
     cfg.rollout.window_auto = "k,j"  # the tuner as an auto run builds it (both knobs free to predict any window)
     hook = window_hook(cfg, AdmissionController(cfg.rollout.rollout_batch_size, cfg.rollout.max_staleness_cap),
-                       lambda _line: None, background=False)
+                       lambda _line: None, engines=cfg.cluster.rollout_workers, background=False)
     tuner = hook.tuner
     for record, lengths in zip(train, groups):
         tuner.record(record, lengths)
@@ -106,10 +113,9 @@ def main(argv=None) -> int:
                     speedups.append(s)
                 print(f"| {os.path.basename(seed_dir)} | {row['k']} | {row['measured']:.1f} | {row['own']:.1f} | "
                       f"{o:.2f} | {row['from_narrowest']:.1f} | {n:.2f} | {s:.2f} |", flush=True)
-    if own:
-        mean_abs = lambda xs: statistics.fmean(abs(x - 1.0) for x in xs)  # noqa: E731
-        print(f"mean |error|: own rates {mean_abs(own):.1%}, from the narrowest {mean_abs(narrow):.1%}, "
-              f"speed-ups {mean_abs(speedups):.1%}")
+    mean_abs = lambda xs: f"{statistics.fmean(abs(x - 1.0) for x in xs):.1%}" if xs else "n/a"  # noqa: E731
+    print(f"mean |error|: own rates {mean_abs(own)}, from the narrowest {mean_abs(narrow)}, "
+          f"speed-ups {mean_abs(speedups)}")
     return 0
 
 

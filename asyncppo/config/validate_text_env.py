@@ -12,6 +12,7 @@ import re
 
 from asyncppo.config.checks import Checks
 from asyncppo.config.schema import AsyncPPOConfig
+from asyncppo.config.validate_window import widest_lookahead
 
 #: What ``env.on_error`` may be: ``drop`` the episode's group slot (regenerated), or end the episode with reward 0.
 ENV_ON_ERROR = ("drop", "zero_reward")
@@ -78,8 +79,8 @@ AUTO_ENV_CONCURRENCY_MAX = 256
 
 def resolve_env_concurrency(cfg: AsyncPPOConfig) -> None:
     """``env.max_concurrency=0``: as many environment calls at once as the episodes one worker may hold, the
-    staleness window ``(j + 1) * B`` groups of ``n`` episodes (under an auto lookahead the widest it may reach, ``j``
-    at ``rollout.max_staleness_cap``), at most :data:`AUTO_ENV_CONCURRENCY_MAX`.
+    staleness window ``(j + 1) * B`` groups of ``n`` episodes (under an auto lookahead the widest it may reach:
+    :func:`~asyncppo.config.validate_window.widest_lookahead`), at most :data:`AUTO_ENV_CONCURRENCY_MAX`.
 
     Why not a small fixed pool: behind a slow tool most episodes in flight are at their environment (behind 200 ms
     ~80% of them, docs/benchmarks.md, "Latency hiding"), and a pool of 16 capped such a worker at 16 calls at once,
@@ -87,7 +88,6 @@ def resolve_env_concurrency(cfg: AsyncPPOConfig) -> None:
     threads, and threads start only when calls need them."""
     if cfg.env.max_concurrency == 0:
         r = cfg.rollout
-        # an auto lookahead may widen to the staleness cap during the run, and the pool is sized once, at the start
-        j = r.max_staleness_cap if "j" in r.window_auto else r.admission_lookahead
-        episodes = (j + 1) * r.rollout_batch_size * r.num_return_sequences_in_group
+        # an auto lookahead may widen during the run, and the pool is sized once, at the start
+        episodes = (widest_lookahead(r) + 1) * r.rollout_batch_size * r.num_return_sequences_in_group
         cfg.env.max_concurrency = max(1, min(AUTO_ENV_CONCURRENCY_MAX, episodes))

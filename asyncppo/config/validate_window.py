@@ -69,3 +69,14 @@ def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j
         start = r.max_staleness if preset_j is None else preset_j
         r.admission_lookahead = min(max(lo, start), r.max_staleness)
     r.window_auto = ("k,j" if j_auto else "k=j" if r.admission_lookahead is None else "k") if k_auto else "j"
+
+
+def widest_lookahead(r) -> int:
+    """The largest admission lookahead ``j`` a run may come to (``r``: a resolved ``rollout`` section): ``j`` itself
+    while it is fixed; under an auto lookahead the staleness cap when ``k`` moves too, the pinned ``k`` when only ``j``
+    does (``j <= k``). What is sized once at the start for the episodes a worker may hold (its ticket cap,
+    ``env.max_concurrency``) is sized by this: sized by the start's ``j``, a guess run behind a 200 ms tool that auto
+    widened to ``k = j = 4`` held as few episodes as at ``j = 1``."""
+    if "j" not in r.window_auto:
+        return r.admission_lookahead
+    return r.max_staleness if r.window_auto == "j" else r.max_staleness_cap

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import secrets
 
+from asyncppo.config.validate_window import widest_lookahead
 from asyncppo.data.heldout import has_eval_sets
 from asyncppo.learner.evaluation import EngineEvaluation
 from asyncppo.rollout.evaluation import eval_points
 from asyncppo.staleness import AdmissionController, AdmissionServer
-from asyncppo.staleness.fairness import auto_ticket_cap, widest_window
+from asyncppo.staleness.fairness import auto_ticket_cap
 from asyncppo.stream.channels import ControlPublisher, TrajectoryReceiver
 from asyncppo.stream.endpoints import Endpoints, bind_endpoint, connect_endpoint
 from asyncppo.sync.fanout import WeightFanout
@@ -45,8 +46,8 @@ class LearnerSockets:
                                              * ro.rollout_batch_size)  # nothing past the last step
         cap = cl.max_tickets_per_worker or auto_ticket_cap(
             ro.max_num_seqs, ro.num_return_sequences_in_group, ro.prompts_per_call,
-            window=widest_window(self.admission.window(), ro.window_auto, ro.max_staleness_cap,
-                                 ro.rollout_batch_size),
+            # an auto lookahead may widen the window during the run: the cap is sized by the widest it may reach
+            window=max(self.admission.window(), (widest_lookahead(ro) + 1) * ro.rollout_batch_size),
             episodes=bool(cfg.env.text_env))
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,

@@ -77,6 +77,8 @@ class WindowHook:
             if tuple(reply["at"]) == (self.tuner.k, self.tuner.j):  # a reply on the window in force, not a stale one
                 _outlook(metrics, reply.get("outlook", {}))
             move = self.tuner.take(reply)
+            if move is not None:
+                self.host.taken(reply)
         elif reply is not None:
             self.say(f"window tuner: {self.host.failed}; deciding on the learner's thread from here on")
             self.host.close()

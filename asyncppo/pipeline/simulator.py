@@ -101,7 +101,8 @@ class _RunState:
                                                 "lags": 0, "tlags": 0})
     seq_ids: int = 0
     # the state of the last step the buffer's rule found no batch for: the rule is a pure function of the version,
-    # the delivered groups and the tickets granted and trained, so until one of them changes it finds none again
+    # the delivered groups and the tickets granted, released, trained and the window's changes, so until one of
+    # them changes it finds none again (the simulator releases no ticket and moves no window today)
     not_ready: Optional[tuple] = None
 
     @property
@@ -263,7 +264,8 @@ class Simulator:
             return
         # a sequence finishes far more often than a group is delivered or a ticket granted: most calls would
         # recompute the same "not ready" (half of a decision's time in the window tuner on long-tailed runs)
-        state = (r.version, len(r.delivered), r.tickets.granted, r.tickets.consumed_count)
+        t = r.tickets
+        state = (r.version, len(r.delivered), t.granted, t.consumed_count, t.released, t.window_changes)
         if state == r.not_ready:
             return
         pick = next_batch(r.tickets, r.delivered, B, r.version)

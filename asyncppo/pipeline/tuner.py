@@ -70,7 +70,9 @@ class Move:
     k: int
     j: int
     reason: str
-    gain: float = 0.0  # the predicted gain in samples/s that justified it (0 for a drift move)
+    # the predicted gain in samples/s that justified it (0 for a drift move; for a step toward the window twice as
+    # wide, that window's gain: the step itself need only be no predicted loss)
+    gain: float = 0.0
 
 
 class WindowTuner:
@@ -151,7 +153,8 @@ class WindowTuner:
         self._gain = {(int(k), int(j)): float(g) for k, j, g in reply["gain"]}
         self._evals = int(reply["evals"])
         move = reply.get("move")
-        return self.apply(Move(int(move[0]), int(move[1]), str(move[2]), float(move[3])) if move else None)
+        gain = float(move[3]) if move and len(move) > 3 else 0.0  # a reply without its gain: none claimed
+        return self.apply(Move(int(move[0]), int(move[1]), str(move[2]), gain) if move else None)
 
     # ------------------------------------------------------------------------------------------------------------
     def _floor(self) -> int:

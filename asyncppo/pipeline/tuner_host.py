@@ -16,7 +16,7 @@ How much it may cost: the child is kept busy at most :data:`SHARE` of the wall t
 ``c`` seconds the next is not sent before ``c * (1 / SHARE - 1)`` seconds; a decision that falls due earlier is
 skipped (the next due step tries again), so a run with very short steps decides less often rather than paying more.
 Except while the window climbs: after a decision that widened it on a predicted gain of at least
-:data:`CLIMB_GAIN`, the share is :data:`CLIMB_SHARE`. A run far below its best window loses that gain at every
+:data:`CLIMB_GAIN`, and that the hook put in force, the share is :data:`CLIMB_SHARE`. A run far below its best window loses that gain at every
 step the next move waits; a decision costs a fraction of a second. Measured on the guess game behind a 200 ms tool
 (60 steps of ~0.4 s, started at ``k = 1``, best fixed window 16): at a tenth, decisions of 0.6-0.9 s came every
 20-27 steps, each moving one step on a predicted +60-90%, and the run ended at ``k = 4``.
@@ -67,6 +67,7 @@ class DecisionHost:
         self.not_before = 0.0
         self.failed: Optional[str] = None
         self.decisions = 0
+        self._cost = self._replied = 0.0  # the last reply's decision cost, and when it came
         self._reader = threading.Thread(target=self._read, name="tuner-host-reader", daemon=True)
         self._reader.start()
 
@@ -101,9 +102,17 @@ class DecisionHost:
             self.failed = str(reply["error"])
             return reply
         self.decisions += 1
-        cost = float(reply.get("decide_s", 0.0))
-        self.not_before = time.monotonic() + cost * (1.0 / share_after(reply, self.share) - 1.0)
+        self._cost, self._replied = float(reply.get("decide_s", 0.0)), time.monotonic()
+        self.not_before = self._replied + self._cost * (1.0 / self.share - 1.0)
         return reply
+
+    def taken(self, reply: dict) -> None:
+        """``reply``'s move was put in force: when it widened the window on a large predicted gain, the cool-down
+        after it shortens to :func:`share_after`'s climbing share (a reply judged at a window no longer in force,
+        and so ignored, keeps the tenth)."""
+        share = share_after(reply, self.share)
+        if share > self.share:
+            self.not_before = self._replied + self._cost * (1.0 / share - 1.0)
 
     def close(self) -> None:
         try:

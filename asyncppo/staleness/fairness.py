@@ -88,16 +88,6 @@ def auto_ticket_cap(max_num_seqs: int, group_size: int, prompts_per_call: int, w
     return 2 * room + 2
 
 
-def widest_window(window: int, window_auto: str, staleness_cap: int, batch_groups: int) -> int:
-    """The widest window ``(j + 1) * B`` a run may come to have, for :func:`auto_ticket_cap`: ``window`` (the start's)
-    while the lookahead is fixed; under an auto lookahead (``rollout.window_auto`` names ``j``) the one at the cap,
-    ``(rollout.max_staleness_cap + 1) * B``, since the tuner may widen ``j`` that far. Sized by the start, an
-    episode worker's cap kept a run started at ``j = 1`` as short of episodes at ``j = 5`` as at ``j = 1`` (the
-    guess game behind a 200 ms tool: auto at ``k = 4`` took twice the learner time of a fixed ``k = 4``). A cap
-    wider than the window in force binds nothing: the controller grants no more than that window."""
-    return max(window, (staleness_cap + 1) * batch_groups) if "j" in window_auto else window
-
-
 class HoldingClock:
     """Per worker, the seconds it held at least one ticket since it first asked: while a worker holds a ticket its
     engine has a group to generate, so this is its engine's busy time as admission sees it, measured on one clock

@@ -240,3 +240,20 @@ def test_env_concurrency_auto_is_the_episodes_a_worker_may_hold():
                        "rollout.max_staleness_cap=6", "rollout.rollout_batch_size=4",
                        "rollout.num_return_sequences_in_group=4"])  # j pinned: the window it pins
     assert cfg.env.max_concurrency == (1 + 1) * 4 * 4
+    cfg = load_config(["data=guess", "rollout.max_staleness=3", "rollout.admission_lookahead=auto",
+                       "rollout.max_staleness_cap=6", "rollout.rollout_batch_size=4",
+                       "rollout.num_return_sequences_in_group=4"])  # j auto under a pinned k: at most k
+    assert cfg.rollout.window_auto == "j" and cfg.env.max_concurrency == (3 + 1) * 4 * 4
+
+
+def test_the_widest_lookahead_is_what_an_auto_window_may_reach():
+    from asyncppo.config.validate_window import widest_lookahead
+
+    base = ["rollout.rollout_batch_size=4", "rollout.max_staleness_cap=16"]
+    for overrides, want in ((["rollout.max_staleness=auto", "rollout.admission_lookahead=auto"], 16),  # k,j
+                            (["rollout.max_staleness=auto"], 16),  # k=j: j follows k up to the cap
+                            (["rollout.max_staleness=5", "rollout.admission_lookahead=auto"], 5),  # j alone: <= k
+                            (["rollout.max_staleness=auto", "rollout.admission_lookahead=2"], 2),  # j pinned
+                            (["rollout.max_staleness=8", "rollout.admission_lookahead=3"], 3)):  # fixed
+        r = load_config([*base, *overrides]).rollout
+        assert widest_lookahead(r) == want, (overrides, r.window_auto)

@@ -5,9 +5,7 @@ import random
 
 import pytest
 
-from asyncppo.staleness.fairness import (
-    HoldingClock, allocate, auto_ticket_cap, next_holder, startup_cap, widest_window,
-)
+from asyncppo.staleness.fairness import HoldingClock, allocate, auto_ticket_cap, next_holder, startup_cap
 
 
 def test_two_workers_by_hand():
@@ -122,16 +120,6 @@ def test_startup_cap_reserves_an_equal_share_until_every_worker_has_asked():
     assert startup_cap(9, 2, asked=1, cap=None) == 5
     assert startup_cap(1, 4, asked=0, cap=None) == 1  # never below one ticket
     assert startup_cap(8, None, asked=0, cap=7) == 7
-
-
-def test_an_auto_lookahead_sizes_the_cap_by_the_window_at_the_staleness_cap():
-    # B = 4, started at j = 1 (a window of 8 tickets), staleness cap 16: the tuner may widen j to 16 (68 tickets)
-    for auto in ("k=j", "k,j", "j"):
-        assert widest_window(8, auto, 16, 4) == 68
-        assert auto_ticket_cap(64, 8, 1, window=widest_window(8, auto, 16, 4), episodes=True) == 68
-    for fixed in ("", "k"):  # j fixed (k alone moves, or nothing): the start's window is the widest
-        assert widest_window(8, fixed, 16, 4) == 8
-    assert widest_window(100, "k=j", 16, 4) == 100  # never below the window in force
 
 
 def test_auto_ticket_cap_by_hand():

@@ -49,3 +49,18 @@ def test_predictions_come_from_the_tuner_an_auto_run_builds_and_a_sweep_reads_pe
     assert [r["k"] for r in rows] == [1, 4] and all(r["narrowest"] == 1 for r in rows)
     assert rows[0]["from_narrowest"] == pytest.approx(pred[1]) and rows[1]["from_narrowest"] == pytest.approx(pred[4])
     assert rows[0]["speedup_measured"] == 1.0 and rows[1]["speedup_predicted"] == pytest.approx(pred[4] / pred[1])
+
+
+def test_a_reservoir_sample_of_lengths_is_handed_with_the_last_step_and_a_short_run_is_refused(tmp_path):
+    from asyncppo.bench.window_predict import _read
+
+    run = _run(tmp_path, "k1", 1, random.Random(2), steps=20)
+    summary = json.loads((run / "summary.json").read_text())
+    summary["rollout"]["group_lengths"] = summary["rollout"]["group_lengths"][:30]  # not 20 steps x 2 in order
+    (run / "summary.json").write_text(json.dumps(summary))
+    _, train, groups = _read(str(run))
+    assert len(groups) == len(train) == 20 and groups[:-1] == [[]] * 19 and len(groups[-1]) == 30
+    assert predictions(str(run), [1, 2], lookahead=16)[2] > 0
+    short = _run(tmp_path, "k2", 2, random.Random(3), steps=8)
+    with pytest.raises(ValueError, match="none past the 8 warm-up steps"):
+        measured(str(short), warmup=8)
