@@ -83,7 +83,7 @@ def seed_table(seed_dir: str, lookahead: int) -> list[dict]:
     narrow = predictions(runs[windows[0]], windows, lookahead)
     rows = []
     for k in windows:
-        own = predictions(runs[k], [k], lookahead)[k]
+        own = narrow[k] if k == windows[0] else predictions(runs[k], [k], lookahead)[k]  # the narrowest's: done
         rows.append({"k": k, "measured": measured(runs[k], warmup), "own": own, "from_narrowest": narrow[k],
                      "narrowest": windows[0]})
     base = rows[0]

@@ -46,8 +46,8 @@ class LearnerSockets:
                                              * ro.rollout_batch_size)  # nothing past the last step
         cap = cl.max_tickets_per_worker or auto_ticket_cap(
             ro.max_num_seqs, ro.num_return_sequences_in_group, ro.prompts_per_call,
-            # an auto lookahead may widen the window during the run: the cap is sized by the widest it may reach
-            window=max(self.admission.window(), (widest_lookahead(ro) + 1) * ro.rollout_batch_size),
+            # the window (j + 1) * B; an auto lookahead may widen it during the run: sized by the widest it may reach
+            window=(widest_lookahead(ro) + 1) * ro.rollout_batch_size,
             episodes=bool(cfg.env.text_env))
         self.admission_server = AdmissionServer(
             self.admission, bind_endpoint(host, cl.admission_port), curve=curve,
