@@ -70,7 +70,10 @@ class WindowHook:
             return move
         due = self.tuner.record(metrics, lengths)
         if due and self.tuner.over_budget():  # the budget acts at once, not after a decision in flight (which,
-            return self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
+            move = self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
+            if move is not None:
+                self.host.moved()
+            return move
         reply, move = self.host.poll(), None
         if reply is not None and "error" not in reply:
             metrics["tune/decide_s"] = reply["decide_s"]

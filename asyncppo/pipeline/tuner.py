@@ -13,7 +13,7 @@ the last ``history`` steps; a raise must predict more than ``margin`` more sampl
 the current window, unless its gain clears the need by ``sure`` margins (a clear case: a run started far from its
 best window climbs one step per evaluation, not one per ``patience``; measured on ``data=reverse``, where decisions
 are rationed by the decision process's share of the wall time, the old rule climbed 1 -> 4 in 200 steps while the
-best window was 8-12). Every move is still one step. Pinned knobs never move.
+best window was 8-12). Every move is one step, except a clear climb's whole rung (below). Pinned knobs never move.
 
 Why it also looks twice as far: on a gentle slope each single step predicts less than ``margin`` while the window
 two or three steps away predicts much more (``data=reverse`` at ``k = 4``: +3.6% a step, +10% measured at ``k = 8``),
@@ -22,6 +22,17 @@ so a rule that judged neighbours alone stopped at ``k = 4``. Each evaluation als
 band for a widening, the tuner takes one step toward it, provided that step is itself no predicted loss (beyond
 ``margin / 4``) and no narrower window predicts a real gain; otherwise the next evaluation would undo it. Where the
 whole doubling gains less than ``margin`` it stays: the climb stops where widening stops paying.
+
+Why a clear climb moves a whole rung (``leap``): a step per decision is slow for a run that starts far below its
+best window, and a short run never gets there. Measured on the guess game behind a 200 ms tool (60 steps, started
+at ``k = 1``, best fixed windows 8-16): decisions came every 5-10 steps, the window climbed 1 -> 7 in six moves, and
+the run's learner time was 1.65x the best fixed window's. So where the window twice as wide clears its need by
+``sure`` margins and predicts more than ``margin`` beyond the next step's own gain (the rest of the rung pays on its
+own: a far window that gains little past the step would add lag for nothing), the move goes to that window:
+1 -> 3 -> 6 -> 12 -> 16 (the cap). A wider window strands no ticket, so the bound is exact through a leap;
+no leap is made while the drift measured is over half the budget (an assumption: about twice the lag, about twice
+the drift; the drift rule then narrows one step per evaluation, and a leap's drift shows only steps later). Near
+the best window no gain is that clear, and the moves are single steps again, under the hysteresis below.
 
 What a decision costs (it shares the box with the run; tuner_host.py rations it to a tenth of the wall time): the
 current window over ``seeds`` seeds, then each neighbour and the far window over the first ``quick_seeds`` of them,
@@ -71,7 +82,7 @@ class Move:
     j: int
     reason: str
     # the predicted gain in samples/s that justified it (0 for a drift move; for a step toward the window twice as
-    # wide, that window's gain: the step itself need only be no predicted loss)
+    # wide, that window's gain: the step itself need only be no predicted loss; for a leap, the far window's own)
     gain: float = 0.0
 
 
@@ -81,7 +92,7 @@ class WindowTuner:
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
-                 sim_groups: int = 352):
+                 sim_groups: int = 352, leap: bool = True):
         self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
@@ -96,6 +107,7 @@ class WindowTuner:
         self.sure = sure  # a gain this many margins past its need is clear: no second seed pass, no patience
         self.sims = 0  # simulator runs so far (what a decision costs: tests read it)
         self.far = far  # also judge a window twice as wide, and step toward it (module docstring)
+        self.leap = leap  # a clear climb moves a whole rung, to that window (module docstring)
         self._last: Optional[bool] = None  # whether the last throughput move widened (reversing needs a wider band)
         self.records: collections.deque = collections.deque(maxlen=history)
         self.groups: collections.deque = collections.deque(maxlen=256)  # recent whole groups' lengths
@@ -106,6 +118,9 @@ class WindowTuner:
         self.k_range = [k, k]
         self.j_range = [j, j]
         self.outlook: dict[str, float] = {}  # the last evaluation's best smoothed gain: "up", "far", "down"
+        # the last decision found a move it may make later (patience) or could not judge yet (too few steps): its
+        # "no move" is no reason to decide less often (tuner_host.py: the back-off after decisions that stay)
+        self.pending = False
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
@@ -219,11 +234,13 @@ class WindowTuner:
 
     def _decide(self) -> Optional[Move]:
         drift = self.drift()
+        self.pending = False
         if self.over_budget():
             return self.drift_move()
         try:
             fit = self._fit()
         except ValueError:  # not enough measured yet
+            self.pending = True
             return None
         base = self._runs(self.k, self.j, self.seeds, fit=fit)
         base_rate = [r.samples_per_s for r in base]
@@ -258,9 +275,14 @@ class WindowTuner:
                 best, best_gain, best_need = c, gain, need
         sure = best is not None and best_gain > best_need + self.sure * self.margin
         if best is None or (self._evals < self.patience and not sure):
+            self.pending = best is not None  # a move waits for patience: the next decision is no "stay"
             return None
+        calm = self.budget is None or drift is None or drift <= self.budget / 2
+        beyond = (1.0 + best_gain) / (1.0 + self._gain.get(best, 0.0)) - 1.0  # the rest of the rung, on its own
+        if via is not None and sure and self.leap and calm and beyond > self.margin:
+            best = via  # a clear climb whose slope goes on past the next step: the whole rung (module docstring)
         mean = lambda f: sum(getattr(r, f) for r in base) / len(base)  # noqa: E731
-        at = f" at k = {via[0]}, j = {via[1]}" if via else ""
+        at = "" if not via else f" at k = {via[0]}, j = {via[1]}" if best != via else ", a rung"
         if best[0] + best[1] < self.k + self.j:
             why = f"no predicted loss narrower ({best_gain:+.1%})"
         elif mean("occupancy") < 0.9:
@@ -328,4 +350,4 @@ def decide_on(state: dict) -> dict:
     return {"at": [int(state["k"]), int(state["j"])],
             "move": [move.k, move.j, move.reason, move.gain] if move else None,
             "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals,
-            "outlook": tuner.outlook}
+            "outlook": tuner.outlook, "pending": tuner.pending}

@@ -20,6 +20,12 @@ Except while the window climbs: after a decision that widened it on a predicted 
 step the next move waits; a decision costs a fraction of a second. Measured on the guess game behind a 200 ms tool
 (60 steps of ~0.4 s, started at ``k = 1``, best fixed window 16): at a tenth, decisions of 0.6-0.9 s came every
 20-27 steps, each moving one step on a predicted +60-90%, and the run ended at ``k = 4``.
+And while it holds: a decision that finds no move worth making, nor one it waits to make (``pending`` in the reply),
+halves the share for the next cool-down, down to :data:`SHARE` / 2 ** :data:`STAY_HALVINGS`; a move put in force
+(by a decision or by the drift budget) restores it. Measured on the default task, where every window is within a few
+percent and auto stays at ``k = 1``: 5-6 decisions of 1.4-1.8 s in a ~95 s run cost 7.5-9 s of the learner's core,
+most of auto's 8% over the best fixed window. Halving after each "stay" makes the cool-downs 19, 39, 79, 79, ...
+decision-lengths (9 at the tenth): 3-4 decisions in such a run, and a long run still looks every couple of minutes.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
@@ -41,6 +47,8 @@ from typing import Optional
 SHARE = 0.1
 #: While the window climbs: the share after a decision that widened it on a predicted gain of at least CLIMB_GAIN.
 CLIMB_SHARE, CLIMB_GAIN = 0.5, 0.25
+#: Consecutive decisions that stay (no move, none pending) halve the share this many times at most.
+STAY_HALVINGS = 3
 
 
 def share_after(reply: dict, share: float = SHARE) -> float:
@@ -67,6 +75,8 @@ class DecisionHost:
         self.not_before = 0.0
         self.failed: Optional[str] = None
         self.decisions = 0
+        self.stays = 0  # decisions in a row that found nothing to do (the share halves with each: module docstring)
+        self._stale = False  # the decision in flight judged a window the drift budget has since moved
         self._cost = self._replied = 0.0  # the last reply's decision cost, and when it came
         self._reader = threading.Thread(target=self._read, name="tuner-host-reader", daemon=True)
         self._reader.start()
@@ -102,14 +112,28 @@ class DecisionHost:
             self.failed = str(reply["error"])
             return reply
         self.decisions += 1
+        if not self._stale:  # a reply on a window no longer in force says nothing of the one now (it is ignored)
+            self.stays = 0 if reply.get("move") or reply.get("pending", True) else self.stays + 1
+        self._stale = False
         self._cost, self._replied = float(reply.get("decide_s", 0.0)), time.monotonic()
-        self.not_before = self._replied + self._cost * (1.0 / self.share - 1.0)
+        share = self.share / 2 ** min(self.stays, STAY_HALVINGS)
+        self.not_before = self._replied + self._cost * (1.0 / share - 1.0)
         return reply
+
+    def moved(self) -> None:
+        """The window moved without a decision (the drift budget): the back-off after decisions that stayed ends;
+        the next decision may come after the plain share's cool-down of the last one, and the one in flight, if any,
+        judged the old window: its reply counts neither as a stay nor as a move."""
+        self._stale = self.busy
+        if self.stays:
+            self.stays = 0
+            self.not_before = min(self.not_before, self._replied + self._cost * (1.0 / self.share - 1.0))
 
     def taken(self, reply: dict) -> None:
         """``reply``'s move was put in force: when it widened the window on a large predicted gain, the cool-down
         after it shortens to :func:`share_after`'s climbing share (a reply judged at a window no longer in force,
         and so ignored, keeps the tenth)."""
+        self.stays = 0
         share = share_after(reply, self.share)
         if share > self.share:
             self.not_before = self._replied + self._cost * (1.0 / share - 1.0)

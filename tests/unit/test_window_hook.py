@@ -14,7 +14,7 @@ import pytest
 from asyncppo.config.loader import load_config
 from asyncppo.launch.console import window_row
 from asyncppo.learner.window import buffer_bound, window_hook
-from asyncppo.pipeline.tuner import Move, decide_on
+from asyncppo.pipeline.tuner import Move, WindowTuner, decide_on
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -128,6 +128,7 @@ def test_a_decision_made_from_the_state_equals_the_one_made_in_place():
             assert reply["move"] == ([move.k, move.j, move.reason, move.gain] if move else None)
             assert move is None or move.reason.startswith("drift") or move.gain > -tuner.margin / 4
             assert {(k, j): g for k, j, g in reply["gain"]} == here._gain and reply["evals"] == here._evals
+            assert reply["pending"] is here.pending
             compared, moves = compared + 1, moves + (move is not None)
             tuner.take(reply)
             here.apply(move)
@@ -171,6 +172,48 @@ def test_the_decision_process_may_decide_sooner_while_the_window_climbs_on_a_lar
         host.close()
 
 
+def test_decisions_that_keep_staying_back_off_and_a_move_restores_the_tenth():
+    """A decision with no move and none pending halves the share of the next cool-down (9 x its cost at the tenth,
+    then 19, 39, 79 and no further); a pending one (a move waiting for patience, or rates not yet fitted) and a move
+    put in force, by a decision or by the drift budget, restore the tenth. The ``pending`` flag comes from a real
+    decision: on learner-bound rates at the synchronous floor nothing is worth a move and nothing waits."""
+    from asyncppo.pipeline.tuner_host import DecisionHost
+
+    rng, t = random.Random(3), WindowTuner(k=0, j=0, cap=8, tune_k=True, tune_j=False, tie_j=True, batch_groups=2,
+                                           group_size=4, max_num_seqs=64, every=1000, sim_steps=20)
+    for _ in range(6):
+        t.record({"rollout/decode_step_s": 0.0002, "rollout/running_mean": 20.0, "response_length/mean": 30.0,
+                  "time/step_s": 1.0, "time/wait_s": 0.0, "actor/mismatch_kl": 0.0},
+                 [[max(2, int(rng.lognormvariate(3.0, 1.0))) for _ in range(4)] for _ in range(2)])
+    stay = decide_on(t.state())
+    assert stay["move"] is None and stay["pending"] is False, stay
+    unfitted = decide_on(WindowTuner(k=1, j=1, cap=8, tune_k=True, tune_j=False, batch_groups=2,
+                                     group_size=4).state())
+    assert unfitted["move"] is None and unfitted["pending"] is True
+
+    host = DecisionHost()
+    try:
+        def cooldown(reply: dict) -> float:
+            host.replies.put(dict(reply, decide_s=1.0))
+            host.poll()
+            return round(host.not_before - host._replied, 6)
+
+        assert [cooldown(stay) for _ in range(5)] == [19.0, 39.0, 79.0, 79.0, 79.0]
+        assert cooldown(unfitted) == 9.0 and cooldown(stay) == 19.0
+        widening = {"at": [1, 1], "move": [2, 2, "engine idle", 0.1]}
+        assert cooldown(widening) == 9.0
+        host.taken(widening)
+        assert cooldown(stay) == 19.0 and cooldown(stay) == 39.0
+        host.moved()  # the drift budget narrowed the window: the next decision after the tenth's cool-down
+        assert host.not_before - host._replied == pytest.approx(9.0) and cooldown(stay) == 19.0
+        # a decision in flight when the drift budget moved the window judged the old one: its "stay" is no stay
+        host.busy = True
+        host.moved()
+        assert cooldown(stay) == 9.0 and host.stays == 0 and cooldown(stay) == 19.0
+    finally:
+        host.close()
+
+
 def test_the_decision_process_moves_the_window_without_holding_the_learners_thread():
     """With the hook's own decision process: moves arrive within a few steps of being due and reach the controller,
     each step records how long the hook held the thread (``time/tune_s``), which is a small share of a decision's
@@ -193,7 +236,7 @@ def test_the_decision_process_moves_the_window_without_holding_the_learners_thre
         assert hook.host is not None and hook.host.decisions >= 1, said  # never fell back
     finally:
         hook.close()
-    assert adm.k >= 3 and hook.changes >= 2 and said and all(line.startswith("window k ") for line in said), said
+    assert adm.k >= 3 and hook.changes >= 1 and said and all(line.startswith("window k ") for line in said), said
     decided = [r["tune/decide_s"] for r in records if "tune/decide_s" in r]
     held = [r["time/tune_s"] for r in records]
     assert decided and max(held) < min(decided), (max(held), min(decided))

@@ -49,16 +49,22 @@ def test_pinned_knobs_never_move():
     assert t.j == 0  # the auto knob shrank to its floor, the pinned k stayed
 
 
-def test_a_generation_bound_run_widens_one_step_at_a_time_up_to_the_cap():
+@pytest.mark.parametrize("leap", [False, True])
+def test_a_generation_bound_run_widens_by_steps_or_rungs_up_to_the_cap(leap):
+    """Every move is one step, or (``leap``) a whole rung to the window twice as wide (at least two wider, at most
+    the cap); the cap holds either way."""
     rng = random.Random(2)
-    t = _tuner(k=0, j=0, cap=3)
+    t = _tuner(k=0, j=0, cap=3, leap=leap)
     ks = [t.k]
     for _ in range(120):
         m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
         if m:
-            assert abs(m.k - ks[-1]) == 1 and m.k <= 3 and m.reason
+            rung = min(3, max(ks[-1] + 2, 2 * ks[-1]))
+            assert (abs(m.k - ks[-1]) == 1 or (leap and m.k == rung and "a rung" in m.reason)) and m.k <= 3 \
+                and m.reason, (m, ks)
             ks.append(m.k)
     assert ks[-1] > 0 and max(ks) <= 3
+    assert not leap or any(b - a > 1 for a, b in zip(ks, ks[1:])), ks  # measured: 0 -> 2 -> 3
 
 
 def test_both_knobs_free_leave_the_synchronous_corner():
@@ -66,7 +72,7 @@ def test_both_knobs_free_leave_the_synchronous_corner():
     alone admits nothing sooner, so only a step of both is a wider window; the tuner takes it (before, it stayed at
     ``(0, 0)`` for a whole run), and every move changes each knob by at most one."""
     rng = random.Random(2)
-    t = _tuner(k=0, j=0, cap=4, tie_j=False, tune_j=True)
+    t = _tuner(k=0, j=0, cap=4, tie_j=False, tune_j=True, leap=False)
     window = [(0, 0)]
     for _ in range(120):
         m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
@@ -120,7 +126,7 @@ def test_a_sure_gain_moves_at_the_first_evaluation_and_still_one_step():
     evaluations at each window, one step per move. With 'sure' out of reach it waits, as before."""
     def moves(sure: float) -> list[tuple[int, int]]:
         rng = random.Random(2)
-        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure)
+        t = _tuner(k=0, j=0, cap=3, every=3, sure=sure, leap=False)  # single steps: the next test leaps
         out = []
         for step in range(1, 19):
             m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
@@ -130,6 +136,47 @@ def test_a_sure_gain_moves_at_the_first_evaluation_and_still_one_step():
 
     assert moves(3.0) == [(6, 1), (9, 2), (12, 3)]
     assert moves(float("inf"))[:2] == [(6, 1), (12, 2)]
+
+
+def test_a_clear_climb_leaps_whole_rungs_and_gets_there_sooner():
+    """A generation-bound run started at k = 1 under a cap of 16 (a 60-step run, a decision every 3 steps): by single
+    steps it reaches k = 8 only at step 48 (measured); where the window twice as wide clears its need by ``sure``
+    margins and predicts at least the next step's gain, the move is that whole rung, and k = 8 comes by step 18.
+    Leaps only widen, each to the window the far rule names; with the drift over half the budget there is none."""
+    def climb(leap: bool, kl: float = 0.0, budget=None) -> list[tuple[int, int, str]]:
+        rng, t = random.Random(2), _tuner(k=1, j=1, cap=16, leap=leap, budget=budget)
+        out = []
+        for step in range(1, 61):
+            m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01, kl=kl), _groups(rng))
+            if m:
+                out.append((step, m.k, m.reason))
+        return out
+
+    first = lambda moves, k: min(s for s, mk, _ in moves if mk >= k)  # noqa: E731
+    steps, leaps = climb(False), climb(True)
+    assert first(steps, 8) >= 40 and first(leaps, 8) <= 20, (steps, leaps)  # measured: 48 and 18
+    rungs = [(a[1], b[1]) for a, b in zip([(0, 1, "")] + leaps, leaps) if "a rung" in b[2]]
+    assert rungs and all(k2 == min(16, max(k1 + 2, 2 * k1)) for k1, k2 in rungs), leaps
+    # drift at 0.6 of the budget: below the 0.8 that stops widening, over the half that stops leaping
+    calm = climb(True, kl=0.006, budget=0.01)
+    assert calm and all("a rung" not in r for _, _, r in calm) and first(calm, 2) == first(leaps, 2), calm
+
+
+def test_no_leap_where_the_rest_of_the_rung_gains_little_past_the_next_step():
+    """The leap's own gate, on one decision: the next step and the far window predicted (smoothed gains from earlier
+    evaluations at this window) almost alike, the far one a clear case; the rest of the rung would add lag for no
+    gain, so the move is the single step. With the far window well past the step it is the rung."""
+    def move(far_gain: float):
+        rng, t = random.Random(2), _tuner(k=2, j=2, cap=16, every=1000, smooth=1e-9)
+        for _ in range(6):
+            t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
+        t._gain = {(3, 3): 0.50, (4, 4): far_gain, (1, 1): -0.3}  # what earlier evaluations left (smooth ~0: kept)
+        t._evals = 5
+        return t.decide()
+
+    near, clear = move(0.52), move(0.90)
+    assert (near.k, near.j) == (3, 3) and " at k = 4" in near.reason, near
+    assert (clear.k, clear.j) == (4, 4) and "a rung" in clear.reason and clear.gain == pytest.approx(0.90), clear
 
 
 def test_a_learner_bound_run_does_not_simulate_wider_windows():
@@ -166,7 +213,7 @@ def test_a_gentle_slope_is_climbed_by_looking_twice_as_far():
     on, still one step per move, each move naming the window it looked at."""
     def climb(far: bool) -> list:
         rng = random.Random(2)
-        t = _tuner(k=4, j=4, cap=16, every=3, margin=0.1, far=far)
+        t = _tuner(k=4, j=4, cap=16, every=3, margin=0.1, far=far, leap=False)
         moves = []
         for _ in range(30):
             m = t.observe(_rec(rng, train_s=2.0, gen_s=0.004), _groups(rng))
