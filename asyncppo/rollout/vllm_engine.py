@@ -188,6 +188,8 @@ class VLLMEngine(RolloutEngine):
         self.max_model_len = max_model_len
         self.max_num_seqs = int(max_num_seqs)
         self.version = 0
+        # weight loads so far: with the version, the prefix-cache salt of new requests (add_group)
+        self._loads = 0
         self._streaming: set[str] = set()  # keys of groups added with add_group and not yet returned
         self.llm.llm_engine.set_weight_version("0")
         # MoE routing replay (rollout/vllm_routing.py): the experts chosen at every position of streamed requests
@@ -256,8 +258,13 @@ class VLLMEngine(RolloutEngine):
         """Queue one prompt with ``spec.n`` samples as a single vLLM request (vLLM fans it out into ``n`` child
         sequences and reports the group once every child has finished: ``FINAL_ONLY``).
 
-        The prompt is salted with the current weight version (``cache_salt``): a prefix cached under older
-        weights is never reused for a new request, while requests in flight keep their own blocks."""
+        The prompt is salted with the current weights (``cache_salt``: the version and the count of loads): a
+        prefix cached under other weights is never reused for a new request, while requests in flight keep their
+        own blocks. Why the count too: vLLM resets its prefix cache after a load only when no request holds a
+        block (``reset_prefix_cache`` returns False otherwise, and mid-generation loads nearly always have some),
+        and a version number can come back with other weights (a learner resumed from an older checkpoint pushes
+        the versions after it again; a test restores the old weights and labels them anew), so a salt of the
+        version alone could meet blocks computed under other weights."""
         from vllm import SamplingParams  # heavy/optional: vllm
         from vllm.sampling_params import RequestOutputKind  # heavy/optional: vllm
 
@@ -272,7 +279,8 @@ class VLLMEngine(RolloutEngine):
             stop_token_ids=list(spec.stop_token_ids) or None, detokenize=False, ignore_eos=bool(spec.ignore_eos),
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids], "cache_salt": f"asyncppo-v{self.version}"}
+        prompt = {"prompt_token_ids": [int(t) for t in prompt_ids],
+                  "cache_salt": f"asyncppo-v{self.version}-w{self._loads}"}
         request_id = self.llm.llm_engine.add_request(key, prompt, params)
         self._streaming.add(key)
         if self._routing is not None:
@@ -383,6 +391,7 @@ class VLLMEngine(RolloutEngine):
                 and split_experts(list(given.items()))[1]:
             raise MoEPushUnsupported("vllm engine: vLLM's reload leaves the CPU MoE kernel's packed experts stale; "
                                      "expert pushes need the fast one-rank CPU load (rollout/vllm_cpu_moe.py)")
+        self._loads += 1  # before any path: even a load that fails part-way changed weights (add_group's salt)
         if self.tensor_parallel_size > 1:
             self._tp_load(given)
             return

@@ -259,6 +259,53 @@ def test_weight_update_between_turns(chat_model, engine):
         engine.set_weight_version(2)
 
 
+def test_a_version_that_comes_back_with_other_weights_meets_no_prefix_cached_under_the_first(chat_model, engine):
+    """vLLM resets its prefix cache after a load only when no request holds a block (mid-generation loads nearly
+    always have one), and a version number can come back with other weights: a learner resumed from an older
+    checkpoint pushes the versions after it again. So the engine salts new requests with its count of loads as well
+    as the version (rollout/vllm_engine.py: add_group). Here a long request holds blocks across two loads, so the
+    reset cannot happen; the same prompt is generated under one set of weights and then, labelled with the same
+    version, under another: the second must be computed under the weights in force, not read from the block the
+    first left in the cache (with the version alone as the salt every one of its 12 log-probs was off, by up to 0.16 nats: measured)."""
+    from transformers import Qwen2ForCausalLM
+
+    path, tok, old = chat_model
+    new = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.5 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    prompt = (_prompt_ids(tok) * 8)[: block + 5]  # one whole block the cache can keep, and a few tokens more
+    spec = SamplingSpec(n=1, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
+
+    def run(key: str):
+        engine.add_group(key, prompt, spec)
+        done: list = []
+        while key not in [g.key for g in done]:
+            done += engine.step()
+        return next(g for g in done if g.key == key).completions[0]
+
+    try:
+        engine.add_group("holder", _prompt_ids(tok)[:5], SamplingSpec(n=1, max_tokens=300, temperature=1.0, seed=1,
+                                                                      ignore_eos=True))
+        engine.step()
+        engine.update_weights(new.state_dict().items())
+        engine.set_weight_version(7)
+        first = run("first")  # leaves the prompt's first block cached, computed under the new weights
+        engine.update_weights(old.state_dict().items())  # the holder still runs: vLLM cannot reset its cache
+        engine.set_weight_version(7)  # the same number, other weights
+        second = run("second")
+        assert engine.num_unfinished_seqs() == 1  # the holder held its blocks throughout
+    finally:
+        engine.abort_all()
+        engine.update_weights(old.state_dict().items())
+        engine.set_weight_version(8)
+    for c, model in ((first, new), (second, old)):
+        toks = [int(t) for t in c.token_ids]
+        np.testing.assert_allclose(c.logprobs, _forward_logprobs(model, prompt, toks), atol=TOL, rtol=0)
+
+
 def test_sleeping_environment_does_not_stall_other_groups(chat_model, engine):
     _, tok, _ = chat_model
     prompt = _prompt_ids(tok)
