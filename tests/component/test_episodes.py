@@ -112,6 +112,18 @@ def _forward_logprobs(model, prompt, response) -> np.ndarray:
     return lp.gather(1, torch.tensor(response)[:, None]).squeeze(1).numpy()
 
 
+def _perturbed(path: str, seed: int):
+    """The chat model with every weight moved by half its mean magnitude, seeded: other weights for a push."""
+    from transformers import Qwen2ForCausalLM
+
+    new = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(0.5 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return new
+
+
 def _cached_prompt_tokens(engine) -> int:
     return int(next(m.value for m in engine.llm.get_metrics() if m.name == "vllm:prompt_tokens_cached"))
 
@@ -213,14 +225,8 @@ def test_three_turn_episode_is_exact_on_the_hf_engine(chat_model):
 
 
 def test_weight_update_between_turns(chat_model, engine):
-    from transformers import Qwen2ForCausalLM
-
     path, tok, old = chat_model
-    new = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.5 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    new = _perturbed(path, seed=5)
     gate, env = threading.Event(), None
     env = ScriptedEnv(gate=gate)
     prompt = _prompt_ids(tok)
@@ -266,15 +272,10 @@ def test_a_version_that_comes_back_with_other_weights_meets_no_prefix_cached_und
     as the version (rollout/vllm_engine.py: add_group). Here a long request holds blocks across two loads, so the
     reset cannot happen; the same prompt is generated under one set of weights and then, labelled with the same
     version, under another: the second must be computed under the weights in force, not read from the block the
-    first left in the cache (with the version alone as the salt every one of its 12 log-probs was off, by up to 0.16 nats: measured)."""
-    from transformers import Qwen2ForCausalLM
-
+    first left in the cache (with the version alone as the salt, all 12 of its log-probs were off, by up to 0.16
+    nats: measured)."""
     path, tok, old = chat_model
-    new = Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for p in new.parameters():
-            p.add_(0.5 * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    new = _perturbed(path, seed=9)
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
     prompt = (_prompt_ids(tok) * 8)[: block + 5]  # one whole block the cache can keep, and a few tokens more
     spec = SamplingSpec(n=1, max_tokens=12, temperature=1.0, seed=5, ignore_eos=True)
@@ -364,8 +365,9 @@ def test_a_dropped_groups_turn_in_the_engine_is_stepped_out(chat_model, engine):
     assert [g.key for g in got] == ["g"] and got[0].dropped and "crashed" in got[0].detail
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def hf_engine(chat_model):
+    """Per test: its close gives the process's thread count back before the next vLLM test (rollout/hf_engine.py)."""
     from asyncppo.rollout.engines import make_engine
 
     eng = make_engine("hf", chat_model[0], dtype="float32", max_model_len=400, seed=0, num_threads=1)
