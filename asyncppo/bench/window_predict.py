@@ -28,6 +28,7 @@ import statistics
 
 from asyncppo.config.loader import config_from_yaml
 from asyncppo.learner.window import window_hook
+from asyncppo.pipeline.tuner import SIM_WARMUP
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -79,12 +80,11 @@ def seed_table(seed_dir: str, lookahead: int) -> list[dict]:
     windows = sorted(runs)
     if not windows:
         return []
-    warmup = 8  # the tuner's simulations leave out their first 8 steps (pipeline/tuner.py: sim_warmup)
     narrow = predictions(runs[windows[0]], windows, lookahead)
     rows = []
     for k in windows:
         own = narrow[k] if k == windows[0] else predictions(runs[k], [k], lookahead)[k]  # the narrowest's: done
-        rows.append({"k": k, "measured": measured(runs[k], warmup), "own": own, "from_narrowest": narrow[k],
+        rows.append({"k": k, "measured": measured(runs[k], SIM_WARMUP), "own": own, "from_narrowest": narrow[k],
                      "narrowest": windows[0]})
     base = rows[0]
     for row in rows:

@@ -72,6 +72,9 @@ from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.pipeline.simulator import simulate
 
 
+#: Learner steps a simulation runs before it measures (fewer when it runs fewer than three times as many in all):
+#: the pipeline's start, when the window is still filling, is not its steady rate.
+SIM_WARMUP = 8
 _AVERAGED = ("samples_per_s", "tokens_per_s", "step_s", "rollout_busy", "train_busy", "occupancy", "lag_mean",
              "token_lag_mean", "idle_gpu_frac")  # the fields of a prediction the reasons and callers read
 
@@ -100,7 +103,7 @@ class WindowTuner:
         self.engines, self.ranks, self.max_num_seqs, self.unit = engines, train_ranks, max_num_seqs, admission_unit
         self.every, self.margin, self.patience = every, margin, patience
         # steps one simulation runs and warms up for (module docstring: large batches measure fewer steps)
-        self.sim_warmup = min(8, sim_steps // 3)
+        self.sim_warmup = min(SIM_WARMUP, sim_steps // 3)
         self.sim_steps = self.sim_warmup + min(sim_steps - self.sim_warmup, max(8, -(-sim_groups // batch_groups)))
         self.seeds = max(1, seeds)
         self.quick_seeds = min(max(1, quick_seeds), self.seeds)

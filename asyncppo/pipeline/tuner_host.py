@@ -116,9 +116,13 @@ class DecisionHost:
             self.stays = 0 if reply.get("move") or reply.get("pending", True) else self.stays + 1
         self._stale = False
         self._cost, self._replied = float(reply.get("decide_s", 0.0)), time.monotonic()
-        share = self.share / 2 ** min(self.stays, STAY_HALVINGS)
-        self.not_before = self._replied + self._cost * (1.0 / share - 1.0)
+        self.not_before = self._cooled(self.share / 2 ** min(self.stays, STAY_HALVINGS))
         return reply
+
+    def _cooled(self, share: float) -> float:
+        """When the cool-down after the last reply ends at ``share`` of the wall time: its cost, ``1 / share - 1``
+        times over, after it came."""
+        return self._replied + self._cost * (1.0 / share - 1.0)
 
     def moved(self) -> None:
         """The window moved without a decision (the drift budget): the back-off after decisions that stayed ends;
@@ -127,7 +131,7 @@ class DecisionHost:
         self._stale = self.busy
         if self.stays:
             self.stays = 0
-            self.not_before = min(self.not_before, self._replied + self._cost * (1.0 / self.share - 1.0))
+            self.not_before = min(self.not_before, self._cooled(self.share))
 
     def taken(self, reply: dict) -> None:
         """``reply``'s move was put in force: when it widened the window on a large predicted gain, the cool-down
@@ -136,7 +140,7 @@ class DecisionHost:
         self.stays = 0
         share = share_after(reply, self.share)
         if share > self.share:
-            self.not_before = self._replied + self._cost * (1.0 / share - 1.0)
+            self.not_before = self._cooled(share)
 
     def close(self) -> None:
         try:

@@ -184,7 +184,7 @@ class HFEngine(HFStreamingMixin, RolloutEngine):
         return sorted(self.model.state_dict().keys())
 
     def close(self) -> None:
-        if getattr(self, "_threads_before", None):
+        if self._threads_before:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
         self.model = None
