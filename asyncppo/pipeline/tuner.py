@@ -34,6 +34,15 @@ no leap is made while the drift measured is over half the budget (an assumption:
 the drift; the drift rule then narrows one step per evaluation, and a leap's drift shows only steps later). Near
 the best window no gain is that clear, and the moves are single steps again, under the hysteresis below.
 
+Why a leap goes on up the rungs (``rungs_up``): one rung a decision still left the guess game's climb
+1 -> 3 -> 6 -> 12 spread over the run, each rung a decision and a cool-down later, and the decision at ``k = 6`` cost
+4.5-5.5 s of a 60-step run (1.66x the best fixed window's learner time, no better than single steps). So a leap
+predicts the rung above the one it takes, and the one above that, for as long as each predicts more than ``margin``
+beyond the rung below it (the same gate the first rung passed: the rest of the climb pays on its own), and moves to
+the highest: a climb that used to take three decisions takes one, and it stops where doubling stops paying. Each
+rung costs the quick seeds (more only where its gain is within ``sure`` margins of that gate), and only a decision
+that already leaps pays for them.
+
 What a decision costs (it shares the box with the run; tuner_host.py rations it to a tenth of the wall time): the
 current window over ``seeds`` seeds, then each neighbour and the far window over the first ``quick_seeds`` of them,
 completed to all ``seeds`` only when the quick gain lies within ``sure`` margins of its need; and a wider window is
@@ -85,7 +94,7 @@ class Move:
     j: int
     reason: str
     # the predicted gain in samples/s that justified it (0 for a drift move; for a step toward the window twice as
-    # wide, that window's gain: the step itself need only be no predicted loss; for a leap, the far window's own)
+    # wide, that window's gain: the step itself need only be no predicted loss; for a leap, the highest rung's own)
     gain: float = 0.0
 
 
@@ -95,7 +104,7 @@ class WindowTuner:
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
-                 sim_groups: int = 352, leap: bool = True):
+                 sim_groups: int = 352, leap: bool = True, rungs_up: bool = True):
         self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
@@ -111,6 +120,7 @@ class WindowTuner:
         self.sims = 0  # simulator runs so far (what a decision costs: tests read it)
         self.far = far  # also judge a window twice as wide, and step toward it (module docstring)
         self.leap = leap  # a clear climb moves a whole rung, to that window (module docstring)
+        self.rungs_up = rungs_up  # ... and on up the rungs while each still predicts a margin more
         self._last: Optional[bool] = None  # whether the last throughput move widened (reversing needs a wider band)
         self.records: collections.deque = collections.deque(maxlen=history)
         self.groups: collections.deque = collections.deque(maxlen=256)  # recent whole groups' lengths
@@ -200,13 +210,38 @@ class WindowTuner:
         return [c for c in dict.fromkeys(out) if self._valid(*c) and c != (k, j)]
 
     def _far_window(self) -> Optional[tuple[int, int]]:
-        """The window the climb looks toward: ``k`` doubled (at least ``k + 2``, at most the cap), ``j`` moved by as
-        much where it is auto (within ``k``); None where that is no further than a neighbour."""
+        """The window the climb looks toward: the rung above the window in force (:meth:`_rung`)."""
+        return self._rung(self.k, self.j)
+
+    def _rung(self, k0: int, j0: int) -> Optional[tuple[int, int]]:
+        """The rung above ``(k0, j0)``: ``k`` doubled (at least ``k0 + 2``, at most the cap), ``j`` moved by as much
+        where it is auto (within ``k``); None where that is no further than a neighbour."""
         if not (self.far and self.tune_k):
             return None
-        k = min(self.cap, max(self.k + 2, 2 * self.k))
-        j = k if self.tie_j else (min(k, self.j + k - self.k) if self.tune_j else self.j)
-        return (k, j) if k > self.k + 1 and self._valid(k, j) else None
+        k = min(self.cap, max(k0 + 2, 2 * k0))
+        j = k if self.tie_j else (min(k, j0 + k - k0) if self.tune_j else j0)
+        return (k, j) if k > k0 + 1 and self._valid(k, j) else None
+
+    def _climb(self, rung: tuple[int, int], gain: float, base_rate: list[float], fit: tuple
+               ) -> tuple[tuple[int, int], float, int]:
+        """From the rung a leap takes (its predicted ``gain``), the rungs above it for as long as each predicts more
+        than ``margin`` beyond the one below (module docstring, "several rungs"): the highest such, its gain, and
+        how many rungs up from the window in force it is. Where ``j`` is free, the highest rung's ``k`` with the
+        ``j`` in force instead, when that predicts at most ``margin / 4`` less (the lookahead is the lag)."""
+        rungs = 1
+        while (up := self._rung(*rung)) is not None:
+            need = (1.0 + gain) * (1.0 + self.margin) - 1.0  # a margin beyond the rung below, as a gain over base
+            up_gain = self._gain_of(up, base_rate, need, fit)
+            if up_gain <= need:
+                break
+            rung, gain, rungs = up, up_gain, rungs + 1
+        if self.tune_j and not self.tie_j and rung[1] > self.j and self._valid(rung[0], self.j):
+            keep = (rung[0], self.j)  # the same k, the lookahead in force: less lag, where it costs no throughput
+            need = (1.0 + gain) * (1.0 - self.margin / 4) - 1.0
+            keep_gain = self._gain_of(keep, base_rate, need, fit)
+            if keep_gain > need:
+                rung, gain = keep, keep_gain
+        return rung, gain, rungs
 
     def _toward(self, far: tuple[int, int]) -> Optional[tuple[int, int]]:
         """The wider neighbour on the way to ``far``: both knobs a step where ``j`` is to grow, else ``k`` alone."""
@@ -282,10 +317,17 @@ class WindowTuner:
             return None
         calm = self.budget is None or drift is None or drift <= self.budget / 2
         beyond = (1.0 + best_gain) / (1.0 + self._gain.get(best, 0.0)) - 1.0  # the rest of the rung, on its own
+        rungs = 0
         if via is not None and sure and self.leap and calm and beyond > self.margin:
             best = via  # a clear climb whose slope goes on past the next step: the whole rung (module docstring)
+            if self.rungs_up:
+                best, best_gain, rungs = self._climb(via, best_gain, base_rate, fit)
+                via = best
+            else:
+                rungs = 1
         mean = lambda f: sum(getattr(r, f) for r in base) / len(base)  # noqa: E731
-        at = "" if not via else f" at k = {via[0]}, j = {via[1]}" if best != via else ", a rung"
+        at = "" if not via else f" at k = {via[0]}, j = {via[1]}" if best != via else \
+            ", a rung" if rungs == 1 else f", {rungs} rungs"
         if best[0] + best[1] < self.k + self.j:
             why = f"no predicted loss narrower ({best_gain:+.1%})"
         elif mean("occupancy") < 0.9:

@@ -26,6 +26,12 @@ halves the share for the next cool-down, down to :data:`SHARE` / 2 ** :data:`STA
 percent and auto stays at ``k = 1``: 5-6 decisions of 1.4-1.8 s in a ~95 s run cost 7.5-9 s of the learner's core,
 most of auto's 8% over the best fixed window. Halving after each "stay" makes the cool-downs 19, 39, 79, 79, ...
 decision-lengths (9 at the tenth): 3-4 decisions in such a run, and a long run still looks every couple of minutes.
+Why niced (:data:`NICE`, 10): the child shares the learner's cores, and on a box with none to spare (2 cores: the
+engine, the learner, the environments) every second it computes at the same priority is a second some part of the
+run waits. At nice 10 the kernel gives it about a tenth of a core its neighbours also want (a weight of 110 against
+1024), the share above, and all of one they leave idle: a run whose engine waits on a slow tool, the climb's usual
+case, decides as fast as before, and a busy learner is slowed by a tenth at most while a decision runs (its wall
+time then grows, and the cool-down after it with it).
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
@@ -49,6 +55,8 @@ SHARE = 0.1
 CLIMB_SHARE, CLIMB_GAIN = 0.5, 0.25
 #: Consecutive decisions that stay (no move, none pending) halve the share this many times at most.
 STAY_HALVINGS = 3
+#: How much nicer than the learner the decision process runs (module docstring, "Why niced").
+NICE = 10
 
 
 def share_after(reply: dict, share: float = SHARE) -> float:
@@ -158,6 +166,10 @@ def main() -> None:
     """The child: one JSON state in per line, one JSON reply out (:func:`asyncppo.pipeline.tuner.decide_on`)."""
     from asyncppo.pipeline.tuner import decide_on
 
+    try:
+        os.nice(NICE)
+    except OSError:  # a platform without it: decide at the learner's priority
+        pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # anything printed by the simulation stays out of the replies
     for line in sys.stdin:

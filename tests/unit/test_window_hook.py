@@ -6,6 +6,7 @@ the summary table gives the range the window took (launch/console.py). Most test
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
 
@@ -15,6 +16,7 @@ from asyncppo.config.loader import load_config
 from asyncppo.launch.console import window_row
 from asyncppo.learner.window import buffer_bound, window_hook
 from asyncppo.pipeline.tuner import Move, WindowTuner, decide_on
+from asyncppo.pipeline.tuner_host import NICE
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -234,6 +236,8 @@ def test_the_decision_process_moves_the_window_without_holding_the_learners_thre
                 break
             time.sleep(0.02)
         assert hook.host is not None and hook.host.decisions >= 1, said  # never fell back
+        with open(f"/proc/{hook.host.proc.pid}/stat") as f:  # field 19: the nice value; this process's is 0
+            assert int(f.read().rsplit(")", 1)[1].split()[16]) == min(19, os.nice(0) + NICE)  # yields to the learner
     finally:
         hook.close()
     assert adm.k >= 3 and hook.changes >= 1 and said and all(line.startswith("window k ") for line in said), said

@@ -144,7 +144,7 @@ def test_a_clear_climb_leaps_whole_rungs_and_gets_there_sooner():
     margins and predicts at least the next step's gain, the move is that whole rung, and k = 8 comes by step 18.
     Leaps only widen, each to the window the far rule names; with the drift over half the budget there is none."""
     def climb(leap: bool, kl: float = 0.0, budget=None) -> list[tuple[int, int, str]]:
-        rng, t = random.Random(2), _tuner(k=1, j=1, cap=16, leap=leap, budget=budget)
+        rng, t = random.Random(2), _tuner(k=1, j=1, cap=16, leap=leap, budget=budget, rungs_up=False)
         out = []
         for step in range(1, 61):
             m = t.observe(_rec(rng, train_s=0.02, gen_s=0.01, kl=kl), _groups(rng))
@@ -167,7 +167,7 @@ def test_no_leap_where_the_rest_of_the_rung_gains_little_past_the_next_step():
     evaluations at this window) almost alike, the far one a clear case; the rest of the rung would add lag for no
     gain, so the move is the single step. With the far window well past the step it is the rung."""
     def move(far_gain: float):
-        rng, t = random.Random(2), _tuner(k=2, j=2, cap=16, every=1000, smooth=1e-9)
+        rng, t = random.Random(2), _tuner(k=2, j=2, cap=16, every=1000, smooth=1e-9, rungs_up=False)
         for _ in range(6):
             t.observe(_rec(rng, train_s=0.02, gen_s=0.01), _groups(rng))
         t._gain = {(3, 3): 0.50, (4, 4): far_gain, (1, 1): -0.3}  # what earlier evaluations left (smooth ~0: kept)
@@ -177,6 +177,40 @@ def test_no_leap_where_the_rest_of_the_rung_gains_little_past_the_next_step():
     near, clear = move(0.52), move(0.90)
     assert (near.k, near.j) == (3, 3) and " at k = 4" in near.reason, near
     assert (clear.k, clear.j) == (4, 4) and "a rung" in clear.reason and clear.gain == pytest.approx(0.90), clear
+
+
+def _ladder(k: int, cap: int = 16) -> list[int]:
+    """The rungs above ``k``: doubled, at least two wider, at most the cap."""
+    out = []
+    while (up := min(cap, max(k + 2, 2 * k))) > k + 1:
+        out.append(up)
+        k = up
+    return out
+
+
+@pytest.mark.parametrize("train_s", [0.02, 6.0])
+def test_a_clear_climb_goes_on_up_the_rungs_while_each_pays(train_s):
+    """A leap also predicts the rungs above the one it takes and moves to the highest that still predicts a margin
+    beyond the one below: the generation-bound run started at k = 1 reaches k = 12 at its first decision (step 6),
+    where a rung a decision reached it at step 21 (learner steps of 0.02 s) or 12 (6 s), measured. With 6 s learner
+    steps the doubling to the cap stops paying: the climb stops at 12 and stays within a step of it."""
+    def moves(rungs_up: bool) -> list[tuple[int, int, str]]:
+        rng, t = random.Random(2), _tuner(k=1, j=1, cap=16, rungs_up=rungs_up)
+        out = []
+        for step in range(1, 61):
+            m = t.observe(_rec(rng, train_s=train_s, gen_s=0.01), _groups(rng))
+            if m:
+                out.append((step, m.k, m.reason))
+        return out
+
+    first = lambda ms, k: min((s for s, mk, _ in ms if mk >= k), default=99)  # noqa: E731
+    one, ups = moves(False), moves(True)
+    assert ups[0][:2] == (6, 12) and "3 rungs" in ups[0][2], ups  # 1 -> 3 -> 6 -> 12 in one move
+    assert first(one, 12) >= 12, one  # measured: 21 and 12, three or four decisions
+    for (_, k1, _), (_, k2, why) in zip([(0, 1, "")] + ups, ups):  # every climb lands on a rung of the ladder
+        assert "rung" not in why or k2 in _ladder(k1), ups
+    if train_s > 1:
+        assert all(11 <= k <= 13 for _, k, _ in ups), ups  # measured: 12, 13, 12, 11, 12, 13
 
 
 def test_a_learner_bound_run_does_not_simulate_wider_windows():
