@@ -13,7 +13,7 @@ the last ``history`` steps; a raise must predict more than ``margin`` more sampl
 the current window, unless its gain clears the need by ``sure`` margins (a clear case: a run started far from its
 best window climbs one step per evaluation, not one per ``patience``; measured on ``data=reverse``, where decisions
 are rationed by the decision process's share of the wall time, the old rule climbed 1 -> 4 in 200 steps while the
-best window was 8-12). Every move is one step, except a clear climb's whole rung (below). Pinned knobs never move.
+best window was 8-12). Every move is one step, except a clear climb's rungs (below). Pinned knobs never move.
 
 Why it also looks twice as far: on a gentle slope each single step predicts less than ``margin`` while the window
 two or three steps away predicts much more (``data=reverse`` at ``k = 4``: +3.6% a step, +10% measured at ``k = 8``),
@@ -38,10 +38,14 @@ Why a leap goes on up the rungs (``rungs_up``): one rung a decision still left t
 1 -> 3 -> 6 -> 12 spread over the run, each rung a decision and a cool-down later, and the decision at ``k = 6`` cost
 4.5-5.5 s of a 60-step run (1.66x the best fixed window's learner time, no better than single steps). So a leap
 predicts the rung above the one it takes, and the one above that, for as long as each predicts more than ``margin``
-beyond the rung below it (the same gate the first rung passed: the rest of the climb pays on its own), and moves to
-the highest: a climb that used to take three decisions takes one, and it stops where doubling stops paying. Each
-rung costs the quick seeds (more only where its gain is within ``sure`` margins of that gate), and only a decision
-that already leaps pays for them.
+beyond the rung below it (the gate the first rung's "rest of the rung" passed, judged on one evaluation: the first
+rung alone needed ``sure`` margins, and a rung whose quick seeds leave it within ``sure`` margins of its gate is
+judged on all ``seeds``), and moves to the highest: a climb that used to take three decisions takes one, and it
+stops where doubling stops paying. Each rung costs the quick seeds, and only a decision that already leaps pays for
+them. The drift rule scales with it: a rung ``k_up`` is climbed only while the drift measured, times ``k_up / k``
+(lag, and so drift, about proportional to the window), stays within the budget (the first rung's "half the budget"
+is the doubling's case). A climb ends where it stops paying or at the cap, so the decision after it is no longer a
+climb's: it comes after the plain share's cool-down (``settled`` in the reply; tuner_host.py).
 
 What a decision costs (it shares the box with the run; tuner_host.py rations it to a tenth of the wall time): the
 current window over ``seeds`` seeds, then each neighbour and the far window over the first ``quick_seeds`` of them,
@@ -134,6 +138,9 @@ class WindowTuner:
         # the last decision found a move it may make later (patience) or could not judge yet (too few steps): its
         # "no move" is no reason to decide less often (tuner_host.py: the back-off after decisions that stay)
         self.pending = False
+        # the last decision's move was a climb up the rungs that ended where the next stopped paying or at the cap:
+        # no climb goes on from it (tuner_host.py: no climbing share after it)
+        self.settled = False
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
@@ -222,14 +229,17 @@ class WindowTuner:
         j = k if self.tie_j else (min(k, j0 + k - k0) if self.tune_j else j0)
         return (k, j) if k > k0 + 1 and self._valid(k, j) else None
 
-    def _climb(self, rung: tuple[int, int], gain: float, base_rate: list[float], fit: tuple
-               ) -> tuple[tuple[int, int], float, int]:
+    def _climb(self, rung: tuple[int, int], gain: float, base_rate: list[float], fit: tuple,
+               drift: Optional[float]) -> tuple[tuple[int, int], float, int]:
         """From the rung a leap takes (its predicted ``gain``), the rungs above it for as long as each predicts more
-        than ``margin`` beyond the one below (module docstring, "several rungs"): the highest such, its gain, and
-        how many rungs up from the window in force it is. Where ``j`` is free, the highest rung's ``k`` with the
+        than ``margin`` beyond the one below, and whose ``k`` the measured ``drift``, scaled by the window, allows
+        (module docstring, "Why a leap goes on up the rungs"): the highest such, its gain, and how many rungs up
+        from the window in force it is. Where ``j`` is free, the highest rung's ``k`` with the
         ``j`` in force instead, when that predicts at most ``margin / 4`` less (the lookahead is the lag)."""
         rungs = 1
         while (up := self._rung(*rung)) is not None:
+            if self.budget is not None and drift is not None and drift * up[0] / max(self.k, 1) > self.budget:
+                break  # about proportional to the window: that rung's drift would be over the budget
             need = (1.0 + gain) * (1.0 + self.margin) - 1.0  # a margin beyond the rung below, as a gain over base
             up_gain = self._gain_of(up, base_rate, need, fit)
             if up_gain <= need:
@@ -272,7 +282,7 @@ class WindowTuner:
 
     def _decide(self) -> Optional[Move]:
         drift = self.drift()
-        self.pending = False
+        self.pending = self.settled = False
         if self.over_budget():
             return self.drift_move()
         try:
@@ -321,8 +331,8 @@ class WindowTuner:
         if via is not None and sure and self.leap and calm and beyond > self.margin:
             best = via  # a clear climb whose slope goes on past the next step: the whole rung (module docstring)
             if self.rungs_up:
-                best, best_gain, rungs = self._climb(via, best_gain, base_rate, fit)
-                via = best
+                best, best_gain, rungs = self._climb(via, best_gain, base_rate, fit, drift)
+                via, self.settled = best, True
             else:
                 rungs = 1
         mean = lambda f: sum(getattr(r, f) for r in base) / len(base)  # noqa: E731
@@ -395,4 +405,4 @@ def decide_on(state: dict) -> dict:
     return {"at": [int(state["k"]), int(state["j"])],
             "move": [move.k, move.j, move.reason, move.gain] if move else None,
             "gain": [[k, j, g] for (k, j), g in tuner._gain.items()], "evals": tuner._evals,
-            "outlook": tuner.outlook, "pending": tuner.pending}
+            "outlook": tuner.outlook, "pending": tuner.pending, "settled": tuner.settled}

@@ -19,7 +19,10 @@ Except while the window climbs: after a decision that widened it on a predicted 
 :data:`CLIMB_GAIN`, and that the hook put in force, the share is :data:`CLIMB_SHARE`. A run far below its best window loses that gain at every
 step the next move waits; a decision costs a fraction of a second. Measured on the guess game behind a 200 ms tool
 (60 steps of ~0.4 s, started at ``k = 1``, best fixed window 16): at a tenth, decisions of 0.6-0.9 s came every
-20-27 steps, each moving one step on a predicted +60-90%, and the run ended at ``k = 4``.
+20-27 steps, each moving one step on a predicted +60-90%, and the run ended at ``k = 4``. A climb up several rungs
+that ended (``settled`` in the reply: the next rung stopped paying, or the cap) is not climbing any more: after it
+the plain share (on the guess game the decision after a ``1 -> 12`` climb, at the half share, came ~20 steps later,
+stayed, and its 4-6 s of wall time slowed the learner's updates by a third while it ran).
 And while it holds: a decision that finds no move worth making, nor one it waits to make (``pending`` in the reply),
 halves the share for the next cool-down, down to :data:`SHARE` / 2 ** :data:`STAY_HALVINGS`; a move put in force
 (by a decision or by the drift budget) restores it. Measured on the default task, where every window is within a few
@@ -62,10 +65,11 @@ NICE = 10
 def share_after(reply: dict, share: float = SHARE) -> float:
     """The share of wall time the cool-down after the decision ``reply`` (:func:`asyncppo.pipeline.tuner.decide_on`)
     allows: :data:`CLIMB_SHARE` after a widening on a predicted gain of at least :data:`CLIMB_GAIN` (the window is
-    climbing), else ``share``."""
+    climbing), else ``share``; a climb up the rungs that ended (``settled``: the next rung stopped paying, or the
+    cap) is no longer climbing."""
     move, at = reply.get("move"), reply.get("at")
     climbing = bool(move) and at is not None and len(move) > 3 and move[0] + move[1] > at[0] + at[1] \
-        and float(move[3]) >= CLIMB_GAIN
+        and float(move[3]) >= CLIMB_GAIN and not reply.get("settled", False)
     return max(share, CLIMB_SHARE) if climbing else share
 
 
@@ -168,7 +172,7 @@ def main() -> None:
 
     try:
         os.nice(NICE)
-    except OSError:  # a platform without it: decide at the learner's priority
+    except (AttributeError, OSError):  # a platform without it, or a refusal: decide at the learner's priority
         pass
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # anything printed by the simulation stays out of the replies

@@ -154,6 +154,8 @@ def test_the_decision_process_may_decide_sooner_while_the_window_climbs_on_a_lar
     assert share_after({"at": [2, 2], "move": None}) == 0.1
     assert share_after({"at": [2, 2], "move": [3, 3, "engine idle", 0.9]}, share=0.6) == 0.6  # never below the base
     assert share_after({"at": [2, 2], "move": [3, 3, "an older reply without its gain"]}) == 0.1
+    # a climb up the rungs that ended (the next rung stopped paying, or the cap): the climb is over
+    assert share_after({"at": [1, 1], "move": [12, 12, "engine idle, 3 rungs", 2.7], "settled": True}) == 0.1
 
     # the host: a reply's cool-down is the tenth's (9 x its cost) until the hook says it put the move in force
     from asyncppo.pipeline.tuner_host import DecisionHost
