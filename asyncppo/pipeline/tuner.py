@@ -329,12 +329,10 @@ class WindowTuner:
         beyond = (1.0 + best_gain) / (1.0 + self._gain.get(best, 0.0)) - 1.0  # the rest of the rung, on its own
         rungs = 0
         if via is not None and sure and self.leap and calm and beyond > self.margin:
-            best = via  # a clear climb whose slope goes on past the next step: the whole rung (module docstring)
+            best, rungs = via, 1  # a clear climb whose slope goes on past the next step: the whole rung (docstring)
             if self.rungs_up:
                 best, best_gain, rungs = self._climb(via, best_gain, base_rate, fit, drift)
                 via, self.settled = best, True
-            else:
-                rungs = 1
         mean = lambda f: sum(getattr(r, f) for r in base) / len(base)  # noqa: E731
         at = "" if not via else f" at k = {via[0]}, j = {via[1]}" if best != via else \
             ", a rung" if rungs == 1 else f", {rungs} rungs"
