@@ -16,6 +16,9 @@ Tiers (tests/README.md): every test is marked by its folder, ``unit``, ``compone
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import zmq
@@ -122,3 +125,29 @@ def pytest_collection_modifyitems(config, items):
              for test in sorted(set(MEASURED_SLOW.get(name, ())) - _defined_names(module))]
     if stale:
         raise pytest.UsageError(f"tests/measured_slow.py names tests that no longer exist: {stale}")
+
+
+_prebuild: list[subprocess.Popen] = []
+
+
+def pytest_collection_finish(session):
+    """A session that will launch e2e runs starts tests/prebuild_models.py beside it (niced): the built-in models
+    those launches ask for are built in the time the component tests leave a core idle, not inside the launches.
+    ``ASYNCPPO_NO_PREBUILD=1`` turns it off."""
+    if os.environ.get("ASYNCPPO_NO_PREBUILD") == "1" or not any(i.get_closest_marker("e2e") for i in session.items):
+        return
+    here = Path(__file__).resolve().parent
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
+    _prebuild.append(subprocess.Popen([sys.executable, "-m", "prebuild_models"], cwd=here.parent, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for proc in _prebuild:  # a run stopped early: a build in progress removes its temporary directory on SIGTERM
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

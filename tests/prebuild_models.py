@@ -1,0 +1,50 @@
+"""Builds, beside a whole-suite run, the built-in models the end-to-end launches will ask for (``python -m
+prebuild_models``, started by tests/conftest.py when the session has e2e tests to run).
+
+Why: on a fresh machine, as in CI, the first launch of each preset built its model inside the test, one after the
+other on the suite's critical path: tiny-addition 94 s, tiny-calculator 109 s, tiny-reverse 63 s, tiny-moe 50 s,
+tiny-long 40 s (build.json's ``build_s``, the whole suite on a fresh 2-core box, 2026-11-30), ~6 min of a 66-min CI
+run. The component tests, which run first, leave a core idle much of the time (they wait on sockets, deadlines and
+engine start-ups); this process builds in that idle time, at nice 19 and on one torch thread, so that a busy test
+gives up almost nothing to it. A test that reaches a model before this process finished it builds the model itself,
+as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and renames it; the
+second rename finds the first's result and keeps it). The cache is the one the launches read (``ASYNCPPO_CACHE``,
+else ``~/.cache/asyncppo``); a model already there costs nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+#: The launches' presets, in the order the e2e tests first ask for them (tests/e2e, file order): the default task,
+#: the calculator, data=reverse, data=long at the warm start test_e2e_long.py asks for (WARMUP), tiny-moe.
+PRESETS: tuple[tuple[str, ...], ...] = (
+    (),
+    ("data=calculator",),
+    ("data=reverse",),
+    ("data=long", "trainer.sft_warmup_steps=60"),
+    ("model.path=builtin:tiny-moe",),
+)
+
+
+def main() -> int:
+    # stopped by the session's end: leave by an exception, so that a build in progress removes its temporary directory
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    os.nice(19)
+    import torch
+
+    from asyncppo.config.loader import load_config
+    from asyncppo.data.tiny import resolve_model_path
+
+    torch.set_num_threads(1)
+    for overrides in PRESETS:
+        cfg = load_config(list(overrides))
+        path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+        print(f"[prebuild] {' '.join(overrides) or 'default'}: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
