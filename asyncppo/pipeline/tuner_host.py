@@ -31,12 +31,16 @@ most of auto's 8% over the best fixed window. Halving after each "stay" makes th
 decision-lengths (9 at the tenth): 3-4 decisions in such a run, and a long run still looks every couple of minutes.
 Why niced (:data:`NICE`, 10): the child shares the learner's cores, and on a box with none to spare (2 cores: the
 engine, the learner, the environments) every second it computes at the same priority is a second some part of the
-run waits. At nice 10 the kernel gives it about a tenth of a core its neighbours also want (a weight of 110 against
-1024), the share above, and all of one they leave idle: a run whose engine waits on a slow tool, the climb's usual
-case, decides as fast as before, and the decision's wall time grows on a busy box (the cool-down after it with it).
-It does not make a decision free: measured on the guess game, the learner's updates took ~0.1 s (about a third)
-longer a step while a niced decision ran beside them, its torch threads waiting on whichever of them was
-descheduled; fewer decisions (the back-off, ``settled``) are what cut that.
+run waits. Niceness adds to the parent's, and Ray starts every worker process, the learner's and the engines'
+actors included, at nice 15 (Ray's ``worker_niceness``; ``ps -o ni`` during a launch shows it): under a launch the
+child sits at nice 19, the most there is, a weight of 15 against the actors' 36, so it gets about 30% of a core they
+also want, and all of one they leave idle (outside Ray, nice 10 against 0: 110 against 1024, about a tenth). A run
+whose engine waits on a slow tool, the climb's usual case, decides as fast as at the learner's priority, and the
+decision's wall time grows on a busy box (the cool-down after it with it). It does not make a decision free:
+measured on the guess game, the learner's updates took ~0.1 s (about a third) longer a step while a niced decision
+ran beside them, the 30% above; fewer decisions (the back-off, ``settled``) are what cut that. ``SCHED_IDLE``
+(a weight of 3) would take less from the learner, and would also leave a decision on a box whose two cores are both
+busy (data=reverse at k = 1) crawling at a twelfth of a core, where its climb is worth most: not tried.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
