@@ -131,10 +131,14 @@ _prebuild: list[subprocess.Popen] = []
 
 
 def pytest_collection_finish(session):
-    """A session that will launch e2e runs starts tests/prebuild_models.py beside it (niced): the built-in models
-    those launches ask for are built in the time the component tests leave a core idle, not inside the launches.
+    """A session that will run component tests and then e2e launches (the whole suite) starts
+    tests/prebuild_models.py beside it, at the lowest CPU priority: the built-in models those launches ask for are
+    built in the time the component tests leave a core idle, not inside the launches. A session of e2e tests alone
+    has no such time, and a builder would only compete with its first launch (and build models it may not need).
     ``ASYNCPPO_NO_PREBUILD=1`` turns it off."""
-    if os.environ.get("ASYNCPPO_NO_PREBUILD") == "1" or not any(i.get_closest_marker("e2e") for i in session.items):
+    tiers = {m for i in session.items for m in ("component", "e2e") if i.get_closest_marker(m)}
+    off = os.environ.get("ASYNCPPO_NO_PREBUILD") == "1" or session.config.option.collectonly
+    if off or tiers != {"component", "e2e"}:
         return
     here = Path(__file__).resolve().parent
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
