@@ -29,7 +29,8 @@ fi
 # processes run python -B), so without it every process that imports asyncppo (each launch's learner, workers and
 # Ray actors; every spawned rank of a test) compiled ~200 modules from source: 1.1 s of its start on 2 cores
 # (asyncppo.learner.loop + rollout.worker + launch.runner: 5.3 s -> 4.2 s). A stale file is simply recompiled.
-"$VENV/bin/python" -m compileall -q -j 0 asyncppo tests >/dev/null
+"$VENV/bin/python" -m compileall -q -j 0 asyncppo tests >/dev/null \
+  || echo "compileall: some files did not compile here; they are compiled when imported, as before" >&2
 if [ "$EXTRA" = "cpu" ]; then
   "$VENV/bin/python" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 fi

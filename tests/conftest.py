@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -141,9 +142,11 @@ def pytest_collection_finish(session):
     if off or tiers != {"component", "e2e"}:
         return
     here = Path(__file__).resolve().parent
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(here.parent), str(here), os.environ.get("PYTHONPATH", "")]))
-    _prebuild.append(subprocess.Popen([sys.executable, "-m", "prebuild_models"], cwd=here.parent, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    path = [str(here.parent), str(here), str(here / "e2e"), *os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+    with open(Path(tempfile.gettempdir()) / "asyncppo-prebuild.log", "w") as log:  # the child keeps its own handle
+        _prebuild.append(subprocess.Popen([sys.executable, "-m", "prebuild_models"], cwd=here.parent, env=env,
+                                          stdout=log, stderr=subprocess.STDOUT))
 
 
 def pytest_sessionfinish(session, exitstatus):

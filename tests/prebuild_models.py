@@ -9,7 +9,8 @@ engine start-ups); this process builds in that idle time, at the lowest CPU prio
 that a busy test gives up almost nothing to it. A test that reaches a model before this process finished it builds the model itself,
 as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and renames it; the
 second rename finds the first's result and keeps it). The cache is the one the launches read (``ASYNCPPO_CACHE``,
-else ``~/.cache/asyncppo``); a model already there costs nothing.
+else ``~/.cache/asyncppo``); a model already there costs nothing. What it built, or why not, is in
+``<tmp>/asyncppo-prebuild.log`` (the system's temporary directory; rewritten by each session).
 """
 
 from __future__ import annotations
@@ -18,15 +19,15 @@ import os
 import signal
 import sys
 
-#: The launches' presets, in the order the e2e tests first ask for them (tests/e2e, file order): the default task,
-#: the calculator, data=reverse, data=long at the warm start test_e2e_long.py asks for (WARMUP), tiny-moe.
-PRESETS: tuple[tuple[str, ...], ...] = (
-    (),
-    ("data=calculator",),
-    ("data=reverse",),
-    ("data=long", "trainer.sft_warmup_steps=60"),
-    ("model.path=builtin:tiny-moe",),
-)
+
+
+def presets() -> list[tuple[str, ...]]:
+    """The launches' presets, in the order the e2e tests first ask for their models (tests/e2e, file order): the
+    calculator, the default task, data=reverse, data=long at the warm start test_e2e_long.py uses, tiny-moe."""
+    from test_e2e_long import WARMUP  # the long run's own constant, so that the two cannot drift apart
+
+    return [("data=calculator",), (), ("data=reverse",), ("data=long", f"trainer.sft_warmup_steps={WARMUP}"),
+            ("model.path=builtin:tiny-moe",)]
 
 
 def _lowest_priority() -> None:
@@ -49,11 +50,17 @@ def main() -> int:
     from asyncppo.data.tiny import resolve_model_path
 
     torch.set_num_threads(1)
-    for overrides in PRESETS:
-        cfg = load_config(list(overrides))
-        path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
-        print(f"[prebuild] {' '.join(overrides) or 'default'}: {path}", flush=True)
-    return 0
+    failed = 0
+    for overrides in presets():
+        name = " ".join(overrides) or "default"
+        try:  # one that fails is built inside its launch, as before; the others are still built here
+            cfg = load_config(list(overrides))
+            path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+            print(f"[prebuild] {name}: {path}", flush=True)
+        except Exception as exc:  # noqa: BLE001 (reported in the log, never raised into the test session)
+            failed += 1
+            print(f"[prebuild] {name}: FAILED: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -214,8 +214,9 @@ def ensure_builtin_model(
     if (final / "build.json").is_file():
         return str(final)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
-    try:
+    tmp = None
+    try:  # the directory is made inside: an exception (a SIGTERM turned into one) right after it still removes it
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=root))
         t0 = time.time()
         if verbose:
             print(f"[asyncppo] building builtin model {name!r} into {final}", flush=True)
@@ -242,7 +243,8 @@ def ensure_builtin_model(
         if verbose:
             print(f"[asyncppo] builtin model ready in {time.time() - t0:.1f}s: {final}", flush=True)
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
     return str(final)
 
 
