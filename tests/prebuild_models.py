@@ -1,13 +1,13 @@
 """Builds, beside a whole-suite run, the built-in models the end-to-end launches will ask for (``python -m
-prebuild_models``, started by tests/conftest.py when the session has e2e tests to run).
+prebuild_models``, started by tests/conftest.py in a session with component tests before its e2e ones).
 
 Why: on a fresh machine, as in CI, the first launch of each preset built its model inside the test, one after the
 other on the suite's critical path: tiny-addition 94 s, tiny-calculator 109 s, tiny-reverse 63 s, tiny-moe 50 s,
 tiny-long 40 s (build.json's ``build_s``, the whole suite on a fresh 2-core box, 2026-11-30), ~6 min of a 66-min CI
 run. The component tests, which run first, leave a core idle much of the time (they wait on sockets, deadlines and
 engine start-ups); this process builds in that idle time, at the lowest CPU priority and on one torch thread, so
-that a busy test gives up almost nothing to it. A test that reaches a model before this process finished it builds the model itself,
-as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and renames it; the
+that a busy test gives up almost nothing to it. A test that reaches a model before this process finished it builds
+the model itself, as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and renames it; the
 second rename finds the first's result and keeps it). The cache is the one the launches read (``ASYNCPPO_CACHE``,
 else ``~/.cache/asyncppo``); a model already there costs nothing. What it built, or why not, is in
 ``<tmp>/asyncppo-prebuild.log`` (the system's temporary directory; rewritten by each session).
@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import signal
 import sys
-
 
 
 def presets() -> list[tuple[str, ...]]:
