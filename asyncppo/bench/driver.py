@@ -43,7 +43,9 @@ def _typed(key: str, text: str, default):
             return [kind(x) for x in text.split(",") if x.strip()]
         return type(default)(text)
     except ValueError:
-        raise OptionError(f"{key}={text!r}: expected {type(default).__name__} like {default!r}") from None
+        like = ",".join(map(str, default)) if isinstance(default, list) else repr(default)
+        what = "comma-separated items" if isinstance(default, list) else type(default).__name__
+        raise OptionError(f"{key}={text!r}: expected {what} like {like}") from None
 
 
 def resolve_options(bench: Benchmark, tokens: list[str], base: dict | None = None) -> dict:

@@ -69,6 +69,12 @@ class WindowHook:
             _outlook(metrics, self.tuner.outlook)
             return move
         due = self.tuner.record(metrics, lengths)
+        opened = self.tuner.opening_move()  # once, on the learner's thread: no decision waits for it (opening.py)
+        if opened is not None:
+            self.host.moved()  # a decision in flight judged the old window
+            if due and self.host.ready():
+                self.host.submit(self.tuner.state())  # the model judges the new window at once, on the same rates
+            return opened
         if due and self.tuner.over_budget():  # the budget acts at once, not after a decision in flight (which,
             move = self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
             if move is not None:
@@ -115,6 +121,7 @@ class WindowHook:
         t = self.tuner
         if not state:
             return
+        t.opening = False  # the run opened before its checkpoint: it goes on from the window it had
         k = min(int(state.get("k", t.k)), t.cap) if t.tune_k else t.k
         j = k if t.tie_j else (int(state.get("j", t.j)) if t.tune_j else t.j)
         if (k, j) == (t.k, t.j) or not t.allows(k, j):

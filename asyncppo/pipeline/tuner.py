@@ -82,6 +82,7 @@ from typing import Optional
 from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed
 from asyncppo.pipeline.lengths import EmpiricalGroups
 from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
+from asyncppo.pipeline.opening import OPEN_READ, opening
 from asyncppo.pipeline.simulator import simulate
 
 
@@ -108,7 +109,7 @@ class WindowTuner:
                  admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
-                 sim_groups: int = 352, leap: bool = True, rungs_up: bool = True):
+                 sim_groups: int = 352, leap: bool = True, rungs_up: bool = True, open_up: bool = True):
         self._init = {name: value for name, value in locals().items() if name != "self"}  # for state()
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
@@ -141,13 +142,17 @@ class WindowTuner:
         # the last decision's move was a climb up the rungs that ended where the next stopped paying or at the cap:
         # no climb goes on from it (tuner_host.py: no climbing share after it)
         self.settled = False
+        # the opening move (opening.py) is still to be judged: once, on the run's first records
+        self.opening = open_up and (tune_k or tune_j)
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
         on the caller's thread (the learner's hook decides in a process of its own: :meth:`record`, :meth:`state`,
         :meth:`take`)."""
-        if not self.record(record, group_lengths):
-            return None
+        due = self.record(record, group_lengths)
+        move = self.opening_move()
+        if move is not None or not due:
+            return move
         return self.apply(self.decide())
 
     def record(self, record: dict, group_lengths: list[list[int]]) -> bool:
@@ -157,6 +162,19 @@ class WindowTuner:
         self.groups.extend(tuple(g) for g in group_lengths if g)
         self.steps += 1
         return not self.steps % self.every and (self.tune_k or self.tune_j)
+
+    def opening_move(self) -> Optional[Move]:
+        """Once, when the run's first records are in: the opening move by Little's law (opening.py), put in force,
+        or None (it stays, or it was judged already). Cheap: the learner's hook calls it on its own thread."""
+        if not self.opening or len(self.records) < 1 + OPEN_READ:
+            return None
+        self.opening = False
+        drift = self.drift()
+        if self.budget is not None and drift is not None and drift > self.budget / 2:
+            return None  # as a leap: no jump while the drift is over half the budget
+        got = opening(list(self.records), self.k, self.j, cap=self.cap, tune_k=self.tune_k, tune_j=self.tune_j,
+                      tie_j=self.tie_j, valid=self._valid)
+        return self.apply(Move(*got)) if got else None
 
     def decide(self) -> Optional[Move]:
         """The rule of the module docstring at the current window; moves nothing (:meth:`apply` does)."""

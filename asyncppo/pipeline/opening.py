@@ -1,0 +1,96 @@
+"""The auto window's opening move: one jump by Little's law, before the model has a fit worth simulating.
+
+Why a rule without the model at the start: the tuner's first decision (:mod:`asyncppo.pipeline.tuner`) needs a few
+steps of rates, then runs in a niced process of its own (tuner_host.py), so on the guess game behind a 200 ms tool
+(60 steps, started at the default ``k = 1``, best fixed windows 8-16) it was submitted at step 5 and put in force
+at step 9. Those 9 steps at ``k = 1``, each about twice as long as a step at ``k = 8`` (the learner waited for
+groups 72% of the time), were most of auto's 1.20-1.34x the best fixed window's learner time. What a run measures
+from its second step already says how far off it is:
+
+* the learner's **wait share** ``w`` (``time/wait_s`` over ``time/step_s``): the pipeline delivers groups ``1 - w``
+  times as fast as the learner could take them;
+* the engine's **use** ``u`` (``util/rollout_busy`` times ``rollout/occupancy``: the share of its slots decoding
+  over the wall time): what it could take on before it is the slow side.
+
+Where the groups' time is latency (a tool's wait, a long tail decoding few sequences) rather than the engine's
+capacity, throughput is work in flight over latency (Little's law): ``1 / (1 - w)`` times the groups in flight
+would keep the learner busy, and the engine has room for ``1 / u`` times the work. Groups in flight grow with the
+lookahead (``j + 1`` batches admitted ahead) and tokens may be as old as ``k``, so the opening scales ``j + 1`` and
+``k + 1`` by ``f = min(1 / (1 - w), 1 / u, MAX_FACTOR)``, rounded up, within the cap. Measured before it was built,
+at the start window: the guess game at ``k = 1`` (steps 2-5) ``w = 0.73``, ``u = 0.07``: ``f = 3.7``, ``k = 1 -> 7``;
+``data=long`` at ``k = 2`` ``w = 0.57``, ``u = 0.26``: ``k = 2 -> 6``; ``data=long`` at its preset ``k = 12``
+``w = 0.17``, ``u = 0.94``: no move (nor at ``k = 8``, ``u = 0.9``).
+
+It is one move, made once, on the learner's thread (a few arithmetic operations), and only upward: a window too
+narrow costs every step until the model's first decision, while one a little too wide costs lag, which that decision
+(which may narrow) and the drift budget handle. It does not move where the learner waits less than
+:data:`MIN_WAIT` of its time or ``f`` is under :data:`MIN_FACTOR` (a window near right stays for the model to judge),
+nor where the measured drift is over half the budget, as a leap would not.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+#: Records the opening reads, after the run's first (the pipeline's fill from empty, not its rate).
+OPEN_READ = 4
+#: The learner must wait at least this share of its steps: below it, the pipeline is near the learner's pace.
+MIN_WAIT = 0.25
+#: A jump smaller than this factor is left to the model (it is within what one of its decisions judges).
+MIN_FACTOR = 1.5
+#: The most one opening multiplies the work in flight by (the reading is four steps of a run's start).
+MAX_FACTOR = 4.0
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the opening read: the learner's wait share, the engine's use, and the factor they allow."""
+    wait: float
+    use: Optional[float]  # None: the records carry no engine meter (the factor is the wait's alone)
+    factor: float
+
+
+def read(records: list[dict]) -> Optional[Reading]:
+    """The wait share (time-weighted), the engine's use (mean over the records) and ``f`` (module docstring) from
+    ``records``; None when they lack the learner's times."""
+    timed = [r for r in records if isinstance(r.get("time/step_s"), (int, float))
+             and isinstance(r.get("time/wait_s"), (int, float)) and r["time/step_s"] > 0]
+    if not timed:
+        return None
+    wait = min(1.0, sum(float(r["time/wait_s"]) for r in timed) / sum(float(r["time/step_s"]) for r in timed))
+    metered = [float(r["util/rollout_busy"]) * float(r["rollout/occupancy"]) for r in timed
+               if isinstance(r.get("util/rollout_busy"), (int, float))
+               and isinstance(r.get("rollout/occupancy"), (int, float))]
+    use = sum(metered) / len(metered) if metered else None
+    factor = min(1.0 / max(1.0 - wait, 1e-9), MAX_FACTOR)
+    if use is not None:
+        factor = min(factor, 1.0 / max(use, 1e-9))
+    return Reading(wait, use, factor)
+
+
+def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool) -> tuple[int, int]:
+    """The window with its work in flight scaled by ``factor``: ``j + 1`` (where ``j`` is auto) and ``k + 1`` (where
+    ``k`` is auto) times ``factor``, rounded up; ``k`` at most ``cap`` and never under ``j``, ``j`` never over
+    ``k``. A pinned knob keeps its value."""
+    grow = lambda x: int(math.ceil((x + 1) * factor - 1e-9)) - 1  # noqa: E731
+    k2 = min(cap, max(k, grow(k))) if tune_k else k
+    if tie_j:
+        return k2, k2
+    return k2, (min(k2, max(j, grow(j))) if tune_j else j)
+
+
+def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
+            valid) -> Optional[tuple[int, int, str]]:
+    """The opening move on the run's first records (its first left out): ``(k, j, reason)``, or None where it
+    stays (module docstring). ``valid(k, j)`` says whether the tuner may hold a window."""
+    got = read(records[1:1 + OPEN_READ])
+    if got is None or got.wait < MIN_WAIT or got.factor < MIN_FACTOR:
+        return None
+    k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j)
+    if (k2, j2) == (k, j) or not valid(k2, j2):
+        return None
+    use = "" if got.use is None else f", engine {got.use:.0%} used"
+    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its steps{use}; "
+                    f"work in flight x{got.factor:.1f} (Little's law)")

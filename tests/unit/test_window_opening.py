@@ -1,0 +1,129 @@
+"""The auto window's opening move (asyncppo/pipeline/opening.py): one jump by Little's law on the run's first
+records, hand-computed; none where the pipeline is near the learner's pace or the engine is full; once per run."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from asyncppo.config.loader import load_config
+from asyncppo.learner.window import window_hook
+from asyncppo.pipeline.opening import MAX_FACTOR, OPEN_READ, opening, read, scaled
+from asyncppo.pipeline.tuner import WindowTuner
+from asyncppo.staleness.controller import AdmissionController
+
+
+def _rec(step_s: float, wait_s: float, busy: float | None = 0.2, occ: float | None = 0.35) -> dict:
+    rec = {"time/step_s": step_s, "time/wait_s": wait_s, "response_length/mean": 30.0, "actor/mismatch_kl": 0.0,
+           "rollout/decode_step_s": 0.01, "rollout/running_mean": 10.0}
+    if busy is not None:
+        rec["util/rollout_busy"] = busy
+    if occ is not None:
+        rec["rollout/occupancy"] = occ
+    return rec
+
+
+def test_the_reading_is_time_weighted_and_the_factor_is_the_tighter_of_wait_and_engine():
+    # the guess game at k = 1 alternates a long wait and a short step (measured pattern, rounded)
+    recs = [_rec(1.2, 1.0), _rec(0.2, 0.0), _rec(1.2, 1.0), _rec(0.2, 0.0)]
+    got = read(recs)
+    assert got.wait == pytest.approx(2.0 / 2.8)  # 0.714: by time, not the mean of the per-step shares (0.417)
+    assert got.use == pytest.approx(0.07)
+    assert got.factor == pytest.approx(1.0 / (1.0 - 2.0 / 2.8))  # 3.5: the wait's, under the engine's 1 / 0.07
+    full = read([_rec(1.0, 0.6, busy=0.9, occ=0.8)] * 4)  # the engine 72% used: room for 1.39x, not 2.5x
+    assert full.factor == pytest.approx(1.0 / 0.72)
+    assert read([_rec(1.0, 0.9, busy=None)] * 4).factor == pytest.approx(MAX_FACTOR)  # no meter: the wait's, capped
+    assert read([{"loss": 1.0}]) is None
+
+
+@pytest.mark.parametrize("k, j, f, kw, want", [
+    (1, 1, 3.5, dict(tune_k=True, tune_j=True, tie_j=False), (6, 6)),  # 2 * 3.5 = 7 in flight: k = j = 6
+    (1, 1, 3.7, dict(tune_k=True, tune_j=True, tie_j=False), (7, 7)),  # 7.4, rounded up to 8
+    (2, 2, 2.3, dict(tune_k=True, tune_j=False, tie_j=True), (6, 6)),  # 6.9 -> 7: data=long at k = 2, measured
+    (4, 1, 3.0, dict(tune_k=True, tune_j=True, tie_j=False), (14, 5)),  # each knob's own in-flight count
+    (4, 1, 3.0, dict(tune_k=False, tune_j=True, tie_j=False), (4, 4)),  # k pinned: j up to it, never past
+    (4, 1, 3.0, dict(tune_k=True, tune_j=False, tie_j=False), (14, 1)),  # j pinned: k alone
+    (6, 6, 4.0, dict(tune_k=True, tune_j=False, tie_j=True), (16, 16)),  # 28 in flight, held at the cap
+])
+def test_the_window_scales_its_work_in_flight_by_the_factor_within_the_cap(k, j, f, kw, want):
+    assert scaled(k, j, f, cap=16, **kw) == want
+
+
+def _tuner(**kw) -> WindowTuner:
+    base = dict(k=1, j=1, cap=16, tune_k=True, tune_j=False, tie_j=True, batch_groups=2, group_size=4,
+                max_num_seqs=64, every=5, sim_steps=20)
+    base.update(kw)
+    return WindowTuner(**base)
+
+
+def _groups(rng: random.Random) -> list[list[int]]:
+    return [[rng.randint(5, 60) for _ in range(4)] for _ in range(2)]
+
+
+def test_a_run_that_waits_on_latency_opens_once_at_its_fifth_step_and_the_model_decides_after():
+    rng = random.Random(0)
+    t = _tuner()
+    fill = _rec(3.0, 2.9)  # the first step waits for the whole first generation: not read
+    steady = [_rec(1.2, 1.0), _rec(0.2, 0.0)]
+    moves = [t.observe(fill, _groups(rng))]
+    for i in range(OPEN_READ):
+        moves.append(t.observe(steady[i % 2], _groups(rng)))
+    assert moves[:-1] == [None] * OPEN_READ  # nothing before the fifth step
+    m = moves[-1]
+    assert (m.k, m.j) == (6, 6) and (t.k, t.j) == (6, 6)  # f = 3.5 (the test above): 2 * 3.5 = 7 in flight
+    assert m.reason == "opening: learner waiting 71% of its steps, engine 7% used; work in flight x3.5 (Little's law)"
+    assert t.k_range == [1, 6] and not t.opening
+    for _ in range(30):  # the same waiting again: the model's to judge from here on, never a second opening
+        m = t.observe(steady[0], _groups(rng))
+        assert m is None or not m.reason.startswith("opening")
+
+
+@pytest.mark.parametrize("recs, why", [
+    ([_rec(2.3, 0.4, busy=0.94, occ=1.0)] * 5, "data=long at its preset k = 12: the learner waits 17%"),
+    ([_rec(1.0, 0.5, busy=0.95, occ=0.9)] * 5, "waits half its steps, but the engine is 86% used: f = 1.17"),
+    ([_rec(1.0, 0.0)] * 5, "a learner-bound run never waits"),
+])
+def test_no_opening_near_the_learners_pace_or_where_the_engine_is_full(recs, why):
+    rng = random.Random(1)
+    t = _tuner(k=12, j=3, tune_j=True, tie_j=False, open_up=True)
+    for r in recs:
+        m = t.observe(r, _groups(rng))
+        assert m is None or not m.reason.startswith("opening"), why
+    assert not t.opening  # judged once, and it stayed
+
+
+def test_no_opening_over_half_the_drift_budget_nor_for_pinned_knobs_nor_past_the_cap():
+    rng = random.Random(2)
+    drifting = _tuner(budget=0.01)
+    for _ in range(1 + OPEN_READ):
+        rec = _rec(1.2, 1.0)
+        rec["actor/mismatch_kl"] = 0.006  # over half the budget, under it
+        m = drifting.observe(rec, _groups(rng))
+        assert m is None or not m.reason.startswith("opening")
+    assert not drifting.opening  # judged, and it stayed (the model's own decision at step 5 may move a step)
+    pinned = _tuner(tune_k=False, tune_j=False, tie_j=False)
+    assert not pinned.opening
+    capped = _tuner(k=3, j=3, cap=4)
+    moves = [capped.observe(_rec(1.0, 0.9), _groups(rng)) for _ in range(1 + OPEN_READ)]
+    assert (moves[-1].k, capped.k) == (4, 4)  # 4 * 4 = 16 in flight wanted, held at the cap
+    assert opening([_rec(1.0, 0.9)] * 5, 4, 4, cap=4, tune_k=True, tune_j=False, tie_j=True,
+                   valid=lambda k, j: True) is None  # already at the cap: nothing to open
+
+
+def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_open_again():
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.rollout_batch_size=2", "rollout.max_staleness_cap=8"])
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    said: list[str] = []
+    hook = window_hook(cfg, adm, said.append, background=False)
+    metrics = [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * OPEN_READ]  # f = min(5, 1 / 0.07, 4) = 4: 2 * 4 = 8 in flight
+    for m in metrics:
+        hook.after_step(m, [])
+    assert (adm.k, adm.j) == (7, 7) and metrics[-1]["tune/reason"].startswith("opening: learner waiting 80%")
+    assert said == [f"window k 1 -> 7, j 1 -> 7: {metrics[-1]['tune/reason']}"]
+
+    resumed = window_hook(cfg, AdmissionController(2, 1, lookahead=None), said.append, background=False)
+    resumed.restore({"k": 1, "j": 1})  # a checkpoint at the start window: the run opened before it
+    for m in [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * OPEN_READ]:
+        resumed.after_step(m, [])
+        assert "tune/reason" not in m or not m["tune/reason"].startswith("opening")
