@@ -5,7 +5,7 @@ steps of rates, then runs in a niced process of its own (tuner_host.py), so on t
 (60 steps, started at the default ``k = 1``, best fixed windows 8-16) it was submitted at step 5 and put in force
 at step 9. Those 9 steps at ``k = 1``, each about twice as long as a step at ``k = 8`` (the learner waited for
 groups 72% of the time), were most of auto's 1.20-1.34x the best fixed window's learner time. What a run measures
-from its second step already says how far off it is:
+from its second step on already says how far off it is:
 
 * the learner's **wait share** ``w`` (``time/wait_s`` over ``time/step_s``): the pipeline delivers groups ``1 - w``
   times as fast as the learner could take them;
@@ -17,11 +17,13 @@ capacity, throughput is work in flight over latency (Little's law): ``1 / (1 - w
 would keep the learner busy, and the engine has room for ``1 / u`` times the work. Groups in flight grow with the
 lookahead (``j + 1`` batches admitted ahead) and tokens may be as old as ``k``, so the opening scales ``j + 1`` and
 ``k + 1`` by ``f = min(1 / (1 - w), 1 / u, MAX_FACTOR)``, rounded up, within the cap. Measured before it was built,
-at the start window: the guess game at ``k = 1`` (steps 2-5) ``w = 0.73``, ``u = 0.07``: ``f = 3.7``, ``k = 1 -> 7``;
-``data=long`` at ``k = 2`` ``w = 0.57``, ``u = 0.26``: ``k = 2 -> 6``; ``data=long`` at its preset ``k = 12``
-``w = 0.17``, ``u = 0.94``: no move (nor at ``k = 8``, ``u = 0.9``).
+at the start window: the guess game at ``k = 1`` (steps 2-3) ``w = 0.72``, ``u = 0.07``: ``f = 3.6``, ``k = 1 -> 7``;
+``data=long`` at ``k = 2`` (steps 2-5) ``w = 0.56``, ``u = 0.26``: ``k = 2 -> 6``; ``data=long`` at its preset
+``k = 12`` ``w = 0.15``, ``u = 0.94``: no move (nor at ``k = 8``, ``u = 0.9``); the default task at ``k = 1``
+``w = 0.05``: no move.
 
-It is one move, made once, on the learner's thread (a few arithmetic operations), and only upward: a window too
+It is one move at most, judged after the second and the fourth step past the first (:data:`OPEN_READS`), on the
+learner's thread (a few arithmetic operations), and only upward: a window too
 narrow costs every step until the model's first decision, while one a little too wide costs lag, which that decision
 (which may narrow) and the drift budget handle. It does not move where the learner waits less than
 :data:`MIN_WAIT` of its time or ``f`` is under :data:`MIN_FACTOR` (a window near right stays for the model to judge),
@@ -34,8 +36,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-#: Records the opening reads, after the run's first (the pipeline's fill from empty, not its rate).
-OPEN_READ = 4
+#: After how many records (the run's first left out: the pipeline's fill from empty, not its rate) the opening is
+#: judged, on all of them: two show a steady wait at once (the guess game), four smooth a long tail's bursts
+#: (``data=long`` at ``k = 2``: steps 2-3 waited 0 s, steps 2-5 56% of the time). It moves at most once.
+OPEN_READS = (2, 4)
 #: The learner must wait at least this share of its steps: below it, the pipeline is near the learner's pace.
 MIN_WAIT = 0.25
 #: A jump smaller than this factor is left to the model (it is within what one of its decisions judges).
@@ -83,9 +87,9 @@ def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: boo
 
 def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
             valid) -> Optional[tuple[int, int, str]]:
-    """The opening move on the run's first records (its first left out): ``(k, j, reason)``, or None where it
-    stays (module docstring). ``valid(k, j)`` says whether the tuner may hold a window."""
-    got = read(records[1:1 + OPEN_READ])
+    """The opening move on the run's records after its first: ``(k, j, reason)``, or None where it stays (module
+    docstring). ``valid(k, j)`` says whether the tuner may hold a window."""
+    got = read(records[1:])
     if got is None or got.wait < MIN_WAIT or got.factor < MIN_FACTOR:
         return None
     k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j)

@@ -82,7 +82,7 @@ from typing import Optional
 from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed
 from asyncppo.pipeline.lengths import EmpiricalGroups
 from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
-from asyncppo.pipeline.opening import OPEN_READ, opening
+from asyncppo.pipeline.opening import OPEN_READS, opening
 from asyncppo.pipeline.simulator import simulate
 
 
@@ -164,11 +164,12 @@ class WindowTuner:
         return not self.steps % self.every and (self.tune_k or self.tune_j)
 
     def opening_move(self) -> Optional[Move]:
-        """Once, when the run's first records are in: the opening move by Little's law (opening.py), put in force,
-        or None (it stays, or it was judged already). Cheap: the learner's hook calls it on its own thread."""
-        if not self.opening or len(self.records) < 1 + OPEN_READ:
+        """The opening move by Little's law (opening.py), put in force, when the run's first records say so: judged
+        after ``1 + n`` records for each ``n`` in ``OPEN_READS``, until it moves; None otherwise. Any move ends it.
+        Cheap: the learner's hook calls it on its own thread."""
+        if not self.opening or len(self.records) - 1 not in OPEN_READS:
             return None
-        self.opening = False
+        self.opening = len(self.records) - 1 < max(OPEN_READS)
         drift = self.drift()
         if self.budget is not None and drift is not None and drift > self.budget / 2:
             return None  # as a leap: no jump while the drift is over half the budget
@@ -183,6 +184,7 @@ class WindowTuner:
     def apply(self, move: Optional[Move]) -> Optional[Move]:
         """Put ``move`` in force (the direction it went, the range the window took); ``move`` back."""
         if move is not None:
+            self.opening = False  # the run's first records now span two windows: no opening on them
             self._last = None if move.reason.startswith("drift") else move.k + move.j > self.k + self.j
             self._gain, self._evals = {}, 0
             self.k, self.j = move.k, move.j

@@ -9,8 +9,8 @@ import pytest
 
 from asyncppo.config.loader import load_config
 from asyncppo.learner.window import window_hook
-from asyncppo.pipeline.opening import MAX_FACTOR, OPEN_READ, opening, read, scaled
-from asyncppo.pipeline.tuner import WindowTuner
+from asyncppo.pipeline.opening import MAX_FACTOR, OPEN_READS, opening, read, scaled
+from asyncppo.pipeline.tuner import Move, WindowTuner
 from asyncppo.staleness.controller import AdmissionController
 
 
@@ -61,15 +61,15 @@ def _groups(rng: random.Random) -> list[list[int]]:
     return [[rng.randint(5, 60) for _ in range(4)] for _ in range(2)]
 
 
-def test_a_run_that_waits_on_latency_opens_once_at_its_fifth_step_and_the_model_decides_after():
+def test_a_run_that_waits_on_latency_opens_once_at_its_third_step_and_the_model_decides_after():
     rng = random.Random(0)
     t = _tuner()
     fill = _rec(3.0, 2.9)  # the first step waits for the whole first generation: not read
     steady = [_rec(1.2, 1.0), _rec(0.2, 0.0)]
     moves = [t.observe(fill, _groups(rng))]
-    for i in range(OPEN_READ):
+    for i in range(OPEN_READS[0]):
         moves.append(t.observe(steady[i % 2], _groups(rng)))
-    assert moves[:-1] == [None] * OPEN_READ  # nothing before the fifth step
+    assert OPEN_READS[0] == 2 and moves[:-1] == [None, None]  # nothing before the third step
     m = moves[-1]
     assert (m.k, m.j) == (6, 6) and (t.k, t.j) == (6, 6)  # f = 3.5 (the test above): 2 * 3.5 = 7 in flight
     assert m.reason == "opening: learner waiting 71% of its steps, engine 7% used; work in flight x3.5 (Little's law)"
@@ -96,7 +96,7 @@ def test_no_opening_near_the_learners_pace_or_where_the_engine_is_full(recs, why
 def test_no_opening_over_half_the_drift_budget_nor_for_pinned_knobs_nor_past_the_cap():
     rng = random.Random(2)
     drifting = _tuner(budget=0.01)
-    for _ in range(1 + OPEN_READ):
+    for _ in range(1 + max(OPEN_READS)):
         rec = _rec(1.2, 1.0)
         rec["actor/mismatch_kl"] = 0.006  # over half the budget, under it
         m = drifting.observe(rec, _groups(rng))
@@ -105,7 +105,7 @@ def test_no_opening_over_half_the_drift_budget_nor_for_pinned_knobs_nor_past_the
     pinned = _tuner(tune_k=False, tune_j=False, tie_j=False)
     assert not pinned.opening
     capped = _tuner(k=3, j=3, cap=4)
-    moves = [capped.observe(_rec(1.0, 0.9), _groups(rng)) for _ in range(1 + OPEN_READ)]
+    moves = [capped.observe(_rec(1.0, 0.9), _groups(rng)) for _ in range(1 + OPEN_READS[0])]
     assert (moves[-1].k, capped.k) == (4, 4)  # 4 * 4 = 16 in flight wanted, held at the cap
     assert opening([_rec(1.0, 0.9)] * 5, 4, 4, cap=4, tune_k=True, tune_j=False, tie_j=True,
                    valid=lambda k, j: True) is None  # already at the cap: nothing to open
@@ -116,7 +116,7 @@ def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_
     adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
     said: list[str] = []
     hook = window_hook(cfg, adm, said.append, background=False)
-    metrics = [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * OPEN_READ]  # f = min(5, 1 / 0.07, 4) = 4: 2 * 4 = 8 in flight
+    metrics = [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * max(OPEN_READS)]  # f = min(5, 1 / 0.07, 4) = 4: 2 * 4 = 8 in flight
     for m in metrics:
         hook.after_step(m, [])
     assert (adm.k, adm.j) == (7, 7) and metrics[-1]["tune/reason"].startswith("opening: learner waiting 80%")
@@ -124,6 +124,26 @@ def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_
 
     resumed = window_hook(cfg, AdmissionController(2, 1, lookahead=None), said.append, background=False)
     resumed.restore({"k": 1, "j": 1})  # a checkpoint at the start window: the run opened before it
-    for m in [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * OPEN_READ]:
+    for m in [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * max(OPEN_READS)]:
         resumed.after_step(m, [])
         assert "tune/reason" not in m or not m["tune/reason"].startswith("opening")
+
+
+def test_a_bursty_start_opens_at_the_fifth_step_on_four_records_and_a_move_before_ends_the_opening():
+    """A long tail's first steps: two that waited nothing, then two long waits (data=long at k = 2, measured):
+    nothing at the third step, the opening at the fifth on all four records."""
+    rng = random.Random(3)
+    t = _tuner(k=2, j=2, every=50)
+    recs = [_rec(17.0, 13.5), _rec(2.4, 0.0, busy=0.95, occ=0.3), _rec(2.8, 0.0, busy=0.95, occ=0.3),
+            _rec(14.0, 11.9, busy=0.9, occ=0.28), _rec(4.0, 2.2, busy=0.85, occ=0.3)]
+    moves = [t.observe(r, _groups(rng)) for r in recs]
+    assert moves[:4] == [None] * 4
+    # w = 14.1 / 23.2 = 0.608: 1 / (1 - w) = 2.55; u = mean(0.285, 0.285, 0.252, 0.255) = 0.269: 1 / u = 3.71
+    assert (moves[4].k, moves[4].j) == (7, 7)  # 3 * 2.55 = 7.65 in flight, rounded up to 8: k = 7
+    assert moves[4].reason.startswith("opening: learner waiting 61% of its steps, engine 27% used")
+
+    moved = _tuner(k=2, j=2, every=50)
+    moved.observe(recs[0], _groups(rng))
+    moved.apply(Move(3, 3, "restored"))  # any move before the opening ends it: its records span two windows
+    assert not moved.opening
+    assert all(moved.observe(r, _groups(rng)) is None for r in recs[1:])
