@@ -46,7 +46,7 @@ def main() -> int:
     import torch
 
     from asyncppo.config.loader import load_config
-    from asyncppo.data.tiny import resolve_model_path
+    from asyncppo.data.tiny import model_of
 
     torch.set_num_threads(1)
     failed = 0
@@ -54,7 +54,7 @@ def main() -> int:
         name = " ".join(overrides) or "default"
         try:  # one that fails is built inside its launch, as before; the others are still built here
             cfg = load_config(list(overrides))
-            path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+            path = model_of(cfg)
             print(f"[prebuild] {name}: {path}", flush=True)
         except Exception as exc:  # noqa: BLE001 (reported in the log, never raised into the test session)
             failed += 1

@@ -46,10 +46,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _config(overrides: list[str], steps: int):
     from asyncppo.config import load_config
-    from asyncppo.data.tiny import resolve_model_path  # heavy: torch, transformers (builds the built-in model)
+    from asyncppo.data.tiny import model_of  # heavy: torch, transformers (builds the built-in model)
 
     cfg = load_config([*overrides, f"trainer.total_steps={steps}"])
-    return cfg, resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    return cfg, model_of(cfg)
 
 
 def run_side(side: str, root: str, steps: int, overrides: list[str], replay: str = "", repeat: int = 1) -> dict:

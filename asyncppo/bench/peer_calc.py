@@ -52,7 +52,7 @@ from asyncppo.bench.peer_long import preset, report, run_asyncppo_long, run_trl_
 from asyncppo.data.calculator import CALC_TOOL, evaluate_expression
 from asyncppo.data.chat_tokenizer import EOS, IM_END, IM_START, TINY_TOOLS_TEMPLATE
 from asyncppo.data.tasks import get_task
-from asyncppo.data.tiny import resolve_model_path
+from asyncppo.data.tiny import model_of
 from asyncppo.envs.calculator import CalculatorEnv
 
 PRESET = "data=calculator"
@@ -153,8 +153,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
     seconds, points = opts["seconds"], opts["points"]
     marks = [seconds * k / points for k in range(1, points + 1)]
     train = get_task(cfg.data.task, seed=cfg.data.seed).splits().train
-    model_dir = os.path.abspath(resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps,
-                                                   seed=cfg.trainer.seed))
+    model_dir = os.path.abspath(model_of(cfg))
     print(f"[peer-calculator] {seconds:.0f} s of training each, points at {[round(m) for m in marks]} s; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     results = []

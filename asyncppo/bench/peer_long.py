@@ -48,7 +48,7 @@ from asyncppo.bench.peer import trl_mode, trl_trainer
 from asyncppo.config import load_config
 from asyncppo.data.heldout import SAMPLES_PER_PROMPT, is_exact_answer
 from asyncppo.data.tasks import get_task
-from asyncppo.data.tiny import resolve_model_path
+from asyncppo.data.tiny import model_of
 from asyncppo.data.warmstart import _left_padded_prompts  # the probe's own left padding (variable prompt lengths)
 from asyncppo.learner.checkpoint import _complete_steps, checkpoints_root
 
@@ -301,7 +301,7 @@ def run(opts: dict, seed: int, work: str) -> dict:
     task = get_task(cfg.data.task, seed=cfg.data.seed, num_eval=cfg.data.num_eval_prompts)
     splits = task.splits()
     max_new = min(task.max_response_tokens, cfg.rollout.response_length)  # the probe's budget: longest + eos
-    model_dir = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    model_dir = model_of(cfg)
     print(f"[peer] data=long, {seconds:.0f} s of training each, points at {[round(m) for m in marks]} s; "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
     results = []

@@ -59,10 +59,10 @@ def _resolve(model_path: str, preset: str) -> str:
     if not model_path.startswith("builtin:"):
         return model_path
     from asyncppo.config.loader import load_config  # Hydra compose: only for a builtin: path
-    from asyncppo.data.tiny import resolve_model_path  # heavy: torch (builds the model when it is not cached)
+    from asyncppo.data.tiny import model_of  # heavy: torch (builds the model when it is not cached)
 
     cfg = load_config(overrides=[preset])
-    return resolve_model_path(model_path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    return model_of(cfg, model_path)
 
 
 def main(argv=None) -> None:

@@ -301,9 +301,9 @@ def _check_data(cfg: AsyncPPOConfig) -> None:
 
 
 def _resolve_model(cfg: AsyncPPOConfig) -> str:
-    from asyncppo.data.tiny import resolve_model_path  # heavy: torch, transformers (builds the built-in model)
+    from asyncppo.data.tiny import model_of  # heavy: torch, transformers (builds the built-in model)
 
-    path = resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    path = model_of(cfg)
     if not os.path.isdir(path):
         raise LaunchError(f"model.path={cfg.model.path!r}: no such model directory")
     _check_routing_model(cfg, path)

@@ -83,6 +83,8 @@ class WindowHook:
         reply, move = self.host.poll(), None
         if reply is not None and "error" not in reply:
             metrics["tune/decide_s"] = reply["decide_s"]
+            if "decide_cpu_s" in reply:
+                metrics["tune/decide_cpu_s"] = reply["decide_cpu_s"]
             if tuple(reply["at"]) == (self.tuner.k, self.tuner.j):  # a reply on the window in force, not a stale one
                 _outlook(metrics, reply.get("outlook", {}))
             move = self.tuner.take(reply)

@@ -38,9 +38,18 @@ also want, and all of one they leave idle (outside Ray, nice 10 against 0: 110 a
 whose engine waits on a slow tool, the climb's usual case, decides as fast as at the learner's priority, and the
 decision's wall time grows on a busy box (the cool-down after it with it). It does not make a decision free:
 measured on the guess game, the learner's updates took ~0.1 s (about a third) longer a step while a niced decision
-ran beside them, the 30% above; fewer decisions (the back-off, ``settled``) are what cut that. ``SCHED_IDLE``
-(a weight of 3) would take less from the learner, and would also leave a decision on a box whose two cores are both
-busy (data=reverse at k = 1) crawling at a twelfth of a core, where its climb is worth most: not tried.
+ran beside them, the 30% above; fewer decisions (the back-off, ``settled``) cut that, but not enough.
+Why the idle class: with the opening move (opening.py) the first climb no longer waits on a decision, and the
+decision after it cost more than any other. Measured on the guess game (seed 0, 60 steps): opened ``1 -> 6`` at
+step 3, the first model decision was submitted at step 5 and took 11.6 s of wall time at nice 19, in force at step
+39; while it ran the learner's updates took 3.1-3.3 s per 10 steps against 2.1-2.3 s at a fixed ``k = 16``, which
+was auto's whole loss past the start (16.3 s of updates against 12.0-13.1 s for every fixed window; 1.21x the best
+fixed window's learner time). So the child also asks for ``SCHED_IDLE`` (a weight of 3, against the actors' 36):
+it runs on the time the run leaves a core idle (the learner's waits, the engine's gaps) and takes ~8% of a core the
+run wants, not 30%. On a box whose cores are both busy a decision then takes longer (its cool-down, which counts
+wall time, with it), which costs a run whose window is already near right little. Where the platform has no such
+class (not Linux) or refuses, the child keeps its nice value. Each reply also carries ``decide_cpu_s``, its CPU
+time, beside ``decide_s``, its wall time.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
@@ -172,6 +181,16 @@ class DecisionHost:
             self.proc.wait()
 
 
+def idle_class() -> bool:
+    """Put this process in Linux's ``SCHED_IDLE`` class (module docstring, "Why the idle class"); False where the
+    platform has none or refuses, and the process keeps its nice value."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return True
+    except (AttributeError, OSError):
+        return False
+
+
 def main() -> None:
     """The child: one JSON state in per line, one JSON reply out (:func:`asyncppo.pipeline.tuner.decide_on`)."""
     from asyncppo.pipeline.tuner import decide_on
@@ -180,15 +199,17 @@ def main() -> None:
         os.nice(NICE)
     except (AttributeError, OSError):  # a platform without it, or a refusal: decide at the learner's priority
         pass
+    idle_class()
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # anything printed by the simulation stays out of the replies
     for line in sys.stdin:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             reply = decide_on(json.loads(line)["tuner"])
         except Exception as exc:  # one bad decision is the learner's to handle: it decides itself from then on
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         reply["decide_s"] = time.perf_counter() - t0
+        reply["decide_cpu_s"] = time.process_time() - c0
         out.write(json.dumps(reply) + "\n")
 
 

@@ -42,10 +42,10 @@ def moe_runs(tmp_path_factory) -> dict:
     """Both launches at once (test_e2e_launch.py: :func:`_launch_side_by_side`, one deadline, output in files):
     name -> (run directory, return code, output)."""
     from asyncppo.config.loader import load_config
-    from asyncppo.data.tiny import resolve_model_path
+    from asyncppo.data.tiny import model_of
 
     cfg = load_config(list(MOE))  # the model both launches resolve, built (or found cached) once, before them
-    resolve_model_path(cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)
+    model_of(cfg)
     env = dict(os.environ, WANDB_MODE="offline", PYTHONUNBUFFERED="1", **{TAG_VAR: TAG})
     runs = _launch_side_by_side({name: (tmp_path_factory.mktemp(f"moe-{name}"), args)
                                  for name, args in LAUNCHES.items()}, timeout=900, engine=None, env=env)
