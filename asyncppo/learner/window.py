@@ -73,7 +73,7 @@ class WindowHook:
         if opened is not None:
             self.host.moved()  # a decision in flight judged the old window
             if due and self.host.ready():
-                self.host.submit(self.tuner.state())  # the model judges the new window at once, on the same rates
+                self.host.submit(self.tuner.state(), idle=True)  # the new window judged at once, on the same rates
             return opened
         if due and self.tuner.over_budget():  # the budget acts at once, not after a decision in flight (which,
             move = self.tuner.apply(self.tuner.drift_move())  # judged at the old window, is then ignored)
@@ -96,7 +96,8 @@ class WindowHook:
             self.host = None
             return self._decide_here(metrics, due)
         if due and self.host.ready():
-            self.host.submit(self.tuner.state())
+            # once the window has been judged, decisions run in the idle class (tuner_host.py: "Why the idle class")
+            self.host.submit(self.tuner.state(), idle=self.changes > 0 or self.host.decisions > 0)
         return move
 
     def _decide_here(self, metrics: dict, due: bool):

@@ -44,11 +44,14 @@ decision after it cost more than any other. Measured on the guess game (seed 0, 
 step 3, the first model decision was submitted at step 5 and took 11.6 s of wall time at nice 19, in force at step
 39; while it ran the learner's updates took 3.1-3.3 s per 10 steps against 2.1-2.3 s at a fixed ``k = 16``, which
 was auto's whole loss past the start (16.3 s of updates against 12.0-13.1 s for every fixed window; 1.21x the best
-fixed window's learner time). So the child also asks for ``SCHED_IDLE`` (a weight of 3, against the actors' 36):
+fixed window's learner time). So once the window has been judged (the hook's first decision made, or a move in
+force: the opening's included), the child enters ``SCHED_IDLE`` (a weight of 3, against the actors' 36), for good:
 it runs on the time the run leaves a core idle (the learner's waits, the engine's gaps) and takes ~8% of a core the
 run wants, not 30%. On a box whose cores are both busy a decision then takes longer (its cool-down, which counts
-wall time, with it), which costs a run whose window is already near right little. Where the platform has no such
-class (not Linux) or refuses, the child keeps its nice value. Each reply also carries ``decide_cpu_s``, its CPU
+wall time, with it), which costs a run whose window has been judged little. The first judgement stays at nice 19:
+on such a box (two launches at once, measured) an idle-class decision did not finish within a 40-step run, and a
+run that starts far from its best window without the learner waiting (so without an opening) needs that one.
+Where the platform has no such class (not Linux) or refuses, the child keeps its nice value. Each reply also carries ``decide_cpu_s``, its CPU
 time, beside ``decide_s``, its wall time.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
@@ -120,9 +123,11 @@ class DecisionHost:
         """Nothing in flight, the cool-down over, the child alive."""
         return self.failed is None and not self.busy and time.monotonic() >= self.not_before
 
-    def submit(self, state: dict) -> None:
+    def submit(self, state: dict, idle: bool = False) -> None:
+        """Send ``state`` for a decision; ``idle``: the process enters the idle class first, for good (module
+        docstring, "Why the idle class")."""
         try:
-            self.proc.stdin.write(json.dumps({"tuner": state}) + "\n")
+            self.proc.stdin.write(json.dumps({"tuner": state, "idle": bool(idle)}) + "\n")
             self.proc.stdin.flush()
             self.busy = True
         except (OSError, ValueError) as exc:
@@ -199,13 +204,16 @@ def main() -> None:
         os.nice(NICE)
     except (AttributeError, OSError):  # a platform without it, or a refusal: decide at the learner's priority
         pass
-    idle_class()
+    idle = False
     out = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
     sys.stdout = sys.stderr  # anything printed by the simulation stays out of the replies
     for line in sys.stdin:
         t0, c0 = time.perf_counter(), time.process_time()
         try:
-            reply = decide_on(json.loads(line)["tuner"])
+            request = json.loads(line)
+            if request.get("idle") and not idle:
+                idle = idle_class() or True  # asked once: a platform without the class keeps its nice value
+            reply = decide_on(request["tuner"])
         except Exception as exc:  # one bad decision is the learner's to handle: it decides itself from then on
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         reply["decide_s"] = time.perf_counter() - t0
