@@ -43,7 +43,7 @@ def _typed(key: str, text: str, default):
             return [kind(x) for x in text.split(",") if x.strip()]
         return type(default)(text)
     except ValueError:
-        like = ",".join(map(str, default)) if isinstance(default, list) else repr(default)
+        like = (",".join(map(str, default)) or "a,b") if isinstance(default, list) else repr(default)
         what = "comma-separated items" if isinstance(default, list) else type(default).__name__
         raise OptionError(f"{key}={text!r}: expected {what} like {like}") from None
 

@@ -258,6 +258,6 @@ def resolve_model_path(path: str, *, sft_steps: int = 300, seed: int = 0, cache_
 def model_of(cfg, path: str | None = None) -> str:
     """The model directory a launch of ``cfg`` starts from: its ``model.path`` (or ``path``, another model named
     as that config would build it), a ``builtin:`` name built with the config's ``trainer.sft_warmup_steps`` and
-    ``trainer.seed`` (both part of the cache key). One place, so a launch, its benchmarks, the offline evaluator and
-    the tests' model builder all mean the very same directory."""
+    ``trainer.seed`` (both part of the cache key). One place, so a launch, the benchmarks that start from a preset's
+    model, the offline evaluator and the tests' model builder all mean the very same directory."""
     return resolve_model_path(path or cfg.model.path, sft_steps=cfg.trainer.sft_warmup_steps, seed=cfg.trainer.seed)

@@ -36,6 +36,7 @@ class WindowHook:
             budget=cfg.algorithm.offpolicy_budget, every=r.tune_every)
         self.j_min = r.admission_lookahead  # the smallest j ever in force (what a coalesced push must still serve)
         self.changes = 0
+        self.restored = False  # a checkpoint's window in force: judged before the restart (idle-class decisions)
         # decisions in a process of their own (pipeline/tuner_host.py); None: on this thread
         self.host = None
         if background:
@@ -97,7 +98,8 @@ class WindowHook:
             return self._decide_here(metrics, due)
         if due and self.host.ready():
             # once the window has been judged, decisions run in the idle class (tuner_host.py: "Why the idle class")
-            self.host.submit(self.tuner.state(), idle=self.changes > 0 or self.host.decisions > 0)
+            judged = self.changes > 0 or self.host.decisions > 0 or self.restored
+            self.host.submit(self.tuner.state(), idle=judged)
         return move
 
     def _decide_here(self, metrics: dict, due: bool):
@@ -125,6 +127,7 @@ class WindowHook:
         if not state:
             return
         t.opening = False  # the run opened before its checkpoint: it goes on from the window it had
+        self.restored = True
         k = min(int(state.get("k", t.k)), t.cap) if t.tune_k else t.k
         j = k if t.tie_j else (int(state.get("j", t.j)) if t.tune_j else t.j)
         if (k, j) == (t.k, t.j) or not t.allows(k, j):

@@ -27,7 +27,9 @@ learner's thread (a few arithmetic operations), and only upward: a window too
 narrow costs every step until the model's first decision, while one a little too wide costs lag, which that decision
 (which may narrow) and the drift budget handle. It does not move where the learner waits less than
 :data:`MIN_WAIT` of its time or ``f`` is under :data:`MIN_FACTOR` (a window near right stays for the model to judge),
-nor where the measured drift is over half the budget, as a leap would not.
+nor where the measured drift is over half the budget, as a leap would not; and, as a climb's rungs, to no ``k`` that
+would scale the measured drift past the budget (``drift x k_new / k``). Only where ``j`` may grow (auto, or following
+``k``): with the lookahead pinned, a wider ``k`` admits no group sooner.
 """
 
 from __future__ import annotations
@@ -87,9 +89,12 @@ def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: boo
 
 def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
             valid) -> Optional[tuple[int, int, str]]:
-    """The opening move on the run's records after its first: ``(k, j, reason)``, or None where it stays (module
-    docstring). ``valid(k, j)`` says whether the tuner may hold a window."""
-    got = read(records[1:])
+    """The opening move on ``records``, the run's records after its first: ``(k, j, reason)``, or None where it
+    stays (module docstring), or where ``j`` cannot grow (pinned): a wider ``k`` alone admits no group sooner, so it
+    adds lag, not work in flight. ``valid(k, j)`` says whether the tuner may hold a window."""
+    if not (tune_j or tie_j):
+        return None
+    got = read(records)
     if got is None or got.wait < MIN_WAIT or got.factor < MIN_FACTOR:
         return None
     k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j)

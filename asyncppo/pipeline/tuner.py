@@ -146,8 +146,9 @@ class WindowTuner:
         self.opening = open_up and (tune_k or tune_j)
 
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
-        """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes. Decides
-        on the caller's thread (the learner's hook decides in a process of its own: :meth:`record`, :meth:`state`,
+        """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes (the
+        opening's, on the step it moves, instead of that step's decision: the hook's decision process judges the
+        new window at once, this thread at the next due step). Decides on the caller's thread (the learner's hook decides in a process of its own: :meth:`record`, :meth:`state`,
         :meth:`take`)."""
         due = self.record(record, group_lengths)
         move = self.opening_move()
@@ -167,14 +168,18 @@ class WindowTuner:
         """The opening move by Little's law (opening.py), put in force, when the run's first records say so: judged
         after ``1 + n`` records for each ``n`` in ``OPEN_READS``, until it moves; None otherwise. Any move ends it.
         Cheap: the learner's hook calls it on its own thread."""
-        if not self.opening or len(self.records) - 1 not in OPEN_READS:
+        read = self.steps - 1  # records past the run's first (the deque may hold fewer than the steps)
+        if not self.opening or read not in OPEN_READS:
             return None
-        self.opening = len(self.records) - 1 < max(OPEN_READS)
+        self.opening = read < max(OPEN_READS)
         drift = self.drift()
         if self.budget is not None and drift is not None and drift > self.budget / 2:
             return None  # as a leap: no jump while the drift is over half the budget
-        got = opening(list(self.records), self.k, self.j, cap=self.cap, tune_k=self.tune_k, tune_j=self.tune_j,
-                      tie_j=self.tie_j, valid=self._valid)
+        cap = self.cap
+        if self.budget is not None and drift:  # as a climb's rungs: drift about proportional to k (module docstring)
+            cap = min(cap, int(self.budget * max(self.k, 1) / drift))
+        got = opening(list(self.records)[-read:], self.k, self.j, cap=cap, tune_k=self.tune_k,
+                      tune_j=self.tune_j, tie_j=self.tie_j, valid=self._valid)
         return self.apply(Move(*got)) if got else None
 
     def decide(self) -> Optional[Move]:
@@ -202,7 +207,8 @@ class WindowTuner:
 
     def take(self, reply: dict) -> Optional[Move]:
         """A decision made on :meth:`state` elsewhere (:func:`decide_on`'s reply): its smoothed gains and count,
-        and its move, put in force; ignored when the window moved since (a restore), the state it judged."""
+        and its move, put in force; ignored when the window moved since (a restore, the opening, the drift budget),
+        the state it judged."""
         if tuple(reply["at"]) != (self.k, self.j):
             return None
         self._gain = {(int(k), int(j)): float(g) for k, j, g in reply["gain"]}

@@ -157,7 +157,7 @@ class DecisionHost:
         return self._replied + self._cost * (1.0 / share - 1.0)
 
     def moved(self) -> None:
-        """The window moved without a decision (the drift budget): the back-off after decisions that stayed ends;
+        """The window moved without a decision (the drift budget, the opening): the back-off after decisions that stayed ends;
         the next decision may come after the plain share's cool-down of the last one, and the one in flight, if any,
         judged the old window: its reply counts neither as a stay nor as a move."""
         self._stale = self.busy
@@ -218,6 +218,7 @@ def main() -> None:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         reply["decide_s"] = time.perf_counter() - t0
         reply["decide_cpu_s"] = time.process_time() - c0
+        reply["idle"] = os.sched_getscheduler(0) == os.SCHED_IDLE if hasattr(os, "SCHED_IDLE") else False
         out.write(json.dumps(reply) + "\n")
 
 

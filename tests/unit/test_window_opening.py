@@ -4,6 +4,7 @@ records, hand-computed; none where the pipeline is near the learner's pace or th
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
@@ -116,15 +117,18 @@ def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_
     adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
     said: list[str] = []
     hook = window_hook(cfg, adm, said.append, background=False)
-    metrics = [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * max(OPEN_READS)]  # f = min(5, 1 / 0.07, 4) = 4: 2 * 4 = 8 in flight
+    metrics = [_rec(3.0, 2.9), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]  # f = min(5, 1/0.07, 4) = 4
     for m in metrics:
         hook.after_step(m, [])
-    assert (adm.k, adm.j) == (7, 7) and metrics[-1]["tune/reason"].startswith("opening: learner waiting 80%")
-    assert said == [f"window k 1 -> 7, j 1 -> 7: {metrics[-1]['tune/reason']}"]
+    assert (adm.k, adm.j) == (7, 7)  # 2 * 4 = 8 in flight
+    opened = metrics[OPEN_READS[0]]  # the third step's record says why; no later one repeats it
+    assert opened["tune/reason"].startswith("opening: learner waiting 80%")
+    assert not any(m.get("tune/reason", "").startswith("opening") for m in metrics[OPEN_READS[0] + 1:])
+    assert said == [f"window k 1 -> 7, j 1 -> 7: {opened['tune/reason']}"]
 
     resumed = window_hook(cfg, AdmissionController(2, 1, lookahead=None), said.append, background=False)
     resumed.restore({"k": 1, "j": 1})  # a checkpoint at the start window: the run opened before it
-    for m in [_rec(3.0, 2.9), *[_rec(1.0, 0.8)] * max(OPEN_READS)]:
+    for m in [_rec(3.0, 2.9), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]:
         resumed.after_step(m, [])
         assert "tune/reason" not in m or not m["tune/reason"].startswith("opening")
 
@@ -147,3 +151,50 @@ def test_a_bursty_start_opens_at_the_fifth_step_on_four_records_and_a_move_befor
     moved.apply(Move(3, 3, "restored"))  # any move before the opening ends it: its records span two windows
     assert not moved.opening
     assert all(moved.observe(r, _groups(rng)) is None for r in recs[1:])
+
+
+def test_the_opening_scales_k_no_further_than_the_drift_allows_and_not_at_all_with_the_lookahead_pinned():
+    rng = random.Random(4)
+    t = _tuner(budget=0.01)
+    for _ in range(1 + OPEN_READS[0]):
+        rec = _rec(1.0, 0.9)  # f = 4 (the cap on the factor): k = 1 -> 7 without a budget
+        rec["actor/mismatch_kl"] = 0.004  # under half the budget
+        m = t.observe(rec, _groups(rng))
+    # drift x k_new / k <= budget: k_new <= 0.01 * 1 / 0.004 = 2.5, so k = 2 (j follows it)
+    assert (m.k, m.j) == (2, 2) and m.reason.startswith("opening")
+    pinned_j = _tuner(k=4, j=1, tune_j=False, tie_j=False)
+    for _ in range(1 + max(OPEN_READS)):
+        m = pinned_j.observe(_rec(1.0, 0.9), _groups(rng))
+        assert m is None or not m.reason.startswith("opening")  # a wider k alone admits no group sooner
+    assert opening([_rec(1.0, 0.9)] * 4, 4, 1, cap=16, tune_k=True, tune_j=False, tie_j=False,
+                   valid=lambda k, j: True) is None
+
+
+def test_with_the_decision_process_the_opening_moves_at_once_and_later_decisions_are_asked_in_the_idle_class():
+    cfg = load_config(["rollout.max_staleness=auto", "rollout.rollout_batch_size=2", "rollout.max_staleness_cap=8",
+                       "rollout.tune_every=2", "rollout.num_return_sequences_in_group=4"])
+    adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
+    hook = window_hook(cfg, adm, lambda _l: None)
+    asked: list[bool] = []
+    submit = hook.host.submit
+    hook.host.submit = lambda state, **kw: (asked.append(kw.get("idle", False)), submit(state, **kw))
+    rng = random.Random(5)
+    try:
+        for step in range(1, 9):
+            m = _rec(3.0, 2.9) if step == 1 else _rec(1.0, 0.8)
+            hook.after_step(m, [_Lengths(g) for g in _groups(rng)])
+            if step == 1 + OPEN_READS[0]:
+                assert (adm.k, adm.j) == (7, 7) and m["tune/reason"].startswith("opening")
+            time.sleep(0.05)
+        # due at step 2, before the opening: the first judgement, niced only; every one after the opening: idle
+        assert hook.host is not None and len(asked) >= 2 and asked[0] is False and all(asked[1:]), asked
+    finally:
+        hook.close()
+
+
+class _Lengths:
+    def __init__(self, lengths):
+        self._lengths = lengths
+
+    def sample_lengths(self):
+        return self._lengths
