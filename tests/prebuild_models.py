@@ -7,9 +7,9 @@ tiny-long 40 s (build.json's ``build_s``, the whole suite on a fresh 2-core box,
 run. The component tests, which run first, leave a core idle much of the time (they wait on sockets, deadlines and
 engine start-ups); this process builds in that idle time, at the lowest CPU priority and on one torch thread, so
 that a busy test gives up almost nothing to it. A test that reaches a model before this process finished it builds
-the model itself, as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and renames it; the
-second rename finds the first's result and keeps it). The cache is the one the launches read (``ASYNCPPO_CACHE``,
-else ``~/.cache/asyncppo``); a model already there costs nothing. What it built, or why not, is in
+the model itself, as before (:func:`asyncppo.data.tiny.ensure_builtin_model` builds into a temporary directory and
+renames it; the second rename finds the first's result and keeps it). The cache is the one the launches read
+(``ASYNCPPO_CACHE``, else ``~/.cache/asyncppo``); a model already there costs nothing. What it built, or why not, is in
 ``<tmp>/asyncppo-prebuild.log`` (the system's temporary directory; rewritten by each session).
 """
 

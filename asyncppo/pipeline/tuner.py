@@ -148,8 +148,8 @@ class WindowTuner:
     def observe(self, record: dict, group_lengths: list[list[int]]) -> Optional[Move]:
         """Take one step's metrics and its groups' response lengths; a :class:`Move` when the window changes (the
         opening's, on the step it moves, instead of that step's decision: the hook's decision process judges the
-        new window at once, this thread at the next due step). Decides on the caller's thread (the learner's hook decides in a process of its own: :meth:`record`, :meth:`state`,
-        :meth:`take`)."""
+        new window at once, this thread at the next due step). Decides on the caller's thread (the learner's hook
+        decides in a process of its own: :meth:`record`, :meth:`state`, :meth:`take`)."""
         due = self.record(record, group_lengths)
         move = self.opening_move()
         if move is not None or not due:
@@ -175,10 +175,7 @@ class WindowTuner:
         drift = self.drift()
         if self.budget is not None and drift is not None and drift > self.budget / 2:
             return None  # as a leap: no jump while the drift is over half the budget
-        cap = self.cap
-        if self.budget is not None and drift:  # as a climb's rungs: drift about proportional to k (module docstring)
-            cap = min(cap, int(self.budget * max(self.k, 1) / drift))
-        got = opening(list(self.records)[-read:], self.k, self.j, cap=cap, tune_k=self.tune_k,
+        got = opening(list(self.records)[-read:], self.k, self.j, cap=self._drift_allows(drift), tune_k=self.tune_k,
                       tune_j=self.tune_j, tie_j=self.tie_j, valid=self._valid)
         return self.apply(Move(*got)) if got else None
 
@@ -264,7 +261,7 @@ class WindowTuner:
         ``j`` in force instead, when that predicts at most ``margin / 4`` less (the lookahead is the lag)."""
         rungs = 1
         while (up := self._rung(*rung)) is not None:
-            if self.budget is not None and drift is not None and drift * up[0] / max(self.k, 1) > self.budget:
+            if up[0] > self._drift_allows(drift):
                 break  # about proportional to the window: that rung's drift would be over the budget
             need = (1.0 + gain) * (1.0 + self.margin) - 1.0  # a margin beyond the rung below, as a gain over base
             up_gain = self._gain_of(up, base_rate, need, fit)
@@ -278,6 +275,13 @@ class WindowTuner:
             if keep_gain > need:
                 rung, gain = keep, keep_gain
         return rung, gain, rungs
+
+    def _drift_allows(self, drift: Optional[float]) -> int:
+        """The widest ``k`` the measured ``drift`` allows, taking drift as about proportional to the window
+        (``drift x k_new / k <= budget``); the cap where no budget is set or no drift measured."""
+        if self.budget is None or not drift:
+            return self.cap
+        return min(self.cap, int(self.budget * max(self.k, 1) / drift))
 
     def _toward(self, far: tuple[int, int]) -> Optional[tuple[int, int]]:
         """The wider neighbour on the way to ``far``: both knobs a step where ``j`` is to grow, else ``k`` alone."""

@@ -51,8 +51,8 @@ run wants, not 30%. On a box whose cores are both busy a decision then takes lon
 wall time, with it), which costs a run whose window has been judged little. The first judgement stays at nice 19:
 on such a box (two launches at once, measured) an idle-class decision did not finish within a 40-step run, and a
 run that starts far from its best window without the learner waiting (so without an opening) needs that one.
-Where the platform has no such class (not Linux) or refuses, the child keeps its nice value. Each reply also carries ``decide_cpu_s``, its CPU
-time, beside ``decide_s``, its wall time.
+Where the platform has no such class (not Linux) or refuses, the child keeps its nice value. Each reply also
+carries ``decide_cpu_s``, its CPU time, beside ``decide_s``, its wall time.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
@@ -157,9 +157,9 @@ class DecisionHost:
         return self._replied + self._cost * (1.0 / share - 1.0)
 
     def moved(self) -> None:
-        """The window moved without a decision (the drift budget, the opening): the back-off after decisions that stayed ends;
-        the next decision may come after the plain share's cool-down of the last one, and the one in flight, if any,
-        judged the old window: its reply counts neither as a stay nor as a move."""
+        """The window moved without a decision (the drift budget, the opening): the back-off after decisions that
+        stayed ends; the next decision may come after the plain share's cool-down of the last one, and the one in
+        flight, if any, judged the old window: its reply counts neither as a stay nor as a move."""
         self._stale = self.busy
         if self.stays:
             self.stays = 0
@@ -218,7 +218,6 @@ def main() -> None:
             reply = {"error": f"{type(exc).__name__}: {exc}"}
         reply["decide_s"] = time.perf_counter() - t0
         reply["decide_cpu_s"] = time.process_time() - c0
-        reply["idle"] = os.sched_getscheduler(0) == os.SCHED_IDLE if hasattr(os, "SCHED_IDLE") else False
         out.write(json.dumps(reply) + "\n")
 
 
