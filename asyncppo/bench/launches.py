@@ -94,6 +94,8 @@ def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
         "load": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # others' work slows a run
         "train_s": train_s,
         "tune_s": tune_s,  # of train_s: the window hook on the learner's thread (0 for a fixed window)
+        # train_s past the run's first tenth of steps: what a longer run's start would weigh less in (window_sweep)
+        "train_s_late": sum(r["time/step_s"] + r.get("time/tune_s", 0.0) for r in train[len(train) // 10:]),
         "update_s": sum(r.get("time/update_s", 0.0) for r in train),  # the PPO update itself
         "wait_s": sum(r.get("time/wait_s", 0.0) for r in train),  # waiting for the batch's groups
         "samples": train[-1]["samples_trained"],

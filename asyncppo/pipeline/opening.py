@@ -22,8 +22,14 @@ at the start window: the guess game at ``k = 1`` (steps 2-3) ``w = 0.72``, ``u =
 ``k = 12`` ``w = 0.15``, ``u = 0.94``: no move (nor at ``k = 8``, ``u = 0.9``); the default task at ``k = 1``
 ``w = 0.05``: no move.
 
-It is one move at most, judged after the second and the fourth step past the first (:data:`OPEN_READS`), on the
-learner's thread (a few arithmetic operations), and only upward: a window too
+It is one move at most, judged after the first step alone where the engine sat idle through it (:data:`FILL_USE`),
+then after the second and the fourth step past the first (:data:`OPEN_READS`), on the learner's thread (a few
+arithmetic operations), and only upward. Why the first step too: a move at the third step put the new window's
+groups in front of the learner at its fifth, so the guess game waited for one group's latency twice (steps 1-5 took
+5.2-5.4 s against 2.7-3.0 s at a fixed ``k = 8`` or ``16``: 2.4-2.6 s of auto's 2.5-6.5 s over the best
+fixed window). The first step's reading (guess ``w = 0.84``, ``u = 0.11``; ``data=reverse`` at ``k = 1``
+``w = 0.70-0.73``, ``u = 0.13-0.21``; ``data=long`` at ``k = 2`` ``w = 0.8``, ``u = 0.10-0.15``) gives about the window
+the later readings gave, two steps sooner. Only upward, because a window too
 narrow costs every step until the model's first decision, while one a little too wide costs lag, which that decision
 (which may narrow) and the drift budget handle. It does not move where the learner waits less than
 :data:`MIN_WAIT` of its time or ``f`` is under :data:`MIN_FACTOR` (a window near right stays for the model to judge),
@@ -48,6 +54,11 @@ MIN_WAIT = 0.25
 MIN_FACTOR = 1.5
 #: The most one opening multiplies the work in flight by (the reading is four steps of a run's start).
 MAX_FACTOR = 4.0
+#: The run's first step (the fill from empty) is read alone, before :data:`OPEN_READS`, only where the engine sat at
+#: most this share used through it: there the start is bound by latency with room for the whole :data:`MAX_FACTOR`.
+#: Every window pays the fill's wait, so elsewhere it says nothing about the window (``data=reverse`` at ``k = 8``
+#: waited 61% of its first step with the engine 57% used).
+FILL_USE = 1.0 / MAX_FACTOR
 
 
 @dataclass(frozen=True)
@@ -88,18 +99,22 @@ def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: boo
 
 
 def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
-            valid) -> Optional[tuple[int, int, str]]:
-    """The opening move on ``records``, the run's records after its first: ``(k, j, reason)``, or None where it
-    stays (module docstring), or where ``j`` cannot grow (pinned): a wider ``k`` alone admits no group sooner, so it
-    adds lag, not work in flight. ``valid(k, j)`` says whether the tuner may hold a window."""
+            valid, fill: bool = False) -> Optional[tuple[int, int, str]]:
+    """The opening move on ``records``, the run's records after its first (``fill``: the first alone, read only
+    where the engine was at most :data:`FILL_USE` used): ``(k, j, reason)``, or None where it stays (module
+    docstring), or where ``j`` cannot grow (pinned): a wider ``k`` alone admits no group sooner, so it adds lag, not
+    work in flight. ``valid(k, j)`` says whether the tuner may hold a window."""
     if not (tune_j or tie_j):
         return None
     got = read(records)
     if got is None or got.wait < MIN_WAIT or got.factor < MIN_FACTOR:
         return None
+    if fill and (got.use is None or got.use > FILL_USE):
+        return None
     k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j)
     if (k2, j2) == (k, j) or not valid(k2, j2):
         return None
     use = "" if got.use is None else f", engine {got.use:.0%} used"
-    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its steps{use}; "
+    what = "its first step (the fill)" if fill else "its steps"
+    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of {what}{use}; "
                     f"work in flight x{got.factor:.1f} (Little's law)")

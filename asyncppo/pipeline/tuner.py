@@ -166,17 +166,19 @@ class WindowTuner:
 
     def opening_move(self) -> Optional[Move]:
         """The opening move by Little's law (opening.py), put in force, when the run's first records say so: judged
-        after ``1 + n`` records for each ``n`` in ``OPEN_READS``, until it moves; None otherwise. Any move ends it.
+        after the first record alone (the fill, where the engine sat idle through it) and after ``1 + n`` records
+        for each ``n`` in ``OPEN_READS``, until it moves; None otherwise. Any move ends it.
         Cheap: the learner's hook calls it on its own thread."""
         read = self.steps - 1  # records past the run's first (the deque may hold fewer than the steps)
-        if not self.opening or read not in OPEN_READS:
+        fill = self.steps == 1  # the first alone: read where the engine sat idle through it (opening.py)
+        if not self.opening or not (fill or read in OPEN_READS):
             return None
-        self.opening = read < max(OPEN_READS)
+        self.opening = fill or read < max(OPEN_READS)
         drift = self.drift()
         if self.budget is not None and drift is not None and drift > self.budget / 2:
             return None  # as a leap: no jump while the drift is over half the budget
-        got = opening(list(self.records)[-read:], self.k, self.j, cap=self._drift_allows(drift), tune_k=self.tune_k,
-                      tune_j=self.tune_j, tie_j=self.tie_j, valid=self._valid)
+        got = opening(list(self.records)[-max(read, 1):], self.k, self.j, cap=self._drift_allows(drift),
+                      tune_k=self.tune_k, tune_j=self.tune_j, tie_j=self.tie_j, valid=self._valid, fill=fill)
         return self.apply(Move(*got)) if got else None
 
     def decide(self) -> Optional[Move]:

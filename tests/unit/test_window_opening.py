@@ -1,5 +1,7 @@
 """The auto window's opening move (asyncppo/pipeline/opening.py): one jump by Little's law on the run's first
-records, hand-computed; none where the pipeline is near the learner's pace or the engine is full; once per run."""
+records, hand-computed; none where the pipeline is near the learner's pace or the engine is full; once per run. The
+first step (the fill from empty) is read alone only where the engine sat idle through it, so the tests of the later
+readings start with a fill the engine was busy through (:data:`BUSY_FILL`)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import pytest
 
 from asyncppo.config.loader import load_config
 from asyncppo.learner.window import window_hook
-from asyncppo.pipeline.opening import MAX_FACTOR, OPEN_READS, opening, read, scaled
+from asyncppo.pipeline.opening import FILL_USE, MAX_FACTOR, OPEN_READS, opening, read, scaled
 from asyncppo.pipeline.tuner import Move, WindowTuner
 from asyncppo.staleness.controller import AdmissionController
 
@@ -23,6 +25,10 @@ def _rec(step_s: float, wait_s: float, busy: float | None = 0.2, occ: float | No
     if occ is not None:
         rec["rollout/occupancy"] = occ
     return rec
+
+
+#: a first step that waited for the whole first generation with the engine 72% used: no opening on it alone
+BUSY_FILL = _rec(3.0, 2.9, busy=0.9, occ=0.8)
 
 
 def test_the_reading_is_time_weighted_and_the_factor_is_the_tighter_of_wait_and_engine():
@@ -65,7 +71,7 @@ def _groups(rng: random.Random) -> list[list[int]]:
 def test_a_run_that_waits_on_latency_opens_once_at_its_third_step_and_the_model_decides_after():
     rng = random.Random(0)
     t = _tuner()
-    fill = _rec(3.0, 2.9)  # the first step waits for the whole first generation: not read
+    fill = BUSY_FILL  # the first step waits for the whole first generation, the engine busy: not read alone
     steady = [_rec(1.2, 1.0), _rec(0.2, 0.0)]
     moves = [t.observe(fill, _groups(rng))]
     for i in range(OPEN_READS[0]):
@@ -106,7 +112,7 @@ def test_no_opening_over_half_the_drift_budget_nor_for_pinned_knobs_nor_past_the
     pinned = _tuner(tune_k=False, tune_j=False, tie_j=False)
     assert not pinned.opening
     capped = _tuner(k=3, j=3, cap=4)
-    moves = [capped.observe(_rec(1.0, 0.9), _groups(rng)) for _ in range(1 + OPEN_READS[0])]
+    moves = [capped.observe(r, _groups(rng)) for r in [BUSY_FILL, *[_rec(1.0, 0.9)] * OPEN_READS[0]]]
     assert (moves[-1].k, capped.k) == (4, 4)  # 4 * 4 = 16 in flight wanted, held at the cap
     assert opening([_rec(1.0, 0.9)] * 5, 4, 4, cap=4, tune_k=True, tune_j=False, tie_j=True,
                    valid=lambda k, j: True) is None  # already at the cap: nothing to open
@@ -117,7 +123,7 @@ def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_
     adm = AdmissionController(2, cfg.rollout.max_staleness, lookahead=cfg.rollout.admission_lookahead)
     said: list[str] = []
     hook = window_hook(cfg, adm, said.append, background=False)
-    metrics = [_rec(3.0, 2.9), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]  # f = min(5, 1/0.07, 4) = 4
+    metrics = [dict(BUSY_FILL), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]  # f = min(5, 1/0.07, 4) = 4
     for m in metrics:
         hook.after_step(m, [])
     assert (adm.k, adm.j) == (7, 7)  # 2 * 4 = 8 in flight
@@ -128,7 +134,7 @@ def test_the_hook_puts_the_opening_in_force_says_why_and_a_resumed_run_does_not_
 
     resumed = window_hook(cfg, AdmissionController(2, 1, lookahead=None), said.append, background=False)
     resumed.restore({"k": 1, "j": 1})  # a checkpoint at the start window: the run opened before it
-    for m in [_rec(3.0, 2.9), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]:
+    for m in [_rec(3.0, 2.9), *(_rec(1.0, 0.8) for _ in range(max(OPEN_READS)))]:  # the fill's reading too
         resumed.after_step(m, [])
         assert "tune/reason" not in m or not m["tune/reason"].startswith("opening")
 
@@ -138,7 +144,7 @@ def test_a_bursty_start_opens_at_the_fifth_step_on_four_records_and_a_move_befor
     nothing at the third step, the opening at the fifth on all four records."""
     rng = random.Random(3)
     t = _tuner(k=2, j=2, every=50)
-    recs = [_rec(17.0, 13.5), _rec(2.4, 0.0, busy=0.95, occ=0.3), _rec(2.8, 0.0, busy=0.95, occ=0.3),
+    recs = [_rec(17.0, 13.5, busy=0.9, occ=0.5), _rec(2.4, 0.0, busy=0.95, occ=0.3), _rec(2.8, 0.0, busy=0.95, occ=0.3),
             _rec(14.0, 11.9, busy=0.9, occ=0.28), _rec(4.0, 2.2, busy=0.85, occ=0.3)]
     moves = [t.observe(r, _groups(rng)) for r in recs]
     assert moves[:4] == [None] * 4
@@ -156,8 +162,7 @@ def test_a_bursty_start_opens_at_the_fifth_step_on_four_records_and_a_move_befor
 def test_the_opening_scales_k_no_further_than_the_drift_allows_and_not_at_all_with_the_lookahead_pinned():
     rng = random.Random(4)
     t = _tuner(budget=0.01)
-    for _ in range(1 + OPEN_READS[0]):
-        rec = _rec(1.0, 0.9)  # f = 4 (the cap on the factor): k = 1 -> 7 without a budget
+    for rec in [dict(BUSY_FILL), *(_rec(1.0, 0.9) for _ in range(OPEN_READS[0]))]:  # f = 4: k = 1 -> 7 unbudgeted
         rec["actor/mismatch_kl"] = 0.004  # under half the budget
         m = t.observe(rec, _groups(rng))
     # drift x k_new / k <= budget: k_new <= 0.01 * 1 / 0.004 = 2.5, so k = 2 (j follows it)
@@ -181,7 +186,7 @@ def test_with_the_decision_process_the_opening_moves_at_once_and_later_decisions
     rng = random.Random(5)
     try:
         for step in range(1, 9):
-            m = _rec(3.0, 2.9) if step == 1 else _rec(1.0, 0.8)
+            m = dict(BUSY_FILL) if step == 1 else _rec(1.0, 0.8)
             hook.after_step(m, [_Lengths(g) for g in _groups(rng)])
             if step == 1 + OPEN_READS[0]:
                 assert (adm.k, adm.j) == (7, 7) and m["tune/reason"].startswith("opening")
@@ -198,3 +203,36 @@ class _Lengths:
 
     def sample_lengths(self):
         return self._lengths
+
+
+@pytest.mark.parametrize("first, want, why", [
+    (_rec(1.67, 1.4, busy=0.24, occ=0.46), (7, 7),
+     "the guess game at k = 1 (measured): w = 0.84, u = 0.11; f = min(6.2, 9.1, 4) = 4: 2 * 4 = 8 in flight"),
+    (_rec(0.37, 0.27, busy=0.45, occ=0.3), (7, 7),
+     "data=reverse at k = 1 (measured): w = 0.73, u = 0.135; f = 3.7: 7.4 in flight, rounded up to 8"),
+    (_rec(3.11, 0.77, busy=0.23, occ=0.8), None, "the default task at k = 1 (measured): waits 25%, f = 1.33"),
+    (_rec(0.36, 0.22, busy=0.95, occ=0.6), None, "data=reverse at k = 8 (measured): the engine 57% used"),
+    (_rec(1.0, 0.9, busy=None), None, "no engine meter: the fill alone says nothing about the window"),
+])
+def test_the_first_step_alone_opens_only_where_the_engine_sat_idle_through_the_fill(first, want, why):
+    rng = random.Random(6)
+    t = _tuner(every=50)
+    m = t.observe(dict(first), _groups(rng))
+    if want is None:
+        assert m is None and t.opening, why  # still to be judged on the later readings
+        return
+    assert (m.k, m.j) == want and t.k_range == [1, want[0]], why
+    assert m.reason.startswith("opening: learner waiting") and "of its first step (the fill)" in m.reason
+    assert not t.opening  # the move ends the opening: the later readings span two windows
+    for _ in range(max(OPEN_READS) + 2):
+        assert t.observe(_rec(1.2, 1.0), _groups(rng)) is None
+
+
+def test_the_fill_gate_is_the_room_for_the_whole_largest_factor():
+    assert FILL_USE == pytest.approx(1.0 / MAX_FACTOR)
+    base = dict(cap=16, tune_k=True, tune_j=False, tie_j=True, valid=lambda k, j: True, fill=True)
+    # the same fill, its engine just under and just over the gate: u = 0.25 * 0.99 and 0.25 * 1.01
+    assert opening([_rec(1.0, 0.8, busy=0.99, occ=0.25)], 1, 1, **base) is not None
+    assert opening([_rec(1.0, 0.8, busy=1.0, occ=0.2525)], 1, 1, **base) is None
+    # not the fill: the same record is read by the factor alone (min(5, 1 / 0.2525) = 3.96)
+    assert opening([_rec(1.0, 0.8, busy=1.0, occ=0.2525)], 1, 1, **{**base, "fill": False})[:2] == (7, 7)

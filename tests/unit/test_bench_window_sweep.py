@@ -1,0 +1,33 @@
+"""``asyncppo bench auto-window*``'s figures (asyncppo/bench/window_sweep.py), hand-computed: auto against the best
+and the worst fixed window of the same seed, over the whole run and past its first tenth."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncppo.bench.window_sweep import compare
+
+
+def _launch(label: str, train_s: float, late_s: float, held_out: float) -> dict:
+    return {"label": label, "train_s": train_s, "train_s_late": late_s, "occupancy": 0.5, "lag_max": 2.0,
+            "eval_after": held_out}
+
+
+def test_auto_is_compared_with_the_best_and_the_worst_fixed_window_and_past_the_start_with_the_best_there():
+    figures, units = compare([_launch("k2", 35.0, 31.0, 0.27), _launch("k8", 19.4, 16.6, 0.30),
+                              _launch("k16", 18.0, 16.2, 0.25), _launch("auto", 21.8, 16.5, 0.29)])
+    assert figures["auto / best fixed"] == pytest.approx(21.8 / 18.0)  # k16 is the best over the whole run
+    assert figures["worst fixed / auto"] == pytest.approx(35.0 / 21.8)
+    assert figures["best fixed k"] == 16.0
+    assert figures["held-out auto - best fixed"] == pytest.approx(0.29 - 0.25)
+    # past the first tenth the best fixed is the fastest there (k16's 16.2), whichever was best over the whole run
+    assert figures["auto / best fixed, past the first tenth"] == pytest.approx(16.5 / 16.2)
+    assert units["auto / best fixed, past the first tenth"] == "ratio"
+
+
+def test_results_recorded_before_the_late_time_existed_still_compare():
+    old = [{k: v for k, v in r.items() if k != "train_s_late"}
+           for r in (_launch("k4", 20.0, 0, 0.3), _launch("auto", 22.0, 0, 0.3))]
+    figures, _ = compare(old)
+    assert figures["auto / best fixed"] == pytest.approx(1.1)
+    assert "auto / best fixed, past the first tenth" not in figures
