@@ -29,7 +29,19 @@ groups in front of the learner at its fifth, so the guess game waited for one gr
 5.2-5.4 s against 2.7-3.0 s at a fixed ``k = 8`` or ``16``: 2.4-2.6 s of auto's 2.5-6.5 s over the best
 fixed window). The first step's reading (guess ``w = 0.84``, ``u = 0.11``; ``data=reverse`` at ``k = 1``
 ``w = 0.70-0.73``, ``u = 0.13-0.21``; ``data=long`` at ``k = 2`` ``w = 0.8``, ``u = 0.10-0.15``) gives about the window
-the later readings gave, two steps sooner. Only upward, because a window too
+the later readings gave, two steps sooner.
+
+What the fill says of ``j`` differs from a later step's reading. The learner waited one group's latency ``L`` for
+its first batch and then trained it for ``c``, so ``w = L / (L + c)``: keeping it busy takes a batch arriving every
+``c``, that is ``L / c`` batches in production and the one in training, ``1 / (1 - w)`` batches in flight whatever
+``j`` was (the later readings' ``1 / (1 - w)`` is a factor on the ``j + 1`` in force, whose batches shared the
+wait). So the fill sets ``j + 1`` to ``1 / (1 - w)`` (at most :data:`MAX_FACTOR` times what it was) and scales
+``k + 1``, the age a group may reach in steps, by the factor as the later readings do: once the learner stops
+waiting its steps are ``1 / (1 - w)`` times shorter, and the same latency spans as many times more of them. Scaling
+``j + 1`` by the factor too (``k = j = 6-7`` on ``data=reverse``) trained at a mean lag of 5.3-5.6 against 2.5 at
+the fixed ``k = 8, j = 3`` for the same learner time, with ``actor/mismatch_kl`` 3-5x theirs and held-out reward
+0.07-0.10 under theirs on two of three seeds; the count gives ``j = 3`` there, the guess game ``j = 6``. Only upward,
+because a window too
 narrow costs every step until the model's first decision, while one a little too wide costs lag, which that decision
 (which may narrow) and the drift budget handle. It does not move where the learner waits less than
 :data:`MIN_WAIT` of its time or ``f`` is under :data:`MIN_FACTOR` (a window near right stays for the model to judge),
@@ -87,15 +99,16 @@ def read(records: list[dict]) -> Optional[Reading]:
     return Reading(wait, use, factor)
 
 
-def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool) -> tuple[int, int]:
+def scaled(k: int, j: int, factor: float, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
+           j_factor: Optional[float] = None) -> tuple[int, int]:
     """The window with its work in flight scaled by ``factor``: ``j + 1`` (where ``j`` is auto) and ``k + 1`` (where
-    ``k`` is auto) times ``factor``, rounded up; ``k`` at most ``cap`` and never under ``j``, ``j`` never over
-    ``k``. A pinned knob keeps its value."""
-    grow = lambda x: int(math.ceil((x + 1) * factor - 1e-9)) - 1  # noqa: E731
-    k2 = min(cap, max(k, grow(k))) if tune_k else k
+    ``k`` is auto) times ``factor`` (``j + 1`` by ``j_factor`` where given: the fill's own count, :func:`opening`),
+    rounded up; ``k`` at most ``cap`` and never under ``j``, ``j`` never over ``k``. A pinned knob keeps its value."""
+    grow = lambda x, f: int(math.ceil((x + 1) * f - 1e-9)) - 1  # noqa: E731
+    k2 = min(cap, max(k, grow(k, factor))) if tune_k else k
     if tie_j:
         return k2, k2
-    return k2, (min(k2, max(j, grow(j))) if tune_j else j)
+    return k2, (min(k2, max(j, grow(j, factor if j_factor is None else j_factor))) if tune_j else j)
 
 
 def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune_j: bool, tie_j: bool,
@@ -109,12 +122,18 @@ def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune
     got = read(records)
     if got is None or got.wait < MIN_WAIT or got.factor < MIN_FACTOR:
         return None
-    if fill and (got.use is None or got.use > FILL_USE):
-        return None
-    k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j)
+    j_factor = None
+    if fill:
+        if got.use is None or got.use > FILL_USE:
+            return None
+        # the batches in flight that keep the learner busy: 1 / (1 - w) (module docstring), whatever j was
+        j_factor = min(1.0 / max(1.0 - got.wait, 1e-9) / (j + 1), MAX_FACTOR)  # 1 / u >= MAX_FACTOR here
+    k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j, j_factor=j_factor)
     if (k2, j2) == (k, j) or not valid(k2, j2):
         return None
     use = "" if got.use is None else f", engine {got.use:.0%} used"
-    what = "its first step (the fill)" if fill else "its steps"
-    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of {what}{use}; "
+    if fill:
+        return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its first step (the fill){use}; age limit "
+                        f"x{got.factor:.1f}, {j2 + 1} batches in flight (Little's law)")
+    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its steps{use}; "
                     f"work in flight x{got.factor:.1f} (Little's law)")

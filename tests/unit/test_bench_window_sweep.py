@@ -31,3 +31,18 @@ def test_results_recorded_before_the_late_time_existed_still_compare():
     figures, _ = compare(old)
     assert figures["auto / best fixed"] == pytest.approx(1.1)
     assert "auto / best fixed, past the first tenth" not in figures
+
+
+def test_the_phases_split_learner_time_and_wait_at_the_cuts_and_list_the_moves():
+    from asyncppo.bench.window_phases import moves, spans
+
+    recs = [{"step": s, "time/step_s": 1.0 + s, "time/wait_s": 0.5, "time/tune_s": 0.01} for s in range(1, 8)]
+    recs[0].update({"tune/reason": "opening: ...", "tune/k": 7, "tune/j": 7})
+    recs.append({"eval/mean": 0.3})  # a record that is no step: left out
+    got = spans(recs, [2, 5])
+    assert [(g["from"], g["to"]) for g in got] == [(1, 2), (3, 5), (6, 7)]
+    assert got[0]["learner_s"] == pytest.approx(2.0 + 3.0 + 0.02) and got[0]["wait_s"] == pytest.approx(1.0)
+    assert got[1]["learner_s"] == pytest.approx(4.0 + 5.0 + 6.0 + 0.03)
+    assert got[2]["learner_s"] == pytest.approx(7.0 + 8.0 + 0.02)
+    assert sum(g["learner_s"] for g in got) == pytest.approx(spans(recs, [])[0]["learner_s"])
+    assert moves(recs) == [(1, 7, 7)]

@@ -205,7 +205,7 @@ class _Lengths:
         return self._lengths
 
 
-@pytest.mark.parametrize("first, want, why", [
+@pytest.mark.parametrize("first, want, why", [  # j follows k here (an unset lookahead): both scale by the factor
     (_rec(1.67, 1.4, busy=0.24, occ=0.46), (7, 7),
      "the guess game at k = 1 (measured): w = 0.84, u = 0.11; f = min(6.2, 9.1, 4) = 4: 2 * 4 = 8 in flight"),
     (_rec(0.37, 0.27, busy=0.45, occ=0.3), (7, 7),
@@ -236,3 +236,25 @@ def test_the_fill_gate_is_the_room_for_the_whole_largest_factor():
     assert opening([_rec(1.0, 0.8, busy=1.0, occ=0.2525)], 1, 1, **base) is None
     # not the fill: the same record is read by the factor alone (min(5, 1 / 0.2525) = 3.96)
     assert opening([_rec(1.0, 0.8, busy=1.0, occ=0.2525)], 1, 1, **{**base, "fill": False})[:2] == (7, 7)
+
+
+@pytest.mark.parametrize("first, want, why", [
+    (_rec(0.37, 0.27, busy=0.45, occ=0.3), (7, 3),
+     "data=reverse at k = j = 1: 1 / (1 - 0.73) = 3.7 batches in flight, j + 1 = 4; k + 1 = 2 * 3.7, rounded up"),
+    (_rec(1.67, 1.4, busy=0.24, occ=0.46), (7, 6),
+     "the guess game: 1 / (1 - 0.84) = 6.2 batches, j + 1 = 7; k + 1 = 2 * 4 (the largest factor)"),
+    (_rec(1.0, 0.9, busy=0.5, occ=0.3), (7, 7),
+     "ten batches' worth of waiting: j + 1 at most 4 times the 2 in flight (the engine's 1 / u >= 4 at the fill)"),
+])
+def test_with_the_lookahead_free_the_fill_sets_the_batches_in_flight_and_scales_the_age_limit(first, want, why):
+    rng = random.Random(7)
+    t = _tuner(every=50, tune_j=True, tie_j=False)
+    m = t.observe(dict(first), _groups(rng))
+    assert (m.k, m.j) == want, why
+    assert m.reason.endswith(f"{want[1] + 1} batches in flight (Little's law)")
+    # a later reading scales j + 1 by the same factor as k + 1 (its wait was shared by the j + 1 in flight)
+    assert opening([dict(first)] * 2, 1, 1, cap=16, tune_k=True, tune_j=True, tie_j=False,
+                   valid=lambda k, j: True)[:2] == (want[0], want[0])
+    # the fill's count never lowers a j already wider than it
+    assert opening([dict(first)], 1, 5, cap=16, tune_k=True, tune_j=True, tie_j=False, valid=lambda k, j: True,
+                   fill=True)[1] >= 5
