@@ -13,7 +13,7 @@ Why a fresh interpreter (``python -m asyncppo.pipeline.tuner_host``) and JSON li
 learner's CPU pinning, so on a shared core its work shows up as slower learner steps, where it is counted.
 
 How much it may cost: the child is kept busy at most :data:`SHARE` of the wall time. After a decision that took
-``c`` seconds the next is not sent before ``c * (1 / SHARE - 1)`` seconds; a decision that falls due earlier is
+``c`` seconds of CPU the next is not sent before ``c * (1 / SHARE - 1)`` seconds; a decision that falls due earlier is
 skipped (the next due step tries again), so a run with very short steps decides less often rather than paying more.
 Except while the window climbs: after a decision that widened it on a predicted gain of at least
 :data:`CLIMB_GAIN`, and that the hook put in force, the share is :data:`CLIMB_SHARE`. A run far below its best window loses that gain at every
@@ -53,6 +53,13 @@ on such a box (two launches at once, measured) an idle-class decision did not fi
 run that starts far from its best window without the learner waiting (so without an opening) needs that one.
 Where the platform has no such class (not Linux) or refuses, the child keeps its nice value. Each reply also
 carries ``decide_cpu_s``, its CPU time, beside ``decide_s``, its wall time.
+Why the cool-down counts CPU time, not wall time: busy is what the share rations, and a niced or idle-class child
+spends most of a decision's wall time waiting for a core the run was using, which costs the run nothing. Counted in
+wall time, the cool-downs grew with the box's load rather than with the decisions' cost: on ``data=reverse`` an
+idle-class decision of 0.3-0.4 s of CPU took 0.9-3.3 s of wall time, and the decision after a move came 73-84
+steps later, where it found the next window +8-9% (+11-12% twice as wide) and had to wait for a second look that the
+200-step run did not reach (auto stayed at ``k = 5-6, j = 3``, 1.04-1.14x the fixed ``k = 8`` and ``12``). A reply
+without ``decide_cpu_s`` (an older child) is counted by its wall time.
 A child that cannot start, dies or answers with an error leaves the hook deciding on the learner's thread again,
 said once. Drift over ``algorithm.offpolicy_budget`` is never left to this process: the hook checks it on the
 learner's thread at every due step (a mean over a few records) and narrows at once; a decision in flight, judged
@@ -147,7 +154,8 @@ class DecisionHost:
         if not self._stale:  # a reply on a window no longer in force says nothing of the one now (it is ignored)
             self.stays = 0 if reply.get("move") or reply.get("pending", True) else self.stays + 1
         self._stale = False
-        self._cost, self._replied = float(reply.get("decide_s", 0.0)), time.monotonic()
+        self._cost = float(reply.get("decide_cpu_s", reply.get("decide_s", 0.0)))  # CPU: module docstring
+        self._replied = time.monotonic()
         self.not_before = self._cooled(self.share / 2 ** min(self.stays, STAY_HALVINGS))
         return reply
 

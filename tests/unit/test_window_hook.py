@@ -176,6 +176,24 @@ def test_the_decision_process_may_decide_sooner_while_the_window_climbs_on_a_lar
         host.close()
 
 
+def test_the_cool_down_counts_a_decisions_cpu_time_not_its_wall_time():
+    """A niced or idle-class decision waits for a core most of its wall time, which costs the run nothing: the
+    share rations CPU (tuner_host.py, "Why the cool-down counts CPU time"). A reply without its CPU time (an older
+    child) is counted by its wall time."""
+    from asyncppo.pipeline.tuner_host import DecisionHost
+
+    host = DecisionHost()
+    try:
+        host.replies.put({"at": [6, 3], "move": None, "pending": True, "decide_s": 3.0, "decide_cpu_s": 0.4})
+        host.poll()
+        assert host.not_before - host._replied == pytest.approx(0.4 * 9)  # not 3.0 * 9 = 27 s
+        host.replies.put({"at": [6, 3], "move": None, "pending": True, "decide_s": 3.0})
+        host.poll()
+        assert host.not_before - host._replied == pytest.approx(3.0 * 9)
+    finally:
+        host.close()
+
+
 def test_decisions_that_keep_staying_back_off_and_a_move_restores_the_tenth():
     """A decision with no move and none pending halves the share of the next cool-down (9 x its cost at the tenth,
     then 19, 39, 79 and no further); a pending one (a move waiting for patience, or rates not yet fitted) and a move
