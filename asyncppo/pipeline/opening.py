@@ -5,7 +5,7 @@ steps of rates, then runs in a niced process of its own (tuner_host.py), so on t
 (60 steps, started at the default ``k = 1``, best fixed windows 8-16) it was submitted at step 5 and put in force
 at step 9. Those 9 steps at ``k = 1``, each about twice as long as a step at ``k = 8`` (the learner waited for
 groups 72% of the time), were most of auto's 1.20-1.34x the best fixed window's learner time. What a run measures
-from its second step on already says how far off it is:
+from its first steps already says how far off it is:
 
 * the learner's **wait share** ``w`` (``time/wait_s`` over ``time/step_s``): the pipeline delivers groups ``1 - w``
   times as fast as the learner could take them;
@@ -35,7 +35,9 @@ What the fill says of ``j`` differs from a later step's reading. The learner wai
 its first batch and then trained it for ``c``, so ``w = L / (L + c)``: keeping it busy takes a batch arriving every
 ``c``, that is ``L / c`` batches in production and the one in training, ``1 / (1 - w)`` batches in flight whatever
 ``j`` was (the later readings' ``1 / (1 - w)`` is a factor on the ``j + 1`` in force, whose batches shared the
-wait). So the fill sets ``j + 1`` to ``1 / (1 - w)`` (at most :data:`MAX_FACTOR` times what it was) and scales
+wait). So the fill sets ``j + 1`` to ``1 / (1 - w)`` (at most :data:`MAX_FACTOR` times what it was; where ``j`` follows
+``k``, as an unset lookahead, it takes ``k``'s value instead, and where ``j`` already holds the count the fill does
+not move) and scales
 ``k + 1``, the age a group may reach in steps, by the factor as the later readings do: once the learner stops
 waiting its steps are ``1 / (1 - w)`` times shorter, and the same latency spans as many times more of them. Scaling
 ``j + 1`` by the factor too (``k = j = 6-7`` on ``data=reverse``) trained at a mean lag of 5.3-5.6 against 2.5 at
@@ -131,9 +133,12 @@ def opening(records: list[dict], k: int, j: int, *, cap: int, tune_k: bool, tune
     k2, j2 = scaled(k, j, got.factor, cap=cap, tune_k=tune_k, tune_j=tune_j, tie_j=tie_j, j_factor=j_factor)
     if (k2, j2) == (k, j) or not valid(k2, j2):
         return None
+    if fill and not tie_j and j2 == j:
+        return None  # j already holds the fill's count: the learner's steps will not shorten, so neither does k's age
     use = "" if got.use is None else f", engine {got.use:.0%} used"
-    if fill:
-        return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its first step (the fill){use}; age limit "
+    what = "its first step (the fill)" if fill else "its steps"
+    if fill and not tie_j:
+        return k2, j2, (f"opening: learner waiting {got.wait:.0%} of {what}{use}; age limit "
                         f"x{got.factor:.1f}, {j2 + 1} batches in flight (Little's law)")
-    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of its steps{use}; "
+    return k2, j2, (f"opening: learner waiting {got.wait:.0%} of {what}{use}; "
                     f"work in flight x{got.factor:.1f} (Little's law)")

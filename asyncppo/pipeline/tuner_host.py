@@ -77,7 +77,7 @@ import threading
 import time
 from typing import Optional
 
-#: The largest share of wall time the decision process may be busy (module docstring).
+#: The largest share of wall time the decision process may be busy, counted in its CPU time (module docstring).
 SHARE = 0.1
 #: While the window climbs: the share after a decision that widened it on a predicted gain of at least CLIMB_GAIN.
 CLIMB_SHARE, CLIMB_GAIN = 0.5, 0.25
