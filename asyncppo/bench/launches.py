@@ -45,6 +45,13 @@ def mean(key: str, rows: list[dict]) -> float:
     return sum(vals) / len(vals) if vals else float("nan")
 
 
+def learner_s(steps: list[dict]) -> float:
+    """The learner's time over ``steps`` (step records), as the benchmarks count it: each step's ``time/step_s`` and
+    what an auto window's hook held its thread for between steps (``time/tune_s``: a decision made there once fell
+    outside every step's time, pipeline/tuner_host.py)."""
+    return sum(r["time/step_s"] + r.get("time/tune_s", 0.0) for r in steps)
+
+
 def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
     """One launch in ``SCHEDULES[mode or label]``, its run directory ``root/label``; the figures read back."""
     base, *extra = (mode or label).split("+")
@@ -80,10 +87,8 @@ def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
         summary = json.load(f)
     train = [r for r in records if "reward/mean" in r]
     steady = train[len(train) // 4 :]  # skip start-up (engine load, first batches)
-    # the learner's time: its steps, and what an auto window's hook held its thread for between them (time/tune_s;
-    # a decision made there once fell outside every step's time: pipeline/tuner_host.py)
     tune_s = sum(r.get("time/tune_s", 0.0) for r in train)
-    train_s = sum(r["time/step_s"] for r in train) + tune_s
+    train_s = learner_s(train)
     ro = summary.get("rollout", {})
     nan = float("nan")
     return {
@@ -95,7 +100,7 @@ def run_once(label: str, launch: Launch, root: str, mode: str = "") -> dict:
         "train_s": train_s,
         "tune_s": tune_s,  # of train_s: the window hook on the learner's thread (0 for a fixed window)
         # train_s past the run's first tenth of steps: what a longer run's start would weigh less in (window_sweep)
-        "train_s_late": sum(r["time/step_s"] + r.get("time/tune_s", 0.0) for r in train[len(train) // 10:]),
+        "train_s_late": learner_s(train[len(train) // 10:]),
         "update_s": sum(r.get("time/update_s", 0.0) for r in train),  # the PPO update itself
         "wait_s": sum(r.get("time/wait_s", 0.0) for r in train),  # waiting for the batch's groups
         "samples": train[-1]["samples_trained"],

@@ -17,6 +17,8 @@ import glob
 import json
 import os
 
+from asyncppo.bench.launches import learner_s
+
 
 def spans(records: list[dict], cuts: list[int]) -> list[dict]:
     """The learner's time and wait summed over steps ``(0, c1], (c1, c2], ..., (cn, end]`` of ``records`` (the run's
@@ -27,7 +29,7 @@ def spans(records: list[dict], cuts: list[int]) -> list[dict]:
     for lo, hi in zip(edges, edges[1:]):
         inside = [r for r in steps if lo < r["step"] <= hi]
         out.append({"from": lo + 1, "to": int(min(hi, max((r["step"] for r in inside), default=lo))),
-                    "learner_s": sum(r["time/step_s"] + r.get("time/tune_s", 0.0) for r in inside),
+                    "learner_s": learner_s(inside),
                     "wait_s": sum(r.get("time/wait_s", 0.0) for r in inside)})
     return out
 
@@ -54,9 +56,10 @@ def main(argv=None) -> int:
                 if not os.path.exists(os.path.join(run_dir, "metrics.jsonl")):
                     continue
                 recs = _records(run_dir)
+                parts = spans(recs, cuts)  # they partition the steps: their sum is the run's learner time
                 cells = "  ".join(f"steps {s['from']}-{s['to']}: {s['learner_s']:.1f} s (wait {s['wait_s']:.1f})"
-                                  for s in spans(recs, cuts))
-                total = sum(s["learner_s"] for s in spans(recs, []))
+                                  for s in parts)
+                total = sum(s["learner_s"] for s in parts)
                 moved = moves(recs)
                 print(f"{os.path.basename(seed_dir)} {os.path.basename(run_dir):>5}  {cells}  total {total:.1f} s"
                       + (f"  moves {moved}" if moved else ""), flush=True)
