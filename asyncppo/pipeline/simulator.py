@@ -118,6 +118,7 @@ class Simulator:
         if gen.base_s <= 0 and gen.per_seq_s <= 0 and gen.per_kv_token_s <= 0:
             raise ValueError("EngineSpeed needs a positive base_s, per_seq_s or per_kv_token_s (a step takes time)")
         self.s, self.gen, self.train, self.lengths = setup, gen, train, lengths
+        self.episodes = setup.episodes  # read on every event: a property of the frozen setup, computed once
         self.rng = random.Random(setup.seed)
 
     # -- engine progress ------------------------------------------------------------------------------------
@@ -160,6 +161,8 @@ class Simulator:
         """Token-weighted mean weight version of the tokens decoded between progress p0 and p1 on engine e."""
         if p1 <= p0:
             return float(e.version)
+        if p0 >= e.marks[-1][0]:  # the common case: no load since the sequence started
+            return float(e.marks[-1][1])
         total = 0.0
         i = max(0, bisect.bisect_right(e.marks, (p0, float("inf"))) - 1)
         while i < len(e.marks) and e.marks[i][0] < p1:
@@ -196,7 +199,7 @@ class Simulator:
         """Request tickets in order while the engine has room, then admit every group whose version it satisfies."""
         r, n = self.r, self.s.group_size
         self._advance(e, now)
-        if self.s.episodes:  # as the worker: the counts so far, then the room (single-turn room never reads it)
+        if self.episodes:  # as the worker: the counts so far, then the room (single-turn room never reads it)
             e.share.add(e.n + len(e.queue), e.at_env, now)
         room = self._room(e)
         while len(e.pending) < room:  # request tickets, in order, while the window has them
@@ -204,13 +207,14 @@ class Simulator:
             if granted is None:
                 break
             e.pending.append(granted)
-        added = False
+        added = admitted = False
         while e.pending and self._room(e) and e.pending[0].min_version <= e.version:
+            admitted = True
             ticket = e.pending.popleft().index
             r.groups[ticket] = {"left": n, "tokens": 0, "dec": 0, "vmin": e.version, "tv": 0.0}
             e.queue.extend((ticket, L, *self._segments(L), 0.0) for L in self.lengths.sample_group(self.rng, n))
             added = self._start_queued(e) or added
-        if self.s.episodes:
+        if self.episodes and admitted:  # else the counts are those just added, at the same time: no change
             e.share.add(e.n + len(e.queue), e.at_env, now)
         if added:
             self._schedule(e)
@@ -232,7 +236,7 @@ class Simulator:
         """What admission counts as engine ``e``'s load: the samples in it or queued for it; with episodes the load
         the episodes in flight make on average (the episode worker's rule)."""
         in_engine = e.n + len(e.queue)
-        return engine_load(in_engine, in_engine + e.at_env, e.share.share) if self.s.episodes else in_engine
+        return engine_load(in_engine, in_engine + e.at_env, e.share.share) if self.episodes else in_engine
 
     def _room(self, e: _Engine) -> int:
         """Groups engine ``e`` may admit now."""
@@ -253,7 +257,7 @@ class Simulator:
 
     def _admit_all(self, now: float) -> None:
         # engines with the most room ask first, as idle workers' requests reach the controller first
-        for e in sorted(self.r.engines, key=lambda x: self._load(x) if self.s.episodes else x.n):
+        for e in sorted(self.r.engines, key=lambda x: self._load(x) if self.episodes else x.n):
             self._admit(e, now)
 
     def _try_train(self, now: float) -> None:
@@ -307,7 +311,7 @@ class Simulator:
             g = r.groups[ticket]
             g["dec"] += segs[0]
             g["tv"] += segs[0] * self._mean_version(e, p0, p0 + segs[0])
-            if s.episodes:  # to the environment (its slot is free now); back in env_s, or ended by the last call
+            if self.episodes:  # to the environment (its slot is free now); back in env_s, or ended by the last call
                 e.at_env += 1
                 heapq.heappush(self.events, (now + s.env_s, 3, self._seq(),
                                              ("env", e.idx, ticket, L, segs[1:], env_turn, ctx + segs[0] + env_turn)))
