@@ -262,8 +262,8 @@ class WindowTuner:
         """From the rung a leap takes (its predicted ``gain``), the rungs above it for as long as each predicts more
         than ``margin`` beyond the one below, and whose ``k`` the measured ``drift``, scaled by the window, allows
         (module docstring, "Why a leap goes on up the rungs"): the highest such, its gain, and how many rungs up
-        from the window in force it is. Where ``j`` is free, the highest rung's ``k`` with the
-        ``j`` in force instead, when that predicts at most ``margin / 4`` less (the lookahead is the lag)."""
+        from the window in force it is. Where ``j`` is free, the highest rung's ``k`` with the narrowest ``j``
+        that predicts at most ``margin / 4`` less (:meth:`_narrowest_lookahead`: the lookahead is the lag)."""
         rungs = 1
         while (up := self._rung(*rung)) is not None:
             if up[0] > self._drift_allows(drift):
@@ -274,12 +274,29 @@ class WindowTuner:
                 break
             rung, gain, rungs = up, up_gain, rungs + 1
         if self.tune_j and not self.tie_j and rung[1] > self.j and self._valid(rung[0], self.j):
-            keep = (rung[0], self.j)  # the same k, the lookahead in force: less lag, where it costs no throughput
-            need = (1.0 + gain) * (1.0 - self.margin / 4) - 1.0
-            keep_gain = self._gain_of(keep, base_rate, need, fit)
-            if keep_gain > need:
-                rung, gain = keep, keep_gain
+            rung, gain = self._narrowest_lookahead(rung, gain, base_rate, fit)
         return rung, gain, rungs
+
+    def _narrowest_lookahead(self, rung: tuple[int, int], gain: float, base_rate: list[float],
+                             fit: tuple) -> tuple[tuple[int, int], float]:
+        """The top rung's ``k`` with the narrowest ``j`` that predicts at most ``margin / 4`` less than the rung
+        (the lookahead is the lag, and lag is never free): the ``j`` in force first, then by halves between it and
+        the rung's own ``j`` (the predicted rate grows with ``j`` at a fixed ``k``); the rung itself where none
+        does. Measured without it on ``data=reverse``: the rungs took ``j`` from 3 to 7-9, a mean lag of 5.7-6.2
+        against 2.5 at the fixed windows' ``j = 3``, for 5-7% more samples a second."""
+        k, need = rung[0], (1.0 + gain) * (1.0 - self.margin / 4) - 1.0
+        lo, hi, best = self.j, rung[1], (rung, gain)
+        low_gain = self._gain_of((k, lo), base_rate, need, fit)
+        if low_gain > need:
+            return (k, lo), low_gain
+        while hi - lo > 1:  # lo predicts too little, hi enough
+            mid = (lo + hi) // 2
+            mid_gain = self._gain_of((k, mid), base_rate, need, fit)
+            if mid_gain > need:
+                hi, best = mid, ((k, mid), mid_gain)
+            else:
+                lo = mid
+        return best
 
     def _drift_allows(self, drift: Optional[float]) -> int:
         """The widest ``k`` the measured ``drift`` allows, taking drift as about proportional to the window

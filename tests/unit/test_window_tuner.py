@@ -237,26 +237,34 @@ class _TableTuner(WindowTuner):
         super().__init__(**kw)
         self.table, self.asked = table, []
 
-    def _gain_of(self, c, base_rate, need, fit):
+    def _gain_of(self, c, base_rate, need, fit, quick=False):
         self.asked.append((c, round(need, 5)))
         return self.table[c]
 
 
-def test_a_climb_goes_up_while_each_rung_pays_a_margin_then_keeps_the_lookahead_where_it_costs_little():
+def test_a_climb_goes_up_while_each_rung_pays_a_margin_then_takes_the_narrowest_lookahead_that_costs_little():
     """From (1, 1), a leap to the first rung (2, 2) at +50%, margin 0.05: (4, 4) needs 1.5 x 1.05 - 1 = 0.575 (has
     0.8), (8, 8) needs 1.8 x 1.05 - 1 = 0.89 (has 0.9), (16, 16) needs 0.995 (has 0.95: stops). Then (8, 1), the top
-    rung's k with the j in force, needs 1.9 x (1 - 0.0125) - 1 = 0.87625: at 0.88 it is taken, at 0.87 not. A drift
+    rung's k with the j in force, needs 1.9 x (1 - 0.0125) - 1 = 0.87625: at 0.88 it is taken; at 0.87 the j in
+    between are tried by halves and the narrowest that predicts enough is taken, else the rung's own j. A drift
     of 0.002 under a budget of 0.01 allows rungs up to k = 5 from k = 1 (0.002 x k_up / 1): the climb stops at 4."""
     kw = dict(k=1, j=1, cap=16, tune_k=True, tune_j=True, tie_j=False, batch_groups=2, group_size=4)
     table = {(4, 4): 0.8, (8, 8): 0.9, (16, 16): 0.95, (8, 1): 0.88}
     t = _TableTuner(table, **kw)
     assert t._climb((2, 2), 0.5, [1.0], (), None) == ((8, 1), 0.88, 3)
     assert t.asked == [((4, 4), 0.575), ((8, 8), 0.89), ((16, 16), 0.995), ((8, 1), 0.87625)]
-    t = _TableTuner({**table, (8, 1): 0.87}, **kw)
+    # the j in force predicting too little: the narrowest j that predicts enough, by halves between 1 and 8
+    t = _TableTuner({**table, (8, 1): 0.87, (8, 4): 0.88, (8, 2): 0.86, (8, 3): 0.877}, **kw)
+    assert t._climb((2, 2), 0.5, [1.0], (), None) == ((8, 3), 0.877, 3)
+    assert [c for c, _ in t.asked][3:] == [(8, 1), (8, 4), (8, 2), (8, 3)]
+    assert {n for _, n in t.asked[3:]} == {0.87625}
+    # no narrower j predicting enough: the rung itself, after log2 of the span's probes
+    t = _TableTuner({**table, (8, 1): 0.87, (8, 4): 0.8, (8, 6): 0.85, (8, 7): 0.87}, **kw)
     assert t._climb((2, 2), 0.5, [1.0], (), None) == ((8, 8), 0.9, 3)
-    t = _TableTuner({**table, (4, 1): 0.0}, **kw, budget=0.01)
+    assert [c for c, _ in t.asked][3:] == [(8, 1), (8, 4), (8, 6), (8, 7)]
+    t = _TableTuner({**table, (4, 1): 0.0, (4, 2): 0.0, (4, 3): 0.0}, **kw, budget=0.01)
     assert t._climb((2, 2), 0.5, [1.0], (), 0.002) == ((4, 4), 0.8, 2)  # (8, 8) never simulated
-    assert [c for c, _ in t.asked] == [(4, 4), (4, 1)]
+    assert [c for c, _ in t.asked] == [(4, 4), (4, 1), (4, 2), (4, 3)]
     tied = _TableTuner(table, **{**kw, "tie_j": True})  # j follows k: no lookahead of its own to keep
     assert tied._climb((2, 2), 0.5, [1.0], (), None) == ((8, 8), 0.9, 3)
 
