@@ -11,7 +11,11 @@ samples:
 * ``worst fixed / auto``: how much a user who picked the slowest window of the sweep loses against auto;
 * ``auto / best fixed, past the first tenth``: the same ratio over the steps after the run's first tenth (a
   diagnostic, no target): how much of auto's gap is its start, which a run longer than the sweep's weighs less;
-* each launch's time, occupancy, lag max and held-out accuracy after, and the range auto's window took.
+* each launch's time, occupancy, lag max and held-out accuracy after, and the range auto's window took;
+* ``control / best fixed`` (where the sweep names a ``control`` window): a second launch of that fixed window,
+  after auto, judged as auto is, against the best of the fixed windows (its twin among them). The noise floor of
+  the target: what a window known to be among the best gets against the luckiest fixed launch of its seed. On
+  these boxes two launches of one window differ by several percent, so a ratio near this one is noise, not auto.
 
 Why the comparison is per seed: the best fixed window is the best *of that seed's launches*, so a lucky fixed run
 counts against auto, never for it (the conservative side).
@@ -26,14 +30,18 @@ from asyncppo.bench.async_sync import print_table
 from asyncppo.bench.launches import Launch, run_once
 
 AUTO = "auto"
+AGAIN = "-again"  # the control's label: its fixed window's, with this after it
 
 
-def labels(windows: list[int], lookahead: int) -> list[tuple[str, int | str, int | str]]:
+def labels(windows: list[int], lookahead: int, control: int | None = None) -> list[tuple[str, int | str, int | str]]:
     """(label, k, j) of each launch: ``k<k>`` per fixed window, then ``auto`` (both knobs ``auto``: the schedule
     then says ``auto`` where it says a number for a fixed window, so the run starts where a user's launch with
     ``rollout.max_staleness=auto rollout.admission_lookahead=auto`` starts, at the preset's own window; a number
-    before the ``auto`` would be taken as that start)."""
-    return [*((f"k{k}", k, min(lookahead, k)) for k in windows), (AUTO, AUTO, AUTO)]
+    before the ``auto`` would be taken as that start), then the ``control`` window again, if any."""
+    if control is not None and control not in windows:
+        raise ValueError(f"the control window k = {control} is not one of the sweep's windows {windows}")
+    again = [] if control is None else [(f"k{control}{AGAIN}", control, min(lookahead, control))]
+    return [*((f"k{k}", k, min(lookahead, k)) for k in windows), (AUTO, AUTO, AUTO), *again]
 
 
 def window_range(run_dir: str) -> dict:
@@ -66,7 +74,7 @@ def compare(results: list[dict]) -> tuple[dict, dict]:
         put(f"lag max {r['label']}", r["lag_max"], "versions")
         put(f"held-out after {r['label']}", r["eval_after"], "accuracy")
     auto = next(r for r in results if r["label"] == AUTO)
-    fixed = [r for r in results if r["label"] != AUTO]
+    fixed = [r for r in results if r["label"] != AUTO and not r["label"].endswith(AGAIN)]
     best = min(fixed, key=lambda r: r["train_s"])
     worst = max(fixed, key=lambda r: r["train_s"])
     put("auto / best fixed", auto["train_s"] / best["train_s"], "ratio")
@@ -76,13 +84,16 @@ def compare(results: list[dict]) -> tuple[dict, dict]:
     if all("train_s_late" in r for r in results):
         put("auto / best fixed, past the first tenth",
             auto["train_s_late"] / min(r["train_s_late"] for r in fixed), "ratio")
+    for r in results:
+        if r["label"].endswith(AGAIN):  # the noise floor: a fixed window judged as auto is (module docstring)
+            put("control / best fixed", r["train_s"] / best["train_s"], "ratio")
     return figures, units
 
 
 def run(opts: dict, seed: int, work: str) -> dict:
     preset = list(opts["preset"])
     results = []
-    for label, k, j in labels(opts["windows"], opts["lookahead"]):
+    for label, k, j in labels(opts["windows"], opts["lookahead"], opts["control"]):
         launch = Launch(steps=opts["steps"], staleness=k, lookahead=j, rollout_cpus=opts["rollout_cpus"],
                         learner_cpus=opts["learner_cpus"], preset=preset,
                         overrides=[*opts["overrides"], f"trainer.seed={seed}"])
@@ -93,6 +104,8 @@ def run(opts: dict, seed: int, work: str) -> dict:
         results.append(r)
     print_table(results)
     figures, units = compare(results)
-    for name in ("auto / best fixed", "worst fixed / auto", "best fixed k", "auto / best fixed, past the first tenth"):
-        print(f"[bench] {name}: {figures[name]:.3f}", flush=True)
+    for name in ("auto / best fixed", "worst fixed / auto", "best fixed k", "auto / best fixed, past the first tenth",
+                 "control / best fixed"):
+        if name in figures:
+            print(f"[bench] {name}: {figures[name]:.3f}", flush=True)
     return {"figures": figures, "units": units, "detail": {"launches": results}}

@@ -46,3 +46,24 @@ def test_the_phases_split_learner_time_and_wait_at_the_cuts_and_list_the_moves()
     assert got[2]["learner_s"] == pytest.approx(7.0 + 8.0 + 0.02)
     assert sum(g["learner_s"] for g in got) == pytest.approx(spans(recs, [])[0]["learner_s"])
     assert moves(recs) == [(1, 7, 7)]
+
+
+def test_the_control_is_judged_as_auto_is_and_never_counts_as_a_fixed_window():
+    """A second launch of a fixed window (the control) is compared with the best fixed window as auto is (its twin
+    among them), and is itself never the best or the worst fixed window: the noise floor of auto's target."""
+    from asyncppo.bench.window_sweep import labels
+
+    assert labels([2, 16], 16, control=16) == [("k2", 2, 2), ("k16", 16, 16), ("auto", "auto", "auto"),
+                                               ("k16-again", 16, 16)]
+    assert labels([1, 8], 3) == [("k1", 1, 1), ("k8", 8, 3), ("auto", "auto", "auto")]
+    with pytest.raises(ValueError, match="control window k = 4"):
+        labels([2, 16], 16, control=4)
+    figures, _ = compare([_launch("k2", 35.0, 31.0, 0.27), _launch("k16", 18.0, 16.2, 0.25),
+                          _launch("auto", 21.8, 16.5, 0.29), _launch("k16-again", 17.0, 15.0, 0.3)])
+    assert figures["control / best fixed"] == pytest.approx(17.0 / 18.0)  # faster than its twin: below 1
+    assert figures["auto / best fixed"] == pytest.approx(21.8 / 18.0) and figures["best fixed k"] == 16.0
+    assert figures["auto / best fixed, past the first tenth"] == pytest.approx(16.5 / 16.2)
+    figures, _ = compare([_launch("k2", 35.0, 31.0, 0.27), _launch("auto", 21.8, 16.5, 0.29),
+                          _launch("k2-again", 40.0, 35.0, 0.3)])
+    assert figures["worst fixed / auto"] == pytest.approx(35.0 / 21.8)
+    assert figures["control / best fixed"] == pytest.approx(40.0 / 35.0)
