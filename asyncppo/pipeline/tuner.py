@@ -52,7 +52,8 @@ current window over ``seeds`` seeds, then each neighbour and the far window over
 completed to all ``seeds`` only when the quick gain lies within ``sure`` margins of its need (never, for a wider
 neighbour, where the far window, judged first, is a clear leap: that neighbour has only to show it is no loss, and a
 climb's decision at k = 7 on the guess game fell from 44 simulations to 35: with the simulator's fast paths,
-1.9 to 1.2 s of CPU); and a wider window is
+1.9 to 1.2 s of CPU; a climb's top rung then costs up to ``1 + log2`` of its span in ``j`` more predictions,
+:meth:`_narrowest_lookahead`); and a wider window is
 not simulated at all when the current window's predicted learner share ``b`` leaves no room for the gain it needs
 (``1 / b - 1 <= need``: no window makes the learner busier than always). A simulation runs ``sim_steps`` steps, 8
 of them warm-up, but measures at most ``sim_groups`` groups beyond that (never fewer than 8 steps): a prediction's
@@ -355,7 +356,10 @@ class WindowTuner:
         # hold the climb back, is still judged on every seed where it is close
         far_need = self._need(far, drift, train_busy) if far else None
         far_raw = self._gain_of(far, base_rate, far_need, fit) if far_need is not None else None
-        clear = far_raw is not None and self.leap and calm and far_raw > far_need + self.sure * self.margin
+        # clear as the leap below judges it: on the gain smoothed over the evaluations at this window
+        far_gain = far_raw if far_raw is None or far not in self._gain else \
+            self.smooth * far_raw + (1 - self.smooth) * self._gain[far]
+        clear = far_gain is not None and self.leap and calm and far_gain > far_need + self.sure * self.margin
         for c in [*self._neighbours(), *([far] if far else [])]:
             need = far_need if c == far else self._need(c, drift, train_busy)
             if need is None:

@@ -349,3 +349,19 @@ def test_a_clear_climb_judges_its_wider_neighbours_on_the_quick_seeds_alone():
     wider = [c for c in seeds if c[0] + c[1] > 3 and c != (quick.k, quick.j)]
     assert wider and all(seeds[c] == t.quick_seeds for c in wider), seeds
     assert any(full_seeds[c] == t.seeds for c in wider), full_seeds  # close cases the quick rule let pass
+    # a narrower neighbour close to its need is still completed: it could hold the climb back
+    assert seeds[(1, 1)] == t.seeds and seeds[(1, 1)] == full_seeds[(1, 1)], seeds
+
+
+def test_a_window_not_judged_for_the_drift_budget_keeps_no_stale_gain():
+    """A widening close to the drift budget (over 0.8 of it) is not simulated, and the smoothed gain an earlier
+    evaluation left for it is dropped: a later evaluation must not average a prediction made at another drift."""
+    rng = random.Random(2)
+    t = _tuner(k=2, j=2, cap=16, every=1000, budget=0.01, rungs_up=False)
+    for _ in range(6):
+        t.observe(_rec(rng, train_s=0.02, gen_s=0.01, kl=0.009), _groups(rng))
+    t._gain = {(3, 3): 0.5, (1, 1): -0.3}
+    t._evals = 1
+    move = t.decide()
+    assert (3, 3) not in t._gain and (1, 1) in t._gain, t._gain
+    assert move is None or move.k + move.j < 4, move  # never wider so close to the budget
