@@ -357,9 +357,8 @@ class WindowTuner:
         far_need = self._need(far, drift, train_busy) if far else None
         far_raw = self._gain_of(far, base_rate, far_need, fit) if far_need is not None else None
         # clear as the leap below judges it: on the gain smoothed over the evaluations at this window
-        far_gain = far_raw if far_raw is None or far not in self._gain else \
-            self.smooth * far_raw + (1 - self.smooth) * self._gain[far]
-        clear = far_gain is not None and self.leap and calm and far_gain > far_need + self.sure * self.margin
+        clear = far_raw is not None and self.leap and calm and \
+            self._smoothed(far, far_raw) > far_need + self.sure * self.margin
         for c in [*self._neighbours(), *([far] if far else [])]:
             need = far_need if c == far else self._need(c, drift, train_busy)
             if need is None:
@@ -367,8 +366,7 @@ class WindowTuner:
                 continue
             wider = c[0] + c[1] > self.k + self.j
             raw = far_raw if c == far else self._gain_of(c, base_rate, need, fit, quick=clear and wider)
-            gain = self._gain[c] = raw if c not in self._gain else \
-                self.smooth * raw + (1 - self.smooth) * self._gain[c]  # smoothed over evaluations at this window
+            gain = self._gain[c] = self._smoothed(c, raw)
             side = "far" if c == far else "up" if wider else "down"
             self.outlook[side] = max(gain, self.outlook.get(side, -1.0))
             if c == far:
@@ -402,6 +400,11 @@ class WindowTuner:
         else:
             why = f"learner waiting (train busy {train_busy:.2f}, {best_gain:+.1%} predicted{at})"
         return Move(best[0], best[1], why, best_gain)
+
+    def _smoothed(self, c: tuple[int, int], raw: float) -> float:
+        """Window ``c``'s gain smoothed over the evaluations at this window (weight ``smooth`` on ``raw``, the
+        newest), not stored."""
+        return raw if c not in self._gain else self.smooth * raw + (1 - self.smooth) * self._gain[c]
 
     def _need(self, c: tuple[int, int], drift: Optional[float], train_busy: float) -> Optional[float]:
         """The gain window ``c`` must predict to be moved to (the bands of the module docstring: a raise
