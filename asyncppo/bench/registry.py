@@ -139,6 +139,22 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                        overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
                                   "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
                   "and how much faster than the worst?"),
+    Benchmark(
+        "push-cadence", "The self-setting push cadence on data=reverse",
+        "On data=reverse (learner steps of 0.07-0.15 s against weight loads of ~0.02 s, k = 8, j = 3), does "
+        "`rollout.sync_every=auto` train the same samples within 5% of the learner time of the best fixed cadence "
+        "(a push every 1, 2 or 3 steps)?",
+        "auto / best fixed",
+        Target("auto / best fixed", "<=", 1.05, over="every seed", min_seeds=3,
+               why="issue 50 item 1 (`sync_every=auto` if it helps): the auto window's bar, against the best of the "
+               "seed's own fixed launches"),
+        "~15 min (3 seeds x 5 launches of ~50 s)", "asyncppo.bench.push_cadence:run", seeds=(0, 1, 2),
+        options=dict(preset=["data=reverse"], steps=200, staleness=8, lookahead=3, cadences=[1, 2, 3], control=2,
+                     rollout_cpus="1", learner_cpus="0", overrides=list(REVERSE))),
+    _window_sweep("auto-window-calculator", "data=calculator",
+                  "On data=calculator (multi-turn episodes through a calculator tool; the preset sets no window)",
+                  "~40 min (3 seeds x 6 launches of ~2 min)",
+                  dict(preset=["data=calculator"], steps=30, windows=[1, 2, 4, 8], lookahead=8, control=4)),
     _window_sweep("auto-window-default", "the default task", "On the built-in default task (learner-bound)",
                   "~36 min (3 seeds x 6 launches x ~2 min; 5 launches measured)",
                   dict(preset=[], steps=100, windows=[1, 2, 4, 8], lookahead=8,

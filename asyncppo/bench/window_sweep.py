@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable
 
 from asyncppo.bench.async_sync import print_table
 from asyncppo.bench.launches import Launch, run_once
@@ -63,31 +64,46 @@ def window_range(run_dir: str) -> dict:
 def compare(results: list[dict]) -> tuple[dict, dict]:
     """The sweep's figures from its launches (each with ``label`` and ``train_s``, ``occupancy``, ``lag_max``,
     ``eval_after``): per launch, and auto against the best and the worst fixed window."""
+    figures, units, put = per_launch(results, [("learner s", "train_s", "s"), ("occupancy", "occupancy", "fraction"),
+                                               ("lag max", "lag_max", "versions"),
+                                               ("held-out after", "eval_after", "accuracy")])
+    auto, fixed, best = versus_fixed(results, put)
+    put("best fixed k", float(best["label"][1:]), "versions")
+    if all("train_s_late" in r for r in results):
+        put("auto / best fixed, past the first tenth",
+            auto["train_s_late"] / min(r["train_s_late"] for r in fixed), "ratio")
+    return figures, units
+
+
+def per_launch(results: list[dict], rows: list[tuple[str, str, str]]) -> tuple[dict, dict, Callable]:
+    """The figures ``"<name> <label>"`` of each launch, one per ``(name, key, unit)`` of ``rows``, their units, and
+    the ``put(name, value, unit)`` that adds more."""
     figures, units = {}, {}
 
     def put(name: str, value, unit: str) -> None:
         figures[name], units[name] = value, unit
 
     for r in results:
-        put(f"learner s {r['label']}", r["train_s"], "s")
-        put(f"occupancy {r['label']}", r["occupancy"], "fraction")
-        put(f"lag max {r['label']}", r["lag_max"], "versions")
-        put(f"held-out after {r['label']}", r["eval_after"], "accuracy")
+        for name, key, unit in rows:
+            put(f"{name} {r['label']}", r[key], unit)
+    return figures, units, put
+
+
+def versus_fixed(results: list[dict], put) -> tuple[dict, list[dict], dict]:
+    """``put`` the figures that judge the ``auto`` launch against the fixed ones of the same seed (the control's
+    twin, labelled ``...-again``, is not one of them): ``auto / best fixed``, ``worst fixed / auto``, ``held-out
+    auto - best fixed`` and ``control / best fixed`` (the noise floor: a fixed launch judged as auto is; module
+    docstring); auto's launch, the fixed ones and the best of them back."""
     auto = next(r for r in results if r["label"] == AUTO)
     fixed = [r for r in results if r["label"] != AUTO and not r["label"].endswith(AGAIN)]
-    best = min(fixed, key=lambda r: r["train_s"])
-    worst = max(fixed, key=lambda r: r["train_s"])
+    best, worst = min(fixed, key=lambda r: r["train_s"]), max(fixed, key=lambda r: r["train_s"])
     put("auto / best fixed", auto["train_s"] / best["train_s"], "ratio")
     put("worst fixed / auto", worst["train_s"] / auto["train_s"], "x")
-    put("best fixed k", float(best["label"][1:]), "versions")
     put("held-out auto - best fixed", auto["eval_after"] - best["eval_after"], "accuracy")
-    if all("train_s_late" in r for r in results):
-        put("auto / best fixed, past the first tenth",
-            auto["train_s_late"] / min(r["train_s_late"] for r in fixed), "ratio")
     for r in results:
-        if r["label"].endswith(AGAIN):  # the noise floor: a fixed window judged as auto is (module docstring)
+        if r["label"].endswith(AGAIN):
             put("control / best fixed", r["train_s"] / best["train_s"], "ratio")
-    return figures, units
+    return auto, fixed, best
 
 
 def run(opts: dict, seed: int, work: str) -> dict:

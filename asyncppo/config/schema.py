@@ -145,7 +145,10 @@ class RolloutConfig:
     max_staleness_cap: int = 16  # the most an auto k reaches (and the buffer's guard while the window moves)
     tune_every: int = 5  # learner steps between two decisions of the auto window
     window_auto: str = ""  # derived from "auto" above: which knobs the tuner moves ("", k, j, k=j, k,j)
-    sync_every: int = 1
+    # learner steps between weight pushes, or "auto": set at every step from the engines' load time against the
+    # learner's step time (learner/push_cadence.py); resolved to 1, its start, with sync_auto set
+    sync_every: Union[int, str] = 1
+    sync_auto: bool = False  # derived from sync_every=auto: the learner sets the push cadence as it runs
     # skip a due push while the previous one is still being taken, if the weights already pushed serve the next
     # batch (pushed >= version - max_staleness); the newest weights go out once it is done (docs/staleness.md)
     coalesce_pushes: bool = False

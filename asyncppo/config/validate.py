@@ -23,7 +23,7 @@ from asyncppo.config.validate_algorithm import check_algorithm
 from asyncppo.config.validate_cluster import check_cluster, check_engine_parallel
 from asyncppo.config.validate_lora import check_lora
 from asyncppo.config.validate_text_env import check_text_env, resolve_agent, resolve_env_concurrency
-from asyncppo.config.validate_window import check_window, effective, resolve_window
+from asyncppo.config.validate_window import check_window, effective, resolve_window, sync_every_of
 
 __all__ = ["ConfigError", "check_config", "resolve_derived", "validate_config"]
 
@@ -45,16 +45,17 @@ def _check_rollout(cfg: AsyncPPOConfig, c: Checks) -> None:
         c.error("rollout.admission_lookahead", j,
                 f"must be null (= rollout.max_staleness) or in [0, rollout.max_staleness={k}]: "
                 "tickets granted further ahead than the bound could not be trained within it")
-    if r.sync_every < 1:
-        c.error("rollout.sync_every", r.sync_every, "must be >= 1 (learner steps between weight pushes)")
-    elif k >= 0 and k < r.sync_every - 1:
+    s_every = sync_every_of(r)  # "auto" as 1: where its cadence starts, and its floor (validate_window.py)
+    if s_every < 1:
+        c.error("rollout.sync_every", s_every, "must be >= 1 (learner steps between weight pushes)")
+    elif k >= 0 and k < s_every - 1:
         c.error("rollout.max_staleness", k,
-                f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: pushing weights every {r.sync_every} "
-                f"steps makes samples up to {r.sync_every - 1} versions old, so a smaller bound can never hold")
-    elif j is not None and 0 <= j < r.sync_every - 1:
+                f"must be >= rollout.sync_every - 1 = {s_every - 1}: pushing weights every {s_every} "
+                f"steps makes samples up to {s_every - 1} versions old, so a smaller bound can never hold")
+    elif j is not None and 0 <= j < s_every - 1:
         c.error("rollout.admission_lookahead", j,
-                f"must be >= rollout.sync_every - 1 = {r.sync_every - 1}: a ticket needs weights at most "
-                f"{j} versions old, and with a push every {r.sync_every} steps the engines "
+                f"must be >= rollout.sync_every - 1 = {s_every - 1}: a ticket needs weights at most "
+                f"{j} versions old, and with a push every {s_every} steps the engines "
                 "never get them, so the run would hang")
     c.choice("rollout.dtype", r.dtype, C.ROLLOUT_DTYPES)
     c.in_range("rollout.gpu_memory_utilization", r.gpu_memory_utilization, 0.0, 1.0, lo_open=True)

@@ -1,9 +1,13 @@
-"""``rollout.max_staleness=auto`` / ``rollout.admission_lookahead=auto``: the checks and where the window starts.
+"""``rollout.max_staleness=auto`` / ``rollout.admission_lookahead=auto`` / ``rollout.sync_every=auto``: the checks and
+where the window starts.
 
 Why a module of its own: ``auto`` is the one place a knob holds a word instead of a number, and every other check
 and every consumer (workers, launch, the learner) reads ``max_staleness`` as an int. So ``auto`` is resolved here,
 once, into the int the run starts from plus ``rollout.window_auto`` (which knobs the in-run tuner,
-:mod:`asyncppo.pipeline.tuner`, may move); a dumped config reloads to the same values and the same tuning.
+:mod:`asyncppo.pipeline.tuner`, may move); a dumped config reloads to the same values and the same tuning. An auto
+``sync_every`` becomes 1 (a push every step until the engines' loads are measured) with ``rollout.sync_auto`` set
+(the learner's push cadence, learner/push_cadence.py); every check reads it as 1, the cadence's floor, and the
+cadence itself never exceeds the lookahead, so it can make no window invalid.
 
 Where auto starts (docs/configuration.md): the preset's number when the preset set one (the loader reads it,
 :func:`asyncppo.config.loader.load_config`), else :data:`AUTO_START_K`; always clipped to
@@ -25,10 +29,15 @@ AUTO_START_K = 4  # the documented start of an auto k when no preset number is k
 WINDOW_AUTO = ("", "k", "j", "k=j", "k,j")
 
 
+def sync_every_of(r) -> int:
+    """``rollout.sync_every`` as the other checks read it: an auto cadence as 1, where it starts and its floor."""
+    return r.sync_every if isinstance(r.sync_every, int) else 1  # another word: check_window refuses it
+
+
 def effective(r) -> tuple[int, Optional[int]]:
     """The ints the other rollout checks test: an auto ``k`` as its start (unknown yet: the floor), an auto ``j``
     as null (= k)."""
-    k = r.max_staleness if isinstance(r.max_staleness, int) else max(0, r.sync_every - 1)
+    k = r.max_staleness if isinstance(r.max_staleness, int) else max(0, sync_every_of(r) - 1)
     j = r.admission_lookahead if isinstance(r.admission_lookahead, int) else None
     return k, j
 
@@ -38,9 +47,14 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
     for key, v in (("rollout.max_staleness", r.max_staleness), ("rollout.admission_lookahead", r.admission_lookahead)):
         if isinstance(v, str) and v != AUTO:
             c.error(key, v, 'must be an int or "auto" (the learner tunes it, docs/staleness.md)')
-    if r.max_staleness_cap < max(0, r.sync_every - 1):
+    if isinstance(r.sync_every, str) and r.sync_every != AUTO:
+        c.error("rollout.sync_every", r.sync_every, 'must be an int >= 1 or "auto" (the learner sets the push '
+                "cadence from the engines' load time, docs/staleness.md)")
+        return
+    s = sync_every_of(r)
+    if r.max_staleness_cap < max(0, s - 1):
         c.error("rollout.max_staleness_cap", r.max_staleness_cap,
-                f"must be >= 0 and >= rollout.sync_every - 1 = {r.sync_every - 1} (the most an auto k may reach)")
+                f"must be >= 0 and >= rollout.sync_every - 1 = {s - 1} (the most an auto k may reach)")
     if isinstance(r.max_staleness, int) and r.admission_lookahead == AUTO and r.max_staleness > r.max_staleness_cap:
         c.error("rollout.max_staleness", r.max_staleness,
                 f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto")
@@ -55,9 +69,11 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
 
 
 def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j: Optional[int] = None) -> None:
-    """Turn ``auto`` into the start value and record it in ``rollout.window_auto``, in place; idempotent (a
-    resolved config has ints). Runs before the lookahead's own default (null: = k)."""
+    """Turn ``auto`` into the start value and record it in ``rollout.window_auto`` (``rollout.sync_auto`` for the
+    push cadence), in place; idempotent (a resolved config has ints). Runs before the lookahead's own default (null: = k)."""
     r = cfg.rollout
+    if r.sync_every == AUTO:
+        r.sync_every, r.sync_auto = 1, True
     k_auto, j_auto = r.max_staleness == AUTO, r.admission_lookahead == AUTO
     if not (k_auto or j_auto):
         return

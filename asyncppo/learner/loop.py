@@ -2,10 +2,11 @@
 
 Once per policy version ``v``:
   take ``rollout_batch_size`` records (whole groups, or segments) from the staleness buffer (stale ones are dropped
-  and their tickets reused) -> the workload's update -> ``v + 1`` -> every ``sync_every`` versions: announce and
-  push the weights (in the background) -> tell the admission controller the new version (which releases more
-  tickets) -> log one metrics record, with the held-out evaluations the workers reported since (they evaluate
-  version 0, every ``trainer.eval_every`` versions and the final weights on their engines)
+  and their tickets reused) -> the workload's update -> ``v + 1`` -> every ``sync_every`` versions (``auto``: a
+  cadence set from the engines' load time, learner/push_cadence.py): announce and push the weights (in the
+  background) -> tell the admission controller the new version (which releases more tickets) -> log one metrics
+  record, with the held-out evaluations the workers reported since (they evaluate version 0, every
+  ``trainer.eval_every`` versions and the final weights on their engines)
   -> every ``trainer.save_every`` versions (and at the end): a checkpoint.
 
 Resuming (``trainer.resume_from``) continues at the checkpoint's version ``V``: step numbers and policy versions go on
@@ -33,6 +34,7 @@ import torch
 from asyncppo.config.deadlines import push_timeout
 from asyncppo.config.devices import learner_on_gpu
 from asyncppo.learner.final_model import write_whole
+from asyncppo.learner.push_cadence import PushCadence
 from asyncppo.learner.run_files import latest_name
 from asyncppo.learner.step_metrics import make_logger
 from asyncppo.learner.window import buffer_bound, window_hook
@@ -103,6 +105,7 @@ class LearnerLoop:
         self.pushed_version = 0  # the newest version announced as weights (the stop message repeats it)
         self.pushes_coalesced = 0  # due pushes skipped under rollout.coalesce_pushes (_may_coalesce)
         self._push_owed = False  # a push was skipped: the next step pushes, whatever the sync_every cadence
+        self._cadence = PushCadence() if cfg.rollout.sync_auto else None  # rollout.sync_every=auto
         self._feeder: Optional[Feeder] = None
         self._logger = None
         self._joined = False  # the weight push may still be running: the shutdown waits for it
@@ -246,6 +249,10 @@ class LearnerLoop:
         wiring.control.publish(version=self.version, weights_version=self.pushed_version)
         metrics.update(work.step_metrics(step, self.version, records, batch, t_step, t_work, buffer.stats()))
         metrics.update(self.run_metrics)
+        if self._cadence is not None:
+            self._cadence.observe(metrics)
+            metrics["sync/every"] = self._cadence.last  # the cadence this step's push decision used
+            metrics["sync/weights_version"] = self.pushed_version  # the newest weights sent to the engines
         if self._window is not None:
             self._window.after_step(metrics, records)
         if self.cfg.rollout.coalesce_pushes:
@@ -267,8 +274,27 @@ class LearnerLoop:
         with the final weights); and after a streamed push that a late-joining worker missed."""
         if last:
             return self._engine_eval is not None
-        return (self.version % self.cfg.rollout.sync_every == 0 or self._push_owed
+        return (self._cadence_due() or self._push_owed
                 or (self.workload.streamed and wiring.fanout.behind()))
+
+    def _cadence_due(self) -> bool:
+        """A push by the cadence: every ``sync_every`` versions, or under ``auto`` once the steps since the last push
+        reach the cadence the engines' loads ask for (learner/push_cadence.py), said on the console when it moves."""
+        if self._cadence is None:
+            return self.version % self.cfg.rollout.sync_every == 0
+        every = self._cadence.every(self._lookahead())
+        line = self._cadence.used(every)
+        if line and self._logger is not None:
+            self._logger.message(line)
+        return self.version - self.pushed_version >= every
+
+    def _lookahead(self) -> int:
+        """The smallest admission lookahead a ticket still outstanding may carry: ``admission_lookahead``
+        (``max_staleness`` unless set), or under an auto window the smallest ever in force (outstanding tickets keep
+        the ``j`` of their grant)."""
+        ro = self.cfg.rollout
+        lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
+        return lookahead if self._window is None else self._window.j_min
 
     def _may_coalesce(self, wiring, last: bool) -> bool:
         """``rollout.coalesce_pushes``: skip a due push while the previous one is still being taken (the engines are
@@ -278,11 +304,8 @@ class LearnerLoop:
         under an auto window ``j`` is the smallest ever in force (outstanding tickets keep the ``j`` of their grant).
         Otherwise, and at the last step, the push waits for the previous one as usual (its deadline retires a late
         worker)."""
-        ro = self.cfg.rollout
-        lookahead = ro.max_staleness if ro.admission_lookahead is None else ro.admission_lookahead
-        lookahead = lookahead if self._window is None else self._window.j_min
-        return (ro.coalesce_pushes and not last and self.pushed_version >= self.version - lookahead
-                and wiring.fanout.pushing())
+        return (self.cfg.rollout.coalesce_pushes and not last
+                and self.pushed_version >= self.version - self._lookahead() and wiring.fanout.pushing())
 
     def _take(self, buffer, n: int, wiring=None) -> list:
         """Block until ``n`` fresh records are in; fail loudly if the workers stop producing. Meanwhile a worker
@@ -375,6 +398,8 @@ class LearnerLoop:
         summary.update(steps=tr.total_steps, version=self.version, checkpoint_failures=self.checkpoint_failures)
         summary.update(work.summary(buffer.stats()))
         summary.update(self._window.summary() if self._window is not None else {})
+        if self._cadence is not None:  # rollout.sync_every=auto: the fewest and most steps between pushes it used
+            summary["sync_every_range"] = self._cadence.range
         self._write_summary(summary)
         # the sampled group lengths (for `asyncppo advise`) stay in summary.json, out of the log line
         shown = dict(summary)

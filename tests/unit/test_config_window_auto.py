@@ -41,3 +41,16 @@ def test_bad_values_are_named():
     for key in ("rollout.max_staleness='often'", "rollout.tune_every=0", "algorithm.offpolicy_budget=0",
                 "rollout.max_staleness_cap=-1"):
         assert key in text, text
+
+
+def test_an_auto_push_cadence_starts_at_one_and_reloads_the_same():
+    """``rollout.sync_every=auto``: checked as 1 (its start and floor), so it fits every window, even k = 0;
+    resolved to 1 with ``sync_auto`` set, which a saved config keeps."""
+    cfg = load_config(["rollout.sync_every=auto", "rollout.max_staleness=0"])
+    assert (cfg.rollout.sync_every, cfg.rollout.sync_auto) == (1, True)
+    again = config_from_yaml(config_to_yaml(cfg))
+    assert again == cfg and again.rollout.sync_auto
+    fixed = load_config(["rollout.sync_every=2"]).rollout
+    assert (fixed.sync_every, fixed.sync_auto) == (2, False)
+    with pytest.raises(ConfigError, match=r"rollout.sync_every='often': must be an int >= 1 or \"auto\""):
+        load_config(["rollout.sync_every=often"])

@@ -70,10 +70,10 @@ class _Workload:
 
 
 def _loop(workload, sync_every=2, total_steps=5, timeout_s=60.0, max_staleness=1, coalesce_pushes=False,
-          admission_lookahead=None):
+          admission_lookahead=None, sync_auto=False):
     cfg = SimpleNamespace(rollout=SimpleNamespace(rollout_batch_size=2, sync_every=sync_every,
                                                   max_staleness=max_staleness, coalesce_pushes=coalesce_pushes,
-                                                  admission_lookahead=admission_lookahead),
+                                                  admission_lookahead=admission_lookahead, sync_auto=sync_auto),
                           trainer=SimpleNamespace(total_steps=total_steps), cluster=SimpleNamespace(timeout_s=timeout_s, hang_timeout_s=None,
                                                                    push_timeout_s=None))
     loop = LearnerLoop(cfg, workload, num_workers=1, output_dir="")
@@ -267,3 +267,54 @@ def test_coalescing_under_a_lookahead_keeps_the_lookaheads_tickets_servable(seed
     assert work.pushed == sorted(set(work.pushed))
     if j == 0:
         assert loop.pushes_coalesced == 0
+
+
+class _Timed(_Workload):
+    """Steps of ``step_s`` seconds, and engine loads of ``load_s`` reported in every step's record (as the workers'
+    ``sync/push_s``), each drawn per step from the given choices."""
+
+    def __init__(self, rng, step_s, load_s):
+        super().__init__()
+        self.rng, self.step_s, self.load_s = rng, step_s, load_s
+
+    def step_metrics(self, *args):
+        return {"time/step_s": self.rng.choice(self.step_s), "sync/push_s": self.rng.choice(self.load_s)}
+
+
+def test_an_auto_cadence_pushes_every_third_step_where_loads_take_a_third_of_a_step():
+    """Loads of 0.03 s against steps of 0.1 s: a push every step would keep the engines loading 30% of the time, so
+    the cadence is ceil(0.03 / (0.1 x 0.1)) = 3 once the first step's load is measured (the first push goes out at
+    step 1, nothing measured yet); the lookahead k = j = 4 allows it."""
+    import random
+
+    work = _Timed(random.Random(0), [0.1], [0.03])
+    loop, wiring = _loop(work, sync_every=1, total_steps=12, max_staleness=4, sync_auto=True)
+    every = [loop._train_step(step, wiring, _Buffer())["sync/every"] for step in range(1, 13)]
+    assert every == [1] + [3] * 11
+    assert work.pushed == [1, 4, 7, 10]  # none after the last step (no evaluation on the engines)
+    assert loop._cadence.range == [1, 3]
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_an_auto_cadence_never_holds_back_weights_the_next_batch_needs(seed):
+    """Random step and load times, random lookahead j <= k: at every take at version v the pushed weights are
+    >= v - j (every ticket of the batch can be generated), pushes go out in order, and the cadence stays within
+    [1, max(1, j)]; with j = 0 every step pushes."""
+    import random
+
+    rng = random.Random(seed)
+    k = rng.choice([0, 1, 2, 4, 8])
+    j = rng.randint(0, k)
+    work = _Timed(rng, [0.01, 0.05, 0.2, 1.0], [0.0, 0.005, 0.02, 0.1, 0.5])
+    loop, wiring = _loop(work, sync_every=1, total_steps=40, max_staleness=k, admission_lookahead=j,
+                         sync_auto=True)
+    every = [loop._train_step(step, wiring, _ServableOnly(loop, j))["sync/every"] for step in range(1, 41)]
+    assert work.pushed == sorted(set(work.pushed))
+    assert all(1 <= s <= max(1, j) for s in every), every
+    if j == 0:
+        assert work.pushed == list(range(1, 40))
+
+
+def test_a_fixed_cadence_logs_no_auto_cadence():
+    loop, wiring = _loop(_Workload(), sync_every=2, total_steps=3)
+    assert "sync/every" not in loop._train_step(1, wiring, _Buffer()) and loop._cadence is None
