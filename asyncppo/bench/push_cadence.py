@@ -43,9 +43,9 @@ def cadence_used(run_dir: str) -> dict:
 
 
 def loads(run_dir: str) -> float:
-    """Weight loads the engines made and timed over the run (summary.json's ``rollout.pushes_measured``)."""
+    """Weight loads the engines made over the run (summary.json's ``rollout.weight_loads``)."""
     with open(os.path.join(run_dir, "summary.json"), encoding="utf-8") as f:
-        return float(json.load(f).get("rollout", {}).get("pushes_measured", float("nan")))
+        return float(json.load(f).get("rollout", {}).get("weight_loads", float("nan")))
 
 
 def compare(results: list[dict]) -> tuple[dict, dict]:

@@ -220,7 +220,8 @@ def resolve_derived(cfg: AsyncPPOConfig) -> AsyncPPOConfig:
       whole batch when that is 0)
     * ``rollout.prompts_per_call`` 0: ``rollout.rollout_batch_size``
     * ``rollout.max_staleness`` / ``admission_lookahead`` ``auto``: the start value, ``rollout.window_auto`` says
-      which knobs the tuner moves (validate_window.py)
+      which knobs the tuner moves (validate_window.py); ``rollout.sync_every`` ``auto``: 1 with
+      ``rollout.sync_auto`` set (the learner's push cadence, learner/push_cadence.py)
     * ``rollout.admission_lookahead`` null: ``rollout.max_staleness``
     * ``cluster.advertise_address`` null: ``cluster.bind_address`` (``auto`` stays ``auto``: both are decided in the
       learner actor at launch, launch/addresses.py)

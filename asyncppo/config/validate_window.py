@@ -50,7 +50,9 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
     if isinstance(r.sync_every, str) and r.sync_every != AUTO:
         c.error("rollout.sync_every", r.sync_every, 'must be an int >= 1 or "auto" (the learner sets the push '
                 "cadence from the engines' load time, docs/staleness.md)")
-        return
+    if r.sync_auto and r.sync_every not in (1, AUTO):
+        c.error("rollout.sync_auto", r.sync_auto, f"is derived from rollout.sync_every=auto, and sync_every is "
+                f"{r.sync_every}: set rollout.sync_every=auto (or a number, with sync_auto false)")
     s = sync_every_of(r)
     if r.max_staleness_cap < max(0, s - 1):
         c.error("rollout.max_staleness_cap", r.max_staleness_cap,
@@ -70,7 +72,8 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
 
 def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j: Optional[int] = None) -> None:
     """Turn ``auto`` into the start value and record it in ``rollout.window_auto`` (``rollout.sync_auto`` for the
-    push cadence), in place; idempotent (a resolved config has ints). Runs before the lookahead's own default (null: = k)."""
+    push cadence), in place; idempotent (a resolved config has ints). Runs before the lookahead's own default (null:
+    = k)."""
     r = cfg.rollout
     if r.sync_every == AUTO:
         r.sync_every, r.sync_auto = 1, True

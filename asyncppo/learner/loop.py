@@ -272,9 +272,10 @@ class LearnerLoop:
     def _push_due(self, wiring, last: bool) -> bool:
         """Every ``sync_every`` versions; at the end only for an evaluation on the engines (nobody else generates
         with the final weights); and after a streamed push that a late-joining worker missed."""
+        by_cadence = self._cadence_due()  # also at the last step: its record says the cadence in force then
         if last:
             return self._engine_eval is not None
-        return (self._cadence_due() or self._push_owed
+        return (by_cadence or self._push_owed
                 or (self.workload.streamed and wiring.fanout.behind()))
 
     def _cadence_due(self) -> bool:

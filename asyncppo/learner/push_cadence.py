@@ -11,8 +11,10 @@ step costs the engines under 1% and keeps the samples one version fresher. The r
 rates the run measures, so it need not be a knob.
 
 The rule: ``s = ceil(load / (DUTY * step))``, the fewest steps between pushes that keep the engines' loads within
-:data:`DUTY` of the wall time. ``load`` is the median of the last :data:`WINDOW` loads measured (``sync/push_s``: per
-step the slowest engine's, from the announcement it saw to the weights loaded); ``step`` the median of the learner's
+:data:`DUTY` of the wall time. ``load`` is the median of the last :data:`WINDOW` loads measured (``sync/load_s``: per
+step the slowest engine's time receiving and loading the weights, when it decodes nothing; ``sync/push_s`` where a
+workload reports no such figure, the embodied runners: from the announcement seen to the weights loaded, a little
+more); ``step`` the median of the learner's
 last :data:`WINDOW` step times (``time/step_s``). ``s`` is at least 1 and at most ``max(1, j)``, ``j`` the smallest
 admission lookahead a ticket still outstanding may carry (under an auto window, the smallest it ever held: a ticket
 keeps the lookahead of its grant). Why at most ``j``: a ticket granted at version ``v`` needs weights no older than
@@ -65,7 +67,7 @@ class PushCadence:
 
     def observe(self, record: dict) -> None:
         """One step's record: its time, and the slowest engine's load where one was measured in it."""
-        step, load = record.get("time/step_s"), record.get("sync/push_s")
+        step, load = record.get("time/step_s"), record.get("sync/load_s", record.get("sync/push_s"))
         if isinstance(step, (int, float)) and step > 0:
             self.steps.append(float(step))
         if isinstance(load, (int, float)) and load > 0:

@@ -114,6 +114,7 @@ class EngineTotals:
         self.inflight_updates = 0
         self.waits = dict.fromkeys(WAIT_KEYS, 0.0)
         self.push_s: list[float] = []
+        self.weight_loads = 0  # every load of every engine (a group's timings may count several)
         self.trained_tokens = 0
         self.lengths: list[int] = []
         # A uniform sample of whole groups' response lengths (reservoir, fixed seed): the advisor replays them, since
@@ -127,6 +128,9 @@ class EngineTotals:
         running = sum(g.timings.get("running_seq_sum", 0.0) for g in groups)
         inflight = int(sum(g.timings.get("inflight_updates", 0.0) for g in groups))
         pushes = [g.timings["push_s_max"] for g in groups if g.timings.get("push_count", 0.0) > 0]
+        loads = [g.timings["load_s_max"] for g in groups if g.timings.get("push_count", 0.0) > 0
+                 and isinstance(g.timings.get("load_s_max"), (int, float))]
+        self.weight_loads += int(sum(g.timings.get("push_count", 0.0) for g in groups))
         lengths = [n for g in groups for n in g.sample_lengths()]
         self._before_last = (self.steps, self.running_sum)
         self.steps += steps
@@ -158,6 +162,8 @@ class EngineTotals:
             # sockets the workers' admission clients / control subscribers re-created (stream/redial.py)
             **{f"rollout/{key}": float(sum(g.timings.get(key, 0.0) for g in groups)) for key in RECONNECT_KEYS},
             "sync/push_s": max(pushes, default=0.0),
+            # the slowest engine's load alone (received and loaded, no decoding meanwhile): learner/push_cadence.py
+            "sync/load_s": max(loads, default=0.0),
             "response_length/max": float(max(lengths, default=0)),
             "response_length/p99": _percentile([float(x) for x in lengths], 0.99),
         }
@@ -191,6 +197,7 @@ class EngineTotals:
             "push_s_p50": _percentile(self.push_s, 0.5),
             "push_s_p99": _percentile(self.push_s, 0.99),
             "pushes_measured": len(self.push_s),
+            "weight_loads": self.weight_loads,
             "response_length_mean": statistics.fmean(lengths) if lengths else 0.0,
             "response_length_p99": _percentile(lengths, 0.99),
             "trained_tokens": self.trained_tokens,

@@ -22,6 +22,9 @@ class EngineMeter:
     running_sum: int = 0  # sequences decoding, summed over steps (occupancy = running_sum / steps / max_num_seqs)
     inflight_updates: int = 0  # weight loads that happened with sequences in flight
     push_s: list[float] = field(default_factory=list)  # announcement seen -> weights loaded, per load
+    # weights received and loaded, per load: the engine decodes nothing meanwhile (push_s also holds the wait for
+    # the loop to see the announcement, and a drain's decoding under inflight_update=off): the push cadence's input
+    load_s: list[float] = field(default_factory=list)
     # seconds the engine sat empty, by what it waited for: "ticket" (admission's window full: the learner is
     # behind) or "weights" (a held ticket needs a push not yet loaded); RolloutWorker._waits_for names it
     idle_s: dict[str, float] = field(default_factory=lambda: {"ticket": 0.0, "weights": 0.0})
@@ -37,10 +40,11 @@ class EngineMeter:
         out = {"engine_busy_s": self.busy_s, "engine_gap_s": self.gap_s, "decode_steps": float(self.steps),
                "running_seq_sum": float(self.running_sum), "inflight_updates": float(self.inflight_updates),
                "push_count": float(len(self.push_s)), "push_s_max": max(self.push_s, default=0.0),
-               "push_s_sum": sum(self.push_s), **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()},
+               "push_s_sum": sum(self.push_s), "load_s_max": max(self.load_s, default=0.0),
+               **{f"idle_{why}_s": sec for why, sec in self.idle_s.items()},
                **{f"unfilled_{why}_s": sec for why, sec in self.unfilled_s.items()}}
         self.busy_s, self.gap_s, self.steps, self.running_sum, self.inflight_updates = 0.0, 0.0, 0, 0, 0
-        self.push_s = []
+        self.push_s, self.load_s = [], []
         self.idle_s, self.unfilled_s = dict.fromkeys(self.idle_s, 0.0), dict.fromkeys(self.unfilled_s, 0.0)
         return out
 

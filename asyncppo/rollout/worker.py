@@ -215,6 +215,7 @@ class RolloutWorker(WorkerSkeleton):
             self.meter.inflight_updates += 1
             self.stats["inflight_updates"] += 1
         now = time.perf_counter()
+        self.meter.load_s.append(now - t0)
         seen = [v for v in self._announce_seen if v <= version]
         if seen:
             self.meter.push_s.append(now - min(self._announce_seen[v] for v in seen))

@@ -71,7 +71,7 @@ def _assert_push_cadence(train: list[dict], summary: dict) -> None:
 
     j_min = 4  # the auto window's start (k = j = 4)
     for i, r in enumerate(train):
-        loads = [p["sync/push_s"] for p in train[:i] if p["sync/push_s"] > 0][-WINDOW:]
+        loads = [p["sync/load_s"] for p in train[:i] if p["sync/load_s"] > 0][-WINDOW:]
         steps = [p["time/step_s"] for p in train[:i]][-WINDOW:]
         expected = cadence(median(loads) if loads else 0.0, median(steps) if steps else 0.0, j_min)
         assert r["sync/every"] == expected, (i, r["sync/every"], expected, loads, steps, j_min)

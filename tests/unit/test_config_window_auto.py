@@ -54,3 +54,5 @@ def test_an_auto_push_cadence_starts_at_one_and_reloads_the_same():
     assert (fixed.sync_every, fixed.sync_auto) == (2, False)
     with pytest.raises(ConfigError, match=r"rollout.sync_every='often': must be an int >= 1 or \"auto\""):
         load_config(["rollout.sync_every=often"])
+    with pytest.raises(ConfigError, match="rollout.sync_auto=True: is derived from rollout.sync_every=auto"):
+        load_config(["rollout.sync_every=2", "rollout.sync_auto=true"])

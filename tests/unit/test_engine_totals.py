@@ -46,3 +46,18 @@ def test_occupancy_step_time_idle_and_unfilled_seconds_by_hand():
     assert summary["engine_step_s"] == 1.0 and summary["running_mean"] == 3.2
     assert summary["engine_gap_s"] == 0.125  # the groups without the key count none
     assert summary["decode_tokens_per_s"] == 64.0
+
+
+def test_the_load_alone_and_every_load_are_counted_beside_the_push_latency():
+    """``sync/load_s``: the slowest engine's time receiving and loading (the push cadence's input), beside
+    ``sync/push_s``, which also holds the wait for the worker to see the announcement; ``weight_loads`` counts every
+    load (a group's timings may carry several), ``pushes_measured`` the groups that carried some."""
+    totals = EngineTotals(max_num_seqs=4)
+    a = _group([3], push_count=2.0, push_s_max=0.05, load_s_max=0.02)
+    b = _group([4], push_count=1.0, push_s_max=0.03, load_s_max=0.025)
+    old = _group([5], push_count=1.0, push_s_max=0.04)  # a worker that reports no load alone
+    step = totals.add([a, b, old])
+    assert step["sync/push_s"] == 0.05 and step["sync/load_s"] == 0.025
+    assert totals.add([_group([2])])["sync/load_s"] == 0.0  # no load in the step
+    summary = totals.summary()
+    assert summary["weight_loads"] == 4 and summary["pushes_measured"] == 3

@@ -37,3 +37,14 @@ def test_a_change_of_cadence_is_said_once_and_its_range_kept():
     line = c.used(c.every(8))
     assert line is not None and "every 1 -> 3 step(s)" in line and "0.030 s" in line
     assert c.used(3) is None and c.range == [1, 3]
+
+
+def test_the_load_alone_is_read_where_the_record_has_it_else_the_push_latency():
+    """``sync/load_s`` (receiving and loading) is the engines' pause; ``sync/push_s`` also counts the wait to see
+    the announcement, and is read only where a workload reports no load alone (the embodied runners)."""
+    c = PushCadence()
+    c.observe({"time/step_s": 0.1, "sync/push_s": 0.09, "sync/load_s": 0.02})
+    assert c.every(8) == 2
+    embodied = PushCadence()
+    embodied.observe({"time/step_s": 0.1, "sync/push_s": 0.04})
+    assert embodied.every(8) == 4
