@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import math
+import statistics
 from typing import Optional
 
 #: The largest share of the wall time the engines may spend loading pushed weights.
@@ -50,9 +51,8 @@ def cadence(load_s: float, step_s: float, lookahead: int, duty: float = DUTY) ->
 
 
 def _median(xs) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return 0.0 if not n else s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+    """The median of ``xs``; 0 when there is none (nothing measured yet)."""
+    return statistics.median(xs) if xs else 0.0
 
 
 class PushCadence:
