@@ -143,6 +143,10 @@ class RolloutConfig:
     # trained later, up to max_staleness, while the learner trains fresher groups (docs/staleness.md). null: = k
     admission_lookahead: Optional[Union[int, str]] = None
     max_staleness_cap: int = 16  # the most an auto k reaches (and the buffer's guard while the window moves)
+    # where an auto k / j starts (config/validate_window.py); null: the number a command-line "auto" replaced, else
+    # 4 for k and k's start for j. Ignored where the knob is a number (pinned)
+    max_staleness_start: Optional[int] = None
+    admission_lookahead_start: Optional[int] = None
     tune_every: int = 5  # learner steps between two decisions of the auto window
     window_auto: str = ""  # derived from "auto" above: which knobs the tuner moves ("", k, j, k=j, k,j)
     # learner steps between weight pushes, or "auto": set at every step from the engines' load time against the

@@ -9,10 +9,13 @@ once, into the int the run starts from plus ``rollout.window_auto`` (which knobs
 (the learner's push cadence, learner/push_cadence.py); every check reads it as 1, the cadence's floor, and the
 cadence itself never exceeds the lookahead, so it can make no window invalid.
 
-Where auto starts (docs/configuration.md): the preset's number when the preset set one (the loader reads it,
+Where auto starts (docs/configuration.md): ``rollout.max_staleness_start`` where set (a preset that says ``auto``
+names its start so), else the preset's number when the command line's ``auto`` replaced one (the loader reads it,
 :func:`asyncppo.config.loader.load_config`), else :data:`AUTO_START_K`; always clipped to
-``[sync_every - 1, max_staleness_cap]``. An auto lookahead starts at the preset's ``j`` if it set one, else at the
-start of ``k``. A knob set to a number is pinned and never moves.
+``[sync_every - 1, max_staleness_cap]``. An auto lookahead starts at ``rollout.admission_lookahead_start``, else at
+the preset's ``j`` if it set one, else at the start of ``k``; never above ``k``. A knob set to a number is pinned and
+never moves (its start key is then ignored: pinning a preset's auto knob on the command line must not need a second
+override).
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
     if isinstance(r.max_staleness, int) and r.admission_lookahead == AUTO and r.max_staleness > r.max_staleness_cap:
         c.error("rollout.max_staleness", r.max_staleness,
                 f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto")
+    for key, v in (("rollout.max_staleness_start", r.max_staleness_start),
+                   ("rollout.admission_lookahead_start", r.admission_lookahead_start)):
+        if v is not None and not (isinstance(v, int) and v >= 0):
+            c.error(key, v, "must be null or an int >= 0 (where an auto knob starts)")
+        elif v is not None and v > r.max_staleness_cap:  # a lowered cap under a preset's start: clipped, and said
+            c.warn(f"{key}={v} is above rollout.max_staleness_cap={r.max_staleness_cap}: the auto window starts at "
+                   "the cap")
     if r.tune_every < 1:
         c.error("rollout.tune_every", r.tune_every, "must be >= 1 (learner steps between two window decisions)")
     if a.offpolicy_budget is not None and not a.offpolicy_budget > 0:
@@ -83,11 +93,17 @@ def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j
     lo = max(0, r.sync_every - 1)
     if k_auto:  # at least a pinned lookahead (j <= k), at most the cap
         floor = max(lo, r.admission_lookahead if isinstance(r.admission_lookahead, int) else 0)
-        r.max_staleness = max(floor, min(AUTO_START_K if preset_k is None else preset_k, r.max_staleness_cap))
+        start = _first_of(r.max_staleness_start, preset_k, AUTO_START_K)
+        r.max_staleness = max(floor, min(start, r.max_staleness_cap))
     if j_auto:
-        start = r.max_staleness if preset_j is None else preset_j
+        start = _first_of(r.admission_lookahead_start, preset_j, r.max_staleness)
         r.admission_lookahead = min(max(lo, start), r.max_staleness)
     r.window_auto = ("k,j" if j_auto else "k=j" if r.admission_lookahead is None else "k") if k_auto else "j"
+
+
+def _first_of(*values: Optional[int]) -> int:
+    """The first value that is set: an explicit start key, then the preset's number, then the default."""
+    return next(v for v in values if v is not None)
 
 
 def widest_lookahead(r) -> int:

@@ -5,7 +5,8 @@ Why on one shared device: most GPU machines a user tries first have one GPU, and
 for a batch's longest answer costs synchronous PPO most (on one H100: 63.5 s against 22.4 s of learner time, 2.84x;
 docs/benchmarks.md). The two launches differ only in how generation is scheduled, as in
 ``asyncppo bench async-vs-sync`` (asyncppo/bench/async_sync.py): ``sync`` is ``max_staleness=0`` with whole-batch generation, ``async`` the
-preset (continuous generation with in-flight weight updates within its ``max_staleness``).
+preset (continuous generation with in-flight weight updates within its window, which the learner moves: ``auto``
+from ``k = 12, j = 3``; on a GPU that is where it must show it adapts, docs/staleness.md).
 Learner time is the sum of the learner's steps (``time/step_s``): what a run pays per trained sample once started.
 """
 
@@ -51,8 +52,10 @@ def shared_long(ctx: Context) -> dict:
 
 
 def _staleness_bound(run_dir: str) -> int:
-    """The ``rollout.max_staleness`` the launch ran with (its saved config): 0 for sync, the preset's otherwise."""
+    """The bound the launch ran under (its saved config): 0 for sync; the preset's window is auto, whose ``k`` may
+    widen up to ``rollout.max_staleness_cap`` (a fixed one is its ``rollout.max_staleness``)."""
     import yaml  # PyYAML comes with the launch stack this rung needs (omegaconf)
 
     with open(os.path.join(run_dir, "config.yaml"), encoding="utf-8") as f:
-        return int(yaml.safe_load(f)["rollout"]["max_staleness"])
+        rollout = yaml.safe_load(f)["rollout"]
+    return int(rollout["max_staleness_cap"] if "k" in rollout.get("window_auto", "") else rollout["max_staleness"])

@@ -11,21 +11,33 @@ from asyncppo.config.validate import ConfigError
 
 @pytest.mark.parametrize("overrides, k, j, auto", [
     (["rollout.max_staleness=auto"], 1, 1, "k=j"),  # the default config's number; null lookahead follows k
-    (["data=long", "rollout.max_staleness=auto"], 12, 3, "k"),  # the preset's k; its j=3 stays pinned
+    # data=long says auto for both, from its start keys (12, 3); the command line's auto changes nothing
+    (["data=long"], 12, 3, "k,j"),
     (["data=long", "rollout.max_staleness=auto", "rollout.admission_lookahead=auto"], 12, 3, "k,j"),
+    (["data=long", "rollout.admission_lookahead=3"], 12, 3, "k"),  # a number pins j; k stays auto from 12
+    (["data=long", "rollout.max_staleness=8"], 8, 3, "j"),  # a pinned k ignores its start key
+    (["data=long", "rollout.max_staleness=2"], 2, 2, "j"),  # j's start (3) never above k
+    (["data=long", "rollout.max_staleness=12", "rollout.admission_lookahead=3"], 12, 3, ""),  # the old preset
+    (["data=guess"], 1, 1, "k,j"), (["data=calculator"], 1, 1, "k,j"), (["data=calculator_agent"], 1, 1, "k,j"),
+    (["data=reverse"], 1, 1, ""), ([], 1, 1, ""),  # the default task keeps its fixed k = 1
     (["rollout.admission_lookahead=auto", "rollout.max_staleness=3"], 3, 3, "j"),
-    (["data=long", "rollout.max_staleness=auto", "rollout.max_staleness_cap=6"], 6, 3, "k"),  # clipped to the cap
+    # a start key wins over the number the command line's auto replaced (the default config's k = 1)
+    (["rollout.max_staleness=auto", "rollout.max_staleness_start=6"], 6, 6, "k=j"),
+    (["rollout.max_staleness=auto", "rollout.admission_lookahead=auto", "rollout.max_staleness_start=6",
+      "rollout.admission_lookahead_start=2"], 6, 2, "k,j"),
     (["rollout.max_staleness=2"], 2, 2, ""),
 ])
-def test_auto_starts_from_the_preset_number_and_records_the_tuned_knobs(overrides, k, j, auto):
+def test_auto_starts_from_its_start_key_or_the_preset_number_and_records_the_tuned_knobs(overrides, k, j, auto):
     r = load_config(overrides).rollout
     assert (r.max_staleness, r.admission_lookahead, r.window_auto) == (k, j, auto)
 
 
 def test_a_saved_auto_config_reloads_to_the_same_start_and_tuning():
-    cfg = load_config(["data=long", "rollout.max_staleness=auto", "rollout.tune_every=7"])
-    again = config_from_yaml(config_to_yaml(cfg))
-    assert again == cfg and again.rollout.window_auto == "k"
+    for overrides, auto in ((["data=long", "rollout.admission_lookahead=3", "rollout.tune_every=7"], "k"),
+                            (["data=long"], "k,j")):
+        cfg = load_config(overrides)
+        again = config_from_yaml(config_to_yaml(cfg))
+        assert again == cfg and again.rollout.window_auto == auto
 
 
 def test_auto_without_a_number_anywhere_starts_at_the_documented_default():
@@ -36,10 +48,10 @@ def test_auto_without_a_number_anywhere_starts_at_the_documented_default():
 def test_bad_values_are_named():
     with pytest.raises(ConfigError) as e:
         load_config(["rollout.max_staleness=often", "rollout.tune_every=0", "algorithm.offpolicy_budget=0",
-                     "rollout.max_staleness_cap=-1"])
+                     "rollout.max_staleness_cap=-1", "rollout.admission_lookahead_start=-2"])
     text = str(e.value)
     for key in ("rollout.max_staleness='often'", "rollout.tune_every=0", "algorithm.offpolicy_budget=0",
-                "rollout.max_staleness_cap=-1"):
+                "rollout.max_staleness_cap=-1", "rollout.admission_lookahead_start=-2"):
         assert key in text, text
 
 
@@ -56,3 +68,15 @@ def test_an_auto_push_cadence_starts_at_one_and_reloads_the_same():
         load_config(["rollout.sync_every=often"])
     with pytest.raises(ConfigError, match="rollout.sync_auto=True: is derived from rollout.sync_every=auto"):
         load_config(["rollout.sync_every=2", "rollout.sync_auto=true"])
+
+
+def test_a_start_beyond_the_cap_starts_at_the_cap_and_says_so():
+    from asyncppo.config.validate import validate_config
+
+    with pytest.warns(Warning, match="the auto window starts at the cap"):
+        cfg = load_config(["data=long", "rollout.max_staleness_cap=6"])  # the preset's start 12, a user's cap 6
+    assert cfg.rollout.max_staleness == 6
+    raw = load_config(["data=long"])
+    raw.rollout.max_staleness, raw.rollout.max_staleness_cap = "auto", 6
+    warnings = validate_config(raw)
+    assert any("rollout.max_staleness_start=12" in w and "max_staleness_cap=6" in w for w in warnings), warnings
