@@ -31,7 +31,7 @@ class WindowHook:
             k=r.max_staleness, j=r.admission_lookahead, cap=r.max_staleness_cap,
             tune_k="k" in r.window_auto, tune_j="j" in r.window_auto, tie_j=r.window_auto == "k=j",
             batch_groups=r.rollout_batch_size, group_size=r.num_return_sequences_in_group,
-            sync_every=r.sync_every, engines=max(1, engines), train_ranks=max(1, train_ranks),
+            sync_every=r.sync_every, sync_auto=r.sync_auto, engines=max(1, engines), train_ranks=max(1, train_ranks),
             max_num_seqs=r.max_num_seqs, admission_unit=r.admission_unit,
             budget=cfg.algorithm.offpolicy_budget, every=r.tune_every)
         self.j_min = r.admission_lookahead  # the smallest j ever in force (what a coalesced push must still serve)

@@ -118,3 +118,21 @@ def episode_rates(recs: list[dict], samples_per_step: int, workers: int, notes: 
     notes.append(f"multi-turn episodes: {turns:.2f} model turns each, {env_s * 1e3:.0f} ms {how}, "
                  f"{model_frac:.0%} of response tokens decoded (the rest written by the environment)")
     return turns, env_s, model_frac
+
+
+def push_rates(recs: list[dict], sync_every: int) -> tuple[int, float]:
+    """(versions between two pushes, the engines' pause per push) as the simulator takes them. The cadence is the
+    median of ``sync/every`` where the learner sets it (``rollout.sync_every=auto``: learner/push_cadence.py), else
+    ``sync_every``. The pause is the median, over the steps whose records carry a push, of the slowest engine's own
+    receive-and-load time (``sync/load_s``), else of the push's latency (``sync/push_s``, which also counts the wait
+    to see the announcement: older runs logged only that); 0 where no push was measured."""
+    everies = [r["sync/every"] for r in recs if isinstance(r.get("sync/every"), (int, float)) and r["sync/every"] >= 1]
+    every = max(1, round(statistics.median(everies))) if everies else sync_every
+    pauses = []
+    for r in recs:
+        for key in ("sync/load_s", "sync/push_s"):
+            v = r.get(key)
+            if isinstance(v, (int, float)) and v > 0:
+                pauses.append(float(v))
+                break
+    return every, statistics.median(pauses) if pauses else 0.0

@@ -78,6 +78,12 @@ Why it does not oscillate on noisy rates (tests/unit/test_window_tuner.py). Two 
   loss at all (``gain > 0``, not ``> -margin / 4``), a raise after a lowering ``2 * margin``. The raise was made
   because the model predicted ``margin`` more; undoing it on a smaller signal would be noise. Drift over the budget
   is exempt (it shrinks at once, whatever came before, and clears the direction).
+
+Weight pushes are simulated as the run makes them (:func:`asyncppo.pipeline.fit.push_rates`, which the advisor
+reads too): the engines pause for the median load measured (``sync/load_s``) at every push, and under
+``rollout.sync_every=auto`` the pushes come at the median cadence the learner logged (``sync/every``), capped at a
+candidate's lookahead as the learner caps it. Before, every window was simulated with a push at every version and
+no pause, so the lag a narrowing buys was predicted against versions the engines never held.
 """
 
 from __future__ import annotations
@@ -87,7 +93,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed
+from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed, push_rates
 from asyncppo.pipeline.lengths import EmpiricalGroups
 from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.pipeline.opening import OPEN_READS, opening
@@ -116,8 +122,8 @@ class Move:
 
 class WindowTuner:
     def __init__(self, *, k: int, j: int, cap: int, tune_k: bool, tune_j: bool, batch_groups: int, group_size: int,
-                 sync_every: int = 1, engines: int = 1, train_ranks: int = 1, max_num_seqs: int = 256,
-                 admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
+                 sync_every: int = 1, sync_auto: bool = False, engines: int = 1, train_ranks: int = 1,
+                 max_num_seqs: int = 256, admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
                  sim_groups: int = 352, leap: bool = True, rungs_up: bool = True, open_up: bool = True):
@@ -125,6 +131,7 @@ class WindowTuner:
         self.k, self.j, self.cap, self.tie_j = k, j, cap, tie_j
         self.tune_k, self.tune_j, self.budget = tune_k, tune_j, budget
         self.B, self.n, self.sync_every = batch_groups, group_size, sync_every
+        self.sync_auto = sync_auto  # the learner sets the cadence (push_cadence.py): simulate the one measured
         self.engines, self.ranks, self.max_num_seqs, self.unit = engines, train_ranks, max_num_seqs, admission_unit
         self.every, self.margin, self.patience = every, margin, patience
         # steps one simulation runs and warms up for (module docstring: large batches measure fewer steps)
@@ -473,15 +480,18 @@ class WindowTuner:
         t_base, t_tok = learner_speed(recs, self.B, self.n, model_frac, notes)
         gen = EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=self.max_num_seqs)
         train, lengths = TrainSpeed(base_s=t_base, per_token_s=t_tok * self.ranks), EmpiricalGroups(tuple(self.groups))
-        return gen, train, lengths, turns, env_s, model_frac
+        every, load_s = push_rates(recs, self.sync_every)
+        return gen, train, lengths, turns, env_s, model_frac, (every if self.sync_auto else self.sync_every, load_s)
 
     def _runs(self, k: int, j: int, seeds: int, first: int = 0, fit: Optional[tuple] = None) -> list[Result]:
         """One simulation of window ``(k, j)`` per seed ``first .. seeds - 1`` on ``fit`` (:meth:`_fit`, fitted
         here when not given)."""
-        gen, train, lengths, turns, env_s, model_frac = fit or self._fit()
+        gen, train, lengths, turns, env_s, model_frac, (every, load_s) = fit or self._fit()
+        # an auto cadence never exceeds the lookahead (learner/loop.py: _lookahead), so a narrower j pushes as often
+        every = min(every, max(1, j)) if self.sync_auto else every
         self.sims += seeds - first
         return [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
-                               max_staleness=k, lookahead=j, sync_every=self.sync_every, admission_unit=self.unit,
+                               max_staleness=k, lookahead=j, sync_every=every, load_s=load_s, admission_unit=self.unit,
                                turns=turns, env_s=env_s, model_frac=model_frac, steps=self.sim_steps,
                                warmup_steps=self.sim_warmup, seed=seed),
                          gen, train, lengths) for seed in range(first, seeds)]

@@ -12,7 +12,8 @@ What is read, from the run's own metrics (first ``skip`` steps dropped: engine w
   meanwhile (without it the model over-predicted engine-bound runs by 8-16%).
 * **training**: learner work per step (``time/step_s - time/wait_s``: collate, update, starting the push) against
   the step's response tokens, fitted the same way, per rank (times ``cluster.train_gpus``).
-* **weight load**: the median of ``sync/push_s`` (announcement seen -> weights loaded in the engine).
+* **weight load**: the median of the slowest engine's load per push, ``sync/load_s`` (received and loaded), else of
+  ``sync/push_s`` (announcement seen -> weights loaded), as the in-run tuner reads it (pipeline/fit.py: push_rates).
 * **lengths**: ``summary.json``'s sampled groups (``rollout.group_lengths``) when present, else a lognormal with the
   run's mean and p99 response length, capped at ``rollout.response_length``.
 * **episodes** (multi-turn runs, which log ``episodes/turns_mean``): the mean model turns per episode, the seconds
@@ -29,7 +30,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed
+from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed, push_rates
 from asyncppo.pipeline.lengths import LogNormalLengths, capped, parse_groups
 from asyncppo.pipeline.model import EngineSpeed, Setup, TrainSpeed
 from asyncppo.report.runs import Run, load_run
@@ -89,9 +90,8 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     base, per_seq = engine_speed(recs, B, n, max_seqs, notes, where=run_dir)
     t_base, t_tok = learner_speed(recs, B, n, model_frac, notes, where=run_dir)
 
-    pushes = [float(r["sync/push_s"]) for r in recs if isinstance(r.get("sync/push_s"), (int, float))
-              and r["sync/push_s"] > 0]
-    load_s = statistics.median(pushes) if pushes else float(run.summary.get("rollout", {}).get("push_s_p50", 0.0))
+    _, load_s = push_rates(recs, 1)  # the pause per push, as the in-run tuner reads it (pipeline/fit.py)
+    load_s = load_s or float(run.summary.get("rollout", {}).get("push_s_p50", 0.0))
 
     ro = run.summary.get("rollout", {}) if isinstance(run.summary.get("rollout"), dict) else {}
     if ro.get("group_lengths"):
