@@ -139,6 +139,14 @@ BENCHMARKS: tuple[Benchmark, ...] = (
                        overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
                                   "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
                   "and how much faster than the worst?"),
+    _window_sweep("auto-window-guess-plain", "the guess game as the preset ships it",
+                  "On the guess game with its preset's own environment (data=guess: no tool latency), whose window "
+                  "is now auto from k = j = 1",
+                  "~15 min (3 seeds x 6 launches of ~40-50 s)",
+                  dict(preset=["data=guess"], steps=60, windows=[1, 2, 4, 8], lookahead=8, control=4,
+                       overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
+                                  "algorithm.use_kl_loss=false"]),
+                  "and how much faster than the worst?"),
     Benchmark(
         "push-cadence", "The self-setting push cadence on data=reverse",
         "On data=reverse (learner steps of 0.07-0.15 s against weight loads of ~0.02 s, k = 8, j = 3), does "
@@ -152,7 +160,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(preset=["data=reverse"], steps=200, staleness=8, lookahead=3, cadences=[1, 2, 3], control=2,
                      rollout_cpus="1", learner_cpus="0", overrides=list(REVERSE))),
     _window_sweep("auto-window-calculator", "data=calculator",
-                  "On data=calculator (multi-turn episodes through a calculator tool; the preset sets no window)",
+                  "On data=calculator (multi-turn episodes through a calculator tool; the preset set no window, k = 1)",
                   "~40 min (3 seeds x 5 launches of ~2.5 min)",
                   dict(preset=["data=calculator"], steps=20, windows=[1, 4, 8], lookahead=8, control=4)),
     _window_sweep("auto-window-default", "the default task", "On the built-in default task (learner-bound)",
