@@ -160,7 +160,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
         options=dict(preset=["data=reverse"], steps=200, staleness=8, lookahead=3, cadences=[1, 2, 3], control=2,
                      rollout_cpus="1", learner_cpus="0", overrides=list(REVERSE))),
     _window_sweep("auto-window-calculator", "data=calculator",
-                  "On data=calculator (multi-turn episodes through a calculator tool; the preset set no window, k = 1)",
+                  "On data=calculator (multi-turn episodes through a calculator tool; the preset sets no window)",
                   "~40 min (3 seeds x 5 launches of ~2.5 min)",
                   dict(preset=["data=calculator"], steps=20, windows=[1, 4, 8], lookahead=8, control=4)),
     _window_sweep("auto-window-default", "the default task", "On the built-in default task (learner-bound)",

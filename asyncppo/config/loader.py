@@ -28,7 +28,7 @@ from asyncppo.config.keys import CONFIG_GROUPS, check_override_key
 from asyncppo.config.schema import AsyncPPOConfig
 from asyncppo.config.store import register_schema
 from asyncppo.config.validate import ConfigError, validate_config
-from asyncppo.config.validate_window import resolve_window
+from asyncppo.config.validate_window import keep_saved_tuning, resolve_window
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
 #: ``env=<gymnasium id>`` without a preset of that name uses this preset with ``env.id=<id>`` (docs/embodied.md).
@@ -149,7 +149,11 @@ _AUTO_KEYS = ("rollout.max_staleness", "rollout.admission_lookahead")
 def _auto_from_preset(cfg: AsyncPPOConfig, overrides: Sequence[str], config_dir, config_name: str) -> AsyncPPOConfig:
     """``rollout.max_staleness=auto`` on the command line over a preset that set a number starts from that number
     (validate_window.py): the presets' windows were chosen for their task, a better start than a generic one. The
-    preset's values are read by composing once more without the ``auto`` overrides (only when there are some)."""
+    preset's values are read by composing once more without the ``auto`` overrides (only when there are some).
+    A saved config's tuning (``rollout.window_auto``) loses the knobs the overrides pin (keep_saved_tuning)."""
+    words = dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
+    if cfg.rollout.window_auto:
+        keep_saved_tuning(cfg.rollout, words.get(_AUTO_KEYS[0]), words.get(_AUTO_KEYS[1]))
     if not any(o.split("=", 1)[0].lstrip("+~") in _AUTO_KEYS and o.endswith("=auto") for o in overrides):
         return cfg
     rest = [o for o in overrides if not (o.split("=", 1)[0].lstrip("+~") in _AUTO_KEYS and o.endswith("=auto"))]

@@ -62,12 +62,14 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
                 f"must be >= 0 and >= rollout.sync_every - 1 = {s - 1} (the most an auto k may reach)")
     if isinstance(r.max_staleness, int) and r.admission_lookahead == AUTO and r.max_staleness > r.max_staleness_cap:
         c.error("rollout.max_staleness", r.max_staleness,
-                f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto")
-    for key, v in (("rollout.max_staleness_start", r.max_staleness_start),
-                   ("rollout.admission_lookahead_start", r.admission_lookahead_start)):
+                f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto (a preset's "
+                "may be: data=long, data=guess, data=calculator): pin rollout.admission_lookahead too, or raise the "
+                "cap")
+    for key, v, knob in (("rollout.max_staleness_start", r.max_staleness_start, r.max_staleness),
+                         ("rollout.admission_lookahead_start", r.admission_lookahead_start, r.admission_lookahead)):
         if v is not None and not (isinstance(v, int) and v >= 0):
             c.error(key, v, "must be null or an int >= 0 (where an auto knob starts)")
-        elif v is not None and v > r.max_staleness_cap:  # a lowered cap under a preset's start: clipped, and said
+        elif v is not None and v > r.max_staleness_cap and knob == AUTO:  # a lowered cap under a preset's start
             c.warn(f"{key}={v} is above rollout.max_staleness_cap={r.max_staleness_cap}: the auto window starts at "
                    "the cap")
     if r.tune_every < 1:
@@ -87,18 +89,50 @@ def resolve_window(cfg: AsyncPPOConfig, preset_k: Optional[int] = None, preset_j
     r = cfg.rollout
     if r.sync_every == AUTO:
         r.sync_every, r.sync_auto = 1, True
-    k_auto, j_auto = r.max_staleness == AUTO, r.admission_lookahead == AUTO
-    if not (k_auto or j_auto):
+    k_word, j_word = r.max_staleness == AUTO, r.admission_lookahead == AUTO
+    if not (k_word or j_word):
         return
+    # a saved config's tuning (ints and window_auto) under an override to auto: the knob left alone keeps its own
+    # (keep_saved_tuning has already dropped what the overrides pinned), from the int it was saved with
+    saved = r.window_auto
+    if k_word and saved == "k=j" and isinstance(r.admission_lookahead, int):
+        r.admission_lookahead = None  # j followed k when saved: it follows again
+    k_auto = k_word or "k" in saved
+    j_auto = j_word or (saved in ("k,j", "j") and isinstance(r.admission_lookahead, int))
+    if k_auto and not k_word:
+        preset_k = r.max_staleness
+    if j_auto and not j_word:
+        preset_j = r.admission_lookahead
     lo = max(0, r.sync_every - 1)
     if k_auto:  # at least a pinned lookahead (j <= k), at most the cap
-        floor = max(lo, r.admission_lookahead if isinstance(r.admission_lookahead, int) else 0)
+        floor = max(lo, r.admission_lookahead if isinstance(r.admission_lookahead, int) and not j_auto else 0)
         start = _first_of(r.max_staleness_start, preset_k, AUTO_START_K)
         r.max_staleness = max(floor, min(start, r.max_staleness_cap))
     if j_auto:
         start = _first_of(r.admission_lookahead_start, preset_j, r.max_staleness)
         r.admission_lookahead = min(max(lo, start), r.max_staleness)
     r.window_auto = ("k,j" if j_auto else "k=j" if r.admission_lookahead is None else "k") if k_auto else "j"
+
+
+def keep_saved_tuning(r, k_word: Optional[str], j_word: Optional[str]) -> None:
+    """A saved config (its knobs ints, ``rollout.window_auto`` saying which were tuned) composed again under
+    command-line overrides of the window (``k_word`` / ``j_word``: the overrides' values, None where there is
+    none): a knob an override sets to a number (``j``: or to null, which makes it follow ``k``) is pinned now, so
+    its letter leaves ``window_auto``; a knob set to ``auto`` is resolved again by :func:`resolve_window`, where
+    the other keeps the tuning it was saved with. Without this a reloaded ``config.yaml`` (its ``data=long`` window
+    saved as ``k,j``) kept moving a window the command line had pinned, and ``max_staleness=auto`` over it pinned
+    its lookahead."""
+    letters = r.window_auto
+    if k_word is not None and k_word != AUTO:
+        if letters == "k=j" and j_word is None:
+            r.admission_lookahead = None  # j followed k when saved: it follows the pinned k
+        letters = {"k,j": "j", "k": "", "k=j": ""}.get(letters, letters)
+    if j_word is not None and j_word != AUTO:
+        if j_word == "null":
+            letters = "k=j" if "k" in letters else ""
+        else:
+            letters = {"k,j": "k", "j": "", "k=j": "k"}.get(letters, letters)
+    r.window_auto = letters
 
 
 def _first_of(*values: Optional[int]) -> int:

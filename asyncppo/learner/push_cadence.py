@@ -36,6 +36,8 @@ import math
 import statistics
 from typing import Optional
 
+from asyncppo.pipeline.fit import load_of
+
 #: The largest share of the wall time the engines may spend loading pushed weights.
 DUTY = 0.1
 #: Steps whose loads and times are read (medians: one slow load or step does not move the cadence).
@@ -67,11 +69,11 @@ class PushCadence:
 
     def observe(self, record: dict) -> None:
         """One step's record: its time, and the slowest engine's load where one was measured in it."""
-        step, load = record.get("time/step_s"), record.get("sync/load_s", record.get("sync/push_s"))
+        step, load = record.get("time/step_s"), load_of(record)
         if isinstance(step, (int, float)) and step > 0:
             self.steps.append(float(step))
-        if isinstance(load, (int, float)) and load > 0:
-            self.loads.append(float(load))
+        if load is not None:
+            self.loads.append(load)
 
     def every(self, lookahead: int) -> int:
         """The steps between pushes now, for the smallest lookahead ``lookahead`` an outstanding ticket may carry."""

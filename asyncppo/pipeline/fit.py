@@ -124,15 +124,16 @@ def push_rates(recs: list[dict], sync_every: int) -> tuple[int, float]:
     """(versions between two pushes, the engines' pause per push) as the simulator takes them. The cadence is the
     median of ``sync/every`` where the learner sets it (``rollout.sync_every=auto``: learner/push_cadence.py), else
     ``sync_every``. The pause is the median, over the steps whose records carry a push, of the slowest engine's own
-    receive-and-load time (``sync/load_s``), else of the push's latency (``sync/push_s``, which also counts the wait
-    to see the announcement: older runs logged only that); 0 where no push was measured."""
+    receive-and-load time (:func:`load_of`: ``sync/load_s``; a run that predates it, the push's latency
+    ``sync/push_s``, which also counts the wait to see the announcement); 0 where no push was measured."""
     everies = [r["sync/every"] for r in recs if isinstance(r.get("sync/every"), (int, float)) and r["sync/every"] >= 1]
     every = max(1, round(statistics.median(everies))) if everies else sync_every
-    pauses = []
-    for r in recs:
-        for key in ("sync/load_s", "sync/push_s"):
-            v = r.get(key)
-            if isinstance(v, (int, float)) and v > 0:
-                pauses.append(float(v))
-                break
+    pauses = [v for v in map(load_of, recs) if v is not None]
     return every, statistics.median(pauses) if pauses else 0.0
+
+
+def load_of(record: dict) -> float | None:
+    """The engines' load measured in one step's record (``sync/load_s``; a run that predates it: ``sync/push_s``),
+    None where the step measured none. The learner's push cadence reads loads by this too (learner/push_cadence.py)."""
+    v = record.get("sync/load_s", record.get("sync/push_s"))
+    return float(v) if isinstance(v, (int, float)) and v > 0 else None

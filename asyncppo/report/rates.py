@@ -90,7 +90,10 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
     base, per_seq = engine_speed(recs, B, n, max_seqs, notes, where=run_dir)
     t_base, t_tok = learner_speed(recs, B, n, model_frac, notes, where=run_dir)
 
-    _, load_s = push_rates(recs, 1)  # the pause per push, as the in-run tuner reads it (pipeline/fit.py)
+    # the pushes as the in-run tuner reads them (pipeline/fit.py): an auto cadence (rollout.sync_auto) at the median
+    # the learner logged, the pause per push measured
+    every, load_s = push_rates(recs, int(run.cfg("rollout.sync_every", 1)))
+    sync_every = every if run.cfg("rollout.sync_auto", False) else int(run.cfg("rollout.sync_every", 1))
     load_s = load_s or float(run.summary.get("rollout", {}).get("push_s_p50", 0.0))
 
     ro = run.summary.get("rollout", {}) if isinstance(run.summary.get("rollout"), dict) else {}
@@ -110,15 +113,25 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         gen=EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=max_seqs),
         train=TrainSpeed(base_s=t_base, per_token_s=t_tok * ranks),
         load_s=load_s, lengths=lengths, batch_groups=B, group_size=n,
-        max_staleness=int(run.cfg("rollout.max_staleness", 1)), sync_every=int(run.cfg("rollout.sync_every", 1)),
+        max_staleness=_window(run, recs)[0], sync_every=sync_every,
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
-        lookahead=_lookahead(run), turns=turns, env_s=env_s, model_frac=model_frac,
+        lookahead=_lookahead(run, recs), turns=turns, env_s=env_s, model_frac=model_frac,
     )
 
 
-def _lookahead(run: Run) -> Optional[int]:
+def _window(run: Run, recs: list[dict]) -> tuple[int, Optional[int]]:
+    """The window the measured steps ran under: an auto window's median ``tune/k`` and ``tune/j`` over them (its
+    config holds only where it started), else the config's ``k`` and lookahead."""
+    ks = [int(r["tune/k"]) for r in recs if isinstance(r.get("tune/k"), (int, float))]
+    js = [int(r["tune/j"]) for r in recs if isinstance(r.get("tune/j"), (int, float))]
+    if ks and js:
+        return round(statistics.median(ks)), round(statistics.median(js))
+    return int(run.cfg("rollout.max_staleness", 1)), run.cfg("rollout.admission_lookahead", None)
+
+
+def _lookahead(run: Run, recs: list[dict]) -> Optional[int]:
     """The run's admission lookahead, or None where it had none: a saved config fills a null
     ``rollout.admission_lookahead`` with ``max_staleness`` (config/validate.py), and ``j = k`` is no lookahead."""
-    j, k = run.cfg("rollout.admission_lookahead", None), int(run.cfg("rollout.max_staleness", 1))
+    k, j = _window(run, recs)
     return None if j is None or int(j) >= k else int(j)

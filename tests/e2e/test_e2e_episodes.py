@@ -70,7 +70,8 @@ def episode_runs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProces
 def _guess_args(model: str, tmp_path: Path) -> tuple:
     k, steps = GUESS_K, GUESS_STEPS
     return ("data=guess", f"model.path={model}", f"trainer.total_steps={steps}", f"rollout.max_staleness={k}",
-            "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
+            f"rollout.admission_lookahead={k}", "rollout.rollout_batch_size=8",
+            "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
             "data.num_eval_prompts=16", f"data.eval_files=[{_eval_rows(tmp_path)}]",
             "env.text_env=episode_envs.FaultyGuessEnv", "env.on_error=zero_reward", "env.step_timeout_s=2",
             "env.max_concurrency=64")
@@ -86,7 +87,8 @@ def _skyrl_args(model: str, tmp_path: Path) -> tuple:
     rows = tmp_path / "rows.jsonl"
     rows.write_text("\n".join(lines) + "\n")
     return ("data=guess", f"model.path={model}", f"trainer.total_steps={SKYRL_STEPS}", "rollout.max_staleness=1",
-            "rollout.rollout_batch_size=8", "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
+            "rollout.admission_lookahead=1", "rollout.rollout_batch_size=8",
+            "rollout.num_return_sequences_in_group=4", "rollout.max_num_seqs=16",
             "rollout.response_length=384", f"data.train_files=[{rows}]",
             "env.text_env=episode_envs.RowTruthEnv", "+env.text_env_config.truth_bonus=1.0",
             f"env.max_turns={SKYRL_MAX_TURNS}", "env.on_error=drop")

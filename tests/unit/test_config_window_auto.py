@@ -80,3 +80,37 @@ def test_a_start_beyond_the_cap_starts_at_the_cap_and_says_so():
     raw.rollout.max_staleness, raw.rollout.max_staleness_cap = "auto", 6
     warnings = validate_config(raw)
     assert any("rollout.max_staleness_start=12" in w and "max_staleness_cap=6" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("overrides, k, j, auto", [
+    ([], 12, 3, "k,j"),  # as saved: data=long's auto window from its start
+    (["rollout.max_staleness=8", "rollout.admission_lookahead=3"], 8, 3, ""),  # pinned on the command line: fixed
+    (["rollout.max_staleness=8"], 8, 3, "j"),  # k pinned, j still tuned
+    (["rollout.admission_lookahead=2"], 12, 2, "k"),
+    (["rollout.admission_lookahead=null"], 12, 12, "k=j"),  # null: j follows k
+    (["rollout.max_staleness=auto"], 12, 3, "k,j"),  # auto again: j keeps its saved tuning
+])
+def test_a_saved_auto_config_reloaded_under_overrides_pins_what_they_pin(tmp_path, overrides, k, j, auto):
+    """A run's config.yaml holds the start ints and ``window_auto``; composed again with ``--config-file`` under
+    overrides, a knob set to a number is pinned (before, the saved ``k,j`` kept moving a pinned window) and the
+    other keeps its saved tuning."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_to_yaml(load_config(["data=long"])))
+    r = load_config(overrides, config_file=path).rollout
+    assert (r.max_staleness, r.admission_lookahead, r.window_auto) == (k, j, auto)
+
+
+def test_a_saved_tied_window_keeps_j_following_a_pinned_k(tmp_path):
+    path = tmp_path / "config.yaml"
+    path.write_text(config_to_yaml(load_config(["rollout.max_staleness=auto"])))  # k=j, from k = 1
+    r = load_config(["rollout.max_staleness=3"], config_file=path).rollout
+    assert (r.max_staleness, r.admission_lookahead, r.window_auto) == (3, 3, "")
+
+
+def test_a_pinned_window_says_nothing_of_the_presets_start_keys():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a start above the cap means nothing while both knobs are numbers
+        load_config(["data=long", "rollout.max_staleness=4", "rollout.admission_lookahead=2",
+                     "rollout.max_staleness_cap=8"])

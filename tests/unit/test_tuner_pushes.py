@@ -15,8 +15,8 @@ from asyncppo.pipeline.tuner import WindowTuner
 
 def test_push_rates_reads_the_logged_cadence_and_the_engines_load():
     recs = [{"sync/every": 2, "sync/load_s": 0.1, "sync/push_s": 0.9},  # the load alone, not the push's latency
-            {"sync/every": 3, "sync/load_s": 0.0, "sync/push_s": 0.3},  # no load logged: the latency stands in
-            {"sync/every": 2},  # no push this step
+            {"sync/every": 3, "sync/load_s": 0.0, "sync/push_s": 0.3},  # no load measured this step
+            {"sync/every": 2, "sync/push_s": 0.3},  # a run before sync/load_s: the latency stands in
             {"sync/every": 4, "sync/load_s": 0.5}]
     assert push_rates(recs, 1) == (2, pytest.approx(0.3))  # median of 2, 3, 2, 4 -> 2.5 -> 2; of 0.1, 0.3, 0.5
     assert push_rates([{"time/step_s": 1.0}], 3) == (3, 0.0)  # a fixed cadence, nothing measured
