@@ -280,10 +280,23 @@ def lookahead_hint(train: list[dict], rollout: dict, run_dir: str) -> Optional[s
         return None
     if occupancy >= 0.85 or unfilled < 0.1 * stepping or busy >= 0.85:
         return None
-    return (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
-            f"while the learner waited {1 - busy:.0%} of its time: `asyncppo advise {run_dir} --gpus N --lookahead "
-            "1,2,3,4 --staleness K,...` predicts what a wider rollout.admission_lookahead (and the max_staleness "
-            "its stragglers need) would buy (docs/advisor.md)")
+    lead = (f"hint: the engines ran {occupancy:.2f} full for want of tickets ({unfilled:.0f} engine-s of free slots) "
+            f"while the learner waited {1 - busy:.0%} of its time")
+    return lead + (_auto_advice(train) or (
+        f": `asyncppo advise {run_dir} --gpus N --lookahead 1,2,3,4 --staleness K,...` predicts what a wider "
+        "rollout.admission_lookahead (and the max_staleness its stragglers need) would buy (docs/advisor.md)"))
+
+
+def _auto_advice(train: list[dict]) -> Optional[str]:
+    """The advice of a hint for a run whose window was auto (its records carry ``tune/k``): the tuner set the
+    window, so the knobs to look at are its limits, not a number to pick; None for a fixed window."""
+    ks = [r["tune/k"] for r in train if isinstance(r.get("tune/k"), int)]
+    js = [r["tune/j"] for r in train if isinstance(r.get("tune/j"), int)]
+    if not ks or not js:
+        return None
+    return (f", under an auto window that ended at k = {ks[-1]}, j = {js[-1]} (widest k {max(ks)}): it goes no wider "
+            "than rollout.max_staleness_cap and algorithm.offpolicy_budget allow, and moves only where its model "
+            "predicts a gain (`tune/gain_up` in metrics.jsonl; docs/staleness.md, \"A window that moves\")")
 
 
 def window_hint(steady: list[dict], busy: Optional[float], at_env: float, in_engine: float,
@@ -298,10 +311,12 @@ def window_hint(steady: list[dict], busy: Optional[float], at_env: float, in_eng
     empty = sum(r["episodes/env_wait_s"] for r in steady if isinstance(r.get("episodes/env_wait_s"), (int, float)))
     if busy is None or wall <= 0 or empty < 0.1 * wall or busy >= 0.85:
         return None
-    return (f"hint: the engines sat empty {empty / wall:.0%} of the time with every episode at its environment "
+    lead = (f"hint: the engines sat empty {empty / wall:.0%} of the time with every episode at its environment "
             f"while the learner waited {1 - busy:.0%} of its time (~{at_env:.0f} episodes at their environment "
-            f"against ~{in_engine:.0f} in the engines): the staleness window ((j + 1) x B groups) must hold the "
+            f"against ~{in_engine:.0f} in the engines)")
+    return lead + (_auto_advice(steady) or (
+            ": the staleness window ((j + 1) x B groups) must hold the "
             "episodes waiting on their tools as well as those decoding, so a wider rollout.max_staleness (the "
             "lookahead follows it unless set) keeps the engines fuller, at the cost of more lag; `asyncppo advise "
             f"{run_dir} --gpus N --staleness K,...` predicts what each would buy (docs/environments.md, "
-            "\"Behind a slow tool: the window\")")
+            "\"Behind a slow tool: the window\")"))

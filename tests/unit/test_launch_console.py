@@ -126,6 +126,11 @@ def test_summary_points_to_the_advisor_only_when_engines_lacked_tickets_while_th
         assert "hint:" not in summary_table(records, {"rollout": {**starved["rollout"], **change}}, 1.0)
     busy = [{**r, "util/train_busy": 0.9} for r in records]
     assert "hint:" not in summary_table(busy, starved, 1.0)
+    # an auto window (records carry tune/k, tune/j): the tuner set it, so the hint names its limits, not a number
+    auto = [{**r, "tune/k": 4 if r["step"] < 6 else 6, "tune/j": 3} for r in records]
+    hint = summary_table(auto, starved, 280.0, run_dir="/runs/a").splitlines()[-1]
+    assert hint.startswith("hint: the engines ran 0.69 full") and "ended at k = 6, j = 3 (widest k 6)" in hint
+    assert "rollout.max_staleness_cap" in hint and "asyncppo advise" not in hint
 
 
 def test_a_multi_turn_run_whose_window_holds_episodes_at_their_tools_is_told_to_widen_it():
