@@ -142,7 +142,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     _window_sweep("auto-window-guess-200-steps", "the guess game behind a 200 ms tool, 200 steps",
                   "On the guess game behind a tool that awaits 200 ms every turn, in a run of 200 steps instead of "
                   "60 (does auto's start, a climb from k = 1, cost less of a longer run?)",
-                  "~20 min (3 seeds x 5 launches of ~70 s)",
+                  "~20 min (3 seeds x 5 launches of ~75-90 s, measured)",
                   dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
                                "+env.text_env_config.latency_s=0.2"], steps=200, windows=[4, 8, 16], lookahead=16,
                        control=16,
@@ -152,7 +152,7 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     _window_sweep("auto-window-guess-plain", "the guess game as the preset ships it",
                   "On the guess game with its preset's own environment (data=guess: no tool latency), whose window "
                   "is now auto from k = j = 1",
-                  "~15 min (3 seeds x 6 launches of ~40-50 s)",
+                  "~10 min (3 seeds x 6 launches of ~35 s, measured)",
                   dict(preset=["data=guess"], steps=60, windows=[1, 2, 4, 8], lookahead=8, control=4,
                        overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
                                   "algorithm.use_kl_loss=false"]),

@@ -60,16 +60,20 @@ def check_window(cfg: AsyncPPOConfig, c: Checks) -> None:
     if r.max_staleness_cap < max(0, s - 1):
         c.error("rollout.max_staleness_cap", r.max_staleness_cap,
                 f"must be >= 0 and >= rollout.sync_every - 1 = {s - 1} (the most an auto k may reach)")
-    if isinstance(r.max_staleness, int) and r.admission_lookahead == AUTO and r.max_staleness > r.max_staleness_cap:
+    j_tuned = r.admission_lookahead == AUTO or r.window_auto == "j"  # "j": a saved config's, or a resolved one's
+    if isinstance(r.max_staleness, int) and "k" not in r.window_auto and j_tuned and \
+            r.max_staleness > r.max_staleness_cap:
         c.error("rollout.max_staleness", r.max_staleness,
                 f"must be <= rollout.max_staleness_cap={r.max_staleness_cap} when the lookahead is auto (a preset's "
                 "may be: data=long, data=guess, data=calculator): pin rollout.admission_lookahead too, or raise the "
                 "cap")
-    for key, v, knob in (("rollout.max_staleness_start", r.max_staleness_start, r.max_staleness),
-                         ("rollout.admission_lookahead_start", r.admission_lookahead_start, r.admission_lookahead)):
+    for key, v, tuned in (("rollout.max_staleness_start", r.max_staleness_start,
+                           r.max_staleness == AUTO or "k" in r.window_auto),
+                          ("rollout.admission_lookahead_start", r.admission_lookahead_start,
+                           r.admission_lookahead == AUTO or r.window_auto in ("j", "k,j"))):
         if v is not None and not (isinstance(v, int) and v >= 0):
             c.error(key, v, "must be null or an int >= 0 (where an auto knob starts)")
-        elif v is not None and v > r.max_staleness_cap and knob == AUTO:  # a lowered cap under a preset's start
+        elif v is not None and v > r.max_staleness_cap and tuned:  # a lowered cap under a preset's start
             c.warn(f"{key}={v} is above rollout.max_staleness_cap={r.max_staleness_cap}: the auto window starts at "
                    "the cap")
     if r.tune_every < 1:
@@ -133,6 +137,15 @@ def keep_saved_tuning(r, k_word: Optional[str], j_word: Optional[str]) -> None:
         else:
             letters = {"k,j": "k", "j": "", "k=j": "k"}.get(letters, letters)
     r.window_auto = letters
+    # what stays tuned starts from its saved int, fitted to what the command line pinned, as a fresh launch's start
+    # is (resolve_window): a tuned j no wider than a pinned k, a tuned k no narrower than a pinned j, within the cap
+    k, j = r.max_staleness, r.admission_lookahead
+    if not (isinstance(k, int) and isinstance(j, int)):
+        return  # an auto word is left: resolve_window starts it
+    if "k" in letters:
+        r.max_staleness = k = max(min(k, r.max_staleness_cap), j if letters == "k" else 0)
+    if letters in ("j", "k,j"):
+        r.admission_lookahead = min(j, k)
 
 
 def _first_of(*values: Optional[int]) -> int:

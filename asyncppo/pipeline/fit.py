@@ -132,6 +132,12 @@ def push_rates(recs: list[dict], sync_every: int) -> tuple[int, float]:
     return every, statistics.median(pauses) if pauses else 0.0
 
 
+def cadence_at(every: int, lookahead: int) -> int:
+    """The cadence an auto push (``rollout.sync_every=auto``) runs at under lookahead ``lookahead``: the measured
+    ``every``, never more than ``max(1, j)``, as the learner caps it (learner/loop.py: ``_lookahead``)."""
+    return min(every, max(1, lookahead))
+
+
 def load_of(record: dict) -> float | None:
     """The engines' load measured in one step's record (``sync/load_s``; a run that predates it: ``sync/push_s``),
     None where the step measured none. The learner's push cadence reads loads by this too (learner/push_cadence.py)."""

@@ -93,7 +93,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
-from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed, push_rates
+from asyncppo.pipeline.fit import cadence_at, engine_speed, episode_rates, learner_speed, push_rates
 from asyncppo.pipeline.lengths import EmpiricalGroups
 from asyncppo.pipeline.model import EngineSpeed, Result, Setup, TrainSpeed
 from asyncppo.pipeline.opening import OPEN_READS, opening
@@ -488,7 +488,7 @@ class WindowTuner:
         here when not given)."""
         gen, train, lengths, turns, env_s, model_frac, (every, load_s) = fit or self._fit()
         # an auto cadence never exceeds the lookahead (learner/loop.py: _lookahead), so a narrower j pushes as often
-        every = min(every, max(1, j)) if self.sync_auto else every
+        every = cadence_at(every, j) if self.sync_auto else every
         self.sims += seeds - first
         return [simulate(Setup(engines=self.engines, train_ranks=self.ranks, batch_groups=self.B, group_size=self.n,
                                max_staleness=k, lookahead=j, sync_every=every, load_s=load_s, admission_unit=self.unit,

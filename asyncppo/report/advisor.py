@@ -88,12 +88,13 @@ def sweep(rates: Rates, gpus: int, nodes: int = 1, tp: int = 1, ks: Sequence[int
     if lookaheads is None:
         lookaheads = () if rates.lookahead is None else (rates.lookahead,)
     rows = []
+    floor = 0 if rates.sync_auto else rates.sync_every - 1  # an auto cadence follows each window (Rates.setup)
     for r in splits(gpus, nodes, tp, max_splits):
         for k in ks:
-            if k < rates.sync_every - 1:
+            if k < floor:
                 continue
             for j in lookaheads_for(k, lookaheads):
-                if j is not None and j < rates.sync_every - 1:
+                if j is not None and j < floor:
                     continue
                 setup = rates.setup(engines=r // tp, train_ranks=gpus - r, max_staleness=k, lookahead=j, **common)
                 rows.append(Row(r, gpus - r, k, simulate(setup, rates.gen, rates.train, rates.lengths),

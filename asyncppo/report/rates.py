@@ -30,7 +30,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from asyncppo.pipeline.fit import engine_speed, episode_rates, learner_speed, push_rates
+from asyncppo.pipeline.fit import cadence_at, engine_speed, episode_rates, learner_speed, push_rates
 from asyncppo.pipeline.lengths import LogNormalLengths, capped, parse_groups
 from asyncppo.pipeline.model import EngineSpeed, Setup, TrainSpeed
 from asyncppo.report.runs import Run, load_run
@@ -57,9 +57,16 @@ class Rates:
     turns: float = 1.0  # multi-turn episodes: model turns per episode (mean)
     env_s: float = 0.0  # seconds per environment call
     model_frac: float = 1.0  # share of response tokens the model decoded
+    # the run's cadence was auto (rollout.sync_every=auto): sync_every is the median it logged, and each window is
+    # simulated at that cadence capped at its own lookahead, as the learner caps it (pipeline/fit.py: cadence_at)
+    sync_auto: bool = False
 
     def setup(self, **overrides) -> Setup:
         """The run's own configuration as a simulator setup, with ``overrides`` (engines=, max_staleness=, ...)."""
+        if self.sync_auto and "sync_every" not in overrides:
+            k = overrides.get("max_staleness", self.max_staleness)
+            j = overrides.get("lookahead", self.lookahead)
+            overrides["sync_every"] = cadence_at(self.sync_every, k if j is None else j)
         base = Setup(engines=self.engines, train_ranks=self.train_ranks, batch_groups=self.batch_groups,
                      group_size=self.group_size, max_staleness=self.max_staleness, sync_every=self.sync_every,
                      load_s=self.load_s, prompt_tokens=self.prompt_tokens, admission_unit=self.admission_unit,
@@ -117,6 +124,7 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
         lookahead=_lookahead(run, recs), turns=turns, env_s=env_s, model_frac=model_frac,
+        sync_auto=bool(run.cfg("rollout.sync_auto", False)),
     )
 
 

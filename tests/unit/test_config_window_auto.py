@@ -89,6 +89,9 @@ def test_a_start_beyond_the_cap_starts_at_the_cap_and_says_so():
     (["rollout.admission_lookahead=2"], 12, 2, "k"),
     (["rollout.admission_lookahead=null"], 12, 12, "k=j"),  # null: j follows k
     (["rollout.max_staleness=auto"], 12, 3, "k,j"),  # auto again: j keeps its saved tuning
+    (["rollout.max_staleness=1"], 1, 1, "j"),  # the tuned j fitted under the pinned k, as a fresh launch's
+    (["rollout.admission_lookahead=14"], 14, 14, "k"),  # the tuned k raised to the pinned j
+    (["rollout.max_staleness_cap=8"], 8, 3, "k,j"),  # a lowered cap: the tuned k starts at it (with a warning)
 ])
 def test_a_saved_auto_config_reloaded_under_overrides_pins_what_they_pin(tmp_path, overrides, k, j, auto):
     """A run's config.yaml holds the start ints and ``window_auto``; composed again with ``--config-file`` under
@@ -96,7 +99,12 @@ def test_a_saved_auto_config_reloaded_under_overrides_pins_what_they_pin(tmp_pat
     other keeps its saved tuning."""
     path = tmp_path / "config.yaml"
     path.write_text(config_to_yaml(load_config(["data=long"])))
-    r = load_config(overrides, config_file=path).rollout
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = load_config(overrides, config_file=path).rollout
+    assert any("starts at the cap" in str(w.message) for w in caught) == ("rollout.max_staleness_cap=8" in overrides)
     assert (r.max_staleness, r.admission_lookahead, r.window_auto) == (k, j, auto)
 
 
@@ -114,3 +122,15 @@ def test_a_pinned_window_says_nothing_of_the_presets_start_keys():
         warnings.simplefilter("error")  # a start above the cap means nothing while both knobs are numbers
         load_config(["data=long", "rollout.max_staleness=4", "rollout.admission_lookahead=2",
                      "rollout.max_staleness_cap=8"])
+
+
+def test_a_pinned_k_over_the_cap_is_refused_when_the_lookahead_is_tuned_however_it_got_there(tmp_path):
+    """Whether j is auto by the preset's word, by the command line's, or by a saved config's tuning: a pinned k above
+    the cap would leave the tuner no window it may hold (j <= k <= cap), so it is refused by name."""
+    path = tmp_path / "config.yaml"
+    path.write_text(config_to_yaml(load_config(["data=long"])))
+    for kw in (dict(overrides=["data=long", "rollout.max_staleness=20"]),
+               dict(overrides=["rollout.max_staleness=20", "rollout.admission_lookahead=auto"]),
+               dict(overrides=["rollout.max_staleness=20"], config_file=path)):
+        with pytest.raises(ConfigError, match="rollout.max_staleness=20: must be <= rollout.max_staleness_cap=16"):
+            load_config(**kw)

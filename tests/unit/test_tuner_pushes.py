@@ -58,3 +58,26 @@ def test_pushes_less_often_predict_younger_samples_and_no_more_throughput():
     got = {every: _fed(sync_auto=True, every=every).predict(8, 3) for every in (1, 3)}
     assert got[3].token_lag_mean < got[1].token_lag_mean - 0.2, got
     assert got[3].samples_per_s <= got[1].samples_per_s * 1.02, got
+
+
+def test_the_advisor_simulates_an_auto_cadence_as_the_learner_runs_it():
+    """``asyncppo advise`` on a run whose cadence was auto: every window is simulated at the logged cadence capped
+    at its own lookahead (as the tuner does), and no window is left out for a cadence it would never run at."""
+    from dataclasses import replace
+
+    from asyncppo.pipeline.lengths import LogNormalLengths
+    from asyncppo.pipeline.model import EngineSpeed, TrainSpeed
+    from asyncppo.report.advisor import sweep
+    from asyncppo.report.rates import Rates
+
+    rates = Rates(gen=EngineSpeed(base_s=0.004, per_seq_s=1e-4, max_num_seqs=64),
+                  train=TrainSpeed(base_s=0.05, per_token_s=1e-5), load_s=0.02,
+                  lengths=LogNormalLengths(30, 120, 256, within_group=0.5), batch_groups=2, group_size=4,
+                  max_staleness=8, sync_every=3, engines=1, train_ranks=1, response_length=256,
+                  measured_samples_per_s=0.0, lookahead=3, sync_auto=True)
+    assert [rates.setup(max_staleness=8, lookahead=j).sync_every for j in (0, 1, 2, 3, None)] == [1, 1, 2, 3, 3]
+    rows = sweep(rates, gpus=2, ks=(0, 1, 4), lookaheads=(1, 3), steps=12, warmup=3)
+    assert {(r.max_staleness, r.j) for r in rows if not r.colocated} >= {(0, 0), (1, 1), (4, 1), (4, 3)}
+    fixed = replace(rates, sync_auto=False)  # a fixed cadence of 3: k and j below 2 are refused, as the config does
+    assert all(r.max_staleness >= 2 for r in sweep(fixed, gpus=2, ks=(0, 1, 4), lookaheads=(1, 3), steps=12,
+                                                   warmup=3) if not r.colocated)
