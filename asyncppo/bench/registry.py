@@ -58,6 +58,16 @@ def _tool_latency(**changes) -> dict:
     return {**base, **changes}
 
 
+def _guess_behind_tool(steps: int, windows: list[int]) -> dict:
+    """The window sweep's options on the guess game behind a tool that awaits 200 ms a turn (as tool-latency plays
+    it), a fresh dict each call: ``steps`` per launch, the fixed ``windows``, auto's lookahead free up to 16 and a
+    second ``k = 16`` as the control."""
+    return dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
+                        "+env.text_env_config.latency_s=0.2"], steps=steps, windows=windows, lookahead=16, control=16,
+                overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64", "algorithm.use_kl_loss=false",
+                           "env.max_concurrency=128"])
+
+
 def _window_sweep(name: str, task: str, where: str, expected: str, options: dict, more: str = "") -> Benchmark:
     """One task's sweep of ``asyncppo bench auto-window*``: the self-tuning window against each fixed window."""
     ks = ", ".join(map(str, options["windows"]))
@@ -133,21 +143,13 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     _window_sweep("auto-window-guess", "the guess game behind a 200 ms tool",
                   "On the guess game behind a tool that awaits 200 ms every turn (data=guess, as tool-latency)",
                   "~16 min (3 seeds x 6 launches of ~50-60 s; 5 launches measured)",
-                  dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
-                               "+env.text_env_config.latency_s=0.2"], steps=60, windows=[2, 4, 8, 16], lookahead=16,
-                       control=16,
-                       overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                  "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
+                  _guess_behind_tool(steps=60, windows=[2, 4, 8, 16]),
                   "and how much faster than the worst?"),
     _window_sweep("auto-window-guess-200-steps", "the guess game behind a 200 ms tool, 200 steps",
                   "On the guess game behind a tool that awaits 200 ms every turn, in a run of 200 steps instead of "
                   "60 (does auto's start, a climb from k = 1, cost less of a longer run?)",
                   "~20 min (3 seeds x 5 launches of ~75-90 s, measured)",
-                  dict(preset=["data=guess", "env.text_env=asyncppo.envs.examples.ToolLatencyGuessEnv",
-                               "+env.text_env_config.latency_s=0.2"], steps=200, windows=[4, 8, 16], lookahead=16,
-                       control=16,
-                       overrides=["rollout.rollout_batch_size=4", "rollout.max_num_seqs=64",
-                                  "algorithm.use_kl_loss=false", "env.max_concurrency=128"]),
+                  _guess_behind_tool(steps=200, windows=[4, 8, 16]),
                   "and how much faster than the worst?"),
     _window_sweep("auto-window-guess-plain", "the guess game as the preset ships it",
                   "On the guess game with its preset's own environment (data=guess: no tool latency), whose window "

@@ -296,7 +296,8 @@ def _auto_advice(train: list[dict]) -> Optional[str]:
         return None
     return (f", under an auto window that ended at k = {ks[-1]}, j = {js[-1]} (widest k {max(ks)}): it goes no wider "
             "than rollout.max_staleness_cap (or a pinned rollout.max_staleness) and algorithm.offpolicy_budget "
-            "allow, and moves only where its model predicts a gain (`tune/gain_up` in metrics.jsonl; docs/staleness.md, \"A window that moves\")")
+            "allow, and moves only where its model predicts a gain (`tune/gain_up` in metrics.jsonl; "
+            "docs/staleness.md, \"A window that moves\")")
 
 
 def window_hint(steady: list[dict], busy: Optional[float], at_env: float, in_engine: float,

@@ -123,7 +123,8 @@ class Move:
 class WindowTuner:
     def __init__(self, *, k: int, j: int, cap: int, tune_k: bool, tune_j: bool, batch_groups: int, group_size: int,
                  sync_every: int = 1, sync_auto: bool = False, engines: int = 1, train_ranks: int = 1,
-                 max_num_seqs: int = 256, admission_unit: str = "group", budget: Optional[float] = None, every: int = 5, margin: float = 0.05,
+                 max_num_seqs: int = 256, admission_unit: str = "group", budget: Optional[float] = None,
+                 every: int = 5, margin: float = 0.05,
                  patience: int = 2, history: int = 30, sim_steps: int = 30, tie_j: bool = False, seeds: int = 5,
                  smooth: float = 0.3, quick_seeds: int = 2, sure: float = 3.0, far: bool = True,
                  sim_groups: int = 352, leap: bool = True, rungs_up: bool = True, open_up: bool = True):

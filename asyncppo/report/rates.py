@@ -99,8 +99,8 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
 
     # the pushes as the in-run tuner reads them (pipeline/fit.py): an auto cadence (rollout.sync_auto) at the median
     # the learner logged, the pause per push measured
-    every, load_s = push_rates(recs, int(run.cfg("rollout.sync_every", 1)))
-    sync_every = every if run.cfg("rollout.sync_auto", False) else int(run.cfg("rollout.sync_every", 1))
+    sync_auto = bool(run.cfg("rollout.sync_auto", False))
+    every, load_s = push_rates(recs, int(run.cfg("rollout.sync_every", 1)))  # the config's where none was logged
     load_s = load_s or float(run.summary.get("rollout", {}).get("push_s_p50", 0.0))
 
     ro = run.summary.get("rollout", {}) if isinstance(run.summary.get("rollout"), dict) else {}
@@ -116,30 +116,27 @@ def measure(run_dir: str, skip: int = 3) -> Rates:
 
     walls = [float(r["time/step_s"]) for r in recs if isinstance(r.get("time/step_s"), (int, float))]
     measured = B * n * len(walls) / sum(walls) if walls and sum(walls) > 0 else 0.0
+    k, j = _window(run, recs)
     return Rates(
         gen=EngineSpeed(base_s=base, per_seq_s=per_seq, max_num_seqs=max_seqs),
         train=TrainSpeed(base_s=t_base, per_token_s=t_tok * ranks),
         load_s=load_s, lengths=lengths, batch_groups=B, group_size=n,
-        max_staleness=_window(run, recs)[0], sync_every=sync_every,
+        max_staleness=k, sync_every=every if sync_auto else int(run.cfg("rollout.sync_every", 1)),
         engines=engines, train_ranks=ranks, response_length=resp_len, measured_samples_per_s=measured, notes=notes,
         admission_unit=str(run.cfg("rollout.admission_unit", "group")),
-        lookahead=_lookahead(run, recs), turns=turns, env_s=env_s, model_frac=model_frac,
-        sync_auto=bool(run.cfg("rollout.sync_auto", False)),
+        lookahead=None if j is None or int(j) >= k else int(j), turns=turns, env_s=env_s, model_frac=model_frac,
+        sync_auto=sync_auto,
     )
 
 
 def _window(run: Run, recs: list[dict]) -> tuple[int, Optional[int]]:
     """The window the measured steps ran under: an auto window's median ``tune/k`` and ``tune/j`` over them (its
-    config holds only where it started), else the config's ``k`` and lookahead."""
+    config holds only where it started), else the config's ``k`` and lookahead. The lookahead the model takes is
+    None where there was none: a saved config fills a null ``rollout.admission_lookahead`` with ``max_staleness``
+    (config/validate.py), and ``j >= k`` is no lookahead."""
     ks = [int(r["tune/k"]) for r in recs if isinstance(r.get("tune/k"), (int, float))]
     js = [int(r["tune/j"]) for r in recs if isinstance(r.get("tune/j"), (int, float))]
     if ks and js:
         return round(statistics.median(ks)), round(statistics.median(js))
     return int(run.cfg("rollout.max_staleness", 1)), run.cfg("rollout.admission_lookahead", None)
 
-
-def _lookahead(run: Run, recs: list[dict]) -> Optional[int]:
-    """The run's admission lookahead, or None where it had none: a saved config fills a null
-    ``rollout.admission_lookahead`` with ``max_staleness`` (config/validate.py), and ``j = k`` is no lookahead."""
-    k, j = _window(run, recs)
-    return None if j is None or int(j) >= k else int(j)
